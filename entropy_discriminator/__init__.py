@@ -1,0 +1,29 @@
+"""entropy-discriminator: principled entropy control for RL fine-tuning of LLMs.
+
+Per-token statistics (``token_stats``: logp, H, S*, E_p[S], S_c), the Clip_B / Clip_V keep-masks,
+the paper's first-order entropy-change predictions and a monitor with stable metric names.
+Pure torch + numpy; training frameworks are reached through ``entropy_discriminator.adapters``.
+"""
+
+from .config import EntropyDiscConfig
+from .dynamics import batch_entropy_change, entropy_change_logit, entropy_change_step
+from .masks import MaskResult, apply_keep_mask, clip_b_mask, clip_v_mask
+from .monitor import EntropyMonitor
+from .stats import TokenStats, discriminator_score, token_stats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EntropyDiscConfig",
+    "EntropyMonitor",
+    "MaskResult",
+    "TokenStats",
+    "apply_keep_mask",
+    "batch_entropy_change",
+    "clip_b_mask",
+    "clip_v_mask",
+    "discriminator_score",
+    "entropy_change_logit",
+    "entropy_change_step",
+    "token_stats",
+]

@@ -1,0 +1,96 @@
+"""The paper's first-order entropy-change predictions (Theorems 1-2, Corollaries 4 and 4.1)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._checks import as_valid_mask, broadcast_advantages, require_finite, require_float
+from .distributed import Group, all_reduce
+
+FORMS = ("cov", "mean")
+
+
+def entropy_change_logit(eps: torch.Tensor | float, s_star: torch.Tensor) -> torch.Tensor:
+    """Theorem 1: raising the sampled token's logit by ``eps`` changes entropy by ``-eps * S*``.
+
+    ``ΔH = -eps * S* + O(eps^2)`` for ``δz = eps * e_k``; element-wise, broadcasting ``eps``.
+    """
+    require_float("s_star", s_star)
+    return -eps * s_star
+
+
+def entropy_change_step(alpha: torch.Tensor | float, s_star: torch.Tensor, s_expected: torch.Tensor) -> torch.Tensor:
+    """Theorem 2: a policy-gradient step ``δz = alpha (e_k - p)``, ``alpha = lr * r * A``.
+
+    ``ΔH = -alpha * (S* - E_p[S]) + O(alpha^2)``; element-wise, broadcasting ``alpha``.
+    """
+    require_float("s_star", s_star)
+    require_float("s_expected", s_expected)
+    return -alpha * (s_star - s_expected)
+
+
+def batch_entropy_change(
+    advantages: torch.Tensor,
+    s_centered: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    lr: float,
+    ratio: torch.Tensor | None = None,
+    form: str = "cov",
+    process_group: Group = None,
+) -> float:
+    """First-order change of the batch-mean token entropy after one step on this batch.
+
+    * ``form="cov"`` (Corollaries 4 and 4.1): ``-lr * Cov_B(A, r * S_c)``, the population
+      covariance over the valid tokens of the whole batch (across ``process_group``).
+    * ``form="mean"`` (eq. 23, before Corollary 2 drops ``E_B[A] E_B[r S_c]``):
+      ``-lr * E_B[A * r * S_c]``.
+
+    Args:
+        advantages: ``[B]`` per sequence or per token with ``s_centered``'s shape.
+        s_centered: ``S_c = S* - E_p[S]``, ``[B, T]`` (or any shape).
+        valid: bool or 0/1 tensor of ``s_centered``'s shape.
+        lr: the step size ``eta`` in ``alpha = eta * r * A``. In the tabular case (each token owns
+            its logits) plain SGD with learning rate ``lambda`` on a loss that averages over ``N``
+            tokens has ``eta = lambda / N``; for a network it is an effective rate.
+        ratio: importance ratio ``r = pi / pi_sample`` per token (None: on-policy, r = 1).
+        process_group: reduce the sums over this group.
+
+    Returns:
+        The predicted ``ΔH_B`` as a Python float (0.0 for an empty batch).
+    """
+    require_float("s_centered", s_centered)
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    if not isinstance(lr, (int, float)) or not math.isfinite(lr):
+        raise ValueError(f"lr must be a finite number, got {lr!r}")
+    valid = as_valid_mask(valid, s_centered.shape)
+    a = broadcast_advantages(advantages, s_centered.shape).to(s_centered.device)
+    y = s_centered.to(torch.float64)
+    if ratio is not None:
+        require_float("ratio", ratio)
+        if ratio.shape != s_centered.shape:
+            raise ValueError(f"ratio must have s_centered's shape {tuple(s_centered.shape)}, got {tuple(ratio.shape)}")
+        require_finite("ratio", ratio, valid)
+        y = y * ratio.to(torch.float64)
+    require_finite("s_centered", s_centered, valid)
+    require_finite("advantages", a, valid)
+    sums = covariance_sums(a, y, valid, process_group)
+    n, s_a, s_y, s_ay = sums.tolist()
+    if n == 0:
+        return 0.0
+    moment = s_ay / n
+    if form == "cov":
+        moment -= (s_a / n) * (s_y / n)
+    return -lr * moment
+
+
+def covariance_sums(a: torch.Tensor, y: torch.Tensor, valid: torch.Tensor, group: Group) -> torch.Tensor:
+    """float64 ``[count, sum a, sum y, sum a*y]`` over ``valid``, all-reduced over ``group``."""
+    zero = torch.zeros((), dtype=torch.float64, device=a.device)
+    a = torch.where(valid, a.to(torch.float64), zero)
+    y = torch.where(valid, y.to(torch.float64), zero)
+    local = torch.stack([valid.sum().to(torch.float64), a.sum(), y.sum(), (a * y).sum()])
+    return all_reduce(local, group)
