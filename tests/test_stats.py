@@ -1,0 +1,202 @@
+"""token_stats and discriminator_score against the float64 reference on fresh random inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import reference_token_stats
+
+import entropy_discriminator as ed
+
+FIELDS = ("logp", "entropy", "s_star", "s_expected", "s_centered")
+# Max abs error allowed against float64, by input dtype (bf16 inputs are exact in fp32: the error is accumulation).
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-5, torch.float16: 2e-5, torch.float64: 1e-12}
+
+
+def make_logits(seed: int, shape: tuple[int, ...], v: int, kind: str, dtype: torch.dtype) -> torch.Tensor:
+    """Random logits of a given flavour: normal, flat (all equal), peaked (p_max >= 1 - 1e-6), masked (-inf)."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(*shape, v, generator=g, dtype=torch.float64) * 4
+    if kind == "flat":
+        z = torch.zeros_like(z) + torch.randn((), generator=g, dtype=torch.float64)
+    elif kind == "peaked":
+        top = torch.randint(0, v, shape, generator=g)
+        z.scatter_(-1, top[..., None], 40.0)
+    elif kind == "masked" and v > 1:
+        drop = torch.rand(*shape, v, generator=g) < 0.5
+        drop[..., 0] = False  # at least one finite entry per row
+        z = z.masked_fill(drop, -math.inf)
+    return z.to(dtype)
+
+
+def make_labels(seed: int, logits: torch.Tensor, ignore_frac: float = 0.2) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed + 1)
+    v = logits.shape[-1]
+    labels = torch.randint(0, v, logits.shape[:-1], generator=g)
+    labels[torch.rand(labels.shape, generator=g) < ignore_frac] = -100
+    return labels
+
+
+def assert_matches_reference(logits, labels, stats, temperature=1.0, extra_tol=1.0):
+    ref = reference_token_stats(logits, labels, temperature)
+    tol = TOL[logits.dtype] * extra_tol
+    for name in FIELDS:
+        got = getattr(stats, name).to(torch.float64)
+        want = ref[name]
+        both_inf = torch.isinf(got) & torch.isinf(want) & (torch.sign(got) == torch.sign(want))
+        err = torch.where(both_inf, torch.zeros_like(got), (got - want).abs())
+        worst = float(err.max()) if err.numel() else 0.0
+        assert worst <= tol, (name, worst)
+    assert torch.equal(stats.valid, labels != -100)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    v=st.sampled_from([1, 2, 7, 1000]),
+    n=st.integers(0, 37),
+    kind=st.sampled_from(["normal", "flat", "peaked", "masked"]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
+    temperature=st.sampled_from([1.0, 0.6, 1.7]),
+    chunk=st.sampled_from([None, 1, 3, 5, 16]),
+)
+def test_token_stats_matches_float64_reference(seed, v, n, kind, dtype, temperature, chunk):
+    logits = make_logits(seed, (n,), v, kind, dtype)
+    labels = make_labels(seed, logits)
+    stats = ed.token_stats(logits, labels, temperature=temperature, chunk_size=chunk, impl="torch")
+    assert stats.entropy.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert_matches_reference(logits, labels, stats, temperature)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), chunk=st.sampled_from([2, 3, 7]))
+def test_non_contiguous_views_and_leading_shapes(seed, chunk):
+    base = make_logits(seed, (3, 6), 50, "normal", torch.bfloat16)
+    logits = base[:, 1:-1]  # [3, 4, 50], not viewable as [12, 50]
+    with pytest.raises(RuntimeError):
+        logits.view(-1, 50)
+    labels = make_labels(seed, logits)
+    stats = ed.token_stats(logits, labels, chunk_size=chunk)
+    assert stats.s_star.shape == (3, 4)
+    assert_matches_reference(logits, labels, stats)
+    strided = base.transpose(0, 1)  # [6, 3, 50] with permuted strides
+    labels_t = make_labels(seed, strided)
+    assert_matches_reference(strided, labels_t, ed.token_stats(strided, labels_t, chunk_size=chunk))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_large_vocabulary_151936(dtype):
+    logits = make_logits(7, (9,), 151936, "normal", dtype)
+    labels = make_labels(7, logits)
+    stats = ed.token_stats(logits, labels, chunk_size=4)
+    assert_matches_reference(logits, labels, stats, extra_tol=2.5)
+
+
+def test_peaked_rows_reach_tiny_entropy_accurately():
+    logits = make_logits(3, (64,), 1000, "peaked", torch.float32)
+    probs = torch.softmax(logits.double(), -1)
+    assert float(probs.max(-1).values.min()) >= 1 - 1e-6
+    labels = probs.argmax(-1)
+    stats = ed.token_stats(logits, labels)
+    assert_matches_reference(logits, labels, stats)
+    assert float(stats.entropy.max()) < 1e-4
+
+
+def test_label_on_a_masked_token_gives_minus_inf_logp_and_zero_s_star():
+    logits = torch.tensor([[0.0, -math.inf, 1.0]])
+    stats = ed.token_stats(logits, torch.tensor([1]))
+    assert stats.logp[0] == -math.inf and stats.s_star[0] == 0
+    ref = reference_token_stats(logits, torch.tensor([1]))
+    assert abs(float(stats.s_centered[0]) - float(ref["s_centered"][0])) < 1e-6
+
+
+def test_uniform_rows_have_log_v_entropy_and_zero_centred_score():
+    v = 64
+    stats = ed.token_stats(torch.zeros(5, v), torch.arange(5))
+    torch.testing.assert_close(stats.entropy, torch.full((5,), math.log(v)))
+    torch.testing.assert_close(stats.s_centered, torch.zeros(5), atol=1e-7, rtol=0)
+
+
+def test_ignored_positions_are_zero_and_never_counted():
+    logits = make_logits(0, (4, 5), 11, "normal", torch.float32)
+    labels = make_labels(0, logits, ignore_frac=0.5)
+    stats = ed.token_stats(logits, labels, ignore_index=-100)
+    for name in FIELDS:
+        assert torch.all(getattr(stats, name)[labels == -100] == 0)
+    poisoned = logits.clone()
+    poisoned[labels == -100] = float("nan")  # garbage in an ignored row must not matter
+    stats2 = ed.token_stats(poisoned, labels)
+    assert torch.equal(stats2.s_centered, stats.s_centered)
+
+
+def test_custom_ignore_index_and_empty_batch():
+    logits = make_logits(1, (6,), 9, "normal", torch.float32)
+    labels = torch.tensor([0, 1, 7, 7, 8, 2])
+    stats = ed.token_stats(logits, labels, ignore_index=7)
+    assert stats.valid.tolist() == [True, True, False, False, True, True]
+    empty = ed.token_stats(torch.zeros(0, 9), torch.zeros(0, dtype=torch.long))
+    assert empty.entropy.shape == (0,) and empty.valid.shape == (0,)
+    empty2 = ed.token_stats(torch.zeros(2, 0, 9), torch.zeros(2, 0, dtype=torch.long))
+    assert empty2.s_star.shape == (2, 0)
+
+
+def test_fast_path_at_least_as_accurate_as_naive_fp32():
+    """The chunked streaming path is compared with the 3-line fp32 torch a user would write."""
+    logits = make_logits(11, (64,), 5000, "normal", torch.bfloat16)
+    labels = make_labels(11, logits, ignore_frac=0.0)
+    ref = reference_token_stats(logits, labels)
+    logq = torch.log_softmax(logits.float(), -1)
+    p = logq.exp()
+    naive_h = -(p * logq).sum(-1)
+    naive_e = (p * p * (naive_h[:, None] + logq)).sum(-1)
+    stats = ed.token_stats(logits, labels, chunk_size=5)
+    for got, naive, want in ((stats.entropy, naive_h, ref["entropy"]), (stats.s_expected, naive_e, ref["s_expected"])):
+        err_fast = float((got.double() - want).abs().max())
+        err_naive = float((naive.double() - want).abs().max())
+        assert err_fast <= max(2 * err_naive, 1e-6), (err_fast, err_naive)
+
+
+def test_no_gradient_and_no_mutation_of_inputs():
+    logits = torch.randn(4, 10, requires_grad=True)
+    before = logits.detach().clone()
+    stats = ed.token_stats(logits, torch.arange(4))
+    assert not stats.entropy.requires_grad
+    assert torch.equal(logits.detach(), before)
+
+
+@pytest.mark.parametrize(
+    "logits, labels, kwargs, exc, needle",
+    [
+        (torch.tensor([[0.0, float("nan")]]), torch.tensor([0]), {}, ValueError, "logits"),
+        (torch.tensor([[0.0, math.inf]]), torch.tensor([0]), {}, ValueError, "logits"),
+        (torch.tensor([[-math.inf, -math.inf]]), torch.tensor([0]), {}, ValueError, "logits"),
+        (torch.zeros(2, 3), torch.tensor([0, 3]), {}, ValueError, "labels"),
+        (torch.zeros(2, 3), torch.tensor([0, -1]), {}, ValueError, "labels"),
+        (torch.zeros(2, 3), torch.tensor([0]), {}, ValueError, "labels"),
+        (torch.zeros(2, 3), torch.tensor([0.0, 1.0]), {}, TypeError, "labels"),
+        (torch.zeros(2, 3, dtype=torch.int64), torch.tensor([0, 1]), {}, TypeError, "logits"),
+        ([[0.0]], torch.tensor([0]), {}, TypeError, "logits"),
+        (torch.zeros(2, 0), torch.tensor([0, 0]), {}, ValueError, "logits"),
+        (torch.zeros(2, 3), torch.tensor([0, 1]), {"impl": "cuda"}, ValueError, "'auto', 'torch', 'triton'"),
+        (torch.zeros(2, 3), torch.tensor([0, 1]), {"temperature": 0.0}, ValueError, "temperature"),
+        (torch.zeros(2, 3), torch.tensor([0, 1]), {"chunk_size": 0}, ValueError, "chunk_size"),
+        (torch.zeros(2, 3), torch.tensor([0, 1]), {"impl": "triton"}, RuntimeError, "CUDA"),
+    ],
+)
+def test_bad_input_raises_naming_the_argument(logits, labels, kwargs, exc, needle):
+    with pytest.raises(exc, match=needle):
+        ed.token_stats(logits, labels, **kwargs)
+
+
+def test_discriminator_score_matches_token_stats():
+    logits = make_logits(5, (20,), 30, "masked", torch.float32)
+    labels = make_labels(5, logits, ignore_frac=0.0)
+    stats = ed.token_stats(logits, labels)
+    torch.testing.assert_close(ed.discriminator_score(stats.logp, stats.entropy), stats.s_star, atol=1e-6, rtol=1e-5)
+    assert ed.discriminator_score(torch.tensor([-math.inf]), torch.tensor([1.0]))[0] == 0
+    with pytest.raises(TypeError, match="logp"):
+        ed.discriminator_score(torch.tensor([1]), torch.tensor([1.0]))
