@@ -1,0 +1,148 @@
+"""Per-token statistics straight from LM-head inputs, for frameworks that fuse the LM head.
+
+``token_stats_from_hidden`` computes what :func:`entropy_discriminator.token_stats` computes from
+``logits = hidden @ weight.T + bias`` without holding the ``[N, V]`` logits: on CUDA (bf16/fp16)
+a Triton kernel keeps each logits tile on chip (matmul plus the streaming reduction in its
+epilogue); elsewhere a torch path materialises ``[chunk, V]`` fp32 logits for one slice of rows at
+a time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import kernels
+from ._checks import require_float, require_tensor
+from .stats import IMPLS, TokenStats, _check_rows, token_stats
+
+__all__ = ["token_stats_from_hidden"]
+
+# fp32 logits elements of one [chunk, V] slice on the torch path when chunk_size is None (128 MiB).
+_DEFAULT_CHUNK_ELEMENTS = 1 << 25
+
+
+def token_stats_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    impl: str = "auto",
+) -> TokenStats:
+    """``token_stats(hidden @ weight.T + bias, labels, temperature=...)`` without [N, V] logits.
+
+    Args:
+        hidden: ``[N, H]`` (or ``[..., H]``) bf16/fp16/fp32 LM-head inputs.
+        weight: ``[V, H]`` LM-head weight, same dtype and device as ``hidden``.
+        labels: integer ``[N]`` (``hidden.shape[:-1]``): sampled token ids in ``[0, V)`` or
+            ``ignore_index``.
+        bias: optional ``[V]`` LM-head bias.
+        temperature: z = logits / temperature, logits formed with fp32 accumulation.
+        ignore_index: label of skipped positions (0 in every statistic, ``valid=False``).
+        chunk_size: rows per slice on the torch path (default ``2**25 // V``: the fp32 logits of
+            a slice stay under 128 MiB); ignored by the Triton path.
+        impl: ``"triton"`` (fused CUDA kernel: logits tiles never leave the chip), ``"torch"``
+            (chunked matmul + :func:`token_stats`, any device) or ``"auto"`` (Triton for bf16/fp16
+            CUDA inputs when available, else torch).
+
+    Returns:
+        :class:`TokenStats` of ``labels.shape``: float32 ``logp, entropy, s_star, s_expected,
+        s_centered`` (formulas of :func:`token_stats`) and bool ``valid``.
+
+    Raises:
+        ValueError: bad shapes, dtypes, devices, labels outside ``[0, V)``, temperature <= 0, or
+            logits rows holding NaN / +inf.
+    """
+    hidden = require_float("hidden", hidden)
+    weight = require_float("weight", weight)
+    labels = require_tensor("labels", labels)
+    if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden must be [..., H] and weight [V, H] with the same H, got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
+    if hidden.dtype == torch.float64 or weight.dtype != hidden.dtype:
+        raise ValueError(f"hidden and weight must share a bf16/fp16/fp32 dtype, got {hidden.dtype} and {weight.dtype}")
+    if weight.device != hidden.device or labels.device != hidden.device:
+        raise ValueError(f"hidden ({hidden.device}), weight ({weight.device}) and labels ({labels.device}) must share a device")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor, got dtype {labels.dtype}")
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(f"labels must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, got {tuple(labels.shape)}")
+    vocab = weight.shape[0]
+    if bias is not None and (bias.shape != (vocab,) or bias.device != hidden.device):
+        raise ValueError(f"bias must be a [{vocab}] tensor on {hidden.device}, got {tuple(bias.shape)} on {bias.device}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+    shape = labels.shape
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    k = labels.reshape(-1).to(torch.int64)
+    valid = k != ignore_index
+    bad = valid & ((k < 0) | (k >= vocab))
+    if bool(bad.any()):
+        raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}; got {k[bad][:5].tolist()}")
+
+    use_triton = impl == "triton" or (
+        impl == "auto" and hidden.is_cuda and hidden.dtype != torch.float32 and kernels.is_available()
+    )
+    with torch.no_grad():
+        if use_triton:
+            if not (hidden.is_cuda and kernels.is_available()):
+                raise RuntimeError("impl='triton' needs CUDA tensors and an importable triton")
+            from .kernels.triton_fused import token_stats_fused_triton
+
+            logp, ent, s_star, s_exp, row_max = token_stats_fused_triton(
+                h2, weight, k, bias, float(temperature), int(ignore_index)
+            )
+            _check_rows(row_max, valid)
+            return TokenStats(
+                logp=logp.reshape(shape),
+                entropy=ent.reshape(shape),
+                s_star=s_star.reshape(shape),
+                s_expected=s_exp.reshape(shape),
+                s_centered=(s_star - s_exp).reshape(shape),
+                valid=valid.reshape(shape),
+            )
+        return _from_hidden_torch(h2, weight, k, bias, float(temperature), int(ignore_index), chunk_size, impl, shape)
+
+
+def _from_hidden_torch(
+    h2: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+    ignore_index: int,
+    chunk_size: int | None,
+    impl: str,
+    shape: torch.Size,
+) -> TokenStats:
+    """Chunked torch path: fp32 logits of ``chunk_size`` rows at a time, then :func:`token_stats`."""
+    n, vocab = h2.shape[0], weight.shape[0]
+    rows = chunk_size or max(1, _DEFAULT_CHUNK_ELEMENTS // vocab)
+    w32 = weight.float()
+    b32 = bias.float() if bias is not None else None
+    parts: list[TokenStats] = []
+    for lo in range(0, n, rows):
+        logits = torch.nn.functional.linear(h2[lo : lo + rows].float(), w32, b32)
+        parts.append(
+            token_stats(
+                logits, labels[lo : lo + rows], temperature=temperature, ignore_index=ignore_index,
+                impl="torch" if impl == "torch" else "auto",
+            )  # fmt: skip
+        )
+        del logits
+    fields = ("logp", "entropy", "s_star", "s_expected", "s_centered", "valid")
+    if not parts:
+        empty = torch.zeros(0, dtype=torch.float32, device=h2.device)
+        return TokenStats(*(empty.reshape(shape) for _ in fields[:-1]), valid=empty.bool().reshape(shape))
+    return TokenStats(**{f: torch.cat([getattr(p, f) for p in parts]).reshape(shape) for f in fields})

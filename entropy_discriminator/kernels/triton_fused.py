@@ -1,0 +1,171 @@
+"""Fused LM-head statistics: logits = hidden @ weight.T (+ bias) never reach device memory.
+
+Each program computes one [BM, BN] tile of logits with a tensor-core matmul over H (tiles ordered
+in groups of GROUP_M row blocks so that the hidden and weight tiles in flight stay in L2), and
+reduces the tile in its epilogue, on chip, to six numbers per row (the reference m, the sums
+s0..s3 of :mod:`._reduce`, and a NaN-propagating max); the program whose tile holds a row's label
+also writes that logit.  :func:`._reduce.merge_kernel` then merges the ceil(V/BN) partials of every
+row in a fixed order (deterministic, no atomics).  Forward only: the statistics are used under
+no_grad.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreting
+from ._reduce import D_FLOOR, LOG2E, max_nan, merge_block, merge_kernel
+
+__all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG"]
+
+DEFAULT_CONFIG = {"bm": 128, "bn": 256, "bk": 64, "group_m": 8, "num_warps": 8, "stages": 3}
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Row slices are sized so that the partials ([6, rows, ceil(V/BN)] fp32) stay under this.
+_WORKSPACE_BYTES = 256 * 2**20
+
+
+@triton.jit
+def _fused_tile_kernel(
+    h_ptr,
+    w_ptr,
+    b_ptr,
+    lab_ptr,
+    part_ptr,
+    yk_ptr,
+    N,
+    V,
+    H,
+    stride_h,
+    stride_w,
+    c,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(N, BM)
+    num_pid_n = tl.cdiv(V, BN)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    a_ptrs = h_ptr + (rm % N).to(tl.int64)[:, None] * stride_h + rk[None, :]
+    b_ptrs = w_ptr + (rn % V).to(tl.int64)[:, None] * stride_w + rk[None, :]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k in tl.range(0, tl.cdiv(H, BK), num_stages=STAGES):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            kmask = rk[None, :] < H - k * BK
+            a = tl.load(a_ptrs, mask=kmask, other=0.0)
+            b = tl.load(b_ptrs, mask=kmask, other=0.0)
+        if IEEE:
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+        a_ptrs += BK
+        b_ptrs += BK
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn % V).to(tl.float32)[None, :]
+    y = tl.where(rn[None, :] < V, acc * c, float("-inf"))
+    m = tl.reduce(y, 1, max_nan)
+    d = tl.maximum(y - m[:, None], -D_FLOOR)
+    e = tl.exp2(d)
+    e2 = e * e
+    s0 = tl.sum(e, axis=1)
+    s1 = tl.sum(e * d, axis=1)
+    s2 = tl.sum(e2, axis=1)
+    s3 = tl.sum(e2 * d, axis=1)
+    labels = tl.load(lab_ptr + rm % N)
+    yk = tl.sum(tl.where(rn[None, :] == labels[:, None], y, 0.0), axis=1)
+    row_ok = rm < N
+    in_tile = row_ok & (labels >= pid_n * BN) & (labels < pid_n * BN + BN)
+    tl.store(yk_ptr + rm, yk, mask=in_tile)
+    stride_f = N.to(tl.int64) * num_pid_n
+    q = part_ptr + rm.to(tl.int64) * num_pid_n + pid_n
+    tl.store(q, m, mask=row_ok)
+    tl.store(q + stride_f, s0, mask=row_ok)
+    tl.store(q + 2 * stride_f, s1, mask=row_ok)
+    tl.store(q + 3 * stride_f, s2, mask=row_ok)
+    tl.store(q + 4 * stride_f, s3, mask=row_ok)
+    tl.store(q + 5 * stride_f, m, mask=row_ok)
+
+
+def token_stats_fused_triton(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+    ignore_index: int,
+    *,
+    config: dict | None = None,
+    rows_per_launch: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Statistics of z = (hidden @ weight.T + bias) / T without materialising [N, V] logits.
+
+    hidden [N, H], weight [V, H] (bf16/fp16/fp32, same dtype, CUDA, last dim contiguous), bias [V]
+    or None, labels [N] int64.  Returns fp32 [N] ``(logp, entropy, s_star, s_expected, row_max)``
+    with the meaning of :func:`.triton_stats.token_stats_triton` (0 at ignored rows; row_max NaN
+    when a row's logits hold a NaN).  Matmul in the input dtype on tensor cores with fp32
+    accumulation (fp32 inputs: full-precision "ieee" dot, slow).  Rows are processed in slices of
+    ``rows_per_launch`` (default: partials <= 256 MiB).
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden must be [N, H] and weight [V, H], got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
+    if hidden.dtype not in _DTYPES or weight.dtype != hidden.dtype:
+        raise ValueError(f"hidden and weight must share a bf16/fp16/fp32 dtype, got {hidden.dtype}, {weight.dtype}")
+    if not interpreting() and hidden.device.type != "cuda":
+        raise ValueError(f"hidden must be a CUDA tensor, got device {hidden.device}")
+    n_rows, hdim = hidden.shape
+    vocab = weight.shape[0]
+    hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    labels = labels.to(device=hidden.device, dtype=torch.int64).contiguous()
+    dev = hidden.device
+    outs = [torch.empty(n_rows, device=dev, dtype=torch.float32) for _ in range(5)]
+    if n_rows == 0:
+        return tuple(outs)
+    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    bm, bn, bk = cfg["bm"], cfg["bn"], cfg["bk"]
+    n_tiles = triton.cdiv(vocab, bn)
+    if rows_per_launch is None:
+        rows_per_launch = max(bm, (_WORKSPACE_BYTES // (24 * n_tiles)) // bm * bm)
+    c = LOG2E / float(temperature)
+    bias_arg = bias.contiguous() if bias is not None else hidden
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        for r0 in range(0, n_rows, rows_per_launch):
+            r1 = min(n_rows, r0 + rows_per_launch)
+            rows = r1 - r0
+            part = torch.empty((6, rows, n_tiles), device=dev, dtype=torch.float32)
+            yk = torch.full((rows,), float("nan"), device=dev, dtype=torch.float32)
+            lab = labels[r0:r1]
+            grid = (triton.cdiv(rows, bm) * n_tiles,)
+            _fused_tile_kernel[grid](
+                hidden[r0:r1], weight, bias_arg, lab, part, yk, rows, vocab, hdim,
+                hidden.stride(0), weight.stride(0), c,
+                HAS_BIAS=bias is not None, EVEN_K=hdim % bk == 0, IEEE=hidden.dtype == torch.float32,
+                BM=bm, BN=bn, BK=bk, GROUP_M=cfg["group_m"], STAGES=cfg["stages"],
+                num_warps=cfg["num_warps"],
+            )  # fmt: skip
+            merge_kernel[(rows,)](
+                part, yk, lab, *(o[r0:r1] for o in outs), rows, n_tiles, int(ignore_index),
+                PB=merge_block(n_tiles), num_warps=4 if n_tiles >= 128 else 1,
+            )  # fmt: skip
+    return tuple(outs)

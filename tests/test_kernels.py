@@ -1,0 +1,155 @@
+"""The Triton kernels against the float64 reference, on CPU through Triton's interpreter.
+
+These run where Triton is installed and either ``TRITON_INTERPRET=1`` is set (``nox -s kernels``:
+the kernels execute on CPU tensors, numerically as on the GPU but without its compiler) or a CUDA
+device is present.  The core session has no Triton and skips them with that reason; tests/gpu/
+holds the compiled-kernel checks at full size.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+from reference import reference_token_stats
+
+from entropy_discriminator import kernels
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed (run `nox -s kernels`)", allow_module_level=True)
+if not (kernels.interpreting() or torch.cuda.is_available()):
+    pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device (run `nox -s kernels`)", allow_module_level=True)
+
+from entropy_discriminator.kernels.triton_fused import token_stats_fused_triton  # noqa: E402
+from entropy_discriminator.kernels.triton_stats import choose_config, token_stats_triton  # noqa: E402
+
+DEV = "cpu" if kernels.interpreting() else "cuda"
+FIELDS = ("logp", "entropy", "s_star", "s_expected")
+
+
+def _logits(seed: int, n: int, v: int, dtype: torch.dtype, kind: str = "normal") -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, v, generator=g, dtype=torch.float64) * 3
+    if kind == "peaked":
+        z[torch.arange(n), torch.randint(0, v, (n,), generator=g)] = 45.0
+    elif kind == "flat":
+        z = torch.full_like(z, 1.25)
+    elif kind == "masked":
+        z = z.masked_fill(torch.rand(n, v, generator=g) < 0.6, -math.inf)
+        z[:, 0] = 0.5
+    return z.to(dtype).to(DEV)
+
+
+def _labels(seed: int, n: int, v: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed + 7)
+    lab = torch.randint(0, v, (n,), generator=g)
+    lab[torch.rand(n, generator=g) < 0.2] = -100
+    return lab.to(DEV)
+
+
+def _check(out, logits, labels, temperature, tol=3e-5):
+    ref = reference_token_stats(logits.cpu(), labels.cpu(), temperature)
+    for name, got in zip(FIELDS, out[:4]):
+        assert got.dtype == torch.float32 and got.shape == labels.shape
+        got = got.cpu().double()
+        want = ref[name]
+        same_inf = torch.isinf(got) & (got == want)
+        err = torch.where(same_inf, torch.zeros_like(got), (got - want).abs())
+        assert float(err.max()) <= tol, (name, float(err.max()))
+    valid = labels.cpu() != -100
+    z = logits.cpu().double() / temperature
+    want_max = torch.where(valid, z.amax(-1), torch.zeros(()).double())
+    torch.testing.assert_close(out[4].cpu().double(), want_max, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("n", "v", "dtype", "temperature", "kind", "config"),
+    [
+        (7, 1000, torch.bfloat16, 1.0, "normal", None),
+        (5, 3000, torch.float32, 0.7, "masked", {"block": 256, "num_warps": 4, "stages": 2, "split": 3}),
+        (9, 2500, torch.float16, 1.3, "peaked", {"block": 512, "num_warps": 4, "stages": 2, "split": 1}),
+        (6, 777, torch.bfloat16, 1.0, "flat", {"block": 128, "num_warps": 4, "stages": 2, "split": 4}),
+        (3, 1, torch.float32, 1.0, "normal", None),
+    ],
+)
+def test_one_pass_kernel_matches_float64(n, v, dtype, temperature, kind, config):
+    logits = _logits(n * v, n, v, dtype, kind)
+    labels = _labels(n, n, v)
+    out = token_stats_triton(logits, labels, temperature, -100, config=config)
+    _check(out, logits, labels, temperature)
+
+
+def test_split_and_unsplit_agree_and_runs_are_bitwise_identical():
+    logits = _logits(1, 4, 2000, torch.bfloat16)
+    labels = _labels(1, 4, 2000)
+    cfg = {"block": 128, "num_warps": 4, "stages": 2}
+    a = token_stats_triton(logits, labels, 1.0, -100, config={**cfg, "split": 5})
+    b = token_stats_triton(logits, labels, 1.0, -100, config={**cfg, "split": 5})
+    c = token_stats_triton(logits, labels, 1.0, -100, config={**cfg, "split": 1})
+    for x, y, z in zip(a, b, c):
+        assert torch.equal(x, y)
+        torch.testing.assert_close(x, z, rtol=1e-5, atol=2e-6)
+
+
+def test_row_max_flags_nan_inf_and_all_masked_rows():
+    logits = _logits(2, 4, 300, torch.float32)
+    logits[0, 17] = float("nan")
+    logits[1, 3] = float("inf")
+    logits[2] = -math.inf
+    labels = torch.tensor([1, 2, 3, -100], device=DEV)
+    cfg = {"block": 128, "num_warps": 4, "stages": 2}
+    for split in (1, 2):
+        row_max = token_stats_triton(logits, labels, 2.0, -100, config={**cfg, "split": split})[4].cpu()
+        assert math.isnan(row_max[0]) and row_max[1] == math.inf and row_max[2] == -math.inf
+        assert row_max[3] == 0  # ignored rows are not read
+
+
+def test_non_contiguous_rows_and_last_dimension():
+    base = _logits(3, 6, 900, torch.bfloat16)
+    rows = base[::2]  # row stride 1800
+    labels = _labels(3, 3, 900)
+    _check(token_stats_triton(rows, labels, 1.0, -100), rows, labels, 1.0)
+    cols = base.t().contiguous().t()[:, :]  # last dim strided: the wrapper copies
+    assert cols.stride(1) != 1
+    labels6 = _labels(4, 6, 900)
+    _check(token_stats_triton(cols, labels6, 1.0, -100), cols, labels6, 1.0)
+
+
+def test_bad_arguments_name_the_argument():
+    x = _logits(0, 2, 10, torch.float32)
+    with pytest.raises(ValueError, match="logits2d"):
+        token_stats_triton(x[0], torch.tensor([0], device=DEV), 1.0, -100)
+    with pytest.raises(ValueError, match="labels1d"):
+        token_stats_triton(x, torch.tensor([0], device=DEV), 1.0, -100)
+    with pytest.raises(ValueError, match="temperature"):
+        token_stats_triton(x, torch.tensor([0, 1], device=DEV), 0.0, -100)
+    with pytest.raises(ValueError, match="dtype"):
+        token_stats_triton(x.double(), torch.tensor([0, 1], device=DEV), 1.0, -100)
+
+
+def test_choose_config_splits_only_small_batches():
+    assert choose_config(16384, 151936, torch.bfloat16, 132)["split"] == 1
+    small = choose_config(256, 151936, torch.bfloat16, 132)
+    assert small["split"] > 1 and 151936 // small["split"] >= 4 * small["block"]
+
+
+@pytest.mark.parametrize(
+    ("n", "h", "v", "dtype", "bias", "temperature", "rows_per_launch"),
+    [
+        (37, 48, 300, torch.float16, False, 1.0, None),
+        (20, 40, 130, torch.float32, True, 0.8, 16),
+    ],
+)
+def test_fused_kernel_matches_float64(n, h, v, dtype, bias, temperature, rows_per_launch):
+    # The interpreter does not emulate bf16 tl.dot; bf16 is covered on the GPU (tests/gpu/).
+    g = torch.Generator().manual_seed(n)
+    hid = torch.randn(n, h, generator=g).to(dtype).to(DEV)
+    w = (torch.randn(v, h, generator=g) * 0.5).to(dtype).to(DEV)
+    b = torch.randn(v, generator=g).to(dtype).to(DEV) if bias else None
+    labels = _labels(n, n, v)
+    cfg = {"bm": 16, "bn": 32 if v < 200 else 64, "bk": 16, "group_m": 3}
+    out = token_stats_fused_triton(hid, w, labels, b, temperature, -100, config=cfg, rows_per_launch=rows_per_launch)
+    logits = hid.cpu().double() @ w.cpu().double().T + (b.cpu().double() if bias else 0.0)
+    _check(out, logits, labels, temperature)
