@@ -30,14 +30,18 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_model(tokenizer: PreTrainedTokenizerFast, *, seed: int = 0, hidden: int = 32, layers: int = 2,
-               dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-    """Randomly initialised Llama (``hidden`` wide, ``layers`` deep) over the tokenizer's vocabulary."""
+               init_std: float = 0.2, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """Randomly initialised Llama (``hidden`` wide, ``layers`` deep) over the tokenizer's vocabulary.
+
+    ``init_std`` (the weights' init std; HF's default is 0.02) is large enough that the next-token
+    distributions differ from uniform, so entropies and S* vary across tokens.
+    """
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=False, initializer_range=init_std,
     )
     return LlamaForCausalLM(config).to(dtype)
 
