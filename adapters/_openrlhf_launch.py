@@ -1,0 +1,151 @@
+"""The launcher: strip ``--entropy_disc.*`` flags, hand everything else to ``openrlhf.cli.train_ppo_ray``.
+
+``python -m entropy_discriminator.adapters.openrlhf [train_ppo_ray flags] [--entropy_disc.* flags]``
+
+The stock CLI rejects unknown flags, so the launcher removes its own (anywhere on the line, as
+``--entropy_disc.x v`` or ``--entropy_disc.x=v``), then runs the CLI module as ``__main__`` with
+the remaining arguments unchanged. While it runs, ``ray.init`` is wrapped so that the runtime
+environment OpenRLHF passes gains ``worker_process_setup_hook`` (which patches every Ray worker)
+and the settings in ``env_vars``; OpenRLHF's own ``env_vars`` are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import runpy
+import sys
+from collections.abc import Callable, Iterator, Sequence
+
+from entropy_discriminator import EntropyDiscConfig
+from entropy_discriminator.config import METHODS
+from entropy_discriminator.masks import MASK_MODES, SIDES
+from entropy_discriminator.stats import IMPLS
+
+from ._openrlhf_patch import check_openrlhf_version, runtime_env
+
+PREFIX = "--entropy_disc."
+CLI_MODULE = "openrlhf.cli.train_ppo_ray"
+_SWITCHES = ("--entropy_disc.no_metrics", "--entropy_disc.realised", "--entropy_disc.help")
+
+
+def _float_or_inf(text: str) -> float:
+    value = float(text)
+    if math.isnan(value):
+        raise argparse.ArgumentTypeError(f"expected a number or inf, got {text!r}")
+    return value
+
+
+def _max_frac(text: str) -> float | str | None:
+    if text in ("auto", "none", "None"):
+        return None if text.lower() == "none" else "auto"
+    return float(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The launcher's own flags (all under ``--entropy_disc.``)."""
+    p = argparse.ArgumentParser(
+        prog="python -m entropy_discriminator.adapters.openrlhf",
+        description="OpenRLHF train_ppo_ray with Clip_B / Clip_V and entropy_disc/* metrics. Every flag "
+        "not listed here goes to openrlhf.cli.train_ppo_ray unchanged.",
+        allow_abbrev=False,
+        add_help=False,
+    )
+    g = p.add_argument_group("entropy_disc")
+    g.add_argument("--entropy_disc.help", dest="help", action="store_true", help="show this help and exit")
+    g.add_argument("--entropy_disc.method", dest="method", choices=METHODS, default="none",
+                   help="none (metrics only, default), clip_b (mask on S*) or clip_v (mask on S_c)")
+    g.add_argument("--entropy_disc.mu_low", dest="mu_low", type=_float_or_inf, default=None,
+                   help="lower bound in batch stds (default: clip_b 2.5, clip_v 8.5)")
+    g.add_argument("--entropy_disc.mu_high", dest="mu_high", type=_float_or_inf, default=math.inf,
+                   help="upper bound in batch stds (default inf: one-sided)")
+    g.add_argument("--entropy_disc.sides", dest="sides", choices=SIDES, default="negative",
+                   help="advantage sign whose tokens may be clipped (default negative)")
+    g.add_argument("--entropy_disc.max_frac", dest="max_frac", type=_max_frac, default="auto",
+                   help="cap on the clipped share: auto (clip_b none, clip_v 1e-4), none, or a number in [0, 1]")
+    g.add_argument("--entropy_disc.mask_mode", dest="mask_mode", choices=MASK_MODES, default="zero_pg",
+                   help="zero_pg: clipped tokens lose their PPO term, normaliser unchanged (default); "
+                   "drop_token: they leave action_mask (normaliser, KL and entropy terms too)")
+    g.add_argument("--entropy_disc.chunk_size", dest="chunk_size", type=int, default=None,
+                   help="rows per chunk of the statistics pass (default: core's choice)")
+    g.add_argument("--entropy_disc.impl", dest="impl", choices=IMPLS, default="auto",
+                   help="statistics kernel: auto (Triton on CUDA when available), torch or triton")
+    g.add_argument("--entropy_disc.no_metrics", dest="log_metrics", action="store_false",
+                   help="do not add entropy_disc/* metrics to OpenRLHF's logs")
+    g.add_argument("--entropy_disc.realised", dest="realised", action="store_true",
+                   help="after each update, a second no-grad pass logs entropy_disc/delta_entropy/realised")
+    return p
+
+
+def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``(ours, rest)``: the ``--entropy_disc.*`` tokens (with their values) and everything else, in order.
+
+    A flag takes the next token as its value unless it is a switch or written ``--flag=value``.
+    """
+    ours: list[str] = []
+    rest: list[str] = []
+    i = 0
+    argv = list(argv)
+    while i < len(argv):
+        token = argv[i]
+        if token.startswith(PREFIX):
+            ours.append(token)
+            if "=" not in token and token not in _SWITCHES:
+                if i + 1 >= len(argv):
+                    raise SystemExit(f"error: {token} expects a value")
+                ours.append(argv[i + 1])
+                i += 1
+        else:
+            rest.append(token)
+        i += 1
+    return ours, rest
+
+
+def parse(argv: Sequence[str]) -> tuple[EntropyDiscConfig, bool, list[str]]:
+    """``(config, realised, openrlhf_argv)`` from a full command line; bad values exit with a message
+    naming the flag (argparse) or the config field (``ValueError``)."""
+    ours, rest = split_argv(argv)
+    parser = build_parser()
+    ns = parser.parse_args(ours)
+    if ns.help:
+        parser.print_help()
+        raise SystemExit(0)
+    fields = {k: v for k, v in vars(ns).items() if k not in ("help", "realised")}
+    try:
+        config = EntropyDiscConfig(**fields)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return config, ns.realised, rest
+
+
+@contextlib.contextmanager
+def ray_init_with(extra_env: Callable[[dict | None], dict]) -> Iterator[None]:
+    """Within the block, ``ray.init(..., runtime_env=X)`` receives ``extra_env(X)`` instead."""
+    import ray
+
+    original = ray.init
+
+    def init(*args, **kwargs):
+        kwargs["runtime_env"] = extra_env(kwargs.get("runtime_env"))
+        return original(*args, **kwargs)
+
+    ray.init = init
+    try:
+        yield
+    finally:
+        ray.init = original
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run ``openrlhf.cli.train_ppo_ray`` with the patch in every Ray worker (see module doc)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    config, realised, rest = parse(argv)
+    check_openrlhf_version()
+    saved_argv = sys.argv
+    sys.argv = [CLI_MODULE, *rest]
+    try:
+        with ray_init_with(lambda env: runtime_env(config, realised=realised, base=env)):
+            runpy.run_module(CLI_MODULE, run_name="__main__", alter_sys=True)
+    finally:
+        sys.argv = saved_argv

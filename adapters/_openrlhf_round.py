@@ -1,0 +1,233 @@
+"""One round of updates in OpenRLHF 0.11's ``ActorPPOTrainer``: statistics, mask, metrics.
+
+Before ``ppo_train`` runs its epochs over the replay buffer, :func:`begin_round`
+
+1. scores every response token of every buffered sample with the policy as it stands (the policy
+   that computed ``action_log_probs`` in ``make_experience``): a no-grad forward of OpenRLHF's own
+   ``Actor`` per micro-batch, whose fp32 logits go to the core's
+   :func:`~entropy_discriminator.token_stats` with the actor's sampling temperature;
+2. computes the configured Clip_B / Clip_V keep-mask over the whole data-parallel batch (the
+   ``dp`` group of OpenRLHF's device mesh, so ring-attention / tensor-parallel replicas of the
+   same samples are counted once);
+3. writes the mask into the buffered samples through
+   :func:`~entropy_discriminator.apply_keep_mask`, so every epoch, micro-batch and the dynamic-batch
+   path read it:
+
+   * ``zero_pg``: ``advantages * keep``. OpenRLHF's per-token PPO loss is
+     ``-min(r A, clip(r) A)`` (also with dual-clip, the IS correction and GSPO), which is exactly
+     ``keep * loss`` for a 0/1 ``keep``; ``action_mask`` and so the global token normaliser are
+     unchanged.
+   * ``drop_token``: ``action_mask * keep``. The token leaves the loss and its global token count
+     (``iter_grad_accum_global_norm`` and the dynamic-batch token counts read ``action_mask``),
+     and with it the KL and entropy terms of that token, as in the reference implementation.
+
+Alignment (the one-token shift) is ``Actor.forward``'s: for a right-padded batch of ``A`` action
+columns, ``logits[:, :-1][:, -A:]`` score ``sequences[:, 1:][:, -A:]`` (see ``replay_buffer_stats``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from entropy_discriminator import EntropyDiscConfig, EntropyMonitor, MaskResult, TokenStats, apply_keep_mask, token_stats
+from entropy_discriminator.distributed import Group, all_reduce
+
+IGNORE_INDEX = -100
+_FIELDS = ("logp", "entropy", "s_star", "s_expected", "s_centered", "valid")
+
+
+@dataclass
+class RoundState:
+    """What one round keeps between the pass before the update and the optional pass after it."""
+
+    valids: list[torch.Tensor]  # per buffered sample, bool [A_i]: the action mask before masking
+    stats: TokenStats  # flat over all samples' action columns, on the compute device
+    mask: MaskResult | None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def dp_group(strategy: Any) -> Group:
+    """The data-parallel group of OpenRLHF's device mesh (None without torch.distributed)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    mesh = getattr(strategy, "ds_device_mesh", None)
+    return mesh["dp"].get_group() if mesh is not None else dist.group.WORLD
+
+
+def _model_device(actor: torch.nn.Module) -> torch.device:
+    for p in actor.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+@torch.no_grad()
+def replay_buffer_stats(
+    actor: Any,
+    items: list[Any],
+    valids: list[torch.Tensor],
+    *,
+    micro_batch_size: int,
+    chunk_size: int | None = None,
+    impl: str = "auto",
+    ring_attn_group: Any = None,
+    sync_group: Group = None,
+) -> TokenStats:
+    """Per-token statistics of ``actor`` over buffered single-sample ``Experience`` items.
+
+    ``items[i]`` holds ``sequences [T_i]``, ``attention_mask [T_i]``; ``valids[i]`` is bool
+    ``[A_i]`` (its action mask). Items are batched ``micro_batch_size`` at a time with OpenRLHF's
+    ``make_experience_batch`` (right padding) and run through ``actor(sequences, None,
+    attention_mask, return_output=True, allgather_logits=True)`` with the actor's temperature
+    switched off, so its ``logits`` are the raw ``[b, T, V]`` fp32 logits ``z``; then
+    ``token_stats(z[:, :-1][:, -A:], sequences[:, 1:][:, -A:], temperature=actor.temperature)``,
+    ignored where the action mask is 0. Returns a :class:`TokenStats` whose fields are the
+    concatenation over items of their first ``A_i`` columns (float32, on the model's device).
+
+    ``sync_group``: every rank runs as many forwards as the rank with the most micro-batches
+    (extra forwards repeat the last micro-batch and are discarded), as ZeRO-3 parameter gathering
+    and ring attention need all ranks in step.
+    """
+    from openrlhf.trainer.ppo_utils.experience import make_experience_batch
+
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    device = _model_device(actor)
+    chunks = [list(range(i, min(i + micro_batch_size, len(items)))) for i in range(0, len(items), micro_batch_size)]
+    n_forward = len(chunks)
+    if sync_group is not None:
+        n_forward = int(all_reduce(torch.tensor([n_forward], device=device), sync_group, dist.ReduceOp.MAX).item())
+    temperature = float(actor.temperature)
+    was_training = actor.training
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in _FIELDS}
+    actor.eval()
+    actor.temperature = 1.0  # token_stats divides by the temperature after upcasting, as Actor does
+    try:
+        for step in range(n_forward):
+            if not chunks:
+                break  # an empty shard cannot run a forward; every rank has samples in OpenRLHF
+            idx = chunks[min(step, len(chunks) - 1)]
+            batch = make_experience_batch([items[i] for i in idx])
+            sequences = batch.sequences.to(device)
+            attention_mask = batch.attention_mask.to(device)
+            n_cols = batch.action_mask.shape[-1]
+            output = actor(
+                sequences,
+                None,
+                attention_mask=attention_mask,
+                return_output=True,
+                allgather_logits=True,
+                ring_attn_group=ring_attn_group,
+                **_mm_inputs(actor, batch, device),
+            )
+            if step >= len(chunks):
+                continue  # a step-keeping forward of a rank that ran out of samples
+            logits = output["logits"][:, :-1][:, -n_cols:]
+            labels = sequences[:, 1:][:, -n_cols:]
+            counted = torch.zeros(labels.shape, dtype=torch.bool, device=device)
+            for row, i in enumerate(idx):
+                counted[row, : valids[i].numel()] = valids[i].to(device)
+            labels = labels.masked_fill(~counted, IGNORE_INDEX)
+            st = token_stats(logits, labels, temperature=temperature, chunk_size=chunk_size, impl=impl)
+            for row, i in enumerate(idx):
+                n = valids[i].numel()
+                for name in _FIELDS:
+                    parts[name].append(getattr(st, name)[row, :n])
+            del output, logits
+    finally:
+        actor.temperature = temperature
+        actor.train(was_training)
+    if not parts["valid"]:
+        empty = torch.zeros(0, dtype=torch.float32, device=device)
+        return TokenStats(empty, empty, empty, empty, empty, torch.zeros(0, dtype=torch.bool, device=device))
+    return TokenStats(**{name: torch.cat(parts[name]) for name in _FIELDS})
+
+
+def _mm_inputs(actor: Any, batch: Any, device: torch.device) -> dict[str, Any]:
+    """Multimodal inputs exactly as ``ActorPPOTrainer.training_step`` passes them (VLM actors)."""
+    if getattr(batch, "mm_train_inputs", None) and getattr(actor, "is_vlm", False):
+        from openrlhf.utils.vlm_utils import merge_mm_train_inputs
+
+        return merge_mm_train_inputs(batch.mm_train_inputs, device)
+    return {}
+
+
+def _flat_advantages(items: list[Any], device: torch.device) -> torch.Tensor:
+    return torch.cat([item.advantages.reshape(-1).to(device=device, dtype=torch.float32) for item in items])
+
+
+def apply_keep(items: list[Any], keep: torch.Tensor, mode: str) -> None:
+    """Write the flat ``keep`` (bool, concatenated ``[A_i]``) into the items, per ``mode``.
+
+    ``zero_pg``: ``item.advantages * keep``; ``drop_token``: ``item.action_mask * keep`` — both via
+    :func:`~entropy_discriminator.apply_keep_mask` with the advantages in the role of the per-token
+    policy-gradient loss (the PPO loss is linear in a 0/1 factor on ``A``). Dtypes are preserved.
+    """
+    sizes = [item.action_mask.numel() for item in items]
+    if keep.numel() != sum(sizes):
+        raise ValueError(f"keep has {keep.numel()} entries but the items have {sum(sizes)} action columns")
+    for item, k in zip(items, keep.split(sizes)):
+        k = k.to(item.advantages.device).reshape(item.advantages.shape)
+        adv, mask = apply_keep_mask(item.advantages, k, item.action_mask, mode=mode)
+        item.advantages, item.action_mask = adv, mask
+
+
+def begin_round(trainer: Any, config: EntropyDiscConfig) -> RoundState:
+    """Statistics, mask and metrics for the samples now in ``trainer.replay_buffer`` (see module doc)."""
+    started = time.perf_counter()
+    items = trainer.replay_buffer.items
+    group = dp_group(trainer.strategy)
+    sync = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    valids = [item.action_mask.reshape(-1).bool().clone() for item in items]
+    stats = replay_buffer_stats(
+        trainer.actor,
+        items,
+        valids,
+        micro_batch_size=int(trainer.micro_train_batch_size),
+        chunk_size=config.chunk_size,
+        impl=config.impl,
+        ring_attn_group=getattr(trainer.strategy, "ring_attn_group", None),
+        sync_group=sync,
+    )
+    advantages = _flat_advantages(items, stats.valid.device) if items else torch.zeros(0, device=stats.valid.device)
+    mask = None
+    if config.enabled:
+        mask = config.compute_mask(
+            advantages=advantages, valid=stats.valid, s_star=stats.s_star, s_centered=stats.s_centered, process_group=group
+        )
+        apply_keep(items, mask.keep, config.mask_mode)
+    metrics: dict[str, float] = {}
+    if config.log_metrics:
+        monitor = EntropyMonitor(process_group=group)
+        metrics = monitor.from_stats(stats, advantages=advantages, mask=mask, lr=_current_lr(trainer))
+        metrics[monitor.prefix + "timing/stats_pass"] = time.perf_counter() - started
+    return RoundState(valids=valids, stats=stats, mask=mask, metrics=metrics)
+
+
+def end_round(trainer: Any, config: EntropyDiscConfig, state: RoundState) -> dict[str, float]:
+    """``entropy_disc/delta_entropy/realised``: mean entropy change of the round's tokens after the
+    update, from a second no-grad pass over the same samples (same valid tokens as before)."""
+    items = trainer.replay_buffer.items
+    after = replay_buffer_stats(
+        trainer.actor,
+        items,
+        state.valids,
+        micro_batch_size=int(trainer.micro_train_batch_size),
+        chunk_size=config.chunk_size,
+        impl=config.impl,
+        ring_attn_group=getattr(trainer.strategy, "ring_attn_group", None),
+        sync_group=dist.group.WORLD if dist.is_available() and dist.is_initialized() else None,
+    )
+    monitor = EntropyMonitor(process_group=dp_group(trainer.strategy))
+    return monitor.realised(state.stats.entropy, after.entropy, state.stats.valid)
+
+
+def _current_lr(trainer: Any) -> float | None:
+    scheduler = getattr(trainer, "actor_scheduler", None)
+    if scheduler is None or not hasattr(scheduler, "get_last_lr"):
+        return None
+    return float(scheduler.get_last_lr()[0])

@@ -1,0 +1,60 @@
+"""Clip_B / Clip_V and the entropy monitor in OpenRLHF 0.11 (``openrlhf.cli.train_ppo_ray``).
+
+Launch (every stock flag goes to OpenRLHF unchanged; ``--entropy_disc.help`` lists the others)::
+
+    python -m entropy_discriminator.adapters.openrlhf <train_ppo_ray flags> \\
+        --entropy_disc.method clip_b --entropy_disc.mu_low 2.5
+
+For a custom launch: ``ray.init(runtime_env=runtime_env(EntropyDiscConfig(method="clip_v")))``
+patches every Ray worker; ``patch(config)`` / ``unpatch()`` / ``is_patched()`` act on the current
+process (e.g. a test or a single-process trainer).
+
+Once per round of updates (``ActorPPOTrainer.ppo_train``, i.e. per rollout batch), before the
+first epoch: a no-grad pass of the policy that computed the old log-probs over the actor's replay
+buffer gives ``logp, H, S*, E_p[S], S_c`` per response token (OpenRLHF's sampling temperature);
+the keep-mask is computed over the whole data-parallel batch and written into the buffered
+samples, so every epoch and micro-batch uses it. Any advantage estimator that fills
+``Experience.advantages`` per token works the same way (``gae``, ``group_norm``, ``rloo``,
+``reinforce_baseline``, ``dr_grpo``). Metrics ``entropy_disc/*`` join the actor's status dict, which
+OpenRLHF logs (console, wandb, TensorBoard). Details: ``_openrlhf_round.py``.
+
+Supported: OpenRLHF ``>=0.11.2,<0.12``; others are refused with the reason.
+"""
+
+from __future__ import annotations
+
+from ._openrlhf_launch import build_parser, main, parse, split_argv
+from ._openrlhf_patch import (
+    CONFIG_ENV,
+    SETUP_HOOK,
+    SUPPORTED_OPENRLHF,
+    UnsupportedVersionError,
+    check_openrlhf_version,
+    is_patched,
+    patch,
+    patch_on_import,
+    runtime_env,
+    unpatch,
+    worker_setup_hook,
+)
+
+__all__ = [
+    "CONFIG_ENV",
+    "SETUP_HOOK",
+    "SUPPORTED_OPENRLHF",
+    "UnsupportedVersionError",
+    "build_parser",
+    "check_openrlhf_version",
+    "is_patched",
+    "main",
+    "parse",
+    "patch",
+    "patch_on_import",
+    "runtime_env",
+    "split_argv",
+    "unpatch",
+    "worker_setup_hook",
+]
+
+if __name__ == "__main__":
+    main()
