@@ -22,7 +22,7 @@ from ._reduce import D_FLOOR, LOG2E, max_nan, merge_block, merge_kernel
 
 __all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG"]
 
-DEFAULT_CONFIG = {"bm": 128, "bn": 256, "bk": 64, "group_m": 8, "num_warps": 8, "stages": 3}
+DEFAULT_CONFIG = {"bm": 128, "bn": 256, "bk": 64, "group_m": 8, "num_warps": 8, "stages": 3, "moments": 4}
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Row slices are sized so that the partials ([6, rows, ceil(V/BN)] fp32) stay under this.
 _WORKSPACE_BYTES = 256 * 2**20
@@ -50,6 +50,7 @@ def _fused_tile_kernel(
     BK: tl.constexpr,
     GROUP_M: tl.constexpr,
     STAGES: tl.constexpr,
+    MOMENTS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(N, BM)
@@ -85,11 +86,15 @@ def _fused_tile_kernel(
     m = tl.reduce(y, 1, max_nan)
     d = tl.maximum(y - m[:, None], -D_FLOOR)
     e = tl.exp2(d)
-    e2 = e * e
     s0 = tl.sum(e, axis=1)
     s1 = tl.sum(e * d, axis=1)
-    s2 = tl.sum(e2, axis=1)
-    s3 = tl.sum(e2 * d, axis=1)
+    if MOMENTS == 4:
+        e2 = e * e
+        s2 = tl.sum(e2, axis=1)
+        s3 = tl.sum(e2 * d, axis=1)
+    else:  # benchmarks only: what logp and H alone cost (E_p[S] then reads 0)
+        s2 = tl.zeros_like(s0)
+        s3 = tl.zeros_like(s0)
     labels = tl.load(lab_ptr + rm % N)
     yk = tl.sum(tl.where(rn[None, :] == labels[:, None], y, 0.0), axis=1)
     row_ok = rm < N
@@ -123,7 +128,8 @@ def token_stats_fused_triton(
     with the meaning of :func:`.triton_stats.token_stats_triton` (0 at ignored rows; row_max NaN
     when a row's logits hold a NaN).  Matmul in the input dtype on tensor cores with fp32
     accumulation (fp32 inputs: full-precision "ieee" dot, slow).  Rows are processed in slices of
-    ``rows_per_launch`` (default: partials <= 256 MiB).
+    ``rows_per_launch`` (default: partials <= 256 MiB).  ``config`` overrides DEFAULT_CONFIG
+    (benchmarks; ``moments=2`` skips sum p^2 and E_p[S], which then read 0).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -161,7 +167,7 @@ def token_stats_fused_triton(
                 hidden[r0:r1], weight, bias_arg, lab, part, yk, rows, vocab, hdim,
                 hidden.stride(0), weight.stride(0), c,
                 HAS_BIAS=bias is not None, EVEN_K=hdim % bk == 0, IEEE=hidden.dtype == torch.float32,
-                BM=bm, BN=bn, BK=bk, GROUP_M=cfg["group_m"], STAGES=cfg["stages"],
+                BM=bm, BN=bn, BK=bk, GROUP_M=cfg["group_m"], STAGES=cfg["stages"], MOMENTS=cfg["moments"],
                 num_warps=cfg["num_warps"],
             )  # fmt: skip
             merge_kernel[(rows,)](

@@ -1,0 +1,1 @@
+"""Benchmarks of the per-token statistics kernels (``python -m benchmarks stats|fused``)."""

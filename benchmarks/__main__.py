@@ -1,0 +1,51 @@
+"""Benchmarks of the per-token statistics (CUDA).
+
+    python -m benchmarks stats   # one-pass kernel vs eager / chunked / torch.compile / framework style / torch.sum
+    python -m benchmarks fused   # statistics from hidden states vs matmul + kernel, TFLOP/s
+
+Tables are printed per shape and appended to benchmarks/results/<name>.csv (BENCH_RESULTS
+overrides the folder); every row names the card it ran on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="bench", required=True)
+    s = sub.add_parser("stats", help="one-pass kernel over materialised logits")
+    s.add_argument("--n", type=int, nargs="+", default=[256, 4096, 16384, 65536])
+    s.add_argument("--v", type=int, nargs="+", default=[128256, 151936, 152064, 256000])
+    s.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"])
+    s.add_argument("--compile-shapes", nargs="*", default=["16384x151936", "256x151936"], help="NxV shapes that also time torch.compile (each compiles anew)")
+    f = sub.add_parser("fused", help="fused LM-head kernel from hidden states")
+    f.add_argument("--n", type=int, nargs="+", default=[16384])
+    f.add_argument("--h", type=int, nargs="*", default=[], help="restrict to these hidden sizes (2048, 3584, 4096)")
+    for q in (s, f):
+        q.add_argument("--kernel-config", action="append", help="extra kernel config to time, k=v,k=v (repeatable)")
+        q.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition budget per measurement")
+        q.add_argument("--csv", default=None, help="CSV name under benchmarks/results/ (default: the bench name)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks need a CUDA device (run them through the device tool)", file=sys.stderr)
+        return 2
+    if args.bench == "stats":
+        from . import stats_bench as mod
+    else:
+        from . import fused_bench as mod
+    rows = mod.main(args)
+    mod.summary(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

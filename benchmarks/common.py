@@ -1,0 +1,111 @@
+"""Timing, memory and error helpers shared by the benchmark commands (CUDA only)."""
+
+from __future__ import annotations
+
+import csv
+import gc
+import math
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # float64 references live in tests/reference.py
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass
+class Row:
+    """One benchmark measurement (one method on one shape)."""
+
+    bench: str
+    card: str
+    dtype: str
+    n: int
+    v: int
+    h: int
+    method: str
+    ms: float = math.nan
+    rate: float = math.nan  # TB/s of logits read (stats) or TFLOP/s (fused)
+    rate_unit: str = ""
+    extra_mib: float = math.nan
+    err_logp: float = math.nan
+    err_entropy: float = math.nan
+    err_s_expected: float = math.nan
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def card_name() -> str:
+    """The GPU's marketing name as torch reports it (every CSV row carries it)."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def free_memory() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def bench_ms(fn: Callable[[], object], rep_ms: int = 200, warmup_ms: int = 50) -> float:
+    """Median milliseconds of ``fn`` (triton.testing.do_bench, CUDA events, L2 flushed per call)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def extra_peak_mib(fn: Callable[[], object]) -> tuple[float, object]:
+    """Peak device memory allocated by one call of ``fn`` above what was live before it, in MiB."""
+    free_memory()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20, out
+
+
+def fits(bytes_needed: float, margin: float = 0.9) -> bool:
+    """Whether ``bytes_needed`` more bytes fit in the free device memory."""
+    free, _ = torch.cuda.mem_get_info()
+    return bytes_needed < margin * free
+
+
+def write_csv(rows: list[Row], name: str) -> Path:
+    """Append the rows to benchmarks/results/<name>.csv (header written when the file is new)."""
+    out_dir = Path(os.environ.get("BENCH_RESULTS", RESULTS))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.csv"
+    new = not path.exists()
+    with path.open("a", newline="") as fh:
+        cols = [k for k in asdict(rows[0]) if k != "extra"] if rows else []
+        w = csv.DictWriter(fh, fieldnames=cols)
+        if new:
+            w.writeheader()
+        for r in rows:
+            d = asdict(r)
+            d.pop("extra")
+            w.writerow(d)
+    return path
+
+
+def print_table(rows: list[Row], floor_method: str | None = None) -> None:
+    """One table per shape: time, rate, extra memory, errors, and the ratio to the floor."""
+    shapes: dict[tuple, list[Row]] = {}
+    for r in rows:
+        shapes.setdefault((r.dtype, r.n, r.v, r.h), []).append(r)
+    for (dtype, n, v, h), rs in shapes.items():
+        floor = next((r.ms for r in rs if r.method == floor_method), math.nan)
+        hdr = f"\n[{rs[0].card}] {rs[0].bench} dtype={dtype} N={n} V={v}" + (f" H={h}" if h else "")
+        print(hdr)
+        print(f"{'method':34s} {'ms':>9s} {'rate':>12s} {'floor/t':>8s} {'extraMiB':>9s} {'|dlogp|':>9s} {'|dH|':>9s} {'|dE|':>9s}  note")
+        for r in rs:
+            ratio = floor / r.ms if r.ms == r.ms and floor == floor else math.nan
+            print(
+                f"{r.method:34s} {r.ms:9.4f} {r.rate:8.3f} {r.rate_unit:3s} {ratio:8.3f} {r.extra_mib:9.1f} "
+                f"{r.err_logp:9.2e} {r.err_entropy:9.2e} {r.err_s_expected:9.2e}  {r.note}"
+            )

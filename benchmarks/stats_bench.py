@@ -1,0 +1,145 @@
+"""``python -m benchmarks stats``: the one-pass kernel against the ways people compute it today.
+
+For each shape (bf16/fp32 logits [N, V], fresh random data, every label valid) it times naive eager,
+token-chunked eager, torch.compile of the naive math, the framework-style chunked path, the
+library's chunked torch path, the Triton kernel, and ``torch.sum`` over the same tensor (the
+measured read floor).  Rate is the effective bandwidth N*V*bytes / time.  Errors are max |.| over
+64 spread rows against the float64 reference of tests/reference.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from . import baselines
+from .common import Row, bench_ms, card_name, extra_peak_mib, fits, free_memory, print_table, write_csv
+
+N_ALL = (256, 4096, 16384, 65536)
+V_ALL = (128256, 151936, 152064, 256000)
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+TEMPERATURE = 1.0
+# Methods whose memory grows with N x V in fp32 are skipped when they would not fit.
+_FP32_COPIES = {"naive_eager": 5.0, "torch_compile": 1.5}
+
+
+def _errors(method_out, logits, labels, rows) -> tuple[float, float, float]:
+    from reference import reference_token_stats
+
+    ref = reference_token_stats(logits[rows], labels[rows], TEMPERATURE)
+    logp, ent, s_exp = (t[rows].double() for t in method_out)
+    return tuple(float((a - ref[k]).abs().max()) for a, k in ((logp, "logp"), (ent, "entropy"), (s_exp, "s_expected")))
+
+
+def _kernel(config: dict | None) -> Callable:
+    from entropy_discriminator.kernels.triton_stats import token_stats_triton
+
+    def run(logits, labels, temperature):
+        logp, ent, _, s_exp, _ = token_stats_triton(logits, labels, temperature, -100, config=config)
+        return logp, ent, s_exp
+
+    return run
+
+
+def _library_torch(logits, labels, temperature):
+    import entropy_discriminator as ed
+
+    s = ed.token_stats(logits, labels, temperature=temperature, impl="torch")
+    return s.logp, s.entropy, s.s_expected
+
+
+def methods(n: int, v: int, dtype: torch.dtype, kernel_configs: dict[str, dict | None], compile_ok: bool) -> dict:
+    out: dict[str, Callable] = {
+        "naive_eager": baselines.naive_eager,
+        "token_chunked_eager": baselines.token_chunked_eager,
+        "framework_chunked": baselines.framework_style,
+        "library_torch_chunked": _library_torch,
+    }
+    if compile_ok:
+        out["torch_compile"] = torch.compile(baselines.naive_eager, dynamic=False)
+    for name, cfg in kernel_configs.items():
+        out[name] = _kernel(cfg)
+    return out
+
+
+def run_shape(n: int, v: int, dtype_name: str, kernel_configs: dict, compile_ok: bool, rep_ms: int) -> list[Row]:
+    dtype = DTYPES[dtype_name]
+    card = card_name()
+    elem = torch.finfo(dtype).bits // 8
+    if not fits(n * v * elem * 1.05):
+        return [Row("stats", card, dtype_name, n, v, 0, "all", note="input does not fit")]
+    free_memory()
+    gen = torch.Generator(device="cuda").manual_seed(n * 7 + v)
+    logits = (torch.randn(n, v, device="cuda", dtype=torch.float32, generator=gen) * 3).to(dtype) if elem == 4 else torch.empty(n, v, device="cuda", dtype=dtype)
+    if elem != 4:
+        for i in range(0, n, 4096):  # fill in slices: no full-size fp32 temporary
+            logits[i : i + 4096] = (torch.randn(min(4096, n - i), v, device="cuda", generator=gen) * 3).to(dtype)
+    labels = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    rows = torch.linspace(0, n - 1, min(n, 64), device="cuda").long()
+    gbytes = n * v * elem / 1e9
+    results = []
+    floor_ms = bench_ms(lambda: torch.sum(logits), rep_ms)
+    results.append(Row("stats", card, dtype_name, n, v, 0, "torch.sum (floor)", floor_ms, gbytes / floor_ms, "TB/s"))
+    for name, fn in methods(n, v, dtype, kernel_configs, compile_ok).items():
+        copies = _FP32_COPIES.get(name, 0.0)
+        if copies and not fits(copies * n * v * 4):
+            results.append(Row("stats", card, dtype_name, n, v, 0, name, note="skipped: would not fit in memory"))
+            continue
+        try:
+            mib, out = extra_peak_mib(lambda: fn(logits, labels, TEMPERATURE))
+            errs = _errors(out, logits, labels, rows)
+            del out
+            ms = bench_ms(lambda: fn(logits, labels, TEMPERATURE), rep_ms)
+            results.append(Row("stats", card, dtype_name, n, v, 0, name, ms, gbytes / ms, "TB/s", mib, *errs))
+        except torch.OutOfMemoryError:
+            results.append(Row("stats", card, dtype_name, n, v, 0, name, note="out of memory"))
+        free_memory()
+    del logits
+    free_memory()
+    return results
+
+
+def main(args) -> list[Row]:
+    from entropy_discriminator.kernels import triton_stats
+
+    configs: dict[str, dict | None] = {"triton_kernel": None}
+    for spec in args.kernel_config or []:  # e.g. block=4096,num_warps=8,stages=2,split=1
+        cfg = dict(kv.split("=") for kv in spec.split(","))
+        cfg = {k: int(val) for k, val in cfg.items()}
+        configs[f"triton[{spec}]"] = cfg
+    rows: list[Row] = []
+    for dtype_name in args.dtypes:
+        for n in args.n:
+            for v in args.v:
+                base = triton_stats.choose_config(n, v, DTYPES[dtype_name], torch.cuda.get_device_properties(0).multi_processor_count)
+                shape_cfgs = {k: ({**base, **c} if c else None) for k, c in configs.items()}
+                compile_ok = (n, v) in {tuple(map(int, s.split("x"))) for s in args.compile_shapes}
+                rs = run_shape(n, v, dtype_name, shape_cfgs, compile_ok, args.rep_ms)
+                print_table(rs, floor_method="torch.sum (floor)")
+                write_csv(rs, args.csv or "stats")
+                rows += rs
+    return rows
+
+
+def summary(rows: list[Row]) -> None:
+    """Ratios the issue's targets name, per shape where the kernel and the baselines all ran."""
+    by_shape: dict[tuple, dict[str, Row]] = {}
+    for r in rows:
+        by_shape.setdefault((r.card, r.dtype, r.n, r.v), {})[r.method] = r
+    print("\nsummary (same card, same run): kernel time, fraction of torch.sum bandwidth, speedups")
+    for (card, dt, n, v), m in by_shape.items():
+        k = m.get("triton_kernel")
+        if not k or math.isnan(k.ms):
+            continue
+        f = m.get("torch.sum (floor)")
+        parts = [f"[{card}] {dt} N={n} V={v}: {k.ms * 1e3:.1f} us"]
+        if f:
+            parts.append(f"{f.ms / k.ms:.1%} of torch.sum bw")
+        for b in ("naive_eager", "torch_compile", "framework_chunked"):
+            if b in m and not math.isnan(m[b].ms):
+                parts.append(f"{m[b].ms / k.ms:.1f}x vs {b}")
+        parts.append(f"extra {k.extra_mib:.2f} MiB (budget {(64 * n) / 2**20 + 1:.2f})")
+        parts.append(f"err logp {k.err_logp:.1e} H {k.err_entropy:.1e} E {k.err_s_expected:.1e}")
+        print("  " + "; ".join(parts))
