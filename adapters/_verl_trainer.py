@@ -1,0 +1,258 @@
+"""Driver side of the verl adapter: V1 trainers that mask once per training batch.
+
+Per step, on the driver (which sees the whole batch through TransferQueue):
+
+1. ``_compute_old_log_prob``: verl's old-policy pass, with the flag that makes the worker hook
+   (``_verl_engine``) add ``E_p[S]`` next to verl's ``entropy``; the flag is removed afterwards so
+   the reference and update passes never compute it.  ``E_p[S]`` is sliced to the response like
+   ``old_log_probs`` and stored as ``entropy_disc_s_expected``.
+2. ``_compute_advantage``: verl's advantages (GRPO: per sequence, broadcast over tokens; GAE: per
+   token), then ``S* = exp(old_logp) (H + old_logp)`` (:func:`discriminator_score`),
+   ``S_c = S* - E_p[S]``, the configured Clip_B / Clip_V mask over every valid token of the batch,
+   and the monitor's ``entropy_disc/*`` metrics (``S_c`` weighted by ``r = pi_old / pi_rollout``
+   when the rollout's log-probs exist, i.e. off-policy).
+3. ``_update_actor``: the mask acts on the actor update only, then the stored fields are restored
+   (so the critic, verl's metrics and later readers see verl's own values):
+   ``mask_mode=zero_pg`` zeroes the clipped tokens' advantages (their policy-gradient term is 0,
+   the loss normaliser ``loss_mask`` is untouched); ``mask_mode=drop_token`` removes them from
+   ``response_mask`` and ``loss_mask`` (numerator and token-mean denominator).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+import transfer_queue as tq
+from omegaconf import DictConfig, OmegaConf
+from tensordict import TensorDict
+from verl.trainer.ppo.utils import Role
+from verl.trainer.ppo.v1 import PPOTrainerColocateAsync, PPOTrainerSeparateAsync, PPOTrainerSync
+from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+from verl.workers.utils.padding import response_from_nested, response_to_nested
+
+from entropy_discriminator import EntropyDiscConfig, EntropyMonitor, MaskResult, discriminator_score
+
+from ._verl_engine import FUSED_KERNELS_MESSAGE, SEQ_FIELD, STATS_CHUNK, STATS_FLAG, STATS_IMPL
+from ._verl_workers import stats_worker
+
+#: Response-aligned ``E_p[S]`` in TransferQueue (float32, jagged like ``old_log_probs``).
+EXPECTED_FIELD = "entropy_disc_s_expected"
+#: Engine strategies whose old-policy pass the hook covers.
+HOOKED_STRATEGIES = ("fsdp", "fsdp2", "megatron")
+
+
+def read_config(config: DictConfig) -> EntropyDiscConfig:
+    """``EntropyDiscConfig`` from the top-level ``entropy_disc`` group (absent -> method "none")."""
+    node = config.get("entropy_disc", None)
+    values = OmegaConf.to_container(node, resolve=True) if node is not None else {}
+    if not isinstance(values, dict):
+        raise ValueError(f"entropy_disc must be a mapping of options, got {values!r}")
+    return EntropyDiscConfig.from_mapping(values)
+
+
+def wants_expected(config: DictConfig, cfg: EntropyDiscConfig) -> bool:
+    """Whether the old-policy pass must yield ``E_p[S]``; raises ``ValueError`` for settings that rule it out.
+
+    Clip_V needs it; Clip_B and ``method=none`` use it for the ``S_c`` metrics when the engine
+    can give it (logits materialised, FSDP or Megatron), and skip it otherwise.
+    """
+    corr = config.algorithm.get("rollout_correction", None)
+    if corr is not None and corr.get("bypass_mode", False):
+        raise ValueError(
+            "entropy_disc needs verl's old-policy pass (entropy and log-probs of the training policy), which "
+            "algorithm.rollout_correction.bypass_mode=True skips: set it to False"
+        )
+    model = config.actor_rollout_ref.model
+    strategy = config.actor_rollout_ref.actor.get("strategy", "fsdp")
+    if model.get("use_fused_kernels", False):
+        if cfg.needs_expected:
+            raise ValueError(FUSED_KERNELS_MESSAGE)
+        return False
+    if strategy not in HOOKED_STRATEGIES:
+        if cfg.needs_expected:
+            raise ValueError(
+                f"entropy_disc.method=clip_v needs E_p[S], which the adapter computes in the {HOOKED_STRATEGIES} "
+                f"engines only; actor_rollout_ref.actor.strategy={strategy!r}"
+            )
+        return False
+    return True
+
+
+@dataclass
+class _PendingMask:
+    keys: tuple[str, ...]
+    keep: torch.Tensor  # bool [B, T_resp], padded like to_padded_tensor()
+
+
+class EntropyDiscTrainerMixin:
+    """Mix in front of a verl V1 ``PPOTrainer`` subclass: ``class T(EntropyDiscTrainerMixin, PPOTrainerSync)``.
+
+    The registered trainer names map onto verl's modes (``BASE_MODES``); inside the trainer
+    ``self.trainer_mode`` reads as the base mode, so verl's mode-dependent choices (replay
+    buffer, ``trainer.v1.<mode>`` options) are exactly those of the base mode.
+    """
+
+    BASE_MODES = {
+        "entropy_disc": "sync",
+        "entropy_disc_colocate_async": "colocate_async",
+        "entropy_disc_separate_async": "separate_async",
+    }
+
+    def __init__(self, config: DictConfig) -> None:
+        from .verl import check_version
+
+        check_version()
+        self.entropy_disc = read_config(config)
+        self._entropy_disc_expected = wants_expected(config, self.entropy_disc)
+        self._entropy_disc_monitor = EntropyMonitor()
+        self._entropy_disc_pending: _PendingMask | None = None
+        super().__init__(config)
+
+    @property
+    def trainer_mode(self) -> str:
+        return self.__dict__["_entropy_disc_trainer_mode"]
+
+    @trainer_mode.setter
+    def trainer_mode(self, name: str) -> None:
+        self.__dict__["_entropy_disc_trainer_mode"] = self.BASE_MODES.get(name, name)
+
+    def _init_resource_pool_mgr(self) -> None:
+        super()._init_resource_pool_mgr()
+        if not self._entropy_disc_expected:
+            return
+        for role in (Role.Actor, Role.ActorRollout, Role.ActorRolloutRef):
+            remote_cls = self.role_worker_mapping.get(role)
+            if remote_cls is not None:
+                self.role_worker_mapping[role] = ray.remote(stats_worker(remote_cls.__ray_actor_class__))
+
+    def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:
+        if not self._entropy_disc_expected:
+            return super()._compute_old_log_prob(batch, metrics)
+        batch.extra_info.update(
+            {
+                STATS_FLAG: True,
+                STATS_CHUNK: self.entropy_disc.chunk_size,
+                STATS_IMPL: self.entropy_disc.impl,
+            }
+        )
+        try:
+            out = super()._compute_old_log_prob(batch, metrics)
+        finally:
+            for key in (STATS_FLAG, STATS_CHUNK, STATS_IMPL):
+                batch.extra_info.pop(key, None)
+        for key in (STATS_FLAG, STATS_CHUNK, STATS_IMPL):
+            out.extra_info.pop(key, None)
+        data = tq.kv_batch_get(keys=out.keys, partition_id=out.partition_id, select_fields=[SEQ_FIELD, "response_mask"])
+        expected = response_from_nested(data[SEQ_FIELD], data["response_mask"])
+        fields = TensorDict({EXPECTED_FIELD: expected}, batch_size=len(out))
+        return tq.kv_batch_put(keys=out.keys, partition_id=out.partition_id, fields=fields)
+
+    def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
+        batch = super()._compute_advantage(batch, metrics)
+        self._entropy_disc_pending = None
+        wanted = ["response_mask", "advantages", "old_log_probs", "entropy", "rollout_log_probs"]
+        if self._entropy_disc_expected:
+            wanted.append(EXPECTED_FIELD)
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=wanted)
+        padded = data.to_padded_tensor()
+        mask, batch_metrics = self.entropy_disc_step(
+            advantages=padded["advantages"],
+            response_mask=padded["response_mask"],
+            old_log_probs=padded["old_log_probs"],
+            entropy=padded["entropy"],
+            s_expected=padded.get(EXPECTED_FIELD, None),
+            rollout_log_probs=padded.get("rollout_log_probs", None),
+        )
+        if self.entropy_disc.log_metrics:
+            metrics.update(batch_metrics)
+        if mask is not None:
+            self._entropy_disc_pending = _PendingMask(keys=tuple(batch.keys), keep=mask.keep)
+        return batch
+
+    def entropy_disc_step(
+        self,
+        *,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        old_log_probs: torch.Tensor,
+        entropy: torch.Tensor,
+        s_expected: torch.Tensor | None = None,
+        rollout_log_probs: torch.Tensor | None = None,
+    ) -> tuple[MaskResult | None, dict[str, float]]:
+        """Mask and metrics of one whole training batch (all tensors ``[B, T_resp]``, padded).
+
+        ``S* = exp(old_log_probs) (entropy + old_log_probs)``; ``S_c = S* - s_expected``; the mask
+        is ``self.entropy_disc.compute_mask`` over the tokens with ``response_mask != 0``
+        (None for ``method=none``).  Metrics: :class:`EntropyMonitor` with ``r = exp(old -
+        rollout)`` when rollout log-probs are given and ``lr = actor.optim.lr``.
+        """
+        valid = response_mask.bool()
+        zero = torch.zeros((), dtype=torch.float32)
+        old_lp = torch.where(valid, old_log_probs.float(), zero)
+        h = torch.where(valid, entropy.float(), zero)
+        s_star = discriminator_score(old_lp, h)
+        s_centered = None if s_expected is None else torch.where(valid, s_star - s_expected.float(), zero)
+        adv = advantages.float()
+        mask = None
+        if self.entropy_disc.enabled:
+            mask = self.entropy_disc.compute_mask(advantages=adv, valid=valid, s_star=s_star, s_centered=s_centered)
+        ratio = None
+        if rollout_log_probs is not None and s_centered is not None:
+            ratio = torch.where(valid, (old_lp - rollout_log_probs.float()).exp(), zero)
+        lr = float(self.config.actor_rollout_ref.actor.optim.lr)
+        batch_metrics = self._entropy_disc_monitor(
+            entropy=h,
+            valid=valid,
+            advantages=adv,
+            s_star=s_star,
+            s_centered=s_centered,
+            mask=mask,
+            ratio=ratio,
+            lr=lr if math.isfinite(lr) else None,
+        )
+        return mask, batch_metrics
+
+    def _update_actor(self, batch: Any, metrics: dict) -> Any:
+        pending, self._entropy_disc_pending = self._entropy_disc_pending, None
+        if pending is None or pending.keys != tuple(batch.keys):
+            return super()._update_actor(batch, metrics)
+        if self.entropy_disc.mask_mode == "zero_pg":
+            fields = ["advantages"]
+        else:
+            fields = ["response_mask", "loss_mask"]
+        original = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+        masked = {}
+        for name in fields:
+            nested = original[name]
+            padded = torch.nested.to_padded_tensor(nested, 0)
+            keep = pending.keep[:, : padded.shape[1]].to(padded.dtype)
+            masked[name] = response_to_nested(padded * keep, nested)
+        tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=TensorDict(masked, batch_size=len(batch)))
+        try:
+            return super()._update_actor(batch, metrics)
+        finally:
+            tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=original.select(*fields))
+
+
+class EntropyDiscTrainerSync(EntropyDiscTrainerMixin, PPOTrainerSync):
+    """``trainer.v1.trainer_mode=entropy_disc``: verl's ``sync`` trainer with the masks."""
+
+
+class EntropyDiscTrainerColocateAsync(EntropyDiscTrainerMixin, PPOTrainerColocateAsync):
+    """``trainer.v1.trainer_mode=entropy_disc_colocate_async``: verl's ``colocate_async`` trainer with the masks."""
+
+
+class EntropyDiscTrainerSeparateAsync(EntropyDiscTrainerMixin, PPOTrainerSeparateAsync):
+    """``trainer.v1.trainer_mode=entropy_disc_separate_async``: verl's ``separate_async`` trainer with the masks."""
+
+
+#: Registered trainer name -> class.
+TRAINERS: dict[str, type[PPOTrainer]] = {
+    "entropy_disc": EntropyDiscTrainerSync,
+    "entropy_disc_colocate_async": EntropyDiscTrainerColocateAsync,
+    "entropy_disc_separate_async": EntropyDiscTrainerSeparateAsync,
+}
