@@ -1,0 +1,140 @@
+"""Two CPU processes (accelerate over gloo) give the statistics of one process on the whole batch.
+
+Each spawned process builds a real ``EntropyDiscGRPOTrainer`` (TRL 1.16; accelerate initialises
+the gloo process group from RANK/WORLD_SIZE) with the same tiny model, takes its half of one fixed
+generation batch and runs the adapter's generation-batch hook (Clip_B zero_pg, Clip_V drop_token)
+and its current-policy hook.  The keep-masks, ``num_items_in_batch`` and every ``entropy_disc/``
+metric must equal those of a single process on the whole batch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+if os.environ.get("ED_REQUIRE_TRL"):
+    import trl  # noqa: F401
+else:
+    pytest.importorskip("trl", reason="TRL is installed only in the nox 'trl' session")
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+WORLD = 2
+ROWS = 8  # generation batch rows; each of the 2 ranks holds 4
+
+
+def _tiny():
+    spec = importlib.util.spec_from_file_location("ed_trl_tiny", ROOT / "examples" / "trl" / "tiny.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _batch(vocab: int) -> dict[str, torch.Tensor]:
+    """A fixed generation batch: ragged completions, advantages of both signs, a tool mask."""
+    g = torch.Generator().manual_seed(1)
+    p, t = 3, 7
+    lengths = torch.tensor([7, 3, 5, 7, 1, 6, 4, 7])
+    cmask = (torch.arange(t)[None, :] < lengths[:, None]).long()
+    tool = torch.ones(ROWS, t, dtype=torch.long)
+    tool[3, 2:4] = 0
+    return {
+        "prompt_ids": torch.randint(4, vocab, (ROWS, p), generator=g),
+        "prompt_mask": torch.ones(ROWS, p, dtype=torch.long),
+        "completion_ids": torch.randint(4, vocab, (ROWS, t), generator=g),
+        "completion_mask": cmask,
+        "tool_mask": tool,
+        "advantages": torch.tensor([1.2, -0.7, 0.0, -1.5, 0.4, -0.2, 2.0, -0.9]),
+        "num_items_in_batch": (cmask * tool).sum(),
+    }
+
+
+def _current_policy_tensors() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    logps = -torch.rand(ROWS, 7, generator=g) * 4
+    entropies = torch.rand(ROWS, 7, generator=g) * 3
+    return logps, entropies
+
+
+def _run(trainer, rows: slice) -> dict[str, object]:
+    """The adapter's hooks on ``rows`` of the fixed batch; returns masks, counts and metrics."""
+    from entropy_discriminator import EntropyDiscConfig
+    from entropy_discriminator.adapters import _trl_hooks as hooks
+
+    trainer.model.train()
+    full = _batch(trainer.model.config.vocab_size)
+    half = {k: (v[rows] if v.dim() else v) for k, v in full.items()}
+    results: dict[str, object] = {}
+    for name, cfg in (
+        ("clip_b", EntropyDiscConfig(method="clip_b", mu_low=0.8, mu_high=1.0, sides="both")),
+        ("clip_v", EntropyDiscConfig(method="clip_v", mu_low=0.5, mu_high=0.5, sides="negative", max_frac=0.2,
+                                     mask_mode="drop_token")),
+    ):
+        trainer._metrics["train"].clear()
+        out = hooks.after_generation(trainer, hooks.AdapterState(cfg), dict(half))
+        results[name] = {"keep": out[hooks.KEEP_KEY], "num_items": int(out["num_items_in_batch"]),
+                         "metrics": {k: v[0] for k, v in trainer._metrics["train"].items()}}
+    trainer._metrics["train"].clear()
+    state = hooks.AdapterState(EntropyDiscConfig(method="clip_b", mu_low=0.8, mu_high=1.0, sides="both"), "current")
+    parked = hooks.loss_inputs(state, trainer, half)
+    logps, entropies = _current_policy_tensors()
+    hooks.current_policy_mask(trainer, state, logps[rows], entropies[rows])
+    results["current"] = {"advantages": parked["advantages"],
+                          "metrics": {k: v[0] for k, v in trainer._metrics["train"].items()}}
+    return results
+
+
+def _make_trainer(tmp: str):
+    from entropy_discriminator.adapters.trl import EntropyDiscGRPOConfig, EntropyDiscGRPOTrainer
+
+    tiny = _tiny()
+    tok = tiny.tiny_tokenizer()
+    args = EntropyDiscGRPOConfig(output_dir=tmp, per_device_train_batch_size=4, num_generations=4,
+                                 max_completion_length=7, report_to="none", use_cpu=True, save_strategy="no",
+                                 disable_dropout=True)
+    return EntropyDiscGRPOTrainer(model=tiny.tiny_model(tok), reward_funcs=tiny.digit_reward, args=args,
+                                  train_dataset=tiny.tiny_dataset(), processing_class=tok)
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    trainer = _make_trainer(os.path.join(out_dir, f"out{rank}"))
+    assert trainer.accelerator.num_processes == WORLD and torch.distributed.get_backend() == "gloo"
+    per = ROWS // WORLD
+    torch.save(_run(trainer, slice(rank * per, (rank + 1) * per)), os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.distributed
+def test_two_gloo_processes_match_one_process_on_the_whole_batch(tmp_path):
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    whole = _run(_make_trainer(str(tmp_path / "single")), slice(0, ROWS))
+
+    for name in ("clip_b", "clip_v"):
+        keep = torch.cat([r[name]["keep"] for r in ranks])
+        assert torch.equal(keep, whole[name]["keep"]), name
+        assert 0 < (~whole[name]["keep"]).sum() < whole[name]["keep"].numel()
+        assert all(r[name]["num_items"] == whole[name]["num_items"] for r in ranks)
+    # drop_token: the normaliser is the global kept-token count.
+    assert whole["clip_v"]["num_items"] == int((_batch(100)["completion_mask"] * _batch(100)["tool_mask"]).bool()
+                                               .logical_and(whole["clip_v"]["keep"]).sum())
+    torch.testing.assert_close(torch.cat([r["current"]["advantages"] for r in ranks]), whole["current"]["advantages"])
+    for name in ("clip_b", "clip_v", "current"):
+        expected = whole[name]["metrics"]
+        assert "entropy_disc/clip/frac" in expected and "entropy_disc/entropy/p50" in expected
+        for r in ranks:
+            assert r[name]["metrics"].keys() == expected.keys()
+            for key, value in expected.items():
+                assert r[name]["metrics"][key] == pytest.approx(value, rel=1e-6, abs=1e-12), (name, key)
