@@ -12,7 +12,6 @@ different, multi-GB build through a framework's loose requirement).
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import nox
 
@@ -40,6 +39,8 @@ def verl(session: nox.Session) -> None:
     """
     session.install(TORCH)
     session.install("-e", ".[test,verl]", TORCH)
+    from pathlib import Path
+
     tests = sorted(str(p) for p in Path("tests/adapters").glob("test_verl*.py"))
     session.run(*PYTEST, *tests, *session.posargs)
 
