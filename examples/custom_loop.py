@@ -1,0 +1,139 @@
+"""A complete plain-PyTorch GRPO loop with entropy-discriminator control, on CPU in under a minute.
+
+The task is procedurally generated and verifiable: given two digits ``a b``, answer their sum as
+two digits.  A small randomly initialised transformer samples ``G`` answers per prompt; the
+reward is the share of correct answer digits; advantages are group-normalised (GRPO).  The lines marked
+``# <- entropy-discriminator`` are all a custom loop adds: statistics of the sampling policy,
+the keep-mask, the masked loss and the metrics.
+
+    python examples/custom_loop.py --method clip_v      # or clip_b, or none for vanilla GRPO
+
+With the defaults, vanilla GRPO's entropy falls from 2.2 to about 0.8 within 20 steps while Clip_B
+and Clip_V hold it near 1.4 (seed 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn as nn
+
+import entropy_discriminator as ed
+
+VOCAB = 10 + 2  # digits, <bos>, <sep>
+BOS, SEP = 10, 11
+PROMPT_LEN, ANSWER_LEN = 4, 2
+
+
+class TinyLM(nn.Module):
+    """A 2-layer causal transformer over the 12-token vocabulary."""
+
+    def __init__(self, dim: int = 64, layers: int = 2, max_len: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.pos = nn.Parameter(torch.randn(max_len, dim) * 0.02)
+        block = nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        causal = torch.triu(torch.full((t, t), float("-inf")), diagonal=1)
+        return self.head(self.blocks(self.embed(tokens) + self.pos[:t], mask=causal))
+
+
+def make_prompts(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts ``<bos> a b <sep>`` and the answers ``(a + b) // 10, (a + b) % 10``."""
+    ab = torch.randint(0, 10, (n, 2), generator=gen)
+    prompts = torch.cat([torch.full((n, 1), BOS), ab, torch.full((n, 1), SEP)], dim=1)
+    total = ab.sum(1)
+    return prompts, torch.stack([total // 10, total % 10], dim=1)
+
+
+@torch.no_grad()
+def sample(model: TinyLM, prompts: torch.Tensor, gen: torch.Generator, temperature: float) -> torch.Tensor:
+    """Sample ANSWER_LEN digit tokens per prompt; returns the full sequences."""
+    seq = prompts
+    for _ in range(ANSWER_LEN):
+        logits = model(seq)[:, -1, :10] / temperature  # answers are digits only
+        nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)
+        seq = torch.cat([seq, nxt], dim=1)
+    return seq
+
+
+def answer_logits(model: TinyLM, seq: torch.Tensor) -> torch.Tensor:
+    """Logits predicting each answer token (the one-token shift: position t predicts token t+1)."""
+    logits = model(seq[:, :-1])[:, PROMPT_LEN - 1 :, :]
+    return logits.masked_fill(torch.arange(VOCAB) >= 10, float("-inf"))  # digits only, as sampled
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--method", choices=["none", "clip_b", "clip_v"], default="clip_v")
+    parser.add_argument(
+        "--mu-low",
+        type=float,
+        default=1.0,
+        help="lower bound in batch stds (the paper's 2.5 / 8.5 suit batches of ~1M tokens; this toy batch has 256)",
+    )
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    torch.manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    model = TinyLM()
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    cfg = ed.EntropyDiscConfig(method=args.method, mu_low=args.mu_low, max_frac=None)  # <- entropy-discriminator
+    monitor = ed.EntropyMonitor()  # <- entropy-discriminator
+    start = time.time()
+    for step in range(args.steps):
+        prompts, answers = make_prompts(args.prompts, gen)
+        prompts, answers = prompts.repeat_interleave(args.group, 0), answers.repeat_interleave(args.group, 0)
+        seq = sample(model, prompts, gen, args.temperature)
+        completion = seq[:, PROMPT_LEN:]
+        reward = (completion == answers).float().mean(1)  # share of correct digits
+        grouped = reward.view(-1, args.group)
+        adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).reshape(-1)
+        response_mask = torch.ones_like(completion, dtype=torch.bool)
+
+        with torch.no_grad():  # statistics of the policy that sampled the batch
+            stats = ed.token_stats(answer_logits(model, seq), completion, temperature=args.temperature)  # <- entropy-discriminator
+        mask = None
+        if cfg.enabled:  # <- entropy-discriminator
+            mask = cfg.compute_mask(advantages=adv, valid=response_mask, s_star=stats.s_star, s_centered=stats.s_centered)
+
+        logp = torch.log_softmax(answer_logits(model, seq) / args.temperature, -1)
+        logp = logp.gather(-1, completion[..., None])[..., 0]
+        ratio = torch.exp(logp - stats.logp)  # 1 on-policy; kept to show the PPO form
+        pg_losses = -adv[:, None] * ratio
+        loss_mask = response_mask.float()
+        if mask is not None:  # <- entropy-discriminator
+            pg_losses, loss_mask = ed.apply_keep_mask(pg_losses, mask.keep, loss_mask, mode=cfg.mask_mode)
+        loss = (pg_losses * loss_mask).sum() / loss_mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+        metrics = monitor.from_stats(stats, advantages=adv, mask=mask)  # <- entropy-discriminator
+        if step % 5 == 0 or step == args.steps - 1:
+            print(
+                f"step {step:3d}  reward {reward.mean():.3f}  "
+                f"entropy {metrics['entropy_disc/entropy/mean']:.3f}  "
+                f"S_c mean {metrics['entropy_disc/s_centered/mean']:+.2e}  "
+                f"clip {metrics.get('entropy_disc/clip/frac', 0.0):.4f}  "
+                f"Cov(A,S_c) {metrics['entropy_disc/cov/adv_s_centered']:+.2e}"
+            )
+    print(f"done in {time.time() - start:.1f}s; last step's metrics:")
+    for key, value in sorted(metrics.items()):
+        print(f"  {key:40s} {value: .5g}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""The custom-loop example runs end to end; a non-editable install ships the adapters package."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_custom_loop_example_runs_and_prints_metrics():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "custom_loop.py"), "--method", "clip_v", "--steps", "3", "--prompts", "4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
+    assert "entropy_disc/clip/frac" in out and "entropy_disc/cov/adv_s_centered" in out
+    assert out.count("step ") == 2  # step 0 and the last step
+
+
+def test_non_editable_install_imports_adapters(tmp_path):
+    """``pip install .`` (no -e) must map adapters/ to entropy_discriminator.adapters."""
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-q", "--target", str(target), str(ROOT)],
+        check=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert (target / "entropy_discriminator" / "adapters" / "_patching.py").is_file()
+    code = (
+        "import entropy_discriminator, entropy_discriminator.adapters as a, entropy_discriminator.adapters._patching as p;"
+        "print(entropy_discriminator.__file__); print(a.__file__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path, env={"PYTHONPATH": str(target)}
+    ).stdout.splitlines()
+    assert all(line.startswith(str(target)) for line in out), out
