@@ -8,6 +8,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import TorchDispatchMode
 from reference import reference_token_stats
 
 import entropy_discriminator as ed
@@ -88,9 +90,9 @@ def test_non_contiguous_views_and_leading_shapes(seed, chunk):
     assert_matches_reference(strided, labels_t, ed.token_stats(strided, labels_t, chunk_size=chunk))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_large_vocabulary_151936(dtype):
-    logits = make_logits(7, (9,), 151936, "normal", dtype)
+@pytest.mark.parametrize("dtype, v", [(torch.bfloat16, 151936), (torch.float32, 151936), (torch.bfloat16, 256000)])
+def test_large_vocabulary(dtype, v):
+    logits = make_logits(7, (9,), v, "normal", dtype)
     labels = make_labels(7, logits)
     stats = ed.token_stats(logits, labels, chunk_size=4)
     assert_matches_reference(logits, labels, stats, extra_tol=2.5)
@@ -158,6 +160,32 @@ def test_fast_path_at_least_as_accurate_as_naive_fp32():
         err_fast = float((got.double() - want).abs().max())
         err_naive = float((naive.double() - want).abs().max())
         assert err_fast <= max(2 * err_naive, 1e-6), (err_fast, err_naive)
+
+
+class _LargestAllocation(TorchDispatchMode):
+    """Records the largest storage any op allocates (views of the input do not count)."""
+
+    def __init__(self, base: torch.Tensor) -> None:
+        super().__init__()
+        self.base_ptr = base.untyped_storage().data_ptr()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() != self.base_ptr:
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+@pytest.mark.parametrize("chunk", [4, 7])
+def test_peak_working_memory_is_one_chunk_not_a_full_fp32_copy(chunk):
+    n, v = 64, 3001
+    logits = make_logits(2, (n,), v, "masked", torch.bfloat16)
+    with _LargestAllocation(logits) as probe:
+        ed.token_stats(logits, make_labels(2, logits), chunk_size=chunk)
+    assert probe.largest <= chunk * v * 4, (probe.largest, chunk * v * 4)  # one fp32 [chunk, V] buffer
+    assert probe.largest < n * v * 2  # far below even a bf16 copy of the logits
 
 
 def test_no_gradient_and_no_mutation_of_inputs():
