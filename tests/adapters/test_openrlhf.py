@@ -16,7 +16,9 @@ import importlib.util
 import json
 import math
 import os
+import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 from unittest.mock import MagicMock
 
@@ -70,6 +72,7 @@ from entropy_discriminator.adapters._openrlhf_round import (  # noqa: E402
 
 TEMPERATURE = 0.7
 VOCAB = 97
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "openrlhf"
 
 
 @pytest.fixture(autouse=True)
@@ -324,6 +327,32 @@ def test_launcher_hands_the_rest_to_train_ppo_ray(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exc:
         adapter.main(["--actor.model_name_or_path", "tiny", "--no_such_openrlhf_flag", "1"])
     assert exc.value.code == 2 and "no_such_openrlhf_flag" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script", ["ppo_gae.sh", "grpo.sh"])
+@pytest.mark.parametrize("method", ["clip_b", "clip_v"])
+def test_example_scripts_are_accepted_by_openrlhf(script, method, monkeypatch):
+    """Every flag of the example launch scripts is known to the launcher or to OpenRLHF 0.11.2's CLI,
+    whose own argument checks pass up to ``ray.init``."""
+    import ray
+
+    out = subprocess.run(["bash", str(EXAMPLES / script), method], env={**os.environ, "ED_PRINT_ARGS": "1"},
+                         capture_output=True, check=True).stdout
+    argv = out.decode().split("\0")[:-1]
+    cfg, _, rest = adapter.parse(argv)
+    assert cfg.method == method and not any(a.startswith("--entropy_disc") for a in rest)
+    estimator = rest[rest.index("--algo.advantage.estimator") + 1]
+    assert estimator == {"ppo_gae.sh": "gae", "grpo.sh": "group_norm"}[script]
+    seen = {}
+
+    def fake_init(*args, **kwargs):
+        seen.update(kwargs)
+        raise _StopAtRayInit
+
+    monkeypatch.setattr(ray, "init", fake_init)
+    with pytest.raises(_StopAtRayInit):
+        adapter.main(argv)
+    assert json.loads(seen["runtime_env"]["env_vars"][adapter.CONFIG_ENV])["config"]["method"] == method
 
 
 def _ratio_loss_reference(log_probs, old, adv, mask, keep, mode, token_level):

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# GRPO (group_norm advantages, no critic) with a rule-based reward function and Clip_B or Clip_V,
+# OpenRLHF 0.11.2, hybrid engine on one node of 8 GPUs.  The flags are OpenRLHF's own
+# (python -m openrlhf.cli.train_ppo_ray --help) plus --entropy_disc.*
+# (python -m entropy_discriminator.adapters.openrlhf --entropy_disc.help).
+#
+#   bash examples/openrlhf/grpo.sh clip_b      # Clip_B: clip A<0 tokens with S* < mean - 2.5 std
+#   bash examples/openrlhf/grpo.sh clip_v      # Clip_V: clip A<0 tokens with S_c < -8.5 std, at most 1e-4
+#
+# Needs a running Ray cluster (ray start --head --num-gpus 8) whose nodes all have
+# `pip install "entropy-discriminator[openrlhf]"`, and REWARD_FN: a Python file defining OpenRLHF's
+# reward_func(queries, prompts, labels) (see OpenRLHF's README, "reward function").
+# Environment: MODEL, REWARD_FN, DATA, INPUT_KEY, LABEL_KEY, OUT, RAY_DASHBOARD, WANDB_KEY (optional).
+# ED_PRINT_ARGS=1 prints the argument list (NUL-separated) instead of launching (used by the tests).
+set -euo pipefail
+
+METHOD=${1:-clip_b}
+case "$METHOD" in
+  clip_b) ED_FLAGS=(--entropy_disc.method clip_b --entropy_disc.mu_low 2.5 --entropy_disc.sides negative) ;;
+  clip_v) ED_FLAGS=(--entropy_disc.method clip_v --entropy_disc.mu_low 8.5 --entropy_disc.max_frac 1e-4) ;;
+  *) echo "usage: $0 clip_b|clip_v" >&2; exit 2 ;;
+esac
+
+MODEL=${MODEL:-Qwen/Qwen2.5-7B-Instruct}
+REWARD_FN=${REWARD_FN:-./reward_func.py}
+DATA=${DATA:-your/math-prompts}
+INPUT_KEY=${INPUT_KEY:-prompt}
+LABEL_KEY=${LABEL_KEY:-answer}
+OUT=${OUT:-./ckpt/grpo_${METHOD}}
+
+ARGS=(
+  --ref.num_nodes 1 --ref.num_gpus_per_node 8
+  --actor.num_nodes 1 --actor.num_gpus_per_node 8
+  --vllm.num_engines 8 --vllm.tensor_parallel_size 1 --vllm.gpu_memory_utilization 0.6
+  --train.colocate_all --vllm.enable_sleep --ds.enable_sleep --vllm.enforce_eager
+  --actor.model_name_or_path "$MODEL"
+  --reward.remote_url "$REWARD_FN"
+  --algo.advantage.estimator group_norm
+  --algo.kl.use_loss --algo.kl.init_coef 0.001 --algo.kl.estimator k3
+  --data.prompt_dataset "$DATA" --data.input_key "$INPUT_KEY" --data.label_key "$LABEL_KEY"
+  --data.apply_chat_template
+  --data.max_len 4096 --rollout.max_new_tokens 3072 --data.max_samples 100000
+  --rollout.batch_size 128 --rollout.n_samples_per_prompt 8 --rollout.temperature 1.0
+  --train.batch_size 1024 --train.micro_batch_size 4 --train.max_epochs 1 --train.num_episodes 1
+  --ds.zero_stage 3 --ds.param_dtype bf16 --actor.gradient_checkpointing_enable
+  --actor.adam.lr 1e-6 --actor.entropy_coef 0
+  --ckpt.output_dir "$OUT" --ckpt.path "$OUT/checkpoints" --ckpt.save_hf
+  --logger.tensorboard_dir "$OUT/tensorboard"
+  "${ED_FLAGS[@]}"
+)
+if [[ -n "${WANDB_KEY:-}" ]]; then ARGS+=(--logger.wandb.key "$WANDB_KEY"); fi
+
+if [[ "${ED_PRINT_ARGS:-0}" == 1 ]]; then printf '%s\0' "${ARGS[@]}"; exit 0; fi
+ray job submit --address="${RAY_DASHBOARD:-http://127.0.0.1:8265}" \
+  -- python3 -m entropy_discriminator.adapters.openrlhf "${ARGS[@]}"
