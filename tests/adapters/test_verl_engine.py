@@ -1,0 +1,174 @@
+"""The E_p[S] hook on verl 0.9.1's real FSDP engine code path, on CPU.
+
+What runs is verl's own ``FSDPEngineWithLMHead.infer_batch`` -> ``forward_backward_batch`` ->
+``prepare_micro_batches`` -> ``forward_step`` -> ``prepare_model_inputs`` -> the model ->
+``prepare_model_outputs`` (wrapped by the hook) -> ``postprocess_batch_func``, with a gloo process
+group of one rank and a tiny randomly initialised Llama.  Not run: the engine's constructor
+(``initialize`` builds the model from a checkpoint path and wraps it in FSDP on a CUDA/NPU device
+mesh), so the engine object is created with ``object.__new__`` and given the attributes the
+constructor would set; and verl's ``get_device_id``/``get_device_name`` (they call
+``torch.cuda.current_device()``, which fails on a CPU-only torch) are pointed at ``"cpu"``.
+The reference is float64 arithmetic on the same model's logits.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("verl", reason="needs the verl extra: nox -s verl")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.workers.engine.fsdp import transformer_impl  # noqa: E402
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead  # noqa: E402
+from verl.workers.utils.padding import response_from_nested  # noqa: E402
+
+import entropy_discriminator.adapters.verl as ed_verl  # noqa: E402
+from entropy_discriminator import discriminator_score  # noqa: E402
+from entropy_discriminator.adapters._verl_engine import SEQ_FIELD, STATS_FLAG  # noqa: E402
+
+VOCAB = 97
+PROMPT_LENS = [3, 5, 2, 4]
+RESPONSE_LENS = [4, 1, 6, 3]
+
+
+@pytest.fixture(scope="module")
+def gloo():
+    if not dist.is_initialized():
+        path = os.path.join(tempfile.mkdtemp(), "store")
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )
+    m = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # spread the logits so softmax rows are far from uniform
+        m.lm_head.weight.mul_(40.0)
+    return m
+
+
+@pytest.fixture
+def engine(model, gloo, monkeypatch):
+    monkeypatch.setattr(transformer_impl, "get_device_id", lambda: "cpu")
+    monkeypatch.setattr(transformer_impl, "get_device_name", lambda: "cpu")
+    eng = object.__new__(FSDPEngineWithLMHead)
+    eng.module = model
+    eng.engine_config = SimpleNamespace(
+        entropy_checkpointing=False, entropy_from_logits_with_chunking=True, entropy_from_logits_chunk_size=5
+    )
+    eng.compute_entropy_from_logits = transformer_impl.verl_F.entropy_from_logits_with_chunking
+    eng.ulysses_sequence_parallel_size = 1
+    eng.ulysses_device_mesh = None
+    eng.use_ulysses_sp = False
+    eng.pad_to_length = False
+    eng.pad_to_length_bucket = 1
+    eng._autocast_dtype = torch.float32
+    eng.scaler = None
+    ed_verl.patch()
+    yield eng
+    ed_verl.unpatch()
+
+
+def _batch(stats: bool, *, remove_padding: bool, temperature: float, fused: bool = False):
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, VOCAB, (p + r,), generator=g) for p, r in zip(PROMPT_LENS, RESPONSE_LENS)]
+    nested = lambda ts: torch.nested.as_nested_tensor(ts, layout=torch.jagged)  # noqa: E731
+    flags = dict(
+        use_remove_padding=remove_padding, use_dynamic_bsz=False, micro_batch_size_per_gpu=2,
+        use_fused_kernels=fused, calculate_entropy=True, temperature=temperature, pad_token_id=0,
+    )
+    if stats:
+        flags[STATS_FLAG] = True
+    return tu.get_tensordict(
+        tensor_dict={
+            "input_ids": nested(seqs),
+            "position_ids": nested([torch.arange(len(s)) for s in seqs]),
+            "loss_mask": nested([torch.ones(r, dtype=torch.int64) for r in RESPONSE_LENS]),
+            "response_mask": nested([torch.ones(r, dtype=torch.int64) for r in RESPONSE_LENS]),
+        },
+        non_tensor_dict=flags,
+    ), seqs
+
+
+def _reference(model, seqs, temperature, remove_padding):
+    """float64 (H, logp, S*, E_p[S]) per response token from the model's own logits."""
+    with torch.no_grad():
+        if remove_padding:  # verl packs all sequences into one row, position ids restarting per sequence
+            ids = torch.cat(seqs)[None]
+            pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+            rows = torch.split(logits, [len(s) for s in seqs])
+        else:
+            width = max(len(s) for s in seqs)
+            ids = torch.zeros(len(seqs), width, dtype=torch.long)
+            att = torch.zeros(len(seqs), width, dtype=torch.long)
+            for i, s in enumerate(seqs):
+                ids[i, : len(s)], att[i, : len(s)] = s, 1
+            pos = torch.arange(width).expand(len(seqs), -1)
+            logits = model(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=False).logits
+            rows = [logits[i, : len(s)] for i, s in enumerate(seqs)]
+    out = []
+    for row, s, r in zip(rows, seqs, RESPONSE_LENS):
+        z = row[len(s) - r - 1 : len(s) - 1].double() / temperature  # predicts the r response tokens
+        logq = torch.log_softmax(z, -1)
+        p = logq.exp()
+        h = -(p * logq).sum(-1)
+        lpk = logq.gather(-1, s[len(s) - r :, None])[:, 0]
+        out.append((h, lpk, lpk.exp() * (h + lpk), (p * p * (h[:, None] + logq)).sum(-1)))
+    return out
+
+
+@pytest.mark.parametrize("remove_padding", [True, False])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_expected_score_matches_float64(engine, model, remove_padding, temperature):
+    data, seqs = _batch(True, remove_padding=remove_padding, temperature=temperature)
+    out = engine.infer_batch(data)["model_output"]
+    response_mask = data["response_mask"]
+    s_exp = response_from_nested(out[SEQ_FIELD], response_mask)
+    logp = response_from_nested(out["log_probs"], response_mask)
+    ent = response_from_nested(out["entropy"], response_mask)
+    for i, (h, lpk, s_star, e_s) in enumerate(_reference(model, seqs, temperature, remove_padding)):
+        assert s_exp[i].dtype == torch.float32
+        assert e_s.abs().max() > 1e-2  # the statistic is far from 0 here, so the comparison means something
+        torch.testing.assert_close(s_exp[i].double(), e_s, rtol=1e-5, atol=1e-6)
+        # S* from verl's own log-probs and entropy, as the driver forms it
+        torch.testing.assert_close(discriminator_score(logp[i], ent[i]).double(), s_star, rtol=1e-4, atol=1e-5)
+
+
+def test_hook_leaves_verl_outputs_alone(engine):
+    with_stats, _ = _batch(True, remove_padding=True, temperature=0.7)
+    without, _ = _batch(False, remove_padding=True, temperature=0.7)
+    a = engine.infer_batch(with_stats)["model_output"]
+    b = engine.infer_batch(without)["model_output"]
+    assert SEQ_FIELD in a and SEQ_FIELD not in b
+    for key in ("log_probs", "entropy"):
+        assert torch.equal(a[key].values(), b[key].values())
+    ed_verl.unpatch()
+    c = engine.infer_batch(without)["model_output"]
+    assert set(c) == set(b)
+    for key in ("log_probs", "entropy"):
+        assert torch.equal(c[key].values(), b[key].values())
+
+
+def test_fused_kernels_refused_with_the_setting_named(engine, model):
+    data, _ = _batch(True, remove_padding=True, temperature=1.0, fused=True)
+    total = sum(PROMPT_LENS) + sum(RESPONSE_LENS)
+    output_args = {
+        "temperature_is_one": True, "pad_size": 0,
+        "input_ids_rmpad_rolled": torch.zeros(total, dtype=torch.long), "temperature_rmpad": torch.ones(total),
+    }
+    fused_output = SimpleNamespace(log_probs=torch.zeros(1, total), entropy=torch.zeros(1, total))
+    with pytest.raises(RuntimeError, match=r"actor_rollout_ref\.model\.use_fused_kernels=False"):
+        FSDPEngineWithLMHead.prepare_model_outputs(engine, fused_output, output_args, data, None)
