@@ -12,6 +12,7 @@ import importlib.util
 import math
 import os
 import pathlib
+import sys
 
 import pytest
 import torch
@@ -358,3 +359,38 @@ def test_patched_stock_trainer_behaves_like_the_subclass(how, tmp_path):
             assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-9), k
     losses = [h["loss"] for h in ref.state.log_history if "loss" in h]
     assert [h["loss"] for h in trainer.state.log_history if "loss" in h] == pytest.approx(losses, rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- example
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("ed_trl_example", ROOT / "examples" / "trl" / "grpo_entropy_disc.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_example_accuracy_reward_reads_the_final_number():
+    ex = _example()
+    completions = [[{"role": "assistant", "content": "3 + 4 = 7 apples\n#### 7"}],
+                   [{"role": "assistant", "content": "She pays 1,250 dollars in total."}],
+                   [{"role": "assistant", "content": "#### 12.5"}],
+                   [{"role": "assistant", "content": "no idea"}]]
+    assert ex.accuracy_reward(completions, answer=["7", "1250", "12", "3"]) == [1.0, 1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("extra", [["--entropy_disc_method", "clip_b"], ["--entropy_disc_method", "clip_v", "--use_patch",
+                                                                       "--entropy_disc_max_frac", "none"]])
+def test_example_script_runs_its_tiny_path(extra, tmp_path):
+    summary = _example().main([
+        "--tiny", "--use_cpu", "--output_dir", str(tmp_path), "--max_steps", "1", "--max_completion_length", "8",
+        "--per_device_train_batch_size", "4", "--num_generations", "4", "--gradient_accumulation_steps", "1",
+        "--tiny_hidden", "32", "--entropy_disc_mu_low", "0.5", "--summary_json", str(tmp_path / "s.json"), *extra,
+    ])
+    unpatch()
+    last = summary["last"]
+    assert last["entropy_disc/tokens/valid"] > 0 and 0 < last["entropy_disc/clip/frac"] < 1
+    assert last["entropy_disc/entropy/mean"] == pytest.approx(last["entropy"], rel=1e-4)
+    assert (tmp_path / "s.json").exists()
