@@ -29,6 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     for q in (s, f):
         q.add_argument("--kernel-config", action="append", help="extra kernel config to time, k=v,k=v (repeatable)")
         q.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition budget per measurement")
+        q.add_argument("--kernel-only", action="store_true", help="time only the kernels and the floor (config sweeps)")
         q.add_argument("--csv", default=None, help="CSV name under benchmarks/results/ (default: the bench name)")
     return p
 

@@ -28,7 +28,7 @@ def _errors(out, hidden, weight, labels, rows) -> tuple[float, float, float]:
     return tuple(float((out[i][rows].double() - ref[k]).abs().max()) for i, k in enumerate(("logp", "entropy", "s_expected")))
 
 
-def methods(n: int, configs: dict[str, dict]) -> dict[str, Callable]:
+def methods(n: int, configs: dict[str, dict], kernel_only: bool = False) -> dict[str, Callable]:
     from entropy_discriminator.hidden import token_stats_from_hidden
     from entropy_discriminator.kernels.triton_fused import token_stats_fused_triton
     from entropy_discriminator.kernels.triton_stats import token_stats_triton
@@ -51,15 +51,17 @@ def methods(n: int, configs: dict[str, dict]) -> dict[str, Callable]:
         s = token_stats_from_hidden(h, w, lab, impl="torch")
         return s.logp, s.entropy, s.s_expected
 
-    out = {"cublas_matmul_only": matmul_only, "matmul+triton_kernel": matmul_then_kernel}
+    out = {"cublas_matmul_only": matmul_only}
+    if not kernel_only:
+        out["matmul+triton_kernel"] = matmul_then_kernel
     for name, cfg in configs.items():
         out[name] = fused(cfg)
-    if n <= 4096:
+    if n <= 4096 and not kernel_only:
         out["library_torch_chunked(fp32 mm)"] = torch_chunked
     return out
 
 
-def run_shape(n: int, h: int, v: int, configs: dict[str, dict], rep_ms: int) -> list[Row]:
+def run_shape(n: int, h: int, v: int, configs: dict[str, dict], rep_ms: int, kernel_only: bool = False) -> list[Row]:
     card = card_name()
     free_memory()
     gen = torch.Generator(device="cuda").manual_seed(n + h + v)
@@ -69,7 +71,7 @@ def run_shape(n: int, h: int, v: int, configs: dict[str, dict], rep_ms: int) -> 
     rows = torch.linspace(0, n - 1, min(n, 32), device="cuda").long()
     tflop = 2.0 * n * h * v / 1e12
     results = []
-    for name, fn in methods(n, configs).items():
+    for name, fn in methods(n, configs, kernel_only).items():
         if name.startswith("matmul") and not fits(n * v * 2 * 1.2):
             results.append(Row("fused", card, "bf16", n, v, h, name, note="skipped: logits would not fit"))
             continue
@@ -97,7 +99,7 @@ def main(args) -> list[Row]:
         for h, v in SHAPES:
             if args.h and h not in args.h:
                 continue
-            rs = run_shape(n, h, v, configs, args.rep_ms)
+            rs = run_shape(n, h, v, configs, args.rep_ms, args.kernel_only)
             print_table(rs, floor_method="cublas_matmul_only")
             write_csv(rs, args.csv or "fused")
             rows += rs

@@ -50,21 +50,29 @@ def _library_torch(logits, labels, temperature):
     return s.logp, s.entropy, s.s_expected
 
 
-def methods(n: int, v: int, dtype: torch.dtype, kernel_configs: dict[str, dict | None], compile_ok: bool) -> dict:
-    out: dict[str, Callable] = {
-        "naive_eager": baselines.naive_eager,
-        "token_chunked_eager": baselines.token_chunked_eager,
-        "framework_chunked": baselines.framework_style,
-        "library_torch_chunked": _library_torch,
-    }
-    if compile_ok:
+def methods(kernel_configs: dict[str, dict | None], compile_ok: bool, kernel_only: bool) -> dict:
+    out: dict[str, Callable] = {}
+    if not kernel_only:
+        out["naive_eager"] = baselines.naive_eager
+        out["token_chunked_eager"] = baselines.token_chunked_eager
+        out["framework_chunked"] = baselines.framework_style
+        out["library_torch_chunked"] = _library_torch
+    if compile_ok and not kernel_only:
         out["torch_compile"] = torch.compile(baselines.naive_eager, dynamic=False)
     for name, cfg in kernel_configs.items():
         out[name] = _kernel(cfg)
     return out
 
 
-def run_shape(n: int, v: int, dtype_name: str, kernel_configs: dict, compile_ok: bool, rep_ms: int) -> list[Row]:
+def run_shape(n: int, v: int, dtype_name: str, kernel_configs: dict, compile_ok: bool, rep_ms: int, kernel_only: bool = False) -> list[Row]:
+    try:
+        return _run_shape(n, v, dtype_name, kernel_configs, compile_ok, rep_ms, kernel_only)
+    except torch.OutOfMemoryError:
+        free_memory()
+        return [Row("stats", card_name(), dtype_name, n, v, 0, "all", note="out of memory preparing the input")]
+
+
+def _run_shape(n: int, v: int, dtype_name: str, kernel_configs: dict, compile_ok: bool, rep_ms: int, kernel_only: bool) -> list[Row]:
     dtype = DTYPES[dtype_name]
     card = card_name()
     elem = torch.finfo(dtype).bits // 8
@@ -72,17 +80,16 @@ def run_shape(n: int, v: int, dtype_name: str, kernel_configs: dict, compile_ok:
         return [Row("stats", card, dtype_name, n, v, 0, "all", note="input does not fit")]
     free_memory()
     gen = torch.Generator(device="cuda").manual_seed(n * 7 + v)
-    logits = (torch.randn(n, v, device="cuda", dtype=torch.float32, generator=gen) * 3).to(dtype) if elem == 4 else torch.empty(n, v, device="cuda", dtype=dtype)
-    if elem != 4:
-        for i in range(0, n, 4096):  # fill in slices: no full-size fp32 temporary
-            logits[i : i + 4096] = (torch.randn(min(4096, n - i), v, device="cuda", generator=gen) * 3).to(dtype)
+    logits = torch.empty(n, v, device="cuda", dtype=dtype)
+    for i in range(0, n, 2048):  # fill in slices: no full-size fp32 temporary
+        logits[i : i + 2048] = torch.randn(min(2048, n - i), v, device="cuda", generator=gen).mul_(3)
     labels = torch.randint(0, v, (n,), device="cuda", generator=gen)
     rows = torch.linspace(0, n - 1, min(n, 64), device="cuda").long()
     gbytes = n * v * elem / 1e9
     results = []
     floor_ms = bench_ms(lambda: torch.sum(logits), rep_ms)
     results.append(Row("stats", card, dtype_name, n, v, 0, "torch.sum (floor)", floor_ms, gbytes / floor_ms, "TB/s"))
-    for name, fn in methods(n, v, dtype, kernel_configs, compile_ok).items():
+    for name, fn in methods(kernel_configs, compile_ok, kernel_only).items():
         copies = _FP32_COPIES.get(name, 0.0)
         if copies and not fits(copies * n * v * 4):
             results.append(Row("stats", card, dtype_name, n, v, 0, name, note="skipped: would not fit in memory"))
@@ -116,7 +123,7 @@ def main(args) -> list[Row]:
                 base = triton_stats.choose_config(n, v, DTYPES[dtype_name], torch.cuda.get_device_properties(0).multi_processor_count)
                 shape_cfgs = {k: ({**base, **c} if c else None) for k, c in configs.items()}
                 compile_ok = (n, v) in {tuple(map(int, s.split("x"))) for s in args.compile_shapes}
-                rs = run_shape(n, v, dtype_name, shape_cfgs, compile_ok, args.rep_ms)
+                rs = run_shape(n, v, dtype_name, shape_cfgs, compile_ok, args.rep_ms, args.kernel_only)
                 print_table(rs, floor_method="torch.sum (floor)")
                 write_csv(rs, args.csv or "stats")
                 rows += rs

@@ -29,6 +29,7 @@ from ._reduce import D_FLOOR, LN2, LOG2E, finalize, max_nan, merge_block, merge_
 
 __all__ = ["token_stats_triton", "is_available", "choose_config"]
 
+SPLIT_TARGET = 8  # programs per multiprocessor below which rows are split (split-V)
 TAU = 8.0  # lazy-rescale slack in base-2 units: e <= 2^8, e^2 <= 2^16, sums stay far from overflow
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -140,18 +141,22 @@ def _num_sms(device: torch.device) -> int:
 def choose_config(n_rows: int, vocab: int, dtype: torch.dtype, num_sms: int) -> dict:
     """Block size, warps, pipelining depth and split-V factor for an [n_rows, vocab] problem.
 
-    Split-V is used when the rows alone give fewer than ~4 programs per multiprocessor; each
-    slice then holds at least 4 blocks.
+    Measured on an H100 (V=151936; benchmarks/sweep.sh, benchmarks/RESULTS.md): 16-bit logits run
+    best in blocks of 1024 with 2 warps and 4 cp.async stages (N=16384: the torch.sum time), fp32
+    logits at the read floor with 2048 / 4 warps / 3 stages.  Split-V is used when the rows alone
+    give fewer than SPLIT_TARGET programs per multiprocessor; each slice then holds >= 2 blocks.
     """
-    block = 4096 if dtype != torch.float32 else 2048
+    if dtype == torch.float32:
+        block, num_warps, stages = 2048, 4, 3
+    else:
+        block, num_warps, stages = 1024, 2, 4
     block = min(block, max(128, triton.next_power_of_2(vocab)))
-    num_warps = 8 if block >= 4096 else 4
     split = 1
-    target = 4 * num_sms
+    target = SPLIT_TARGET * num_sms
     if n_rows < target:
-        max_split = max(1, vocab // (4 * block))
+        max_split = max(1, vocab // (2 * block))
         split = max(1, min(max_split, -(-target // max(n_rows, 1))))
-    return {"block": block, "num_warps": num_warps, "stages": 2, "split": split}
+    return {"block": block, "num_warps": num_warps, "stages": stages, "split": split}
 
 
 def token_stats_triton(

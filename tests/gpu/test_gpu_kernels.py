@@ -161,7 +161,8 @@ def test_fused_from_hidden_matches_float64(n, h, v, dtype, bias, temperature):
     poison(n)
     stats = token_stats_from_hidden(hidden, weight, labels, bias=b, temperature=temperature, impl="triton")
     logits = hidden.double() @ weight.double().T + (b.double() if bias else 0.0)
-    # fp32 accumulation over H products: a few ulps of |z| (~10) more than reading logits.
-    check(stats, logits, labels, temperature, scale=2.0)
+    # The tensor cores' fp32 accumulation over H products errs by ~1e-5 of |z| (|z| up to ~20
+    # here): 9e-5 in logp seen at H=3584 (bf16 logits from cuBLAS err by 4e-2).
+    check(stats, logits, labels, temperature, scale=5.0)
     again = token_stats_from_hidden(hidden, weight, labels, bias=b, temperature=temperature, impl="triton")
     assert torch.equal(again.s_centered, stats.s_centered)

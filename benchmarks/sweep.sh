@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Kernel-configuration sweeps behind the defaults of kernels/triton_stats.choose_config and
+# kernels/triton_fused.DEFAULT_CONFIG (kernels and the torch.sum / cuBLAS floors only).
+# Usage on a GPU machine: bash benchmarks/sweep.sh [stats|fused|all]
+set -euo pipefail
+what=${1:-all}
+if [[ $what == stats || $what == all ]]; then
+  cfgs=()
+  for c in 2048,4,3 2048,4,4 1024,4,4 1024,2,4 2048,8,3 4096,4,3 2048,4,5 1024,4,3; do
+    IFS=, read -r b w s <<<"$c"; cfgs+=(--kernel-config "block=$b,num_warps=$w,stages=$s")
+  done
+  python3 -m benchmarks stats --kernel-only --n 16384 --v 151936 --dtypes bf16 fp32 "${cfgs[@]}" --rep-ms 100 --csv sweep_stats
+  cfgs=()
+  for sp in 4 8 12 16 24 32; do cfgs+=(--kernel-config "block=2048,num_warps=4,stages=3,split=$sp"); done
+  cfgs+=(--kernel-config "block=1024,num_warps=4,stages=4,split=32" --kernel-config "block=1024,num_warps=4,stages=4,split=16")
+  python3 -m benchmarks stats --kernel-only --n 256 --v 151936 --dtypes bf16 "${cfgs[@]}" --rep-ms 100 --csv sweep_stats
+fi
+if [[ $what == fused || $what == all ]]; then
+  python3 -m benchmarks fused --kernel-only --n 16384 --h 3584 --rep-ms 300 --csv sweep_fused \
+    --kernel-config group_m=4 --kernel-config group_m=16 --kernel-config group_m=32 \
+    --kernel-config bk=128,stages=2 --kernel-config bn=256,bm=128,bk=32,stages=5
+fi
