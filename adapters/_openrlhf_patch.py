@@ -102,11 +102,10 @@ def _wrap(original: Any) -> Any:
             return original(self, kl_ctl, *args, **kwargs)
         state = begin_round(self, config)
         status = original(self, kl_ctl, *args, **kwargs)
-        metrics = dict(state.metrics)
-        if realised:
-            metrics.update(end_round(self, config, state))
         if config.log_metrics:
-            status.update(metrics)
+            status.update(state.metrics)
+            if realised:
+                status.update(end_round(self, config, state))
         return status
 
     setattr(ppo_train, _WRAPPER_FLAG, True)
