@@ -1,0 +1,98 @@
+"""A small causal transformer policy in plain PyTorch (pre-LayerNorm GPT blocks, learned positions)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Sizes of :class:`TinyGPT`."""
+
+    vocab_size: int
+    max_len: int
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "max_len", "d_model", "n_layers", "n_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """``forward(tokens [B, L] int64) -> logits [B, L, V] float32``; position ``i`` predicts token ``i + 1``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.max_len, cfg.d_model)
+        self.blocks = nn.ModuleList(_Block(cfg.d_model, cfg.n_heads) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        if t > self.cfg.max_len:
+            raise ValueError(f"tokens has length {t} > max_len {self.cfg.max_len}")
+        x = self.tok(tokens) + self.pos(torch.arange(t, device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def response_logits(self, sequences: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        """Logits [B, T, V] that predict the response tokens ``sequences[:, prompt_len:]`` (T of them).
+
+        The one-token shift: logits at position ``i`` predict token ``i + 1``.  Contiguous, so that
+        :func:`~entropy_discriminator.token_stats` reads it as one ``[B * T, V]`` block.
+        """
+        return self(sequences[:, :-1])[:, prompt_len - 1 :].contiguous()
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: torch.Tensor, n_new: int, *, temperature: float, generator: torch.Generator
+    ) -> torch.Tensor:
+        """Sample ``n_new`` tokens after ``prompts`` [B, P] at ``temperature``; returns [B, P + n_new] int64.
+
+        ``temperature == 0`` is greedy.  Sampling draws from ``softmax(logits.float() / temperature)``,
+        the same distribution :func:`entropy_discriminator.token_stats` sees with that temperature.
+        """
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        seq = prompts
+        for _ in range(n_new):
+            logits = self(seq)[:, -1].float()
+            if temperature == 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                # sample on CPU with the CPU generator so runs are reproducible across devices
+                nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(seq.device)
+            seq = torch.cat([seq, nxt], dim=1)
+        return seq

@@ -1,0 +1,135 @@
+"""Plain-text progress, the summary table, CSV files and the PNG plot of the demo."""
+
+from __future__ import annotations
+
+import csv
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TextIO
+
+PLOT_HINT = 'matplotlib is not installed, so no PNG was written; install it with: pip install "entropy-discriminator[plot]"'
+
+
+class TextProgress:
+    """A dependency-free progress bar: ``label [#####-----] done/total info`` on one line of ``stream``.
+
+    On a terminal it redraws in place; otherwise it prints a line every 10% (CI logs stay short).
+    """
+
+    def __init__(self, label: str, *, stream: TextIO | None = None, width: int = 24) -> None:
+        self.label = label
+        self.stream = stream if stream is not None else sys.stderr
+        self.width = width
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.start = time.perf_counter()
+        self._last_decile = -1
+
+    def __call__(self, done: int, total: int, info: str = "") -> None:
+        frac = done / total if total else 1.0
+        decile = int(frac * 10)
+        if not self.tty and decile == self._last_decile and done != total:
+            return
+        self._last_decile = decile
+        fill = int(round(frac * self.width))
+        bar = "#" * fill + "-" * (self.width - fill)
+        line = f"{self.label:<22} [{bar}] {done:>4}/{total:<4} {time.perf_counter() - self.start:6.1f}s  {info}"
+        if self.tty:
+            self.stream.write("\r" + line + ("\n" if done >= total else ""))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def write_csv(path: Path, rows: Sequence[dict[str, object]]) -> None:
+    """Write ``rows`` (dicts; the union of their keys, in first-seen order, is the header) to ``path``."""
+    header: list[str] = []
+    for row in rows:
+        header.extend(k for k in row if k not in header)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=header)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        return f"{value:.4g}" if abs(value) < 1e-3 and value != 0 else f"{value:.3f}"
+    return str(value)
+
+
+def format_table(rows: Sequence[dict[str, object]], columns: Sequence[tuple[str, str]]) -> str:
+    """A GitHub-markdown table of ``rows`` with ``columns`` = ``(key, header)`` pairs."""
+    head = [h for _, h in columns]
+    body = [[_fmt(r.get(k, "")) for k, _ in columns] for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    line = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    sep = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
+    return "\n".join([line(head), sep, *(line(r) for r in body)])
+
+
+def smooth(values: Sequence[float], window: int) -> list[float]:
+    """Trailing moving average over ``window`` points (the first points average what exists)."""
+    out: list[float] = []
+    acc = 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def have_matplotlib() -> bool:
+    """True when matplotlib can be imported (the ``plot`` extra)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def pyplot():
+    """matplotlib.pyplot on the non-interactive Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_demo(path: Path, curves: dict[str, list[dict[str, float]]], *, window: int) -> None:
+    """Three panels: token entropy, training reward (moving average over ``window`` steps) and the
+    Corollary 4 prediction vs the realised per-batch ``dH`` (normalised per arm), for every arm."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for arm, recs in curves.items():
+        steps = [r["step"] for r in recs]
+        axes[0].plot(steps, [r["entropy"] for r in recs], label=arm)
+        axes[1].plot(steps, smooth([r["reward"] for r in recs], window), label=arm)
+        pred = [r["pred_dH"] for r in recs]
+        real = [r["real_dH"] for r in recs]
+        scale = max(max(abs(p) for p in pred), 1e-30)
+        rscale = max(max(abs(x) for x in real), 1e-30)
+        axes[2].scatter([p / scale for p in pred], [x / rscale for x in real], s=8, alpha=0.6, label=arm)
+    axes[0].set(title="mean token entropy of each training batch", xlabel="GRPO step", ylabel="nats")
+    axes[1].set(title=f"training reward (moving average, {window} steps)", xlabel="GRPO step", ylabel="pass rate")
+    axes[2].set(
+        title="per-batch dH: Cor. 4 prediction vs realised",
+        xlabel="-Cov_B(A*keep, S_c)  (scaled to max 1)",
+        ylabel="realised dH  (scaled to max 1)",
+    )
+    axes[2].axhline(0, color="grey", lw=0.5)
+    axes[2].axvline(0, color="grey", lw=0.5)
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,119 @@
+"""The demo's verifiable task: addition of two ``n``-digit numbers, answer written least-significant digit first.
+
+A prompt is ``a_1 .. a_n + b_1 .. b_n =`` (digits most-significant first, ``n`` digits each, zero padded);
+the response is the ``n + 1`` digits of ``a + b`` least-significant first (zero padded), so a causal model
+can carry from one digit to the next.  Reward is 1 for the exact answer, else 0: cheap to verify, no
+parsing, and pass rates move under RL because the warm-up leaves carries uncertain.
+
+The warm-up data is deliberately imperfect, like a base model's: with probability ``noise`` a target is a
+*plausible wrong* answer (the carries forgotten, or one digit off by one), so the warmed-up policy keeps
+entropy on the decision tokens that RL then sharpens (or, without entropy control, collapses).
+
+Token ids: digits ``0-9`` are ``0-9``, ``+`` is 10, ``=`` is 11; the vocabulary has 12 entries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PLUS = 10
+EQUALS = 11
+VOCAB_SIZE = 12
+
+
+@dataclass(frozen=True)
+class AdditionTask:
+    """``n_digits``-digit addition; one problem in ``held_out`` (by a hash of ``(a, b)``) is kept for evaluation."""
+
+    n_digits: int = 3
+    held_out: int = 10
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.n_digits <= 6:
+            raise ValueError(f"n_digits must be in [1, 6], got {self.n_digits}")
+        if self.held_out < 2:
+            raise ValueError(f"held_out must be >= 2, got {self.held_out}")
+
+    @property
+    def prompt_len(self) -> int:
+        """``2 n + 2`` tokens: both operands, ``+`` and ``=``."""
+        return 2 * self.n_digits + 2
+
+    @property
+    def response_len(self) -> int:
+        """``n + 1`` answer digits."""
+        return self.n_digits + 1
+
+    def sample_operands(self, count: int, generator: torch.Generator, *, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``count`` operand pairs (int64 ``[count]`` each) from ``split`` in {"train", "eval"}."""
+        if split not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        hi = 10**self.n_digits
+        out_a: list[torch.Tensor] = []
+        out_b: list[torch.Tensor] = []
+        got = 0
+        while got < count:
+            a = torch.randint(0, hi, (2 * count,), generator=generator)
+            b = torch.randint(0, hi, (2 * count,), generator=generator)
+            is_eval = self.is_eval(a, b)
+            keep = is_eval if split == "eval" else ~is_eval
+            out_a.append(a[keep])
+            out_b.append(b[keep])
+            got += int(keep.sum())
+        return torch.cat(out_a)[:count], torch.cat(out_b)[:count]
+
+    def is_eval(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """bool [N]: whether problem ``(a, b)`` belongs to the held-out split.
+
+        A MINSTD hash of ``a * 10**n + b`` modulo ``held_out`` (a plain modulus would put only sums with
+        ``b`` ending in 0 into the split).
+        """
+        x = (a * 10**self.n_digits + b) % 1_000_003
+        return (x * 48271 % 2_147_483_647) % self.held_out == 0
+
+    def _digits(self, x: torch.Tensor, width: int, *, lsb_first: bool) -> torch.Tensor:
+        """Decimal digits of int64 ``x`` [N] as int64 [N, width]."""
+        powers = 10 ** torch.arange(width, dtype=torch.int64, device=x.device)
+        d = (x[:, None] // powers) % 10  # lsb first
+        return d if lsb_first else d.flip(1)
+
+    def prompts(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Prompt tokens, int64 ``[N, 2n + 2]``."""
+        n = len(a)
+        plus = torch.full((n, 1), PLUS, dtype=torch.int64, device=a.device)
+        eq = torch.full((n, 1), EQUALS, dtype=torch.int64, device=a.device)
+        return torch.cat(
+            [self._digits(a, self.n_digits, lsb_first=False), plus, self._digits(b, self.n_digits, lsb_first=False), eq], dim=1
+        )
+
+    def answers(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Correct responses, int64 ``[N, n + 1]`` (digits of ``a + b``, least significant first)."""
+        return self._digits(a + b, self.response_len, lsb_first=True)
+
+    def rewards(self, a: torch.Tensor, b: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+        """Exact-match reward, float32 ``[N]``: 1 where ``responses`` [N, n + 1] equals the answer, else 0."""
+        return (responses == self.answers(a, b).to(responses.device)).all(dim=1).float()
+
+    def noisy_answers(self, a: torch.Tensor, b: torch.Tensor, noise: float, generator: torch.Generator) -> torch.Tensor:
+        """Warm-up targets [N, n + 1]: the answer, or with probability ``noise`` a plausible wrong one.
+
+        Half of the corrupted targets forget every carry (digit-wise ``(a_i + b_i) mod 10``, top digit 0);
+        the other half move one random digit by +-1 (mod 10).
+        """
+        if not 0.0 <= noise < 1.0:
+            raise ValueError(f"noise must be in [0, 1), got {noise}")
+        n = len(a)
+        ans = self.answers(a, b)
+        da = self._digits(a, self.response_len, lsb_first=True)
+        db = self._digits(b, self.response_len, lsb_first=True)
+        no_carry = (da + db) % 10
+        pos = torch.randint(0, self.response_len, (n,), generator=generator)
+        step = torch.randint(0, 2, (n,), generator=generator) * 2 - 1
+        off_by_one = ans.clone()
+        rows = torch.arange(n)
+        off_by_one[rows, pos] = (off_by_one[rows, pos] + step) % 10
+        u = torch.rand(n, generator=generator)
+        out = torch.where((u < noise / 2)[:, None], no_carry, ans)
+        return torch.where(((u >= noise / 2) & (u < noise))[:, None], off_by_one, out)

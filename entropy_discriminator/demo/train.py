@@ -1,0 +1,296 @@
+"""Warm-up (supervised) and strict on-policy GRPO for the demo, with the core's statistics and masks.
+
+One GRPO step on ``P`` prompts with ``G`` samples each (``N`` valid response tokens):
+
+1. sample responses at ``temperature`` (the behaviour policy is the current policy: ``r = 1``);
+2. reward ``R`` (exact match), group advantage ``A_i = (R_i - mean_g R) / (std_g R + 1e-6)``;
+3. :func:`~entropy_discriminator.token_stats` on the response logits -> ``H, S*, S_c``;
+4. keep-mask: none, :func:`~entropy_discriminator.clip_b_mask`, :func:`~entropy_discriminator.clip_v_mask`,
+   or a sign rule on ``S*`` (the paper's Figure 1 arms);
+5. loss ``sum_t keep_t * (-A_t log p_t) / N`` (``apply_keep_mask``, mode ``zero_pg`` by default), one
+   optimiser step;
+6. realised ``dH`` = mean entropy of the same tokens (same contexts) after minus before the step, next to
+   the Corollary 4 prediction ``-Cov_B(A * keep, S_c)`` per unit step size (the network's effective
+   logit step is unknown; agreement is measured by correlation and sign).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .. import EntropyMonitor, apply_keep_mask, batch_entropy_change, clip_b_mask, clip_v_mask, token_stats
+from .model import ModelConfig, TinyGPT
+from .task import AdditionTask
+
+ARM_METHODS = ("none", "clip_b", "clip_v", "sign")
+SIGN_ACTIONS = ("only", "mask")
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    """One training arm.
+
+    ``method``: ``none`` (vanilla GRPO), ``clip_b``, ``clip_v`` (core masks with ``mu_low``,
+    ``max_frac``, ``sides``) or ``sign`` (Figure 1: ``action`` ``only`` keeps just, or ``mask`` drops
+    just, the tokens of ``sample_sign`` samples (``pos``: A > 0, ``neg``: A < 0) whose ``S*`` has sign
+    ``s_sign`` (``pos``: S* > 0, ``neg``: S* < 0); ``only`` also drops every other token).
+    """
+
+    name: str
+    method: str = "none"
+    mu_low: float = 2.5
+    max_frac: float | None = None
+    sides: str = "negative"
+    action: str = "only"
+    sample_sign: str = "pos"
+    s_sign: str = "pos"
+
+    def __post_init__(self) -> None:
+        if self.method not in ARM_METHODS:
+            raise ValueError(f"method must be one of {ARM_METHODS}, got {self.method!r}")
+        if self.action not in SIGN_ACTIONS:
+            raise ValueError(f"action must be one of {SIGN_ACTIONS}, got {self.action!r}")
+        for label in ("sample_sign", "s_sign"):
+            if getattr(self, label) not in ("pos", "neg"):
+                raise ValueError(f"{label} must be 'pos' or 'neg', got {getattr(self, label)!r}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Sizes and rates of one demo run (warm-up, GRPO, evaluation)."""
+
+    n_digits: int = 3
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    warmup_steps: int = 600
+    warmup_batch: int = 128
+    warmup_lr: float = 3e-3
+    warmup_noise: float = 0.3
+    grpo_steps: int = 150
+    prompts_per_step: int = 32
+    group_size: int = 8
+    lr: float = 1e-4
+    temperature: float = 1.0
+    mask_mode: str = "zero_pg"
+    eval_prompts: int = 200
+    eval_k: int = 8
+    eval_temperature: float = 0.7
+    linearised: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("warmup_steps", "grpo_steps", "eval_k"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("warmup_batch", "prompts_per_step", "eval_prompts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 (GRPO needs a group), got {self.group_size}")
+        if not (self.temperature > 0 and self.eval_temperature >= 0):
+            raise ValueError("temperature must be > 0 and eval_temperature >= 0")
+
+    def task(self) -> AdditionTask:
+        return AdditionTask(n_digits=self.n_digits)
+
+    def model_config(self) -> ModelConfig:
+        t = self.task()
+        return ModelConfig(
+            vocab_size=12, max_len=t.prompt_len + t.response_len, d_model=self.d_model,
+            n_layers=self.n_layers, n_heads=self.n_heads,
+        )
+
+
+Progress = Callable[[int, int, str], None]
+
+
+def warm_up(model: TinyGPT, cfg: TrainConfig, *, seed: int, device: torch.device, progress: Progress | None = None) -> float:
+    """Supervised warm-up on noisy targets (:meth:`AdditionTask.noisy_answers`); Adam, cosine-free constant lr.
+
+    Loss: mean cross-entropy over the response tokens.  Returns the last step's loss.
+    """
+    task = cfg.task()
+    gen = torch.Generator().manual_seed(seed + 7919)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.warmup_lr)
+    loss = torch.tensor(float("nan"))
+    for step in range(cfg.warmup_steps):
+        a, b = task.sample_operands(cfg.warmup_batch, gen, split="train")
+        seq = torch.cat([task.prompts(a, b), task.noisy_answers(a, b, cfg.warmup_noise, gen)], dim=1).to(device)
+        logits = model.response_logits(seq, task.prompt_len)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), seq[:, task.prompt_len :].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if progress is not None:
+            progress(step + 1, cfg.warmup_steps, f"loss {loss.item():.3f}")
+    return float(loss.item())
+
+
+@torch.no_grad()
+def evaluate(model: TinyGPT, cfg: TrainConfig, *, seed: int, device: torch.device) -> dict[str, float]:
+    """Avg@k (mean correctness of ``k`` samples per held-out prompt) and Pass@k (share of prompts with a
+    correct sample among ``k``), at ``eval_temperature``, on ``eval_prompts`` held-out problems fixed by ``seed``.
+    """
+    task = cfg.task()
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    a, b = task.sample_operands(cfg.eval_prompts, torch.Generator().manual_seed(12345), split="eval")
+    k = cfg.eval_k
+    prompts = task.prompts(a, b).repeat_interleave(k, 0).to(device)
+    seq = model.generate(prompts, task.response_len, temperature=cfg.eval_temperature, generator=gen)
+    ok = task.rewards(a.repeat_interleave(k), b.repeat_interleave(k), seq[:, task.prompt_len :].cpu()).view(-1, k)
+    return {"avg_at_k": float(ok.mean()), "pass_at_k": float((ok.sum(1) > 0).float().mean())}
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """GRPO advantages [N]: ``(R - mean_g R) / (std_g R + 1e-6)`` within each group of ``group_size``
+    consecutive samples (unbiased std, as verl and TRL); all-equal groups get ``A = 0``."""
+    r = rewards.view(-1, group_size)
+    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).reshape(-1)
+
+
+def _sign_keep(arm: ArmSpec, s_star: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+    """Figure 1 keep-mask [B, T] from ``S*`` [B, T] and per-sequence ``adv`` [B]."""
+    a = adv[:, None]
+    in_samples = (a > 0) if arm.sample_sign == "pos" else (a < 0)
+    selected = in_samples & ((s_star > 0) if arm.s_sign == "pos" else (s_star < 0))
+    return selected if arm.action == "only" else ~selected
+
+
+@dataclass
+class ArmResult:
+    """Per-step records (one dict per GRPO step) and the final evaluation of one arm."""
+
+    arm: str
+    seed: int
+    records: list[dict[str, float]] = field(default_factory=list)
+    final: dict[str, float] = field(default_factory=dict)
+
+
+def _mean_entropy_grad(model: TinyGPT, seq: torch.Tensor, valid: torch.Tensor, cfg: TrainConfig, prompt_len: int) -> list[torch.Tensor]:
+    """Gradient of the batch-mean token entropy with respect to every parameter (for the linearised prediction)."""
+    logits = model.response_logits(seq, prompt_len).float() / cfg.temperature
+    logq = torch.log_softmax(logits, -1)
+    h = -(logq.exp() * logq).sum(-1)
+    hbar = (h * valid).sum() / valid.sum().clamp_min(1)
+    return list(torch.autograd.grad(hbar, list(model.parameters())))
+
+
+def run_arm(
+    state: dict[str, torch.Tensor],
+    cfg: TrainConfig,
+    arm: ArmSpec,
+    *,
+    seed: int,
+    device: torch.device,
+    progress: Progress | None = None,
+) -> ArmResult:
+    """GRPO from the warmed-up ``state`` for ``cfg.grpo_steps`` steps; every arm with the same ``seed`` sees the
+    same prompts and the same sampling random stream (they diverge only through their updates)."""
+    task = cfg.task()
+    torch.manual_seed(seed)
+    model = TinyGPT(cfg.model_config()).to(device)
+    model.load_state_dict(state)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    gen = torch.Generator().manual_seed(seed)
+    monitor = EntropyMonitor(percentiles=(10, 50, 90))
+    pre = monitor.prefix
+    out = ArmResult(arm=arm.name, seed=seed)
+    g, p_len = cfg.group_size, task.prompt_len
+    t0 = time.perf_counter()
+    for step in range(cfg.grpo_steps):
+        a, b = task.sample_operands(cfg.prompts_per_step, gen, split="train")
+        prompts = task.prompts(a, b).repeat_interleave(g, 0).to(device)
+        seq = model.generate(prompts, task.response_len, temperature=cfg.temperature, generator=gen)
+        resp = seq[:, p_len:]
+        rewards = task.rewards(a.repeat_interleave(g), b.repeat_interleave(g), resp.cpu()).to(device)
+        adv = group_advantages(rewards, g)
+
+        logits = model.response_logits(seq, p_len)
+        stats = token_stats(logits.detach(), resp, temperature=cfg.temperature)
+        valid = stats.valid
+        mask = None
+        if arm.method == "clip_b":
+            mask = clip_b_mask(stats.s_star, adv, valid, mu_low=arm.mu_low, sides=arm.sides, max_frac=arm.max_frac)
+            keep = mask.keep
+        elif arm.method == "clip_v":
+            mask = clip_v_mask(stats.s_centered, adv, valid, mu_low=arm.mu_low, sides=arm.sides, max_frac=arm.max_frac)
+            keep = mask.keep
+        elif arm.method == "sign":
+            keep = _sign_keep(arm, stats.s_star, adv)
+        else:
+            keep = torch.ones_like(valid)
+
+        metrics = monitor.from_stats(stats, advantages=adv, mask=mask, lr=1.0)
+        adv_tok = adv[:, None].expand_as(keep).double() * keep
+        pred = batch_entropy_change(adv_tok, stats.s_centered, valid, lr=1.0, form="cov")
+        a_sc = adv[:, None].double() * stats.s_centered.double() * valid
+        n_valid = float(valid.sum())
+
+        grads = _mean_entropy_grad(model, seq, valid, cfg, p_len) if cfg.linearised else None
+        before = [p_.detach().clone() for p_ in model.parameters()] if cfg.linearised else None
+
+        logp = torch.log_softmax(logits.float() / cfg.temperature, -1).gather(-1, resp[..., None])[..., 0]
+        pg_losses = -adv[:, None] * logp
+        pg_losses, loss_mask = apply_keep_mask(pg_losses, keep, valid.float(), mode=cfg.mask_mode)
+        loss = (pg_losses * loss_mask).sum() / loss_mask.sum().clamp_min(1.0)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+        with torch.no_grad():
+            after = token_stats(model.response_logits(seq, p_len), resp, temperature=cfg.temperature)
+        realised = monitor.realised(stats.entropy, after.entropy, valid)[pre + "delta_entropy/realised"]
+
+        rec = {
+            "step": step,
+            "reward": float(rewards.mean()),
+            "entropy": metrics[pre + "entropy/mean"],
+            "entropy_p10": metrics[pre + "entropy/p10"],
+            "entropy_p50": metrics[pre + "entropy/p50"],
+            "entropy_p90": metrics[pre + "entropy/p90"],
+            "s_star_mean": metrics[pre + "s_star/mean"],
+            "s_star_std": metrics[pre + "s_star/std"],
+            "s_c_mean": metrics[pre + "s_centered/mean"],
+            "s_c_std": metrics[pre + "s_centered/std"],
+            "clip_frac": 1.0 - float((keep & valid).sum()) / max(n_valid, 1.0),
+            "cov_adv_sc": metrics.get(pre + "cov/adv_s_centered", 0.0),
+            "neg_cov_pos_part": -float(a_sc[adv > 0].sum()) / max(n_valid, 1.0),
+            "neg_cov_neg_part": -float(a_sc[adv < 0].sum()) / max(n_valid, 1.0),
+            "pred_dH": pred,
+            "real_dH": realised,
+            "loss": float(loss.detach()),
+        }
+        if grads is not None and before is not None:
+            rec["pred_lin_dH"] = float(
+                sum((gr * (p_.detach() - b_)).sum() for gr, p_, b_ in zip(grads, model.parameters(), before))
+            )
+        out.records.append(rec)
+        if progress is not None:
+            progress(step + 1, cfg.grpo_steps, f"H {rec['entropy']:.3f} R {rec['reward']:.2f} clip {rec['clip_frac']:.3f}")
+    out.final = evaluate(model, cfg, seed=seed, device=device)
+    out.final["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def pearson(x: list[float], y: list[float]) -> float:
+    """Pearson correlation of two equal-length sequences (nan when either is constant or shorter than 3)."""
+    if len(x) != len(y):
+        raise ValueError(f"x and y must have equal length, got {len(x)} and {len(y)}")
+    if len(x) < 3:
+        return math.nan
+    tx, ty = torch.tensor(x, dtype=torch.float64), torch.tensor(y, dtype=torch.float64)
+    tx, ty = tx - tx.mean(), ty - ty.mean()
+    den = float(tx.norm() * ty.norm())
+    return float((tx * ty).sum()) / den if den > 0 else math.nan
+
+
+def sign_agreement(x: list[float], y: list[float]) -> float:
+    """Share of pairs where ``x`` and ``y`` have the same sign (pairs with a zero skipped; nan if none)."""
+    pairs = [(u, v) for u, v in zip(x, y) if u != 0 and v != 0]
+    return sum((u > 0) == (v > 0) for u, v in pairs) / len(pairs) if pairs else math.nan

@@ -1,0 +1,132 @@
+"""The demo end to end (``demo --quick``), its CLI, and the tabular theory check.
+
+Nothing is stubbed: the quick demo trains a real (tiny) transformer on CPU.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from entropy_discriminator.__main__ import main
+from entropy_discriminator.demo.task import AdditionTask
+from entropy_discriminator.demo.theory import tabular_check
+from entropy_discriminator.demo.runner import PRESETS
+from entropy_discriminator.demo.train import ArmSpec, TrainConfig, group_advantages
+
+ARMS = ("GRPO", "GRPO+Clip_B", "GRPO+Clip_V")
+PER_STEP = ("reward", "entropy", "s_star_mean", "s_c_mean", "clip_frac", "cov_adv_sc", "pred_dH", "real_dH", "loss")
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """``entropy-discriminator demo --quick`` in a subprocess, as a user (and CI) runs it."""
+    out = tmp_path_factory.mktemp("demo")
+    proc = subprocess.run(
+        [sys.executable, "-m", "entropy_discriminator", "demo", "--quick", "--device", "cpu", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+def _finite(text: str) -> bool:
+    return math.isfinite(float(text))
+
+
+def test_quick_demo_prints_table_of_three_arms(quick_run: tuple[Path, str]) -> None:
+    out, stdout = quick_run
+    rows = [line for line in stdout.splitlines() if line.startswith("|")]
+    assert len(rows) == 2 + 4  # header, separator, warm-up row, three arms
+    for arm in ARMS:
+        line = next(r for r in rows if r.split("|")[1].strip() == arm)
+        cells = [c.strip() for c in line.split("|")[2:-1]]
+        assert len(cells) == 7 and all(_finite(c) for c in cells), line
+    assert "Theory check, tabular case" in stdout
+    assert (out / "demo_table.md").read_text().count("|") > 20
+
+
+def test_quick_demo_csv_has_every_step_of_every_arm(quick_run: tuple[Path, str]) -> None:
+    out, _ = quick_run
+    with (out / "demo_steps.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    steps = PRESETS["quick"].grpo_steps
+    for arm in ARMS:
+        mine = [r for r in rows if r["arm"] == arm]
+        assert [int(r["step"]) for r in mine] == list(range(steps))
+        for r in mine:
+            assert all(_finite(r[k]) for k in PER_STEP), r
+    clip_b = [float(r["clip_frac"]) for r in rows if r["arm"] == "GRPO+Clip_B"]
+    vanilla = [float(r["clip_frac"]) for r in rows if r["arm"] == "GRPO"]
+    assert max(vanilla) == 0.0 and max(clip_b) > 0.0  # the mask acts in the Clip_B arm only
+    with (out / "demo_summary.csv").open() as f:
+        summary = {r["arm"]: r for r in csv.DictReader(f)}
+    for arm in ARMS:
+        for key in ("entropy_final", "reward_final", "avg_at_k", "pass_at_k", "clip_frac", "dH_corr", "dH_sign"):
+            assert _finite(summary[arm][key]), (arm, key)
+        assert 0.0 <= float(summary[arm]["pass_at_k"]) <= 1.0
+        assert float(summary[arm]["avg_at_k"]) <= float(summary[arm]["pass_at_k"])
+
+
+def test_quick_demo_writes_png(quick_run: tuple[Path, str]) -> None:
+    pytest.importorskip("matplotlib", reason="the plot extra is installed in the core nox session")
+    png = quick_run[0] / "demo.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_tabular_first_order_law_is_near_exact() -> None:
+    """Logits as parameters: Corollary 4 predicts each step's realised batch dH (corr > 0.99, slope ~1)."""
+    task = AdditionTask(n_digits=2)
+    gen = torch.Generator().manual_seed(0)
+    a, b = task.sample_operands(16, gen, split="train")
+    init = torch.randn(16, task.response_len, 12, generator=gen, dtype=torch.float64)
+    init += 2.5 * torch.nn.functional.one_hot(task.answers(a, b), 12)
+    small = tabular_check(task, init_logits=init, a=a, b=b, group_size=8, steps=25, step_size=0.01, seed=1)
+    assert small.corr > 0.999 and abs(small.slope - 1.0) < 0.02 and small.sign == 1.0
+    big = tabular_check(task, init_logits=init, a=a, b=b, group_size=8, steps=25, step_size=1.0, seed=1)
+    # the O(eta^2) remainder shows at large steps: agreement degrades, as a first-order law should
+    assert abs(big.slope - 1.0) > abs(small.slope - 1.0)
+
+
+def test_group_advantages_are_zero_mean_per_group() -> None:
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    adv = group_advantages(r, 4)
+    assert torch.allclose(adv.view(2, 4).sum(1), torch.zeros(2), atol=1e-6)
+    assert adv[0] > 0 > adv[1] and torch.all(adv[4:] == 0)
+
+
+def test_task_rewards_and_noise() -> None:
+    task = AdditionTask(n_digits=3)
+    a, b = torch.tensor([999, 123, 0]), torch.tensor([1, 877, 0])
+    ans = task.answers(a, b)
+    assert ans.tolist() == [[0, 0, 0, 1], [0, 0, 0, 1], [0, 0, 0, 0]]  # 1000, 1000, 0 least significant first
+    assert task.rewards(a, b, ans).tolist() == [1.0, 1.0, 1.0]
+    gen = torch.Generator().manual_seed(0)
+    a, b = task.sample_operands(2000, gen, split="train")
+    noisy = task.noisy_answers(a, b, 0.3, gen)
+    wrong = 1.0 - float(task.rewards(a, b, noisy).mean())
+    assert 0.15 < wrong < 0.3  # forgetting carries is a no-op on carry-free sums
+    ea, eb = task.sample_operands(500, gen, split="eval")
+    assert bool(task.is_eval(ea, eb).all()) and not bool(task.is_eval(a, b).any())
+    assert 0.05 < float(task.is_eval(a, b + 1).float().mean()) < 0.15  # ~1 in held_out=10, whatever b's last digit
+    assert len(set((eb % 10).tolist())) == 10
+
+
+def test_bad_arguments_name_the_argument(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match="method"):
+        ArmSpec("x", method="clip_x")
+    with pytest.raises(ValueError, match="group_size"):
+        TrainConfig(group_size=1)
+    with pytest.raises(ValueError, match="n_digits"):
+        AdditionTask(n_digits=0)
+    assert main(["demo", "--quick", "--steps", "1", "--out", "unused"]) == 2
+    assert "--steps" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["demo", "--quick", "--device", "cuda", "--out", "unused"]) == 2
+        assert "--device" in capsys.readouterr().err
