@@ -394,3 +394,37 @@ def test_example_script_runs_its_tiny_path(extra, tmp_path):
     assert last["entropy_disc/tokens/valid"] > 0 and 0 < last["entropy_disc/clip/frac"] < 1
     assert last["entropy_disc/entropy/mean"] == pytest.approx(last["entropy"], rel=1e-4)
     assert (tmp_path / "s.json").exists()
+
+
+def test_trl_grpo_script_wrapper_patches_the_stock_trainer(monkeypatch, tmp_path):
+    """examples/trl/trl_grpo_cli.py: TRL's own grpo script (local model dir, local json dataset,
+    dotted-path reward) trains a stock GRPOTrainer that logs entropy_disc/ metrics and clips."""
+    tok = tiny.tiny_tokenizer()
+    tiny.tiny_model(tok).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    (tmp_path / "data").mkdir()
+    tiny.tiny_dataset(16).to_json(str(tmp_path / "data" / "train.jsonl"))
+    (tmp_path / "tiny_reward.py").write_text((ROOT / "examples" / "trl" / "tiny.py").read_text())
+    monkeypatch.chdir(tmp_path)  # trl's script imports dotted reward paths from the working directory
+    logged = []
+    real_log = GRPOTrainer.log
+
+    def spy_log(self, logs, *args, **kwargs):
+        real_log(self, logs, *args, **kwargs)  # merges self._metrics into logs
+        logged.append(dict(logs))
+
+    monkeypatch.setattr(GRPOTrainer, "log", spy_log)
+    spec = importlib.util.spec_from_file_location("ed_trl_cli", ROOT / "examples" / "trl" / "trl_grpo_cli.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    cli.main([
+        "--model_name_or_path", str(tmp_path / "model"), "--dataset_name", str(tmp_path / "data"),
+        "--reward_funcs", "tiny_reward.digit_reward", "--output_dir", str(tmp_path / "out"), "--use_cpu",
+        "--report_to", "none", "--max_steps", "1", "--per_device_train_batch_size", "4", "--num_generations", "4",
+        "--max_completion_length", "8", "--save_strategy", "no", "--dtype", "float32",
+        "--entropy_disc_method", "clip_b", "--entropy_disc_mu_low", "0.5", "--entropy_disc_sides", "both",
+    ])
+    assert not is_patched()
+    step = next(h for h in logged if "entropy_disc/clip/frac" in h)
+    assert 0 < step["entropy_disc/clip/frac"] < 1
+    assert step["entropy_disc/entropy/mean"] == pytest.approx(step["entropy"], rel=1e-4)
