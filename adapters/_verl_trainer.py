@@ -256,3 +256,7 @@ TRAINERS: dict[str, type[PPOTrainer]] = {
     "entropy_disc_colocate_async": EntropyDiscTrainerColocateAsync,
     "entropy_disc_separate_async": EntropyDiscTrainerSeparateAsync,
 }
+
+from .verl import register_deferred  # noqa: E402  (the import hook may have fired while this module loaded)
+
+register_deferred()

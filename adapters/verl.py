@@ -47,6 +47,7 @@ TRAINER_MODES = ("entropy_disc", "entropy_disc_colocate_async", "entropy_disc_se
 _V1_PACKAGE = "verl.trainer.ppo.v1"
 _logger = logging.getLogger(__name__)
 _patch_registered: set[str] = set()
+_deferred = False
 
 
 _WHY = (
@@ -141,11 +142,24 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
 
 
 def _register_quietly() -> None:
+    global _deferred
     reason = unsupported_reason()
     if reason is not None:
         _logger.warning("entropy_disc trainers not registered: %s", reason)
         return
+    trainer_module = sys.modules.get(f"{__package__}._verl_trainer")
+    if trainer_module is not None and not hasattr(trainer_module, "TRAINERS"):
+        _deferred = True  # our own trainer module is importing verl's v1 package: finish after it
+        return
     register_trainers()
+
+
+def register_deferred() -> None:
+    """Called at the end of ``_verl_trainer``: the registration the import hook had to postpone."""
+    global _deferred
+    if _deferred:
+        _deferred = False
+        register_trainers()
 
 
 def on_plugin_load() -> None:
