@@ -19,8 +19,10 @@ import sys
 
 RUNS = {
     "none": [],
-    "clip_b": ["--entropy_disc_method", "clip_b"],
-    "clip_v": ["--entropy_disc_method", "clip_v", "--entropy_disc_max_frac", "none"],
+    "clip_b": ["--entropy_disc_method", "clip_b"],  # mu_low 2.5, no cap
+    "clip_v": ["--entropy_disc_method", "clip_v", "--entropy_disc_max_frac", "none"],  # mu_low 8.5, no cap
+    "clip_b_mu1": ["--entropy_disc_method", "clip_b", "--entropy_disc_mu_low", "1.0"],
+    "clip_v_mu2": ["--entropy_disc_method", "clip_v", "--entropy_disc_mu_low", "2.0", "--entropy_disc_max_frac", "none"],
 }
 
 
@@ -48,11 +50,11 @@ def main(argv: list[str]) -> None:
                                 *RUNS[name], *common])
         table[name] = summary
     keys = ("reward", "entropy", "entropy_disc/entropy/mean", "entropy_disc/clip/frac", "entropy_disc/clip/n_clipped")
-    print("method  " + "  ".join(f"{k.split('/')[-1] if k != 'entropy' else 'trl_entropy':>12}" for k in keys)
+    print("method      " + "  ".join(f"{k.split('/')[-1] if k != 'entropy' else 'trl_entropy':>12}" for k in keys)
           + "  last_entropy")
     for name, summary in table.items():
         mean, last = summary["mean"], summary["last"]
-        print(f"{name:7} " + "  ".join(f"{mean.get(k, float('nan')):12.5f}" for k in keys)
+        print(f"{name:11} " + "  ".join(f"{mean.get(k, float('nan')):12.5f}" for k in keys)
               + f"  {last.get('entropy_disc/entropy/mean', float('nan')):12.5f}")
     (out / "table.json").write_text(json.dumps(table, indent=1))
 
