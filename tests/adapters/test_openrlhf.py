@@ -100,34 +100,48 @@ def tiny_actor(seed: int = 0) -> Actor:
     return actor
 
 
-def rollout_batch(seed: int, n: int = 6, prompt_len: int = 5, max_resp: int = 8) -> Experience:
-    """A generation batch as OpenRLHF builds it: left-padded prompts, right-padded responses,
-    per-token GAE-like advantages; one interior action token is masked out."""
+def rollout_batch(seed: int, n: int = 6, prompt_len: int = 5, max_resp: int = 8, layout: str = "v0.11") -> Experience:
+    """A generation batch, right-padded, with per-token GAE-like advantages; in one sample one
+    interior response token is masked out (as tool output is in multi-turn rollouts).
+
+    ``layout="v0.11"`` is what OpenRLHF 0.11.2's samples generator builds: unpadded prompt +
+    response, ``action_mask`` over positions ``1..T-1`` (``action_mask[t]``: token ``t + 1`` is an
+    action). ``"left_padded"``: prompts left-padded to ``prompt_len``, ``action_mask`` over the
+    response columns only (OpenRLHF's older layout; ``Actor.forward`` serves both)."""
     g = torch.Generator().manual_seed(seed)
-    seqs, attn, amask = [], [], []
+    seqs, amask = [], []
     for i in range(n):
         p_len = int(torch.randint(2, prompt_len + 1, (1,), generator=g))
         r_len = int(torch.randint(2, max_resp + 1, (1,), generator=g))
         prompt = torch.randint(1, VOCAB, (p_len,), generator=g)
         resp = torch.randint(1, VOCAB, (r_len,), generator=g)
-        pad_l, pad_r = prompt_len - p_len, max_resp - r_len
-        seqs.append(torch.cat([torch.zeros(pad_l, dtype=torch.long), prompt, resp, torch.zeros(pad_r, dtype=torch.long)]))
-        attn.append(torch.cat([torch.zeros(pad_l), torch.ones(p_len + r_len), torch.zeros(pad_r)]).long())
-        m = torch.cat([torch.ones(r_len), torch.zeros(pad_r)]).bool()
+        if layout == "v0.11":
+            seqs.append(torch.cat([prompt, resp]))
+            m = torch.cat([torch.zeros(p_len - 1), torch.ones(r_len)]).bool()
+        else:
+            seqs.append(torch.cat([torch.zeros(prompt_len - p_len, dtype=torch.long), prompt, resp]))
+            m = torch.ones(r_len, dtype=torch.bool)
         if i == 1:
-            m[1] = False
+            m[-2] = False
         amask.append(m)
-    action_mask = torch.stack(amask)
-    advantages = torch.randn(n, max_resp, generator=g) * action_mask
+    width = max(len(x) for x in seqs)
+    sequences = torch.zeros(n, width, dtype=torch.long)
+    attention_mask = torch.zeros(n, width, dtype=torch.long)
+    action_mask = torch.zeros(n, max(len(m) for m in amask), dtype=torch.bool)
+    for i, (x, m) in enumerate(zip(seqs, amask)):
+        sequences[i, : len(x)] = x
+        attention_mask[i, : len(x)] = (x != 0).long() if layout != "v0.11" else 1
+        action_mask[i, : len(m)] = m
+    advantages = torch.randn(action_mask.shape, generator=g) * action_mask
     return Experience(
-        sequences=torch.stack(seqs),
-        attention_mask=torch.stack(attn),
+        sequences=sequences,
+        attention_mask=attention_mask,
         action_mask=action_mask,
-        action_log_probs=torch.zeros(n, max_resp),
+        action_log_probs=torch.zeros(action_mask.shape),
         advantages=advantages,
         returns=advantages.clone(),
         response_length=action_mask.sum(-1).float(),
-        total_length=torch.stack(attn).sum(-1).float(),
+        total_length=attention_mask.sum(-1).float(),
         info={},
     )
 
@@ -403,12 +417,13 @@ def test_loss_path_with_mask_equals_core(mode, estimator, token_level):
     assert not torch.allclose(plain, ref.detach())
 
 
-def test_replay_buffer_pass_equals_float64_reference(monkeypatch):
+@pytest.mark.parametrize("layout", ["v0.11", "left_padded"])
+def test_replay_buffer_pass_equals_float64_reference(layout, monkeypatch):
     actor = tiny_actor()
-    buffer = filled_buffer(rollout_batch(11), micro_batch_size=4, monkeypatch=monkeypatch)
+    buffer = filled_buffer(rollout_batch(11, layout=layout), micro_batch_size=4, monkeypatch=monkeypatch)
     items = buffer.items
     valids = [it.action_mask.bool() for it in items]
-    assert len({it.action_mask.numel() for it in items}) > 1  # ragged responses after unpadding
+    assert len({it.action_mask.numel() for it in items}) > 1  # ragged samples after unpadding
     stats = replay_buffer_stats(actor, items, valids, micro_batch_size=4, impl="torch")
     assert actor.temperature == TEMPERATURE and actor.training
     offset = 0
