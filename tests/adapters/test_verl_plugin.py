@@ -178,3 +178,23 @@ def test_settings_that_rule_out_the_statistics_are_refused():
         ["trainer.v1.trainer_mode=entropy_disc", "+entropy_disc.method=clip_b", "actor_rollout_ref.model.use_fused_kernels=true"]
     )
     assert not trainer._entropy_disc_expected
+
+
+def test_actor_workers_are_swapped_only_when_the_statistic_is_needed():
+    from verl.trainer.ppo.utils import Role
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    from entropy_discriminator.adapters._verl_workers import EntropyDiscActorRolloutRefWorker
+
+    trainer = _trainer(SELECT)
+    trainer._init_resource_pool_mgr()
+    actor = trainer.role_worker_mapping[Role.ActorRollout].__ray_actor_class__
+    assert actor is EntropyDiscActorRolloutRefWorker and issubclass(actor, ActorRolloutRefWorker)
+    from verl.workers.engine_workers import TrainingWorker
+
+    assert trainer.role_worker_mapping[Role.Critic].__ray_actor_class__ is TrainingWorker  # critic untouched
+    plain = _trainer(
+        ["trainer.v1.trainer_mode=entropy_disc", "+entropy_disc.method=clip_b", "actor_rollout_ref.model.use_fused_kernels=true"]
+    )
+    plain._init_resource_pool_mgr()
+    assert plain.role_worker_mapping[Role.ActorRollout].__ray_actor_class__ is ActorRolloutRefWorker
