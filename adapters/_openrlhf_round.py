@@ -34,7 +34,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from entropy_discriminator import EntropyDiscConfig, EntropyMonitor, MaskResult, TokenStats, apply_keep_mask, token_stats
+from entropy_discriminator import (
+    EntropyDiscConfig,
+    EntropyMonitor,
+    MaskResult,
+    TokenStats,
+    apply_keep_mask,
+    token_stats,
+)
 from entropy_discriminator.distributed import Group, all_reduce
 
 IGNORE_INDEX = -100
@@ -197,7 +204,11 @@ def begin_round(trainer: Any, config: EntropyDiscConfig) -> RoundState:
     mask = None
     if config.enabled:
         mask = config.compute_mask(
-            advantages=advantages, valid=stats.valid, s_star=stats.s_star, s_centered=stats.s_centered, process_group=group
+            advantages=advantages,
+            valid=stats.valid,
+            s_star=stats.s_star,
+            s_centered=stats.s_centered,
+            process_group=group,
         )
         apply_keep(items, mask.keep, config.mask_mode)
     metrics: dict[str, float] = {}

@@ -176,7 +176,8 @@ def reference_stats(actor: Actor, item: Experience) -> dict[str, torch.Tensor]:
     logp = logq.gather(-1, labels[:, None])[:, 0]
     s_star = logp.exp() * (entropy + logp)
     s_expected = (p * p * (entropy[:, None] + logq)).sum(-1)
-    return {"logp": logp, "entropy": entropy, "s_star": s_star, "s_expected": s_expected, "s_centered": s_star - s_expected}
+    s_centered = s_star - s_expected
+    return {"logp": logp, "entropy": entropy, "s_star": s_star, "s_expected": s_expected, "s_centered": s_centered}
 
 
 class FakeStrategy:
@@ -269,7 +270,8 @@ def test_patch_is_idempotent_and_reversible():
 def test_worker_setup_hook_patches_from_environment(monkeypatch):
     cfg = EntropyDiscConfig(method="clip_v", mu_low=3.0, mask_mode="drop_token")
     env = adapter.runtime_env(cfg, realised=True, base={"env_vars": {"NCCL_DEBUG": "WARN"}})
-    assert env["worker_process_setup_hook"] == adapter.SETUP_HOOK == "entropy_discriminator.adapters.openrlhf.worker_setup_hook"
+    assert env["worker_process_setup_hook"] == adapter.SETUP_HOOK
+    assert adapter.SETUP_HOOK == "entropy_discriminator.adapters.openrlhf.worker_setup_hook"
     assert env["env_vars"]["NCCL_DEBUG"] == "WARN"
     monkeypatch.setenv(adapter.CONFIG_ENV, env["env_vars"][adapter.CONFIG_ENV])
     from ray._common.utils import load_class  # what Ray's worker does with the hook string
