@@ -86,3 +86,17 @@ def openrlhf(session: nox.Session) -> None:
     tests = sorted(glob.glob("tests/adapters/test_openrlhf*.py"))
     # ED_REQUIRE_OPENRLHF: the tests fail instead of skipping when openrlhf cannot be imported here.
     session.run(*PYTEST, *tests, *session.posargs, env={"ED_REQUIRE_OPENRLHF": "1"})
+
+
+# --- kernels session (owner: kernel engineer) ---
+@nox.session
+def kernels(session: nox.Session) -> None:
+    """The Triton kernels on CPU through Triton's interpreter (``TRITON_INTERPRET=1``).
+
+    Same kernel code as on a GPU, executed by numpy; numpy < 2.4 because Triton 3.6's interpreter
+    converts 1-element arrays to Python ints, which numpy 2.4 refuses.  Compiled-kernel checks at
+    full size are in tests/gpu/ (``pytest -m gpu`` on a CUDA machine).
+    """
+    session.install(TORCH)
+    session.install("-e", ".[test]", TORCH, "triton==3.6.0", "numpy<2.4")
+    session.run(*PYTEST, "tests/test_kernels.py", *session.posargs, env={"TRITON_INTERPRET": "1"})

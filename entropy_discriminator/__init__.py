@@ -7,6 +7,7 @@ Pure torch + numpy; training frameworks are reached through ``entropy_discrimina
 
 from .config import EntropyDiscConfig
 from .dynamics import batch_entropy_change, entropy_change_logit, entropy_change_step
+from .hidden import token_stats_from_hidden
 from .masks import MaskResult, apply_keep_mask, clip_b_mask, clip_v_mask
 from .monitor import EntropyMonitor
 from .stats import TokenStats, discriminator_score, token_stats
@@ -26,4 +27,5 @@ __all__ = [
     "entropy_change_logit",
     "entropy_change_step",
     "token_stats",
+    "token_stats_from_hidden",
 ]

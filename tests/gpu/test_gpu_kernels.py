@@ -103,10 +103,13 @@ def test_non_contiguous_batch_time_view():
     poison(128)
     stats = ed.token_stats(logits, labels, impl="triton")
     assert stats.entropy.shape == (4, 32)
-    ref_stats = ed.token_stats(logits.reshape(-1, 32768), labels.reshape(-1), impl="triton")
+    # The view is read per batch entry (32-row launches, split-V) while the copy is one 128-row
+    # launch: same values up to fp32 summation order, each within the float64 tolerance.
+    flat_stats = ed.token_stats(logits.reshape(-1, 32768), labels.reshape(-1), impl="triton")
     for name in FIELDS:
-        assert torch.equal(getattr(stats, name).reshape(-1), getattr(ref_stats, name))
-    check(ref_stats, logits.reshape(-1, 32768), labels.reshape(-1), 1.0)
+        torch.testing.assert_close(getattr(stats, name).reshape(-1), getattr(flat_stats, name), rtol=1e-5, atol=2e-6)
+    flat = ed.TokenStats(**{f: getattr(stats, f).reshape(-1) for f in (*FIELDS, "valid")})
+    check(flat, logits.reshape(-1, 32768), labels.reshape(-1), 1.0)
 
 
 def test_deterministic_bits_with_and_without_split():
