@@ -22,7 +22,8 @@ RUNS = {
     "clip_b": ["--entropy_disc_method", "clip_b"],  # mu_low 2.5, no cap
     "clip_v": ["--entropy_disc_method", "clip_v", "--entropy_disc_max_frac", "none"],  # mu_low 8.5, no cap
     "clip_b_mu1": ["--entropy_disc_method", "clip_b", "--entropy_disc_mu_low", "1.0"],
-    "clip_v_mu2": ["--entropy_disc_method", "clip_v", "--entropy_disc_mu_low", "2.0", "--entropy_disc_max_frac", "none"],
+    "clip_v_mu2": ["--entropy_disc_method", "clip_v", "--entropy_disc_mu_low", "2.0",
+                   "--entropy_disc_max_frac", "none"],
 }
 
 

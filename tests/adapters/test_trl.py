@@ -381,8 +381,10 @@ def test_example_accuracy_reward_reads_the_final_number():
     assert ex.accuracy_reward(completions, answer=["7", "1250", "12", "3"]) == [1.0, 1.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("extra", [["--entropy_disc_method", "clip_b"], ["--entropy_disc_method", "clip_v", "--use_patch",
-                                                                       "--entropy_disc_max_frac", "none"]])
+@pytest.mark.parametrize("extra", [
+    ["--entropy_disc_method", "clip_b"],
+    ["--entropy_disc_method", "clip_v", "--use_patch", "--entropy_disc_max_frac", "none"],
+])
 def test_example_script_runs_its_tiny_path(extra, tmp_path):
     summary = _example().main([
         "--tiny", "--use_cpu", "--output_dir", str(tmp_path), "--max_steps", "1", "--max_completion_length", "8",
