@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seeds", type=int, default=None, help="--paper: seeds per arm for Table 1 (default: preset)")
     demo.add_argument("--jobs", type=int, default=None, help="--paper: parallel worker processes (default: preset)")
     demo.add_argument("--size", choices=("gpu", "cpu-small"), default="gpu", help="--paper: sizes (cpu-small for a smoke run)")
+    demo.add_argument(
+        "--render-only", action="store_true", help="--paper: redraw figures and report.md from the results saved in --out"
+    )
     return parser
 
 
@@ -67,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 run_paper(
                     PaperOptions(
                         out=args.out or Path("demo_out/paper"), device=args.device, seed=args.seed, size=args.size,
-                        seeds=args.seeds, jobs=args.jobs, steps=args.steps,
+                        seeds=args.seeds, jobs=args.jobs, steps=args.steps, render_only=args.render_only,
                     )
                 )
             else:

@@ -73,10 +73,10 @@ class TrainConfig:
     warmup_batch: int = 128
     warmup_lr: float = 3e-3
     warmup_noise: float = 0.3
-    grpo_steps: int = 150
-    prompts_per_step: int = 32
+    grpo_steps: int = 200
+    prompts_per_step: int = 16
     group_size: int = 8
-    lr: float = 1e-4
+    lr: float = 1e-3
     temperature: float = 1.0
     mask_mode: str = "zero_pg"
     eval_prompts: int = 200
@@ -110,26 +110,46 @@ class TrainConfig:
 Progress = Callable[[int, int, str], None]
 
 
-def warm_up(model: TinyGPT, cfg: TrainConfig, *, seed: int, device: torch.device, progress: Progress | None = None) -> float:
-    """Supervised warm-up on noisy targets (:meth:`AdditionTask.noisy_answers`); Adam, cosine-free constant lr.
+def warm_up(
+    model: TinyGPT,
+    cfg: TrainConfig,
+    *,
+    seed: int,
+    device: torch.device,
+    progress: Progress | None = None,
+    target_avg: float | None = None,
+    max_steps: int | None = None,
+) -> dict[str, float]:
+    """Supervised warm-up on noisy targets (:meth:`AdditionTask.noisy_answers`): Adam at ``warmup_lr``,
+    gradient norm clipped at 1, loss = mean cross-entropy over the response tokens.
 
-    Loss: mean cross-entropy over the response tokens.  Returns the last step's loss.
+    Runs ``cfg.warmup_steps`` steps; with ``target_avg``, keeps going in blocks of a quarter of that until
+    held-out Avg@k (:func:`evaluate`) reaches ``target_avg`` or ``max_steps`` steps are done (small
+    transformers learn addition in a sudden, seed-dependent transition).  Returns ``{"steps", "loss"}``.
     """
     task = cfg.task()
     gen = torch.Generator().manual_seed(seed + 7919)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.warmup_lr)
+    limit = max(cfg.warmup_steps, max_steps or 0) if target_avg is not None else cfg.warmup_steps
+    block = max(1, cfg.warmup_steps // 4)
     loss = torch.tensor(float("nan"))
-    for step in range(cfg.warmup_steps):
+    step = 0
+    while step < limit:
+        if step >= cfg.warmup_steps and (step - cfg.warmup_steps) % block == 0:
+            if evaluate(model, cfg, seed=seed, device=device)["avg_at_k"] >= float(target_avg or 0.0):
+                break
         a, b = task.sample_operands(cfg.warmup_batch, gen, split="train")
         seq = torch.cat([task.prompts(a, b), task.noisy_answers(a, b, cfg.warmup_noise, gen)], dim=1).to(device)
         logits = model.response_logits(seq, task.prompt_len)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), seq[:, task.prompt_len :].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        step += 1
         if progress is not None:
-            progress(step + 1, cfg.warmup_steps, f"loss {loss.item():.3f}")
-    return float(loss.item())
+            progress(step, limit if step > cfg.warmup_steps else cfg.warmup_steps, f"loss {loss.item():.3f}")
+    return {"steps": float(step), "loss": float(loss.item())}
 
 
 @torch.no_grad()
