@@ -20,8 +20,9 @@ instead recomputes Clip_B per optimisation micro-batch from the loss's own curre
 log-probs and entropies (``S* = exp(logp) (H + logp)``).  Metrics go to ``trainer._metrics``
 under ``entropy_disc/``.  How the seams work: ``_trl_hooks.py``.
 
-``RLOOTrainer`` is not served: its 1.16.0 loss is sequence-level (a ratio of summed log-probs),
-so there is no per-token policy-gradient term for a token mask to remove.
+``RLOOTrainer`` is not served: its 1.16.0 loss clips a sequence-level ratio of summed log-probs
+against an ``old_logps`` stored already summed, so dropping a token would change both sums and the
+clipping itself; the same seam (per-token advantages or loss mask) does not exist there.
 """
 
 from __future__ import annotations
@@ -287,8 +288,8 @@ def _wrappers(originals: dict[str, Any]) -> dict[str, Any]:
 def _check_target(target: Any) -> None:
     cls = target if isinstance(target, type) else type(target)
     if not issubclass(cls, GRPOTrainer):
-        rloo = " RLOOTrainer's 1.16 loss is sequence-level, so a token mask has no seam there." if (
-            cls.__name__ == "RLOOTrainer") else ""
+        rloo = (" RLOOTrainer's 1.16 loss is sequence-level (a ratio of summed log-probs), so a token mask has no "
+                "seam there.") if cls.__name__ == "RLOOTrainer" else ""
         raise TypeError(f"patch() target must be GRPOTrainer, a subclass or an instance of one; got {cls.__name__}."
                         + rloo)
 
