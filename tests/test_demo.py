@@ -130,3 +130,22 @@ def test_bad_arguments_name_the_argument(capsys: pytest.CaptureFixture[str]) -> 
     if not torch.cuda.is_available():
         assert main(["demo", "--quick", "--device", "cuda", "--out", "unused"]) == 2
         assert "--device" in capsys.readouterr().err
+
+
+def test_paper_suite_smoke_renders_every_section(tmp_path: Path) -> None:
+    """``demo --paper`` at its CPU smoke size, through two spawned workers, then ``--render-only``."""
+    pytest.importorskip("matplotlib", reason="the plot extra is installed in the core nox session")
+    out = tmp_path / "paper"
+    args = ["demo", "--paper", "--size", "cpu-small", "--device", "cpu", "--steps", "6", "--seeds", "2", "--jobs", "2"]
+    assert main([*args, "--out", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    for heading in ("## Figure 1", "## Figure 2", "## Figure 3", "## Figure 5", "## Table 1", "## The reviewers"):
+        assert heading in report
+    assert "nan ±" not in report and "arms move the way Theorem 1 predicts" in report
+    with (out / "paper_steps.csv").open() as f:
+        runs = {(r["group"], r["arm"], r["seed"]) for r in csv.DictReader(f)}
+    assert len(runs) == 2 * 3 + 8 + 2 * 2  # Table 1 (2 seeds x 3 arms), Figure 1 (8 arms), Figure 2 (2 mus x 2)
+    for name in ("fig1.png", "fig2.png", "fig3_fig5.png", "table1.png", "theory.png"):
+        (out / name).unlink()
+    assert main(["demo", "--paper", "--render-only", "--out", str(out)]) == 0
+    assert (out / "theory.png").exists() and (out / "report.md").read_text() == report

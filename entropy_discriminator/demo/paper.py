@@ -37,7 +37,7 @@ SIZES: dict[str, dict[str, object]] = {
     "gpu": {
         "cfg": TrainConfig(
             n_digits=4, d_model=128, n_layers=3, n_heads=4, warmup_steps=1500, warmup_batch=256, warmup_lr=1e-3,
-            grpo_steps=300, prompts_per_step=64, group_size=8, lr=3e-4, eval_prompts=500, eval_k=16,
+            grpo_steps=300, prompts_per_step=64, group_size=8, lr=5e-4, eval_prompts=500, eval_k=16,
         ),
         "seeds": 5, "jobs": 8, "mus": (1.0, 1.5, 2.0, 3.0),
     },
@@ -87,6 +87,8 @@ def run_paper(opts: PaperOptions) -> Path:
     """Run the suite (unless ``render_only``) and render; returns the report's path."""
     out = Path(opts.out)
     if opts.render_only:
+        if not (out / "paper_results.json").is_file() or not (out / "paper_steps.csv").is_file():
+            raise ValueError(f"--out {out}: no paper_results.json and paper_steps.csv to render (run --paper first)")
         return render_paper(out)
     if opts.size not in SIZES:
         raise ValueError(f"--size must be one of {sorted(SIZES)}, got {opts.size!r}")
@@ -141,19 +143,21 @@ def run_paper(opts: PaperOptions) -> Path:
 
     bar = TextProgress(f"{len(payloads)} GRPO runs")
     results: list[tuple[str, ArmResult]] = []
+
+    def done(item: tuple[str, ArmResult]) -> None:
+        # rewritten after every run, so a run cut short still leaves the finished runs on disk
+        results.append(item)
+        rows = [{"group": g, "arm": r.arm, "seed": r.seed, **rec} for g, r in results for rec in r.records]
+        write_csv(out / "paper_steps.csv", rows)
+        bar(len(results), len(payloads), f"{item[0]}: {item[1].arm} (seed {item[1].seed})")
+
     if jobs == 1:
-        for i, p in enumerate(payloads):
-            results.append(_job(p))
-            bar(i + 1, len(payloads), results[-1][1].arm)
+        for p in payloads:
+            done(_job(p))
     else:
         with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
-            futures = [pool.submit(_job, p) for p in payloads]
-            for i, fut in enumerate(cf.as_completed(futures)):
-                results.append(fut.result())
-                bar(i + 1, len(payloads), results[-1][1].arm)
-
-    steps_rows = [{"group": g, "arm": r.arm, "seed": r.seed, **rec} for g, r in results for rec in r.records]
-    write_csv(out / "paper_steps.csv", steps_rows)
+            for fut in cf.as_completed([pool.submit(_job, p) for p in payloads]):
+                done(fut.result())
     meta = {
         "config": asdict(cfg), "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "seeds": n_seeds, "mus": list(mus), "mu_table": MU_TABLE,

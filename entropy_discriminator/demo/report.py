@@ -44,7 +44,9 @@ class TextProgress:
 
 
 def write_csv(path: Path, rows: Sequence[dict[str, object]]) -> None:
-    """Write ``rows`` (dicts; the union of their keys, in first-seen order, is the header) to ``path``."""
+    """Write ``rows`` (dicts; the union of their keys, in first-seen order, is the header) to ``path``.
+
+    Floats are written with 7 significant digits (``nan`` as ``nan``)."""
     header: list[str] = []
     for row in rows:
         header.extend(k for k in row if k not in header)
@@ -52,7 +54,7 @@ def write_csv(path: Path, rows: Sequence[dict[str, object]]) -> None:
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=header)
         w.writeheader()
-        w.writerows(rows)
+        w.writerows({k: (f"{v:.7g}" if isinstance(v, float) else v) for k, v in row.items()} for row in rows)
 
 
 def _fmt(value: object) -> str:
