@@ -20,9 +20,16 @@ def interpreting() -> bool:
 
 
 def is_available() -> bool:
-    """True when Triton is importable and a CUDA device is present (the kernels' run condition)."""
-    if importlib.util.find_spec("triton") is None:
-        return False
+    """True when a CUDA device is present and Triton imports (the kernels' run condition).
+
+    Triton is imported here, on the first call with a CUDA device, never at package import.
+    """
     import torch
 
-    return bool(torch.cuda.is_available())
+    if not torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        import triton  # noqa: F401
+    except Exception:  # a broken install counts as absent: callers fall back to torch
+        return False
+    return True
