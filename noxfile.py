@@ -15,7 +15,7 @@ import os
 
 import nox
 
-nox.options.sessions = ["core", "verl", "trl", "openrlhf"]
+nox.options.sessions = ["core", "verl", "trl", "openrlhf", "kernels"]
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = os.environ.get("ED_TORCH_SPEC", "torch==2.13.0")
