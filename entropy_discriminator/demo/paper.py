@@ -37,7 +37,7 @@ SIZES: dict[str, dict[str, object]] = {
     "gpu": {
         "cfg": TrainConfig(
             n_digits=4, d_model=128, n_layers=3, n_heads=4, warmup_steps=1500, warmup_batch=256, warmup_lr=1e-3,
-            grpo_steps=300, prompts_per_step=64, group_size=8, lr=5e-4, eval_prompts=500, eval_k=16,
+            grpo_steps=300, prompts_per_step=64, group_size=8, lr=1e-4, eval_prompts=500, eval_k=16,
         ),
         "seeds": 5, "jobs": 8, "mus": (1.0, 1.5, 2.0, 3.0),
     },
