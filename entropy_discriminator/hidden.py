@@ -9,13 +9,12 @@ a time.
 
 from __future__ import annotations
 
-import math
 
 import torch
 
 from . import kernels
-from ._checks import require_float, require_tensor
-from .stats import IMPLS, TokenStats, _check_rows, token_stats
+from ._checks import require_float
+from .stats import TokenStats, _check_rows, check_stats_args, checked_valid, token_stats
 
 __all__ = ["token_stats_from_hidden"]
 
@@ -60,36 +59,23 @@ def token_stats_from_hidden(
     """
     hidden = require_float("hidden", hidden)
     weight = require_float("weight", weight)
-    labels = require_tensor("labels", labels)
     if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"hidden must be [..., H] and weight [V, H] with the same H, got {tuple(hidden.shape)} and {tuple(weight.shape)}"
         )
     if hidden.dtype == torch.float64 or weight.dtype != hidden.dtype:
         raise ValueError(f"hidden and weight must share a bf16/fp16/fp32 dtype, got {hidden.dtype} and {weight.dtype}")
-    if weight.device != hidden.device or labels.device != hidden.device:
-        raise ValueError(f"hidden ({hidden.device}), weight ({weight.device}) and labels ({labels.device}) must share a device")
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        raise TypeError(f"labels must be an integer tensor, got dtype {labels.dtype}")
-    if labels.shape != hidden.shape[:-1]:
-        raise ValueError(f"labels must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, got {tuple(labels.shape)}")
+    if weight.device != hidden.device:
+        raise ValueError(f"weight is on {weight.device} but hidden on {hidden.device}")
+    check_stats_args(labels, hidden, "hidden", temperature, chunk_size, impl)
     vocab = weight.shape[0]
     if bias is not None and (bias.shape != (vocab,) or bias.device != hidden.device):
         raise ValueError(f"bias must be a [{vocab}] tensor on {hidden.device}, got {tuple(bias.shape)} on {bias.device}")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
     shape = labels.shape
     h2 = hidden.reshape(-1, hidden.shape[-1])
     k = labels.reshape(-1).to(torch.int64)
-    valid = k != ignore_index
-    bad = valid & ((k < 0) | (k >= vocab))
-    if bool(bad.any()):
-        raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}; got {k[bad][:5].tolist()}")
+    valid = checked_valid(k, vocab, ignore_index)
 
     use_triton = impl == "triton" or (
         impl == "auto" and hidden.is_cuda and hidden.dtype != torch.float32 and kernels.is_available()

@@ -111,34 +111,15 @@ def token_stats(
         :class:`TokenStats`, every field of ``labels.shape``; float32 (float64 for fp64 logits).
     """
     logits = require_float("logits", logits)
-    labels = require_tensor("labels", labels)
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        raise TypeError(f"labels must be an integer tensor, got dtype {labels.dtype}")
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"logits must have shape [..., V] with V >= 1, got {tuple(logits.shape)}")
-    if labels.shape != logits.shape[:-1]:
-        raise ValueError(
-            f"labels must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, got {tuple(labels.shape)}"
-        )
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if labels.device != logits.device:
-        raise ValueError(f"labels are on {labels.device} but logits on {logits.device}")
-
+    check_stats_args(labels, logits, "logits", temperature, chunk_size, impl)
     v_local = logits.shape[-1]
     v_total = _global_vocab(v_local, vocab_parallel_group, logits.device)
     if vocab_parallel_group is None and vocab_start_index != 0:
         raise ValueError("vocab_start_index needs vocab_parallel_group")
     flat_labels = labels.reshape(-1)
-    valid = flat_labels != ignore_index
-    out_of_range = valid & ((flat_labels < 0) | (flat_labels >= v_total))
-    if bool(out_of_range.any()):
-        bad = flat_labels[out_of_range][:5].tolist()
-        raise ValueError(f"labels must lie in [0, {v_total}) or equal ignore_index={ignore_index}; got {bad}")
+    valid = checked_valid(flat_labels, v_total, ignore_index)
 
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     block_fn = _select_impl(impl, logits, vocab_parallel_group)
@@ -174,6 +155,40 @@ def token_stats(
         s_centered=s_centered.reshape(shape),
         valid=valid.reshape(shape),
     )
+
+
+def check_stats_args(
+    labels: object, source: torch.Tensor, source_name: str, temperature: object, chunk_size: object, impl: object
+) -> None:
+    """Validate the arguments :func:`token_stats` and ``token_stats_from_hidden`` share.
+
+    ``labels`` must be an integer tensor of shape ``source.shape[:-1]`` on ``source``'s device.
+    """
+    labels = require_tensor("labels", labels)
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor, got dtype {labels.dtype}")
+    if labels.shape != source.shape[:-1]:
+        raise ValueError(
+            f"labels must have shape {source_name}.shape[:-1] = {tuple(source.shape[:-1])}, got {tuple(labels.shape)}"
+        )
+    if labels.device != source.device:
+        raise ValueError(f"labels are on {labels.device} but {source_name} on {source.device}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+def checked_valid(flat_labels: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
+    """``flat_labels != ignore_index``, after checking every other label lies in ``[0, vocab)``."""
+    valid = flat_labels != ignore_index
+    out_of_range = valid & ((flat_labels < 0) | (flat_labels >= vocab))
+    if bool(out_of_range.any()):
+        bad = flat_labels[out_of_range][:5].tolist()
+        raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}; got {bad}")
+    return valid
 
 
 def _global_vocab(v_local: int, group: dist.ProcessGroup | None, device: torch.device) -> int:
