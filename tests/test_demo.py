@@ -149,3 +149,19 @@ def test_paper_suite_smoke_renders_every_section(tmp_path: Path) -> None:
         (out / name).unlink()
     assert main(["demo", "--paper", "--render-only", "--out", str(out)]) == 0
     assert (out / "theory.png").exists() and (out / "report.md").read_text() == report
+
+
+def test_without_matplotlib_says_how_to_install_and_still_writes_csv(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+
+    from entropy_discriminator.demo import runner
+
+    monkeypatch.setattr(runner, "have_matplotlib", lambda: False)
+    buf = io.StringIO()
+    result = runner.run_demo(runner.DemoOptions(out=tmp_path, quick=True, steps=3, device="cpu"), stream=buf)
+    assert 'pip install "entropy-discriminator[plot]"' in buf.getvalue()
+    assert not (tmp_path / "demo.png").exists() and "png" not in result["files"]
+    with (tmp_path / "demo_steps.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == 3 * 3
