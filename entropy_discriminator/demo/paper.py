@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import math
 import multiprocessing as mp
 import sys
 import time

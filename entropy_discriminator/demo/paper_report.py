@@ -59,6 +59,7 @@ def load(out: Path) -> tuple[dict, Runs]:
 
 
 def col(recs: list[dict[str, float]], key: str) -> list[float]:
+    """The ``key`` column of per-step records, in step order."""
     return [r[key] for r in recs]
 
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from .. import EntropyMonitor, apply_keep_mask, batch_entropy_change, clip_b_mask, clip_v_mask, token_stats
 from .model import ModelConfig, TinyGPT
-from .task import AdditionTask
+from .task import VOCAB_SIZE, AdditionTask
 
 ARM_METHODS = ("none", "clip_b", "clip_v", "sign")
 SIGN_ACTIONS = ("only", "mask")
@@ -97,12 +97,14 @@ class TrainConfig:
             raise ValueError("temperature must be > 0 and eval_temperature >= 0")
 
     def task(self) -> AdditionTask:
+        """The :class:`AdditionTask` of ``n_digits`` digits."""
         return AdditionTask(n_digits=self.n_digits)
 
     def model_config(self) -> ModelConfig:
+        """:class:`ModelConfig` sized for the task: vocabulary 12, ``max_len = prompt_len + response_len``."""
         t = self.task()
         return ModelConfig(
-            vocab_size=12, max_len=t.prompt_len + t.response_len, d_model=self.d_model,
+            vocab_size=VOCAB_SIZE, max_len=t.prompt_len + t.response_len, d_model=self.d_model,
             n_layers=self.n_layers, n_heads=self.n_heads,
         )
 
