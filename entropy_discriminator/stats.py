@@ -131,17 +131,12 @@ def token_stats(
         if block_fn is _moments_triton:
             chunk_size = n or 1  # the kernel streams each row itself: one launch per row block
     with torch.no_grad():
-        start = 0
-        for block in _row_blocks(logits, vocab_parallel_group is not None):
-            for lo in range(0, block.shape[0], chunk_size):
-                rows = block[lo : lo + chunk_size]
-                sl = slice(start + lo, start + lo + rows.shape[0])
-                k = flat_labels[sl]
-                out = block_fn(rows, k, float(temperature), ignore_index, acc, vocab_parallel_group, vocab_start_index)
-                for col, val in zip(cols, out[:4]):
-                    col[sl] = val
-                row_max[sl] = out[4]
-            start += block.shape[0]
+        chunks = _row_chunks(logits, chunk_size, copy_rows=block_fn is _moments_torch)
+        for sl, rows in chunks:
+            out = block_fn(rows, flat_labels[sl], float(temperature), ignore_index, acc, vocab_parallel_group, vocab_start_index)
+            for col, val in zip(cols, out[:4]):
+                col[sl] = val
+            row_max[sl] = out[4]
 
     _check_rows(row_max, valid)
     logp, entropy, s_star, s_expected = (torch.where(valid, c, torch.zeros((), dtype=acc, device=c.device)) for c in cols)
@@ -247,16 +242,32 @@ def _moments_triton(
     return token_stats_triton(rows, labels.to(torch.int64), temperature, ignore_index)
 
 
-def _row_blocks(x: torch.Tensor, force_reshape: bool) -> Iterator[torch.Tensor]:
-    """Yield 2-D ``[rows, V]`` views covering ``x[..., V]`` in flat row order, copying nothing."""
-    if force_reshape:
-        yield x.reshape(-1, x.shape[-1])
-        return
+def _row_chunks(x: torch.Tensor, chunk_size: int, copy_rows: bool) -> Iterator[tuple[slice, torch.Tensor]]:
+    """Yield ``(flat_rows, [n, V] rows)`` covering ``x[..., V]`` in flat row order, ``n <= chunk_size``.
+
+    Where ``x`` views as ``[rows, V]`` the chunks are views. Otherwise (e.g. ``logits[:, :-1]``),
+    with ``copy_rows`` each chunk's rows are gathered into a ``[n, V]`` copy of the input dtype
+    (one chunk at a time, never the whole tensor); without it (the Triton path, which takes any row
+    stride) the chunks are views of the viewable sub-blocks ``x[i]``, ``x[i, j]``...
+    """
+    n_rows = math.prod(x.shape[:-1])
     try:
-        yield x.view(-1, x.shape[-1])
+        flat = x.view(-1, x.shape[-1])
     except RuntimeError:
+        flat = None
+    if flat is not None:
+        for lo in range(0, n_rows, chunk_size):
+            yield slice(lo, min(lo + chunk_size, n_rows)), flat[lo : lo + chunk_size]
+    elif copy_rows:
+        for lo in range(0, n_rows, chunk_size):
+            idx = torch.arange(lo, min(lo + chunk_size, n_rows), device=x.device)
+            yield slice(lo, lo + idx.numel()), x[torch.unravel_index(idx, x.shape[:-1])]
+    else:
+        start = 0
         for i in range(x.shape[0]):
-            yield from _row_blocks(x[i], False)
+            for sl, rows in _row_chunks(x[i], chunk_size, copy_rows):
+                yield slice(start + sl.start, start + sl.stop), rows
+            start += math.prod(x.shape[1:-1])
 
 
 def _moments_torch(
