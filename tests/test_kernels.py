@@ -136,20 +136,22 @@ def test_choose_config_splits_only_small_batches():
 
 
 @pytest.mark.parametrize(
-    ("n", "h", "v", "dtype", "bias", "temperature", "rows_per_launch"),
+    ("n", "h", "v", "dtype", "bias", "temperature", "rows_per_launch", "persistent"),
     [
-        (37, 48, 300, torch.float16, False, 1.0, None),
-        (20, 40, 130, torch.float32, True, 0.8, 16),
+        (37, 48, 300, torch.float16, False, 1.0, None, 1),
+        (37, 48, 300, torch.float16, True, 1.2, 16, 0),
+        (20, 40, 130, torch.float32, True, 0.8, 16, 1),
     ],
 )
-def test_fused_kernel_matches_float64(n, h, v, dtype, bias, temperature, rows_per_launch):
+def test_fused_kernel_matches_float64(n, h, v, dtype, bias, temperature, rows_per_launch, persistent):
+    # persistent=1 with fp16 runs the persistent TMA-descriptor kernel, 0 (and fp32) the pointer one.
     # The interpreter does not emulate bf16 tl.dot; bf16 is covered on the GPU (tests/gpu/).
     g = torch.Generator().manual_seed(n)
     hid = torch.randn(n, h, generator=g).to(dtype).to(DEV)
     w = (torch.randn(v, h, generator=g) * 0.5).to(dtype).to(DEV)
     b = torch.randn(v, generator=g).to(dtype).to(DEV) if bias else None
     labels = _labels(n, n, v)
-    cfg = {"bm": 16, "bn": 32 if v < 200 else 64, "bk": 16, "group_m": 3}
+    cfg = {"bm": 16, "bn": 32 if v < 200 else 64, "bk": 16, "group_m": 3, "persistent": persistent}
     out = token_stats_fused_triton(hid, w, labels, b, temperature, -100, config=cfg, rows_per_launch=rows_per_launch)
     logits = hid.cpu().double() @ w.cpu().double().T + (b.cpu().double() if bias else 0.0)
     _check(out, logits, labels, temperature)

@@ -1,9 +1,12 @@
 """Fused LM-head statistics: logits = hidden @ weight.T (+ bias) never reach device memory.
 
-Each program computes one [BM, BN] tile of logits with a tensor-core matmul over H (tiles ordered
-in groups of GROUP_M row blocks so that the hidden and weight tiles in flight stay in L2), and
-reduces the tile in its epilogue, on chip, to six numbers per row (the reference m, the sums
-s0..s3 of :mod:`._reduce`, and a NaN-propagating max); the program whose tile holds a row's label
+Each [BM, BN] tile of logits is a tensor-core matmul over H (tiles ordered in groups of GROUP_M
+row blocks so that the hidden and weight tiles in flight stay in L2).  By default one persistent
+program per multiprocessor walks the tiles, its operands loaded by TMA descriptors, the next
+tile's loads in flight during this tile's epilogue; otherwise (fp32, unaligned strides, pre-Hopper
+GPUs) one program per tile loads through pointers.  The epilogue reduces the tile, on chip, to
+six numbers per row (the reference m, the sums s0..s3 of :mod:`._reduce`, and a NaN-propagating
+max); the program whose tile holds a row's label
 also writes that logit.  :func:`._reduce.merge_kernel` then merges the ceil(V/BN) partials of every
 row in a fixed order (deterministic, no atomics).  Forward only: the statistics are used under
 no_grad.
@@ -20,12 +23,85 @@ import triton.language as tl
 from . import interpreting
 from ._reduce import D_FLOOR, LOG2E, max_nan, merge_block, merge_kernel
 
+try:  # host-side TMA descriptors (Triton >= 3.2); without them the pointer kernel is used
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    TensorDescriptor = None
+
 __all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG"]
 
-DEFAULT_CONFIG = {"bm": 128, "bn": 256, "bk": 64, "group_m": 8, "num_warps": 8, "stages": 3, "moments": 4}
+# persistent: programs per multiprocessor of the persistent TMA kernel (0: one program per tile);
+# flatten / ws: its tile loop pipelined as one with the K loop / warp-specialised.  H100, N=16384,
+# H=3584, V=152064 (results/h100/tune_fused.csv): persistent 666 TFLOP/s, one program per tile 595.
+DEFAULT_CONFIG = {
+    "bm": 128, "bn": 256, "bk": 64, "group_m": 8, "num_warps": 8, "stages": 3, "moments": 4,
+    "persistent": 1, "flatten": 1, "ws": 0,
+}  # fmt: skip
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Row slices are sized so that the partials ([6, rows, ceil(V/BN)] fp32) stay under this.
 _WORKSPACE_BYTES = 256 * 2**20
+
+
+@triton.jit
+def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped ordering: GROUP_M row blocks sweep the vocabulary together (weight tiles reused in L2)."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (tile // per_group) * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % per_group) % group_size
+    pid_n = (tile % per_group) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def _tile_epilogue(
+    acc,
+    pid_m,
+    pid_n,
+    b_ptr,
+    lab_ptr,
+    part_ptr,
+    yk_ptr,
+    N,
+    V,
+    c,
+    num_pid_n,
+    HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    MOMENTS: tl.constexpr,
+):
+    """Reduce one [BM, BN] fp32 logits tile to the six partials per row (and the label logit)."""
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn % V).to(tl.float32)[None, :]
+    y = tl.where(rn[None, :] < V, acc * c, float("-inf"))
+    m = tl.reduce(y, 1, max_nan)
+    d = tl.maximum(y - m[:, None], -D_FLOOR)
+    e = tl.exp2(d)
+    s0 = tl.sum(e, axis=1)
+    s1 = tl.sum(e * d, axis=1)
+    if MOMENTS == 4:
+        e2 = e * e
+        s2 = tl.sum(e2, axis=1)
+        s3 = tl.sum(e2 * d, axis=1)
+    else:  # benchmarks only: what logp and H alone cost (E_p[S] then reads 0)
+        s2 = tl.zeros_like(s0)
+        s3 = tl.zeros_like(s0)
+    labels = tl.load(lab_ptr + rm % N)
+    yk = tl.sum(tl.where(rn[None, :] == labels[:, None], y, 0.0), axis=1)
+    row_ok = rm < N
+    in_tile = row_ok & (labels >= pid_n * BN) & (labels < pid_n * BN + BN)
+    tl.store(yk_ptr + rm, yk, mask=in_tile)
+    stride_f = N.to(tl.int64) * num_pid_n
+    q = part_ptr + rm.to(tl.int64) * num_pid_n + pid_n
+    tl.store(q, m, mask=row_ok)
+    tl.store(q + stride_f, s0, mask=row_ok)
+    tl.store(q + 2 * stride_f, s1, mask=row_ok)
+    tl.store(q + 3 * stride_f, s2, mask=row_ok)
+    tl.store(q + 4 * stride_f, s3, mask=row_ok)
+    tl.store(q + 5 * stride_f, m, mask=row_ok)
 
 
 @triton.jit
@@ -55,11 +131,7 @@ def _fused_tile_kernel(
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(N, BM)
     num_pid_n = tl.cdiv(V, BN)
-    per_group = GROUP_M * num_pid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
+    pid_m, pid_n = _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -80,34 +152,75 @@ def _fused_tile_kernel(
             acc = tl.dot(a, tl.trans(b), acc)
         a_ptrs += BK
         b_ptrs += BK
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn % V).to(tl.float32)[None, :]
-    y = tl.where(rn[None, :] < V, acc * c, float("-inf"))
-    m = tl.reduce(y, 1, max_nan)
-    d = tl.maximum(y - m[:, None], -D_FLOOR)
-    e = tl.exp2(d)
-    s0 = tl.sum(e, axis=1)
-    s1 = tl.sum(e * d, axis=1)
-    if MOMENTS == 4:
-        e2 = e * e
-        s2 = tl.sum(e2, axis=1)
-        s3 = tl.sum(e2 * d, axis=1)
-    else:  # benchmarks only: what logp and H alone cost (E_p[S] then reads 0)
-        s2 = tl.zeros_like(s0)
-        s3 = tl.zeros_like(s0)
-    labels = tl.load(lab_ptr + rm % N)
-    yk = tl.sum(tl.where(rn[None, :] == labels[:, None], y, 0.0), axis=1)
-    row_ok = rm < N
-    in_tile = row_ok & (labels >= pid_n * BN) & (labels < pid_n * BN + BN)
-    tl.store(yk_ptr + rm, yk, mask=in_tile)
-    stride_f = N.to(tl.int64) * num_pid_n
-    q = part_ptr + rm.to(tl.int64) * num_pid_n + pid_n
-    tl.store(q, m, mask=row_ok)
-    tl.store(q + stride_f, s0, mask=row_ok)
-    tl.store(q + 2 * stride_f, s1, mask=row_ok)
-    tl.store(q + 3 * stride_f, s2, mask=row_ok)
-    tl.store(q + 4 * stride_f, s3, mask=row_ok)
-    tl.store(q + 5 * stride_f, m, mask=row_ok)
+    _tile_epilogue(
+        acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, num_pid_n,
+        HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS,
+    )  # fmt: skip
+
+
+@triton.jit
+def _fused_persistent_kernel(
+    a_desc,
+    w_desc,
+    b_ptr,
+    lab_ptr,
+    part_ptr,
+    yk_ptr,
+    N,
+    V,
+    H,
+    c,
+    HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    STAGES: tl.constexpr,
+    MOMENTS: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    """Persistent variant: NUM_PROGRAMS programs walk the tiles; operands arrive by TMA descriptors.
+
+    With FLATTEN the tile loop and the K loop are pipelined as one, so the loads of the next tile
+    are in flight while this tile's epilogue runs.  Out-of-range rows, columns and K are zero-filled
+    by the copy engine (columns >= V are then masked to -inf in the epilogue).
+    """
+    num_pid_m = tl.cdiv(N, BM)
+    num_pid_n = tl.cdiv(V, BN)
+    k_tiles = tl.cdiv(H, BK)
+    num_tiles = num_pid_m * num_pid_n
+    for tile in tl.range(
+        tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE, num_stages=STAGES
+    ):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = a_desc.load([pid_m * BM, ki * BK])
+            b = w_desc.load([pid_n * BN, ki * BK])
+            acc = tl.dot(a, b.T, acc)
+        _tile_epilogue(
+            acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, num_pid_n,
+            HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS,
+        )  # fmt: skip
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def _use_persistent(cfg: dict, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The persistent TMA kernel runs when asked for, on 16-bit inputs the copy engine can address.
+
+    TMA needs 16-byte aligned row strides and bases (H a multiple of 8 for 16-bit data) and a
+    Hopper-or-newer GPU; fp32 inputs keep the pointer kernel (its full-precision dot).
+    """
+    if not cfg["persistent"] or TensorDescriptor is None or hidden.dtype == torch.float32:
+        return False
+    if hidden.device.type == "cuda" and torch.cuda.get_device_capability(hidden.device)[0] < 9:
+        return False
+    return all(t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0 for t in (hidden, weight))
 
 
 def token_stats_fused_triton(
@@ -155,6 +268,8 @@ def token_stats_fused_triton(
         rows_per_launch = max(bm, (_WORKSPACE_BYTES // (24 * n_tiles)) // bm * bm)
     c = LOG2E / float(temperature)
     bias_arg = bias.contiguous() if bias is not None else hidden
+    persistent = _use_persistent(cfg, hidden, weight)
+    w_desc = TensorDescriptor.from_tensor(weight, [bn, bk]) if persistent else None
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         for r0 in range(0, n_rows, rows_per_launch):
             r1 = min(n_rows, r0 + rows_per_launch)
@@ -162,14 +277,24 @@ def token_stats_fused_triton(
             part = torch.empty((6, rows, n_tiles), device=dev, dtype=torch.float32)
             yk = torch.full((rows,), float("nan"), device=dev, dtype=torch.float32)
             lab = labels[r0:r1]
-            grid = (triton.cdiv(rows, bm) * n_tiles,)
-            _fused_tile_kernel[grid](
-                hidden[r0:r1], weight, bias_arg, lab, part, yk, rows, vocab, hdim,
-                hidden.stride(0), weight.stride(0), c,
-                HAS_BIAS=bias is not None, EVEN_K=hdim % bk == 0, IEEE=hidden.dtype == torch.float32,
-                BM=bm, BN=bn, BK=bk, GROUP_M=cfg["group_m"], STAGES=cfg["stages"], MOMENTS=cfg["moments"],
-                num_warps=cfg["num_warps"],
-            )  # fmt: skip
+            n_all = triton.cdiv(rows, bm) * n_tiles
+            if persistent:
+                n_prog = min(n_all, cfg["persistent"] * _num_sms(dev))
+                _fused_persistent_kernel[(n_prog,)](
+                    TensorDescriptor.from_tensor(hidden[r0:r1], [bm, bk]), w_desc, bias_arg, lab, part, yk,
+                    rows, vocab, hdim, c,
+                    HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=cfg["group_m"], STAGES=cfg["stages"],
+                    MOMENTS=cfg["moments"], NUM_PROGRAMS=n_prog, FLATTEN=bool(cfg["flatten"]),
+                    WARP_SPECIALIZE=bool(cfg["ws"]), num_warps=cfg["num_warps"],
+                )  # fmt: skip
+            else:
+                _fused_tile_kernel[(n_all,)](
+                    hidden[r0:r1], weight, bias_arg, lab, part, yk, rows, vocab, hdim,
+                    hidden.stride(0), weight.stride(0), c,
+                    HAS_BIAS=bias is not None, EVEN_K=hdim % bk == 0, IEEE=hidden.dtype == torch.float32,
+                    BM=bm, BN=bn, BK=bk, GROUP_M=cfg["group_m"], STAGES=cfg["stages"], MOMENTS=cfg["moments"],
+                    num_warps=cfg["num_warps"],
+                )  # fmt: skip
             merge_kernel[(rows,)](
                 part, yk, lab, *(o[r0:r1] for o in outs), rows, n_tiles, int(ignore_index),
                 PB=merge_block(n_tiles), num_warps=4 if n_tiles >= 128 else 1,

@@ -18,6 +18,7 @@ not read at all.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import triton
@@ -135,7 +136,12 @@ def _stats_kernel(
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def choose_config(n_rows: int, vocab: int, dtype: torch.dtype, num_sms: int) -> dict:
@@ -144,8 +150,15 @@ def choose_config(n_rows: int, vocab: int, dtype: torch.dtype, num_sms: int) -> 
     Measured on an H100 (V=151936; benchmarks/sweep.sh, benchmarks/RESULTS.md): 16-bit logits run
     best in blocks of 1024 with 2 warps and 4 cp.async stages (N=16384: the torch.sum time), fp32
     logits at the read floor with 2048 / 4 warps / 3 stages.  Split-V is used when the rows alone
-    give fewer than SPLIT_TARGET programs per multiprocessor; each slice then holds >= 2 blocks.
+    give fewer than SPLIT_TARGET programs per multiprocessor: the split is the power of two that
+    reaches it (N=256 on the H100: split 4 took 45.5 us, 8 45.8, 3 46.3, 6 52.2; results/h100/
+    tune_stats.csv), capped so that each slice holds >= 2 blocks.
     """
+    return dict(_choose(n_rows, vocab, dtype, num_sms))
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose(n_rows: int, vocab: int, dtype: torch.dtype, num_sms: int) -> tuple:
     if dtype == torch.float32:
         block, num_warps, stages = 2048, 4, 3
     else:
@@ -155,8 +168,8 @@ def choose_config(n_rows: int, vocab: int, dtype: torch.dtype, num_sms: int) -> 
     target = SPLIT_TARGET * num_sms
     if n_rows < target:
         max_split = max(1, vocab // (2 * block))
-        split = max(1, min(max_split, -(-target // max(n_rows, 1))))
-    return {"block": block, "num_warps": num_warps, "stages": stages, "split": split}
+        split = max(1, min(max_split, triton.next_power_of_2(-(-target // max(n_rows, 1)))))
+    return (("block", block), ("num_warps", num_warps), ("stages", stages), ("split", split))
 
 
 def token_stats_triton(
@@ -197,7 +210,7 @@ def token_stats_triton(
         logits2d = logits2d.contiguous()
     labels1d = labels1d.to(device=logits2d.device, dtype=torch.int64).contiguous()
     dev = logits2d.device
-    outs = [torch.empty(n_rows, device=dev, dtype=torch.float32) for _ in range(5)]
+    outs = torch.empty((5, n_rows), device=dev, dtype=torch.float32).unbind(0)  # one allocation
     if n_rows == 0:
         return tuple(outs)
     cfg = config or choose_config(n_rows, vocab, logits2d.dtype, _num_sms(dev))
@@ -208,11 +221,14 @@ def token_stats_triton(
     split = triton.cdiv(vocab, chunk)
     c = LOG2E / float(temperature)
     if split > 1:
-        part = torch.empty((6, n_rows, split), device=dev, dtype=torch.float32)
-        yk = torch.empty(n_rows, device=dev, dtype=torch.float32)
+        work = torch.empty(n_rows * (6 * split + 1), device=dev, dtype=torch.float32)
+        part, yk = work[: 6 * n_rows * split], work[6 * n_rows * split :]  # [6, N, split] and [N]
     else:
         part = yk = outs[0]  # unused by the SPLIT == 1 specialisation
-    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+    # Host time matters at small N (the launch path costs more than the kernel): no device switch
+    # unless the tensors live on another GPU, cached configuration, two allocations.
+    switch = dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device()
+    with torch.cuda.device(dev) if switch else contextlib.nullcontext():
         _stats_kernel[(n_rows, split)](
             logits2d, logits2d.stride(0), labels1d, vocab, chunk, c, int(ignore_index),
             *outs, part, yk, n_rows,

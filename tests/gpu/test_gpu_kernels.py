@@ -150,6 +150,7 @@ def test_nan_and_all_masked_rows_raise():
         (129, 200, 3001, torch.bfloat16, True, 0.7),  # ragged N, V and H
         (64, 128, 2000, torch.float16, False, 1.0),
         (40, 96, 1000, torch.float32, True, 1.3),
+        (33, 100, 777, torch.bfloat16, True, 1.0),  # H % 8 != 0: no TMA, the pointer kernel runs
         (512, 2048, 151936, torch.bfloat16, False, 1.0),
     ],
 )
@@ -169,3 +170,16 @@ def test_fused_from_hidden_matches_float64(n, h, v, dtype, bias, temperature):
     check(stats, logits, labels, temperature, scale=5.0)
     again = token_stats_from_hidden(hidden, weight, labels, bias=b, temperature=temperature, impl="triton")
     assert torch.equal(again.s_centered, stats.s_centered)
+
+
+def test_fused_persistent_and_per_tile_kernels_agree():
+    from entropy_discriminator.kernels.triton_fused import token_stats_fused_triton
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    hidden = torch.randn(700, 512, device="cuda", generator=g).to(torch.bfloat16)
+    weight = (torch.randn(9001, 512, device="cuda", generator=g) * 0.2).to(torch.bfloat16)
+    labels = make_labels(700, 700, 9001)
+    per = token_stats_fused_triton(hidden, weight, labels, None, 1.0, -100, config={"persistent": 0})
+    pers = token_stats_fused_triton(hidden, weight, labels, None, 1.0, -100, config={"persistent": 1}, rows_per_launch=256)
+    for a, b in zip(per, pers):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
