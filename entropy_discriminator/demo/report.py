@@ -60,7 +60,7 @@ def write_csv(path: Path, rows: Sequence[dict[str, object]]) -> None:
 def _fmt(value: object) -> str:
     if isinstance(value, float):
         if math.isnan(value):
-            return "nan"
+            return ""  # not applicable (e.g. the warm-up row has no clip fraction)
         return f"{value:.4g}" if abs(value) < 1e-3 and value != 0 else f"{value:.3f}"
     return str(value)
 
