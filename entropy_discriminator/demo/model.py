@@ -69,10 +69,9 @@ class TinyGPT(nn.Module):
     def response_logits(self, sequences: torch.Tensor, prompt_len: int) -> torch.Tensor:
         """Logits [B, T, V] that predict the response tokens ``sequences[:, prompt_len:]`` (T of them).
 
-        The one-token shift: logits at position ``i`` predict token ``i + 1``.  Contiguous, so that
-        :func:`~entropy_discriminator.token_stats` reads it as one ``[B * T, V]`` block.
+        The one-token shift: logits at position ``i`` predict token ``i + 1``.
         """
-        return self(sequences[:, :-1])[:, prompt_len - 1 :].contiguous()
+        return self(sequences[:, :-1])[:, prompt_len - 1 :]
 
     @torch.no_grad()
     def generate(
