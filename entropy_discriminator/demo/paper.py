@@ -29,7 +29,7 @@ import torch
 from .model import TinyGPT
 from .report import TextProgress, write_csv
 from .runner import WARMUP_TARGET, resolve_device, torch_threads
-from .theory import tabular_check
+from .theory import tabular_check, tabular_start
 from .train import ArmResult, ArmSpec, TrainConfig, evaluate, run_arm, warm_up
 
 SIZES: dict[str, dict[str, object]] = {
@@ -115,11 +115,7 @@ def run_paper(opts: PaperOptions) -> Path:
         base_eval = evaluate(model, cfg, seed=opts.seed, device=device)
         state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         task = cfg.task()
-        a, b = task.sample_operands(64, torch.Generator().manual_seed(opts.seed), split="train")
-        seq = model.generate(task.prompts(a, b).to(device), task.response_len, temperature=1.0,
-                             generator=torch.Generator().manual_seed(opts.seed))
-        with torch.no_grad():
-            init = model.response_logits(seq, task.prompt_len).double().cpu()
+        init, a, b = tabular_start(model, task, 64, seed=opts.seed, device=device)
         tabular = []
         for eta in TABULAR_STEPS:
             agr = tabular_check(task, init_logits=init, a=a, b=b, group_size=cfg.group_size, steps=100, step_size=eta,

@@ -16,7 +16,7 @@ import torch
 
 from .model import TinyGPT
 from .report import PLOT_HINT, TextProgress, format_table, have_matplotlib, plot_demo, write_csv
-from .theory import tabular_check
+from .theory import tabular_check, tabular_start
 from .train import ArmResult, ArmSpec, TrainConfig, evaluate, pearson, run_arm, sign_agreement, warm_up
 
 #: The demo's sizes: ``full`` fits 5 minutes on a 2-core CPU, ``quick`` one minute (CI).
@@ -152,11 +152,7 @@ def run_demo(opts: DemoOptions, *, stream: TextIO | None = None) -> dict[str, ob
             for arm in demo_arms(opts)
         ]
         task = cfg.task()
-        a, b = task.sample_operands(16, torch.Generator().manual_seed(opts.seed), split="train")
-        seq = model.generate(task.prompts(a, b).to(device), task.response_len, temperature=1.0,
-                             generator=torch.Generator().manual_seed(opts.seed))
-        with torch.no_grad():
-            init = model.response_logits(seq, task.prompt_len).double().cpu()
+        init, a, b = tabular_start(model, task, 16, seed=opts.seed, device=device)
         tab = tabular_check(task, init_logits=init, a=a, b=b, group_size=cfg.group_size, steps=30, step_size=0.02,
                             seed=opts.seed)
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import batch_entropy_change, token_stats
+from .model import TinyGPT
 from .task import AdditionTask
 from .train import group_advantages, pearson, sign_agreement
 
@@ -49,6 +50,21 @@ class Agreement:
     def slope(self) -> float:
         den = sum(p * p for p in self.predicted)
         return sum(p * r for p, r in zip(self.predicted, self.realised)) / den if den > 0 else math.nan
+
+
+def tabular_start(
+    model: TinyGPT, task: AdditionTask, n_prompts: int, *, seed: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Starting point of :func:`tabular_check` from a network: its float64 CPU response logits
+    ``[P, T, V]`` on ``n_prompts`` training prompts (one answer sampled at temperature 1), and
+    those prompts' operands ``a, b`` (int64 ``[P]``)."""
+    a, b = task.sample_operands(n_prompts, torch.Generator().manual_seed(seed), split="train")
+    seq = model.generate(
+        task.prompts(a, b).to(device), task.response_len, temperature=1.0, generator=torch.Generator().manual_seed(seed)
+    )
+    with torch.no_grad():
+        init = model.response_logits(seq, task.prompt_len).double().cpu()
+    return init, a, b
 
 
 def tabular_check(
