@@ -39,10 +39,7 @@ def verl(session: nox.Session) -> None:
     """
     session.install(TORCH)
     session.install("-e", ".[test,verl]", TORCH)
-    from pathlib import Path
-
-    tests = sorted(str(p) for p in Path("tests/adapters").glob("test_verl*.py"))
-    session.run(*PYTEST, *tests, *session.posargs)
+    session.run(*PYTEST, "tests/adapters/verl", *session.posargs)
 
 
 @nox.session
@@ -58,8 +55,7 @@ def trl(session: nox.Session) -> None:
     # Only the TRL test files: collecting another adapter's tests can put stub modules (e.g. vllm)
     # into sys.modules, which TRL's import-time feature checks then trip over.
     # ED_REQUIRE_TRL: the TRL tests fail instead of skipping when trl cannot be imported here.
-    trl_tests = ["tests/adapters/test_trl.py", "tests/adapters/test_trl_distributed.py"]
-    session.run(*PYTEST, *trl_tests, *session.posargs, env={"ED_REQUIRE_TRL": "1"})
+    session.run(*PYTEST, "tests/adapters/trl", *session.posargs, env={"ED_REQUIRE_TRL": "1"})
 
 
 # OpenRLHF 0.11.2 as far as a CPU allows: the package without its requirements (flash-attn 2.8.3 is
@@ -81,11 +77,8 @@ def openrlhf(session: nox.Session) -> None:
     session.install("--no-deps", "openrlhf==0.11.2")
     session.install(TORCH, *OPENRLHF_CPU_DEPS)
     session.install("--no-build-isolation", TORCH, "deepspeed==0.19.6")
-    import glob  # local: only this session lists its test files by pattern
-
-    tests = sorted(glob.glob("tests/adapters/test_openrlhf*.py"))
     # ED_REQUIRE_OPENRLHF: the tests fail instead of skipping when openrlhf cannot be imported here.
-    session.run(*PYTEST, *tests, *session.posargs, env={"ED_REQUIRE_OPENRLHF": "1"})
+    session.run(*PYTEST, "tests/adapters/openrlhf", *session.posargs, env={"ED_REQUIRE_OPENRLHF": "1"})
 
 
 # --- kernels session (owner: kernel engineer) ---

@@ -200,9 +200,9 @@ def main() -> int:
     from verl.workers.utils.padding import response_from_nested as _from_nested, response_to_nested
 
     from entropy_discriminator import EntropyMonitor, clip_v_mask
-    from entropy_discriminator.adapters import _verl_trainer as trainer_mod
-    from entropy_discriminator.adapters._verl_engine import SEQ_FIELD, STATS_CHUNK, STATS_FLAG, STATS_IMPL
-    from entropy_discriminator.adapters._verl_workers import stats_worker
+    from entropy_discriminator.adapters.verl import _trainer as trainer_mod
+    from entropy_discriminator.adapters.verl._engine import SEQ_FIELD, STATS_CHUNK, STATS_FLAG, STATS_IMPL
+    from entropy_discriminator.adapters.verl._workers import stats_worker
 
     def response_from_nested(values, mask):  # verl's slice to the response, padded [B, T_resp] with 0
         return torch.nested.to_padded_tensor(_from_nested(values, mask), 0.0)
@@ -226,7 +226,7 @@ def main() -> int:
     }
     log(f"engine {results['engine']}")
     assert FSDPEngineWithLMHead.prepare_model_outputs.__name__ == "prepare_model_outputs"
-    from entropy_discriminator.adapters._verl_engine import engine_hook_installed
+    from entropy_discriminator.adapters.verl._engine import engine_hook_installed
 
     assert engine_hook_installed(), "the adapter's worker must install the engine hook"
 

@@ -3,7 +3,7 @@
 Per step, on the driver (which sees the whole batch through TransferQueue):
 
 1. ``_compute_old_log_prob``: verl's old-policy pass, with the flag that makes the worker hook
-   (``_verl_engine``) add ``E_p[S]`` next to verl's ``entropy``; the flag is removed afterwards so
+   (``_engine``) add ``E_p[S]`` next to verl's ``entropy``; the flag is removed afterwards so
    the reference and update passes never compute it.  ``E_p[S]`` is sliced to the response like
    ``old_log_probs`` and stored as ``entropy_disc_s_expected``.
 2. ``_compute_advantage``: verl's advantages (GRPO: per sequence, broadcast over tokens; GAE: per
@@ -36,8 +36,8 @@ from verl.workers.utils.padding import response_from_nested, response_to_nested
 
 from entropy_discriminator import EntropyDiscConfig, EntropyMonitor, MaskResult, discriminator_score
 
-from ._verl_engine import FUSED_KERNELS_MESSAGE, SEQ_FIELD, STATS_CHUNK, STATS_FLAG, STATS_IMPL
-from ._verl_workers import stats_worker
+from ._engine import FUSED_KERNELS_MESSAGE, SEQ_FIELD, STATS_CHUNK, STATS_FLAG, STATS_IMPL
+from ._workers import stats_worker
 
 #: Response-aligned ``E_p[S]`` in TransferQueue (float32, jagged like ``old_log_probs``).
 EXPECTED_FIELD = "entropy_disc_s_expected"
@@ -103,7 +103,7 @@ class EntropyDiscTrainerMixin:
     }
 
     def __init__(self, config: DictConfig) -> None:
-        from .verl import check_version
+        from . import check_version
 
         check_version()
         self.entropy_disc = read_config(config)
@@ -257,6 +257,6 @@ TRAINERS: dict[str, type[PPOTrainer]] = {
     "entropy_disc_separate_async": EntropyDiscTrainerSeparateAsync,
 }
 
-from .verl import register_deferred  # noqa: E402  (the import hook may have fired while this module loaded)
+from . import register_deferred  # noqa: E402  (the import hook may have fired while this module loaded)
 
 register_deferred()

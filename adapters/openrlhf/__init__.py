@@ -16,15 +16,15 @@ the keep-mask is computed over the whole data-parallel batch and written into th
 samples, so every epoch and micro-batch uses it. Any advantage estimator that fills
 ``Experience.advantages`` per token works the same way (``gae``, ``group_norm``, ``rloo``,
 ``reinforce_baseline``, ``dr_grpo``). Metrics ``entropy_disc/*`` join the actor's status dict, which
-OpenRLHF logs (console, wandb, TensorBoard). Details: ``_openrlhf_round.py``.
+OpenRLHF logs (console, wandb, TensorBoard). Details: ``_round.py``.
 
 Supported: OpenRLHF ``>=0.11.2,<0.12``; others are refused with the reason.
 """
 
 from __future__ import annotations
 
-from ._openrlhf_launch import build_parser, main, parse, split_argv
-from ._openrlhf_patch import (
+from ._launch import build_parser, main, parse, split_argv
+from ._patch import (
     CONFIG_ENV,
     SETUP_HOOK,
     SUPPORTED_OPENRLHF,
@@ -55,6 +55,3 @@ __all__ = [
     "unpatch",
     "worker_setup_hook",
 ]
-
-if __name__ == "__main__":
-    main()

@@ -23,7 +23,7 @@ from entropy_discriminator.config import METHODS
 from entropy_discriminator.masks import MASK_MODES, SIDES
 from entropy_discriminator.stats import IMPLS
 
-from ._openrlhf_patch import check_openrlhf_version, runtime_env
+from ._patch import check_openrlhf_version, runtime_env
 
 PREFIX = "--entropy_disc."
 CLI_MODULE = "openrlhf.cli.train_ppo_ray"

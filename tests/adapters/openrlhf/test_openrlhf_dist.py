@@ -27,7 +27,7 @@ from test_openrlhf import (  # noqa: E402  (skips or fails like it without OpenR
 
 from entropy_discriminator import EntropyDiscConfig  # noqa: E402
 from entropy_discriminator.adapters import openrlhf as adapter  # noqa: E402
-from entropy_discriminator.adapters._openrlhf_round import begin_round  # noqa: E402
+from entropy_discriminator.adapters.openrlhf._round import begin_round  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -44,7 +44,7 @@ def test_ray_workers_patch_through_setup_hook():
         import importlib.util
         from unittest.mock import MagicMock
 
-        from entropy_discriminator.adapters import _openrlhf_patch as p
+        from entropy_discriminator.adapters.openrlhf import _patch as p
 
         pending = any(isinstance(f, p._PatchOnImport) for f in sys.meta_path)
         loaded = p.TRAINER_MODULE in sys.modules

@@ -30,7 +30,7 @@ from verl.workers.utils.padding import response_from_nested  # noqa: E402
 
 import entropy_discriminator.adapters.verl as ed_verl  # noqa: E402
 from entropy_discriminator import discriminator_score  # noqa: E402
-from entropy_discriminator.adapters._verl_engine import SEQ_FIELD, STATS_FLAG  # noqa: E402
+from entropy_discriminator.adapters.verl._engine import SEQ_FIELD, STATS_FLAG  # noqa: E402
 
 VOCAB = 97
 PROMPT_LENS = [3, 5, 2, 4]

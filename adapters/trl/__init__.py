@@ -18,7 +18,7 @@ extra (B, T) key through TRL's shuffle/split, so it is the same mask for every
 ``gradient_accumulation_steps`` slice and every ``num_iterations`` pass.  ``mask_source="current"``
 instead recomputes Clip_B per optimisation micro-batch from the loss's own current-policy
 log-probs and entropies (``S* = exp(logp) (H + logp)``).  Metrics go to ``trainer._metrics``
-under ``entropy_disc/``.  How the seams work: ``_trl_hooks.py``.
+under ``entropy_disc/``.  How the seams work: ``_hooks.py``.
 
 ``RLOOTrainer`` is not served: its 1.16.0 loss clips a sequence-level ratio of summed log-probs
 against an ``old_logps`` stored already summed, so dropping a token would change both sums and the
@@ -42,8 +42,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without TRL
 
 from entropy_discriminator import EntropyDiscConfig
 
-from ._patching import PatchSet, UnsupportedVersionError, require_version
-from ._trl_hooks import (
+from .._patching import PatchSet, UnsupportedVersionError, require_version
+from ._hooks import (
     KEEP_KEY,
     AdapterState,
     after_generation,
@@ -281,7 +281,7 @@ def _wrappers(originals: dict[str, Any]) -> dict[str, Any]:
     }
     for name, fn in wrapped.items():
         fn.__wrapped__ = originals[name]  # type: ignore[attr-defined]
-        fn.__doc__ = f"entropy-discriminator wrapper of GRPOTrainer.{name} (see adapters/_trl_hooks.py)."
+        fn.__doc__ = f"entropy-discriminator wrapper of GRPOTrainer.{name} (see adapters/trl/_hooks.py)."
     return wrapped
 
 

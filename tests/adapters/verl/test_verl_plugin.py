@@ -58,7 +58,7 @@ def _probe(**env: str) -> dict:
         import verl
         state = {
             "v1_imported": "verl.trainer.ppo.v1" in sys.modules,
-            "plugin_loaded": "entropy_discriminator.adapters._verl_plugin" in sys.modules,
+            "plugin_loaded": "entropy_discriminator.adapters.verl._plugin" in sys.modules,
         }
         from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
         from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
@@ -129,7 +129,7 @@ def test_hydra_composition_of_verls_ppo_config():
         ]
     )
     assert cfg.trainer.use_v1 is True and cfg.trainer.v1.trainer_mode == "entropy_disc"
-    from entropy_discriminator.adapters._verl_trainer import read_config
+    from entropy_discriminator.adapters.verl._trainer import read_config
 
     got = read_config(cfg)
     assert got == EntropyDiscConfig(method="clip_v", mu_low=8.5, mu_high=math.inf, sides="both", max_frac=None, mask_mode="drop_token")
@@ -184,7 +184,7 @@ def test_actor_workers_are_swapped_only_when_the_statistic_is_needed():
     from verl.trainer.ppo.utils import Role
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
-    from entropy_discriminator.adapters._verl_workers import EntropyDiscActorRolloutRefWorker
+    from entropy_discriminator.adapters.verl._workers import EntropyDiscActorRolloutRefWorker
 
     trainer = _trainer(SELECT)
     trainer._init_resource_pool_mgr()

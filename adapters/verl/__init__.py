@@ -36,7 +36,7 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from ._patching import UnsupportedVersionError, require_version
+from .._patching import UnsupportedVersionError, require_version
 
 #: verl versions this adapter is written and tested against: [MIN, MAX).
 SUPPORTED_MIN = "0.9.1"
@@ -76,7 +76,7 @@ def register_trainers() -> list[str]:
     check_version()
     from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
 
-    from ._verl_trainer import TRAINERS
+    from ._trainer import TRAINERS
 
     added = [name for name in TRAINER_MODES if name not in TRAINER_REGISTRY]
     for name in TRAINER_MODES:
@@ -91,7 +91,7 @@ def patch() -> None:
     carries the ``entropy_disc_stats`` flag, which only the adapter's trainers set.
     """
     check_version()
-    from ._verl_engine import install_engine_hook
+    from ._engine import install_engine_hook
 
     _patch_registered.update(register_trainers())
     install_engine_hook()
@@ -99,7 +99,7 @@ def patch() -> None:
 
 def unpatch() -> None:
     """Undo :func:`patch`: restore the engine methods and drop the registry entries it added (idempotent)."""
-    from ._verl_engine import remove_engine_hook
+    from ._engine import remove_engine_hook
 
     remove_engine_hook()
     if _patch_registered:
@@ -112,7 +112,7 @@ def unpatch() -> None:
 
 def is_patched() -> bool:
     """True while the engine hook is installed in this process."""
-    from ._verl_engine import engine_hook_installed
+    from ._engine import engine_hook_installed
 
     return engine_hook_installed()
 
@@ -147,7 +147,7 @@ def _register_quietly() -> None:
     if reason is not None:
         _logger.warning("entropy_disc trainers not registered: %s", reason)
         return
-    trainer_module = sys.modules.get(f"{__package__}._verl_trainer")
+    trainer_module = sys.modules.get(f"{__package__}._trainer")
     if trainer_module is not None and not hasattr(trainer_module, "TRAINERS"):
         _deferred = True  # our own trainer module is importing verl's v1 package: finish after it
         return
@@ -155,7 +155,7 @@ def _register_quietly() -> None:
 
 
 def register_deferred() -> None:
-    """Called at the end of ``_verl_trainer``: the registration the import hook had to postpone."""
+    """Called at the end of ``_trainer``: the registration the import hook had to postpone."""
     global _deferred
     if _deferred:
         _deferred = False

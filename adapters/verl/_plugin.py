@@ -4,6 +4,6 @@ Importing it only schedules the registration of the adapter's trainer names (see
 :func:`entropy_discriminator.adapters.verl.on_plugin_load`); no verl behaviour changes.
 """
 
-from .verl import on_plugin_load
+from . import on_plugin_load
 
 on_plugin_load()

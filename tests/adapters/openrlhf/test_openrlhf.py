@@ -64,7 +64,7 @@ from openrlhf.utils.loss_utils import iter_grad_accum_global_norm  # noqa: E402
 
 from entropy_discriminator import EntropyDiscConfig, apply_keep_mask  # noqa: E402
 from entropy_discriminator.adapters import openrlhf as adapter  # noqa: E402
-from entropy_discriminator.adapters._openrlhf_round import (  # noqa: E402
+from entropy_discriminator.adapters.openrlhf._round import (  # noqa: E402
     apply_keep,
     begin_round,
     replay_buffer_stats,
@@ -72,7 +72,7 @@ from entropy_discriminator.adapters._openrlhf_round import (  # noqa: E402
 
 TEMPERATURE = 0.7
 VOCAB = 97
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "openrlhf"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "openrlhf"
 
 
 @pytest.fixture(autouse=True)
@@ -278,7 +278,7 @@ def test_worker_setup_hook_patches_from_environment(monkeypatch):
 
     load_class(env["worker_process_setup_hook"])()
     assert adapter.is_patched()
-    from entropy_discriminator.adapters import _openrlhf_patch
+    from entropy_discriminator.adapters.openrlhf import _patch as _openrlhf_patch
 
     assert _openrlhf_patch._STATE.config == cfg and _openrlhf_patch._STATE.realised is True
     adapter.unpatch()

@@ -20,9 +20,9 @@ pytest.importorskip("verl", reason="needs the verl extra: nox -s verl")
 import verl  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from entropy_discriminator.adapters._verl_trainer import read_config  # noqa: E402
+from entropy_discriminator.adapters.verl._trainer import read_config  # noqa: E402
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "verl"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "verl"
 CONFIG_DIR = str(Path(verl.__file__).parent / "trainer" / "config")
 RECORDER = "import json, sys; print(json.dumps(sys.argv[3:]))"  # argv: -c, '-m', 'verl...main_ppo', overrides
 

@@ -25,8 +25,8 @@ from verl.utils import tensordict_utils as tu  # noqa: E402
 
 import entropy_discriminator.adapters.verl as ed_verl  # noqa: E402
 from entropy_discriminator import clip_b_mask, clip_v_mask, discriminator_score  # noqa: E402
-from entropy_discriminator.adapters._verl_engine import SEQ_FIELD, STATS_FLAG  # noqa: E402
-from entropy_discriminator.adapters._verl_trainer import EXPECTED_FIELD  # noqa: E402
+from entropy_discriminator.adapters.verl._engine import SEQ_FIELD, STATS_FLAG  # noqa: E402
+from entropy_discriminator.adapters.verl._trainer import EXPECTED_FIELD  # noqa: E402
 
 CONFIG_DIR = str(Path(verl.__file__).parent / "trainer" / "config")
 N_PROMPTS, N_ROLLOUTS, PROMPT_LEN = 4, 4, 2

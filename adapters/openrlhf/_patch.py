@@ -1,7 +1,7 @@
 """The patch of OpenRLHF 0.11's ``ActorPPOTrainer.ppo_train`` and how it reaches Ray workers.
 
 ``patch(config)`` wraps ``ActorPPOTrainer.ppo_train`` (module ``openrlhf.trainer.ray.ppo_actor``)
-so that each call runs :func:`~._openrlhf_round.begin_round` before the original epochs and adds
+so that each call runs :func:`~._round.begin_round` before the original epochs and adds
 the round's ``entropy_disc/*`` metrics to the status dict it returns (the dict OpenRLHF's driver
 logs to the console, wandb and TensorBoard). ``unpatch()`` restores the original attribute;
 ``is_patched()`` tells. The config is read at call time, so patching again only swaps it.
@@ -26,7 +26,7 @@ from typing import Any
 
 from entropy_discriminator import EntropyDiscConfig
 
-from ._patching import PatchSet, UnsupportedVersionError, require_version
+from .._patching import PatchSet, UnsupportedVersionError, require_version
 
 #: OpenRLHF releases this adapter is written and tested against.
 SUPPORTED_OPENRLHF = ">=0.11.2,<0.12"
@@ -93,7 +93,7 @@ def _check_seams(module: Any) -> Any:
 
 
 def _wrap(original: Any) -> Any:
-    from ._openrlhf_round import begin_round, end_round
+    from ._round import begin_round, end_round
 
     @functools.wraps(original)
     def ppo_train(self: Any, kl_ctl: float, *args: Any, **kwargs: Any) -> dict:

@@ -23,7 +23,7 @@ if os.environ.get("ED_REQUIRE_TRL"):
 else:
     pytest.importorskip("trl", reason="TRL is installed only in the nox 'trl' session")
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 WORLD = 2
 ROWS = 8  # generation batch rows; each of the 2 ranks holds 4
 
@@ -64,7 +64,7 @@ def _current_policy_tensors() -> tuple[torch.Tensor, torch.Tensor]:
 def _run(trainer, rows: slice) -> dict[str, object]:
     """The adapter's hooks on ``rows`` of the fixed batch; returns masks, counts and metrics."""
     from entropy_discriminator import EntropyDiscConfig
-    from entropy_discriminator.adapters import _trl_hooks as hooks
+    from entropy_discriminator.adapters.trl import _hooks as hooks
 
     trainer.model.train()
     full = _batch(trainer.model.config.vocab_size)

@@ -24,7 +24,7 @@ else:
 
 from trl import GRPOConfig, GRPOTrainer, RLOOTrainer, TrlParser  # noqa: E402
 
-import entropy_discriminator.adapters._trl_hooks as hooks  # noqa: E402
+import entropy_discriminator.adapters.trl._hooks as hooks  # noqa: E402
 import entropy_discriminator.adapters.trl as ed_trl  # noqa: E402
 from entropy_discriminator import (  # noqa: E402
     EntropyDiscConfig,
@@ -43,7 +43,7 @@ from entropy_discriminator.adapters.trl import (  # noqa: E402
     unpatch,
 )
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 _spec = importlib.util.spec_from_file_location("ed_trl_tiny", ROOT / "examples" / "trl" / "tiny.py")
 tiny = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tiny)

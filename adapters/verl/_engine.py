@@ -30,7 +30,7 @@ import torch
 
 from entropy_discriminator import token_stats
 
-from ._patching import PatchSet
+from .._patching import PatchSet
 
 #: Non-tensor micro-batch flag that switches the statistics on (set by the driver for one pass).
 STATS_FLAG = "entropy_disc_stats"

@@ -11,7 +11,7 @@ from typing import Any
 from verl.experimental.separation.engine_workers import DetachActorWorker
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
-from ._verl_engine import install_engine_hook
+from ._engine import install_engine_hook
 
 
 class EntropyDiscActorRolloutRefWorker(ActorRolloutRefWorker):
