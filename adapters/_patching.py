@@ -9,8 +9,10 @@ range an adapter was written and tested against, saying why.
 from __future__ import annotations
 
 import importlib.metadata
-import re
 from typing import Any
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
 
 _MISSING = object()
 
@@ -19,31 +21,31 @@ class UnsupportedVersionError(RuntimeError):
     """The installed framework release is outside the adapter's supported range."""
 
 
-def release_tuple(version: str) -> tuple[int, ...]:
-    """``"0.9.1.post2"`` -> ``(0, 9, 1)``: the numeric release segment of a PEP 440 version."""
-    match = re.match(r"^\s*v?(\d+(?:\.\d+)*)", version)
-    if not match:
-        raise ValueError(f"cannot read a release number from version {version!r}")
-    return tuple(int(part) for part in match.group(1).split("."))
+def require_version(distribution: str, spec: str, *, why: str, installed: str | None = None) -> str:
+    """Return the installed version of ``distribution`` if it satisfies the PEP 440 ``spec``.
 
-
-def require_version(distribution: str, minimum: str, below: str, *, why: str, installed: str | None = None) -> str:
-    """Return the installed version of ``distribution`` if ``minimum <= version < below``.
-
-    Raises :class:`UnsupportedVersionError` naming the package, the installed and supported
-    versions and ``why`` the range matters (e.g. which private function the adapter patches).
-    ``installed`` overrides the metadata lookup (for tests and vendored copies).
+    ``spec`` is one specifier set such as ``">=1.16.0,<1.17.0"``, compared as versions, not as
+    strings or number tuples: a pre-release or development build below the floor
+    (``1.16.0.dev0``, ``1.16.0rc1``) is refused, and so is a pre-release of the excluded upper
+    bound (``1.17.0rc1``).  Raises :class:`UnsupportedVersionError` naming the package, the
+    installed and supported versions and ``why`` the range matters (e.g. which private function
+    the adapter patches).  ``installed`` overrides the metadata lookup (for tests and vendored
+    copies).
     """
+    specifier = SpecifierSet(spec)
     if installed is None:
         try:
             installed = importlib.metadata.version(distribution)
         except importlib.metadata.PackageNotFoundError as exc:
-            raise UnsupportedVersionError(f"{distribution} is not installed; this adapter needs {distribution}>={minimum},<{below}") from exc
-    have = release_tuple(installed)
-    if not release_tuple(minimum) <= have < release_tuple(below):
+            raise UnsupportedVersionError(f"{distribution} is not installed; this adapter needs {distribution}{spec}") from exc
+    try:
+        version = Version(installed)
+    except InvalidVersion as exc:
+        raise UnsupportedVersionError(f"{distribution} reports version {installed!r}, which is not a PEP 440 version") from exc
+    if not specifier.contains(version, prereleases=True):
         raise UnsupportedVersionError(
-            f"{distribution} {installed} is not supported: this adapter supports {distribution}>={minimum},<{below} "
-            f"because {why}. Install a supported version, e.g. pip install '{distribution}>={minimum},<{below}'."
+            f"{distribution} {installed} is not supported: this adapter supports {distribution}{spec} "
+            f"because {why}. Install a supported version, e.g. pip install '{distribution}{spec}'."
         )
     return installed
 

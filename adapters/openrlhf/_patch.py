@@ -30,7 +30,6 @@ from .._patching import PatchSet, UnsupportedVersionError, require_version
 
 #: OpenRLHF releases this adapter is written and tested against.
 SUPPORTED_OPENRLHF = ">=0.11.2,<0.12"
-_MIN, _BELOW = "0.11.2", "0.12"
 _WHY = (
     "the adapter wraps the private ActorPPOTrainer.ppo_train and reads NaiveReplayBuffer.items, the "
     "Experience fields advantages/action_mask and Actor.forward(allgather_logits=...) as they are in "
@@ -58,7 +57,7 @@ _STATE = _State()
 def check_openrlhf_version(version: str | None = None) -> str:
     """Return the installed (or given) OpenRLHF version; raise :class:`UnsupportedVersionError`
     (a ``RuntimeError``) outside :data:`SUPPORTED_OPENRLHF`, saying why."""
-    return require_version("openrlhf", _MIN, _BELOW, why=_WHY, installed=version)
+    return require_version("openrlhf", SUPPORTED_OPENRLHF, why=_WHY, installed=version)
 
 
 def encode_settings(config: EntropyDiscConfig, *, realised: bool = False) -> str:

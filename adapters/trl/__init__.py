@@ -75,7 +75,7 @@ def check_trl_version(version: str | None = None) -> str:
     """Return the installed (or given) TRL version; raise :class:`UnsupportedVersionError`
     (a ``RuntimeError``) outside ``SUPPORTED_TRL``, saying why."""
     return require_version(
-        "trl", "1.16.0", "1.17.0", installed=trl.__version__ if version is None else version,
+        "trl", SUPPORTED_TRL, installed=trl.__version__ if version is None else version,
         why=(f"the adapter enters GRPOTrainer through private methods ({', '.join(HOOKED_METHODS)}) and relies "
              "on their call order and batch keys as read in the TRL 1.16.0 source; another release may change "
              "them without raising an error"),

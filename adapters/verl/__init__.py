@@ -38,9 +38,8 @@ from typing import Any
 
 from .._patching import UnsupportedVersionError, require_version
 
-#: verl versions this adapter is written and tested against: [MIN, MAX).
-SUPPORTED_MIN = "0.9.1"
-SUPPORTED_MAX = "0.9.2"
+#: verl versions this adapter is written and tested against (PEP 440).
+SUPPORTED_VERL = ">=0.9.1,<0.9.2"
 #: Trainer names added to verl's registry (``trainer.v1.trainer_mode=<name>``).
 TRAINER_MODES = ("entropy_disc", "entropy_disc_colocate_async", "entropy_disc_separate_async")
 
@@ -59,7 +58,7 @@ _WHY = (
 
 def check_version(installed: str | None = None) -> str:
     """Return the installed verl version; raise ``UnsupportedVersionError`` (a ``RuntimeError``) saying why if unsupported."""
-    return require_version("verl", SUPPORTED_MIN, SUPPORTED_MAX, why=_WHY, installed=installed)
+    return require_version("verl", SUPPORTED_VERL, why=_WHY, installed=installed)
 
 
 def unsupported_reason(installed: str | None = None) -> str | None:
