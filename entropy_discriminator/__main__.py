@@ -1,31 +1,101 @@
-"""Command line: ``entropy-discriminator demo [--quick | --paper] [--device cpu|cuda|auto] [--out DIR] ...``.
+"""Command line ``entropy-discriminator <command>`` (also ``python -m entropy_discriminator <command>``).
 
-Also ``python -m entropy_discriminator demo``.
+Every command has a parser of its own (:class:`CommandParser`: its own usage, help and errors) and a
+``run(args)`` default that checks what argparse cannot (options that do not apply together,
+the output folder) before it starts any work.  A command is added by one ``_add_<name>(commands)``
+function listed in ``COMMANDS``.
+
+Usage errors (a bad value, an option that does not apply, an output folder that cannot be written)
+print the command's usage and exit with status 2 before anything runs; ``main`` returns that status.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
+
+from . import EntropyDiscConfig, __version__
+from .demo.runner import PRESETS, DemoOptions
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
-    return value
+class CommandParser(argparse.ArgumentParser):
+    """A command's parser: an unknown argument is reported with this command's usage (argparse would hand
+    it to the top-level parser, whose usage does not list the command's options)."""
+
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> tuple[Any, list[str]]:
+        namespace, extra = super().parse_known_args(args, namespace)
+        if extra:
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return namespace, extra
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``entropy-discriminator`` argument parser (subcommand ``demo``)."""
-    parser = argparse.ArgumentParser(
-        prog="entropy-discriminator",
-        description="Principled entropy control for RL fine-tuning of LLMs (Clip_B / Clip_V and entropy-dynamics metrics).",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser(
+def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """argparse type: an integer ``>= low`` (and ``<= high``)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {value}")
+        return value
+
+    return parse
+
+
+def _mask_setting(field: str, method: str) -> Callable[[str], float]:
+    """argparse type: a number that :class:`EntropyDiscConfig` accepts as ``field`` of ``method`` (the core's rule)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        try:
+            EntropyDiscConfig(method=method, **{field: value})
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return value
+
+    return parse
+
+
+def _device(text: str) -> str:
+    """argparse type: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` that this machine has."""
+    from .demo.runner import resolve_device
+
+    try:
+        resolve_device(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+# --- demo -------------------------------------------------------------------------------------------
+
+#: ``demo`` options (argparse dests, besides ``--out`` and ``--paper``) that apply in each mode (plain or
+#: ``--quick``, ``--paper``, ``--paper --render-only``); given in another mode they are refused.
+DEMO_APPLIES = {
+    "demo": {"quick", "device", "seed", "steps", "threads", "mu_b", "mu_v", "max_frac_v"},
+    "paper": {"device", "seed", "steps", "seeds", "jobs", "size"},
+    "render": {"render_only"},  # it redraws saved results: only --out applies
+}
+DEMO_WHY_NOT = {
+    "demo": "only applies with --paper",
+    "paper": "does not apply with --paper",
+    "render": "does not apply with --render-only (it redraws the saved results)",
+}
+DEMO_DEFAULT_OUT = {"demo": Path("demo_out"), "paper": Path("demo_out/paper"), "render": Path("demo_out/paper")}
+
+
+def _add_demo(commands: argparse._SubParsersAction) -> None:
+    full, quick = PRESETS["full"], PRESETS["quick"]
+    demo = commands.add_parser(
         "demo",
         help="GRPO on an embedded addition task: vanilla vs + Clip_B vs + Clip_V (CPU, a few minutes)",
         description=(
@@ -33,60 +103,89 @@ def build_parser() -> argparse.ArgumentParser:
             "the same seed (vanilla, + Clip_B, + Clip_V); print a table (final entropy, reward, Avg@k, Pass@k, clip "
             "fraction, agreement of the Corollary 4 entropy-change prediction with the realised one) and write a CSV "
             "of every step and a PNG plot.  --paper runs the small-scale reproduction of the paper's experiments "
-            "(meant for a GPU) and writes figures and a markdown report."
+            "(meant for a GPU) and writes figures and a markdown report.  Every option is checked before any work."
         ),
     )
     mode = demo.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="tiny sizes, under a minute on a 2-core CPU (CI)")
     mode.add_argument("--paper", action="store_true", help="the paper-reproduction suite (GPU recommended)")
-    demo.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda when available)")
-    demo.add_argument("--out", type=Path, default=None, help="output folder (default: demo_out, or demo_out/paper)")
-    demo.add_argument("--seed", type=int, default=0, help="random seed shared by every arm (default 0)")
-    demo.add_argument("--steps", type=int, default=None, help="GRPO steps per arm (default: the preset's)")
-    demo.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: fastest for tiny models)")
-    demo.add_argument("--mu-b", type=_positive_float, default=2.5, help="Clip_B lower bound in batch stds (default 2.5)")
-    demo.add_argument("--mu-v", type=_positive_float, default=2.5, help="Clip_V lower bound in batch stds (default 2.5)")
+    demo.add_argument("--device", type=_device, help="cpu, cuda, cuda:N or auto (default: cuda when available)")
+    demo.add_argument("--out", type=Path, help="output folder (default: demo_out, or demo_out/paper)")
+    demo.add_argument("--seed", type=_int_in(0, 2**32 - 1), help="random seed shared by every arm, 0 to 2^32-1 (default 0)")
     demo.add_argument(
-        "--max-frac-v", type=_positive_float, default=None,
-        help="cap on Clip_V's clipped share (default none; the reference's 1e-4 clips at most one token per demo batch)",
+        "--steps", type=_int_in(3),
+        help=f"GRPO steps per arm, minimum 3 (default {full.grpo_steps}; --quick {quick.grpo_steps}; --paper: its size's)",
     )
-    demo.add_argument("--seeds", type=int, default=None, help="--paper: seeds per arm for Table 1 (default: preset)")
-    demo.add_argument("--jobs", type=int, default=None, help="--paper: parallel worker processes (default: preset)")
-    demo.add_argument("--size", choices=("gpu", "cpu-small"), default="gpu", help="--paper: sizes (cpu-small for a smoke run)")
+    demo.add_argument("--threads", type=_int_in(1), help="torch CPU threads, >= 1 (default 1 on CPU: fastest for tiny models)")
+    demo.add_argument(
+        "--mu-b", type=_mask_setting("mu_low", "clip_b"), help=f"Clip_B lower bound in batch stds (default {DemoOptions.mu_b})"
+    )
+    demo.add_argument(
+        "--mu-v", type=_mask_setting("mu_low", "clip_v"), help=f"Clip_V lower bound in batch stds (default {DemoOptions.mu_v})"
+    )
+    demo.add_argument(
+        "--max-frac-v", type=_mask_setting("max_frac", "clip_v"),
+        help="cap on Clip_V's clipped share, in [0, 1] (default none; the reference's 1e-4 clips at most one token per demo batch)",
+    )
+    demo.add_argument("--seeds", type=_int_in(2), help="--paper: seeds per arm for Table 1, >= 2 (default: its size's)")
+    demo.add_argument("--jobs", type=_int_in(1), help="--paper: parallel worker processes, >= 1 (default: its size's)")
+    demo.add_argument("--size", choices=("gpu", "cpu-small"), help="--paper: sizes (default gpu; cpu-small for a smoke run)")
     demo.add_argument(
         "--render-only", action="store_true", help="--paper: redraw figures and report.md from the results saved in --out"
     )
+    demo.set_defaults(run=lambda args: _run_demo(args, demo))
+
+
+def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Check what argparse cannot (options of another mode, ``--out``), then run the demo or ``--paper``."""
+    mode = ("render" if args.render_only else "paper") if args.paper else "demo"
+    given = {dest for dest in set().union(*DEMO_APPLIES.values()) if getattr(args, dest) not in (None, False)}
+    for dest in sorted(given - DEMO_APPLIES[mode]):
+        parser.error(f"argument --{dest.replace('_', '-')}: {DEMO_WHY_NOT[mode]}")
+    out = args.out if args.out is not None else DEMO_DEFAULT_OUT[mode]
+
+    from .demo.paper import PaperOptions, check_saved_results, run_paper
+    from .demo.report import prepare_output_folder
+    from .demo.runner import run_demo
+
+    try:
+        if mode == "render":
+            check_saved_results(out)
+        prepare_output_folder(out)
+    except ValueError as exc:
+        parser.error(f"argument --out: {exc}")
+    options = {dest: getattr(args, dest) for dest in given}
+    if args.paper:
+        run_paper(PaperOptions(out=out, **options))
+    else:
+        run_demo(DemoOptions(out=out, **options))
+    return 0
+
+
+#: Every command: a function that adds its parser (with ``run=``) to the top-level subparsers.
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_demo]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``entropy-discriminator`` argument parser: ``--version`` and one subparser per command."""
+    parser = argparse.ArgumentParser(
+        prog="entropy-discriminator",
+        description="Principled entropy control for RL fine-tuning of LLMs (Clip_B / Clip_V and entropy-dynamics metrics).",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser)
+    for add in COMMANDS:
+        add(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console entry point ``entropy-discriminator``; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    if args.command == "demo":
-        try:
-            if args.paper:
-                from .demo.paper import PaperOptions, run_paper
-
-                run_paper(
-                    PaperOptions(
-                        out=args.out or Path("demo_out/paper"), device=args.device, seed=args.seed, size=args.size,
-                        seeds=args.seeds, jobs=args.jobs, steps=args.steps, render_only=args.render_only,
-                    )
-                )
-            else:
-                from .demo.runner import DemoOptions, run_demo
-
-                run_demo(
-                    DemoOptions(
-                        out=args.out or Path("demo_out"), quick=args.quick, device=args.device, seed=args.seed,
-                        steps=args.steps, threads=args.threads, mu_b=args.mu_b, mu_v=args.mu_v,
-                        max_frac_v=args.max_frac_v,
-                    )
-                )
-        except ValueError as exc:
-            print(f"entropy-discriminator demo: error: {exc}", file=sys.stderr)
-            return 2
-    return 0
+    """Console entry point ``entropy-discriminator``; returns the exit status (2: a usage error)."""
+    try:
+        args = build_parser().parse_args(argv)
+        return args.run(args)
+    except SystemExit as exc:  # argparse: --help and --version (0), usage errors (2)
+        return exc.code if isinstance(exc.code, int) else 1
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .model import TinyGPT
-from .report import TextProgress, write_csv
+from .report import TextProgress, prepare_output_folder, write_csv
 from .runner import WARMUP_TARGET, resolve_device, torch_threads
 from .theory import tabular_check, tabular_start
 from .train import ArmResult, ArmSpec, TrainConfig, evaluate, run_arm, warm_up
@@ -82,13 +82,18 @@ def _job(payload: tuple[str, dict[str, torch.Tensor], TrainConfig, ArmSpec, int,
         return group, run_arm(state, cfg, arm, seed=seed, device=torch.device(device))
 
 
+def check_saved_results(out: Path) -> None:
+    """Raise ``ValueError`` unless ``out`` holds the ``paper_results.json`` and ``paper_steps.csv`` of a run."""
+    if not (out / "paper_results.json").is_file() or not (out / "paper_steps.csv").is_file():
+        raise ValueError(f"{out} holds no paper_results.json and paper_steps.csv to render (run --paper first)")
+
+
 def run_paper(opts: PaperOptions) -> Path:
     """Run the suite (unless ``render_only``) and render; returns the report's path."""
     out = Path(opts.out)
     if opts.render_only:
-        if not (out / "paper_results.json").is_file() or not (out / "paper_steps.csv").is_file():
-            raise ValueError(f"--out {out}: no paper_results.json and paper_steps.csv to render (run --paper first)")
-        return render_paper(out)
+        check_saved_results(out)
+        return render_paper(prepare_output_folder(out))
     if opts.size not in SIZES:
         raise ValueError(f"--size must be one of {sorted(SIZES)}, got {opts.size!r}")
     preset = SIZES[opts.size]
@@ -104,7 +109,7 @@ def run_paper(opts: PaperOptions) -> Path:
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
     device = resolve_device(opts.device)
-    out.mkdir(parents=True, exist_ok=True)
+    prepare_output_folder(out)
     t0 = time.perf_counter()
 
     with torch_threads(1 if device.type == "cpu" else None):

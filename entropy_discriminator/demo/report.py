@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,6 +43,31 @@ class TextProgress:
         else:
             self.stream.write(line + "\n")
         self.stream.flush()
+
+
+def prepare_output_folder(path: Path | str) -> Path:
+    """Create the output folder ``path`` (with its parents) if needed and prove that it can be written.
+
+    The proof is a real write (a probe file created and removed), so it also holds for root, read-only
+    mounts and pseudo-filesystems such as ``/proc``, where permission bits do not tell.  Raises
+    ``ValueError`` naming the folder when it is an existing file, lies under a file, or cannot be written.
+    """
+    out = Path(path)
+    for candidate in (out, *out.parents):
+        if candidate.exists() and not candidate.is_dir():
+            where = "is an existing file" if candidate == out else f"cannot be a folder: {candidate} is a file"
+            raise ValueError(f"{out} {where}")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"cannot create the folder {out}: {exc.strerror or exc}") from None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=out)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ValueError(f"cannot write in the folder {out} (creating a file there failed: {exc.strerror or exc})") from None
+    return out
 
 
 def write_csv(path: Path, rows: Sequence[dict[str, object]]) -> None:

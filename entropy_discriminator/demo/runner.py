@@ -15,7 +15,7 @@ from typing import TextIO
 import torch
 
 from .model import TinyGPT
-from .report import PLOT_HINT, TextProgress, format_table, have_matplotlib, plot_demo, write_csv
+from .report import PLOT_HINT, TextProgress, format_table, have_matplotlib, plot_demo, prepare_output_folder, write_csv
 from .theory import tabular_check, tabular_start
 from .train import ArmResult, ArmSpec, TrainConfig, evaluate, pearson, run_arm, sign_agreement, warm_up
 
@@ -32,16 +32,19 @@ PRESETS = {
 #: that passes some problems whatever the seed.
 WARMUP_TARGET = 0.3
 
-SUMMARY_COLUMNS = [
-    ("arm", "arm"),
-    ("entropy_final", "final entropy"),
-    ("reward_final", "reward"),
-    ("avg_at_k", "Avg@k"),
-    ("pass_at_k", "Pass@k"),
-    ("clip_frac", "clip frac"),
-    ("dH_corr", "dH corr"),
-    ("dH_sign", "dH sign agree"),
-]
+
+def summary_columns(k: int) -> list[tuple[str, str]]:
+    """``(key, header)`` pairs of the summary table; ``k`` (samples per held-out prompt) names the accuracy columns."""
+    return [
+        ("arm", "arm"),
+        ("entropy_final", "final entropy"),
+        ("reward_final", "reward"),
+        ("avg_at_k", f"Avg@{k}"),
+        ("pass_at_k", f"Pass@{k}"),
+        ("clip_frac", "clip frac"),
+        ("dH_corr", "dH corr"),
+        ("dH_sign", "dH sign agree"),
+    ]
 
 
 @dataclass(frozen=True)
@@ -53,22 +56,32 @@ class DemoOptions:
     device: str = "auto"
     seed: int = 0
     steps: int | None = None
-    threads: int | None = 1
+    threads: int | None = None
     mu_b: float = 2.5
     mu_v: float = 2.5
     max_frac_v: float | None = None
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto`` -> cuda when available else cpu; ``cuda`` without a GPU raises ``ValueError`` naming ``--device``."""
+    """``auto`` -> cuda when available else cpu; ``cpu``, ``cuda`` and ``cuda:N`` are checked against this machine.
+
+    Raises ``ValueError`` naming the device for anything else, for CUDA without a GPU and for a GPU index
+    this machine does not have.
+    """
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
     try:
-        return torch.device(name)
-    except RuntimeError as exc:
-        raise ValueError(f"--device {name!r} is not a torch device: {exc}") from None
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device {name!r} is not a torch device: {exc}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {name!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r}: CUDA is not available on this machine (use cpu)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 @contextlib.contextmanager
@@ -122,16 +135,24 @@ def summarise(result: ArmResult) -> dict[str, object]:
 
 def run_demo(opts: DemoOptions, *, stream: TextIO | None = None) -> dict[str, object]:
     """Run the demo; write ``demo_steps.csv``, ``demo_summary.csv``, ``demo_table.md`` and ``demo.png``
-    (``demo.png`` only with matplotlib) under ``opts.out``.  Returns ``{"rows", "tabular", "files"}``."""
+    (``demo.png`` only with matplotlib) under ``opts.out``.  Returns ``{"rows", "tabular", "files"}``.
+
+    Every option is checked before any work (``ValueError`` naming the option): ``steps >= 3``,
+    ``threads >= 1``, the mask settings (as :class:`~entropy_discriminator.EntropyDiscConfig` checks them),
+    the device, and that ``out`` can be written.  ``threads=None``: one thread on CPU, torch's default on CUDA.
+    """
     stream = stream if stream is not None else sys.stdout
     cfg = PRESETS["quick" if opts.quick else "full"]
     if opts.steps is not None:
         if opts.steps < 3:
             raise ValueError(f"--steps must be >= 3, got {opts.steps}")
         cfg = replace(cfg, grpo_steps=opts.steps)
+    if opts.threads is not None and opts.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {opts.threads}")
+    arms = demo_arms(opts)
     device = resolve_device(opts.device)
-    out = Path(opts.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_output_folder(opts.out)
+    threads = opts.threads if opts.threads is not None else (1 if device.type == "cpu" else None)
     t_start = time.perf_counter()
     print(
         f"entropy-discriminator demo ({'quick' if opts.quick else 'full'}): {cfg.n_digits}-digit addition, "
@@ -140,7 +161,7 @@ def run_demo(opts: DemoOptions, *, stream: TextIO | None = None) -> dict[str, ob
         file=stream,
         flush=True,
     )
-    with torch_threads(opts.threads if device.type == "cpu" else None):
+    with torch_threads(threads):
         torch.manual_seed(opts.seed)
         model = TinyGPT(cfg.model_config()).to(device)
         warm = warm_up(model, cfg, seed=opts.seed, device=device, progress=TextProgress("warm-up (supervised)"),
@@ -149,7 +170,7 @@ def run_demo(opts: DemoOptions, *, stream: TextIO | None = None) -> dict[str, ob
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         results = [
             run_arm(state, cfg, arm, seed=opts.seed, device=device, progress=TextProgress(arm.name))
-            for arm in demo_arms(opts)
+            for arm in arms
         ]
         task = cfg.task()
         init, a, b = tabular_start(model, task, 16, seed=opts.seed, device=device)
@@ -164,7 +185,7 @@ def run_demo(opts: DemoOptions, *, stream: TextIO | None = None) -> dict[str, ob
         "dH_corr": math.nan, "dH_sign": math.nan,
     }
     table_rows = [warm_row, *rows]
-    table = format_table(table_rows, SUMMARY_COLUMNS)
+    table = format_table(table_rows, summary_columns(cfg.eval_k))
     notes = (
         f"Warm-up: {warm['steps']:.0f} supervised steps. "
         f"k = {cfg.eval_k} samples per held-out prompt at temperature {cfg.eval_temperature}, {cfg.eval_prompts} prompts; "

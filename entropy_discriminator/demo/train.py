@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .. import EntropyMonitor, apply_keep_mask, batch_entropy_change, clip_b_mask, clip_v_mask, token_stats
+from .. import EntropyDiscConfig, EntropyMonitor, apply_keep_mask, batch_entropy_change, clip_b_mask, clip_v_mask, token_stats
 from .model import ModelConfig, TinyGPT
 from .task import VOCAB_SIZE, AdditionTask
 
@@ -59,6 +59,8 @@ class ArmSpec:
         for label in ("sample_sign", "s_sign"):
             if getattr(self, label) not in ("pos", "neg"):
                 raise ValueError(f"{label} must be 'pos' or 'neg', got {getattr(self, label)!r}")
+        if self.method in ("clip_b", "clip_v"):  # the core's rules for mu_low, sides and max_frac
+            EntropyDiscConfig(method=self.method, mu_low=self.mu_low, sides=self.sides, max_frac=self.max_frac)
 
 
 @dataclass(frozen=True)
