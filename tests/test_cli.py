@@ -1,0 +1,173 @@
+"""The ``entropy-discriminator`` command line: every bad argument refused before any work starts.
+
+"Before any work" is asserted, not timed: the demo's and the paper suite's entry points are replaced by
+functions that fail the test if called, so a refusal that came only after training started would fail here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import entropy_discriminator
+from entropy_discriminator import __main__ as cli
+from entropy_discriminator.demo import paper, runner
+from entropy_discriminator.demo.report import prepare_output_folder
+
+DEMO_USAGE = "usage: entropy-discriminator demo"
+
+
+@pytest.fixture
+def no_work(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """The demo's and the paper suite's entry points fail the test if called; cwd is a fresh folder."""
+
+    def started(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the demo started although an argument is bad")
+
+    monkeypatch.setattr(runner, "run_demo", started)
+    monkeypatch.setattr(paper, "run_paper", started)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Run ``main(argv)``; assert exit status 2, the demo's usage and no traceback; return stderr."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(DEMO_USAGE) and "Traceback" not in err, err
+    return err
+
+
+BAD_VALUES = [
+    (["--max-frac-v", "5"], "--max-frac-v"),
+    (["--max-frac-v", "-0.1"], "--max-frac-v"),
+    (["--max-frac-v", "many"], "--max-frac-v"),
+    (["--mu-b", "-1"], "--mu-b"),
+    (["--mu-b", "nan"], "--mu-b"),
+    (["--mu-v", "abc"], "--mu-v"),
+    (["--mu-v", "-0.5"], "--mu-v"),
+    (["--steps", "2"], "--steps"),
+    (["--steps", "3.5"], "--steps"),
+    (["--threads", "0"], "--threads"),
+    (["--seed", "-1"], "--seed"),
+    (["--seed", str(2**32)], "--seed"),
+    (["--device", "mps"], "--device"),
+    (["--device", "cuda:abc"], "--device"),
+    (["--device", "cuda:99"], "--device"),  # no CUDA here, or fewer than 100 GPUs
+    (["--paper", "--seeds", "1"], "--seeds"),
+    (["--paper", "--jobs", "0"], "--jobs"),
+    (["--paper", "--size", "big"], "--size"),
+    (["--quick", "--paper"], "--paper"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+]
+
+# Options of another mode are refused, never silently ignored.
+WRONG_MODE = [
+    (["--seeds", "3"], "--seeds: only applies with --paper"),
+    (["--quick", "--jobs", "2"], "--jobs: only applies with --paper"),
+    (["--size", "gpu"], "--size: only applies with --paper"),
+    (["--render-only"], "--render-only: only applies with --paper"),
+    (["--paper", "--threads", "2"], "--threads: does not apply with --paper"),
+    (["--paper", "--mu-b", "3"], "--mu-b: does not apply with --paper"),
+    (["--paper", "--max-frac-v", "0.1"], "--max-frac-v: does not apply with --paper"),
+    (["--paper", "--render-only", "--steps", "5"], "--steps: does not apply with --render-only"),
+    (["--paper", "--render-only", "--device", "cpu"], "--device: does not apply with --render-only"),
+]
+
+
+@pytest.mark.parametrize(("args", "named"), BAD_VALUES + WRONG_MODE, ids=[" ".join(a) for a, _ in BAD_VALUES + WRONG_MODE])
+def test_every_bad_argument_is_refused_before_any_work(
+    args: list[str], named: str, no_work: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = refused(["demo", *args, "--out", str(no_work / "out")], capsys)
+    assert named in err
+    assert not (no_work / "out").exists() and not any(no_work.iterdir())  # nothing written either
+
+
+def _out_cases(tmp: Path) -> list[tuple[Path, str]]:
+    a_file = tmp / "a_file"
+    a_file.write_text("not a folder")
+    cases = [(a_file, "is an existing file"), (a_file / "sub" / "out", f"{a_file} is a file")]
+    if Path("/proc/self").is_dir():
+        # procfs refuses new files even to root, so this case holds in CI containers that run as root
+        cases += [(Path("/proc/self"), "cannot write in the folder"), (Path("/proc/self/no/such"), "cannot create")]
+    if os.geteuid() != 0:  # permission bits bind only non-root users
+        read_only = tmp / "read_only"
+        read_only.mkdir(mode=0o555)
+        cases.append((read_only, "cannot write in the folder"))
+    return cases
+
+
+def test_out_that_cannot_be_written_is_refused_before_any_work(
+    no_work: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cases = _out_cases(no_work)
+    assert len(cases) >= 3  # a file, a path under a file, and a folder that cannot be written
+    for out, why in cases:
+        for mode in ([], ["--quick"], ["--paper"]):
+            err = refused(["demo", *mode, "--out", str(out)], capsys)
+            assert "argument --out:" in err and why in err, err
+
+
+def test_render_only_needs_saved_results(no_work: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    err = refused(["demo", "--paper", "--render-only", "--out", str(no_work)], capsys)
+    assert "argument --out:" in err and "paper_results.json" in err
+
+
+def test_output_folder_probe_leaves_nothing_behind(tmp_path: Path) -> None:
+    out = prepare_output_folder(tmp_path / "new" / "folder")
+    assert out.is_dir() and not any(out.iterdir())
+
+
+def test_valid_arguments_reach_the_demo(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Given options reach the options objects; options not given keep the objects' defaults."""
+    seen: list[object] = []
+    monkeypatch.setattr(runner, "run_demo", seen.append)
+    monkeypatch.setattr(paper, "run_paper", seen.append)
+    assert cli.main(["demo", "--quick", "--out", str(tmp_path / "d"), "--max-frac-v", "0.01", "--seed", "3"]) == 0
+    assert cli.main(["demo", "--paper", "--size", "cpu-small", "--jobs", "2", "--out", str(tmp_path / "p")]) == 0
+    demo, suite = seen
+    assert demo == runner.DemoOptions(out=tmp_path / "d", quick=True, max_frac_v=0.01, seed=3)
+    assert suite == paper.PaperOptions(out=tmp_path / "p", size="cpu-small", jobs=2)
+    assert (tmp_path / "d").is_dir() and (tmp_path / "p").is_dir()
+
+
+def test_demo_api_checks_mask_settings_before_warm_up(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    def started(*args: object, **kwargs: object) -> None:
+        raise AssertionError("warm-up started although max_frac_v is bad")
+
+    monkeypatch.setattr(runner, "warm_up", started)
+    with pytest.raises(ValueError, match="max_frac"):
+        runner.run_demo(runner.DemoOptions(out=tmp_path, quick=True, max_frac_v=5.0, device="cpu"))
+    with pytest.raises(ValueError, match="mu_low"):
+        runner.run_demo(runner.DemoOptions(out=tmp_path, quick=True, mu_b=-1.0, device="cpu"))
+
+
+def test_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"entropy-discriminator {entropy_discriminator.__version__}\n"
+    assert cli.main(["demo", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert help_text.startswith(DEMO_USAGE)
+    steps_help = help_text.split("options:", 1)[1].split("--steps STEPS", 1)[1].split("--threads")[0]
+    assert "minimum 3" in steps_help
+
+
+def test_bad_argument_in_a_fresh_process_fails_fast_without_traceback(tmp_path: Path) -> None:
+    """As a user runs it: exit status 2 and the demo's usage within seconds (loose bound for busy CI machines)."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for args in (["--max-frac-v", "5"], ["--out", str(a_file)]):
+        start = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, "-m", "entropy_discriminator", "demo", *args], capture_output=True, text=True, timeout=120,
+            cwd=tmp_path,
+        )
+        assert proc.returncode == 2 and proc.stderr.startswith(DEMO_USAGE), proc.stderr
+        assert "Traceback" not in proc.stderr and proc.stdout == ""
+        assert time.perf_counter() - start < 60
