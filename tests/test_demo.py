@@ -17,9 +17,11 @@ import torch
 from entropy_discriminator.__main__ import main
 from entropy_discriminator.demo.task import AdditionTask
 from entropy_discriminator.demo.theory import tabular_check
-from entropy_discriminator.demo.runner import PRESETS
+from entropy_discriminator.demo.report import format_table
+from entropy_discriminator.demo.runner import PRESETS, summary_columns
 from entropy_discriminator.demo.train import ArmSpec, TrainConfig, group_advantages
 
+ROOT = Path(__file__).resolve().parents[1]
 ARMS = ("GRPO", "GRPO+Clip_B", "GRPO+Clip_V")
 PER_STEP = ("reward", "entropy", "s_star_mean", "s_c_mean", "clip_frac", "cov_adv_sc", "pred_dH", "real_dH", "loss")
 
@@ -44,12 +46,43 @@ def test_quick_demo_prints_table_of_three_arms(quick_run: tuple[Path, str]) -> N
     out, stdout = quick_run
     rows = [line for line in stdout.splitlines() if line.startswith("|")]
     assert len(rows) == 2 + 4  # header, separator, warm-up row, three arms
+    k = PRESETS["quick"].eval_k
+    assert f" Avg@{k} | Pass@{k} " in rows[0]  # the actual k, as in the README's Avg@8 | Pass@8
+    warm = [c.strip() for c in rows[2].split("|")[1:-1]]
+    assert warm[0] == "warm-up (no RL)" and all(_finite(c) for c in warm[1:5]) and warm[5:] == ["", "", ""]
     for arm in ARMS:
         line = next(r for r in rows if r.split("|")[1].strip() == arm)
         cells = [c.strip() for c in line.split("|")[2:-1]]
         assert len(cells) == 7 and all(_finite(c) for c in cells), line
     assert "Theory check, tabular case" in stdout
     assert (out / "demo_table.md").read_text().count("|") > 20
+
+
+def _summary_rows(path: Path) -> list[dict[str, object]]:
+    with path.open() as f:
+        return [{k: (v if k == "arm" else float(v or "nan")) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+def _cells(markdown: str, first_cell: str = "arm") -> list[list[str]]:
+    """The cells of the markdown table whose header starts with ``first_cell`` (separator row dropped)."""
+    lines = markdown.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|") and line.split("|")[1].strip() == first_cell)
+    table = [line for line in lines[start:] if line.startswith("|")][: len(ARMS) + 3]
+    return [[c.strip() for c in line.split("|")[1:-1]] for i, line in enumerate(table) if i != 1]
+
+
+@pytest.mark.parametrize("folder", ["demo_cpu", "demo_gpu_h100"])
+def test_docs_demo_tables_are_what_the_demo_prints(folder: str) -> None:
+    """docs/demo_*/demo_table.md is the renderer's table of the saved summary (full preset's k, blank
+    not-applicable cells); the README and docs/demo.md show the CPU table's cells."""
+    docs = ROOT / "docs" / folder
+    rows = _summary_rows(docs / "demo_summary.csv")
+    table = format_table(rows, summary_columns(PRESETS["full"].eval_k))
+    text = (docs / "demo_table.md").read_text()
+    assert text.startswith(table + "\n\n"), text
+    if folder == "demo_cpu":
+        for page in (ROOT / "README.md", ROOT / "docs" / "demo.md"):
+            assert _cells(page.read_text()) == _cells(text), page
 
 
 def test_quick_demo_csv_has_every_step_of_every_arm(quick_run: tuple[Path, str]) -> None:

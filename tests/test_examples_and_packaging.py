@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_custom_loop_example_runs_and_prints_metrics():
+    """One torch thread by default (as the demo), and ``lr`` reaches the monitor: the predicted entropy
+    change is logged next to the realised one."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "custom_loop.py"), "--method", "clip_v", "--steps", "3", "--prompts", "4"],
         capture_output=True,
@@ -18,7 +21,19 @@ def test_custom_loop_example_runs_and_prints_metrics():
         check=True,
     ).stdout
     assert "entropy_disc/clip/frac" in out and "entropy_disc/cov/adv_s_centered" in out
+    assert "entropy_disc/delta_entropy/predicted" in out and "entropy_disc/delta_entropy/realised" in out
+    assert "1 torch thread(s)" in out
     assert out.count("step ") == 2  # step 0 and the last step
+
+
+def test_custom_loop_example_uses_the_readme_calls():
+    """Every ``ed.<function>`` the README's custom-loop diff adds is what examples/custom_loop.py calls."""
+    readme = (ROOT / "README.md").read_text()
+    diff = readme.split("```diff", 1)[1].split("```", 1)[0]
+    calls = set(re.findall(r"ed\.(\w+)\(", "\n".join(line for line in diff.splitlines() if line.startswith("+"))))
+    assert {"token_stats", "clip_v_mask", "apply_keep_mask", "EntropyMonitor"} <= calls
+    example = (ROOT / "examples" / "custom_loop.py").read_text()
+    assert all(f"ed.{name}(" in example for name in calls), calls
 
 
 def test_non_editable_install_imports_adapters(tmp_path):
