@@ -1,4 +1,13 @@
-"""The paper's first-order entropy-change predictions (Theorems 1-2, Corollaries 4 and 4.1)."""
+"""The paper's first-order entropy-change predictions (Theorems 1-2, Corollaries 4 and 4.1).
+
+The step size ``eta`` (``alpha = eta * r * A``) is measured on the logits the policy is the softmax of,
+i.e. the temperature-scaled logits ``u = z / T`` that :func:`~entropy_discriminator.token_stats` reads
+with ``temperature=T``.  In the tabular case (every token owns its raw logits ``z``), plain SGD at
+learning rate ``lambda`` on ``L = -(1/N) sum_t A_t log softmax(z_t / T)[k_t]`` moves
+``z_t`` by ``(lambda / (N T)) A_t (e_k - p_t)``, hence ``u_t`` by ``(lambda / (N T^2)) A_t (e_k - p_t)``:
+``eta = lambda / (N * T^2)`` (``lambda / N`` only at ``T = 1``; at ``T = 0.5`` ``lambda / N`` would predict
+a quarter of the realised change).  For a network ``eta`` is an effective rate.
+"""
 
 from __future__ import annotations
 
@@ -52,9 +61,10 @@ def batch_entropy_change(
         advantages: ``[B]`` per sequence or per token with ``s_centered``'s shape.
         s_centered: ``S_c = S* - E_p[S]``, ``[B, T]`` (or any shape).
         valid: bool or 0/1 tensor of ``s_centered``'s shape.
-        lr: the step size ``eta`` in ``alpha = eta * r * A``. In the tabular case (each token owns
-            its logits) plain SGD with learning rate ``lambda`` on a loss that averages over ``N``
-            tokens has ``eta = lambda / N``; for a network it is an effective rate.
+        lr: the step size ``eta`` in ``alpha = eta * r * A``, on the temperature-scaled logits. In
+            the tabular case (each token owns its logits) plain SGD with learning rate ``lambda`` on a
+            loss that averages over ``N`` tokens, sampled at temperature ``T``, has
+            ``eta = lambda / (N * T^2)`` (see the module docstring); for a network it is an effective rate.
         ratio: importance ratio ``r = pi / pi_sample`` per token (None: on-policy, r = 1).
         process_group: reduce the sums over this group.
 

@@ -3,7 +3,8 @@
 Tabular case (the paper's assumption: every token owns its logits).  A batch of ``P`` prompts x ``G``
 samples x ``T`` positions holds one free logit vector ``z_t`` per token; a GRPO step with plain SGD at
 learning rate ``lambda`` on ``L = -(1/N) sum_t A_t log p_t(k_t)`` moves each row by
-``dz_t = (lambda/N) A_t (e_k - p_t)``, which is Theorem 2 with ``alpha_t = eta A_t``, ``eta = lambda/N``.
+``dz_t = (lambda/N) A_t (e_k - p_t)``, which is Theorem 2 with ``alpha_t = eta A_t``, ``eta = lambda/N`` (the table samples at temperature 1;
+at temperature ``T`` it would be ``lambda / (N T^2)``, see :mod:`entropy_discriminator.dynamics`).
 Averaging Theorem 2 over the batch gives Corollary 4, ``dH_B = -eta Cov_B(A, S_c)``
 (:func:`~entropy_discriminator.batch_entropy_change`), exact up to ``O(eta^2)``.  We run the GRPO loop
 on such a table for several steps and compare that prediction with the realised change of the batch-mean
