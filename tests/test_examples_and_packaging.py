@@ -36,6 +36,15 @@ def test_custom_loop_example_uses_the_readme_calls():
     assert all(f"ed.{name}(" in example for name in calls), calls
 
 
+def test_install_instructions_put_the_cpu_torch_build_first():
+    """A CPU-only user installs torch's CPU build before the package (else pip pulls the CUDA build)."""
+    cpu_torch = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+    for page in (ROOT / "README.md", ROOT / "docs" / "demo.md"):
+        text = page.read_text()
+        assert cpu_torch in text, page
+        assert text.index(cpu_torch) < text.index('pip install -e ".[plot]"'), page
+
+
 def test_non_editable_install_imports_adapters(tmp_path):
     """``pip install .`` (no -e) must map adapters/ to entropy_discriminator.adapters."""
     target = tmp_path / "site"
