@@ -136,10 +136,15 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     demo.set_defaults(run=lambda args: _run_demo(args, demo))
 
 
+def _given(value: object) -> bool:
+    """Whether an option was given: not None (every option's default) and not False (a flag's); 0 counts."""
+    return value is not None and value is not False
+
+
 def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Check what argparse cannot (options of another mode, ``--out``), then run the demo or ``--paper``."""
     mode = ("render" if args.render_only else "paper") if args.paper else "demo"
-    given = {dest for dest in set().union(*DEMO_APPLIES.values()) if getattr(args, dest) not in (None, False)}
+    given = {dest for dest in set().union(*DEMO_APPLIES.values()) if _given(getattr(args, dest))}
     for dest in sorted(given - DEMO_APPLIES[mode]):
         parser.error(f"argument --{dest.replace('_', '-')}: {DEMO_WHY_NOT[mode]}")
     out = args.out if args.out is not None else DEMO_DEFAULT_OUT[mode]

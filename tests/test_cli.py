@@ -77,6 +77,7 @@ WRONG_MODE = [
     (["--paper", "--max-frac-v", "0.1"], "--max-frac-v: does not apply with --paper"),
     (["--paper", "--render-only", "--steps", "5"], "--steps: does not apply with --render-only"),
     (["--paper", "--render-only", "--device", "cpu"], "--device: does not apply with --render-only"),
+    (["--paper", "--render-only", "--seed", "0"], "--seed: does not apply with --render-only"),  # 0 is given too
 ]
 
 
@@ -129,10 +130,11 @@ def test_valid_arguments_reach_the_demo(monkeypatch: pytest.MonkeyPatch, tmp_pat
     seen: list[object] = []
     monkeypatch.setattr(runner, "run_demo", seen.append)
     monkeypatch.setattr(paper, "run_paper", seen.append)
-    assert cli.main(["demo", "--quick", "--out", str(tmp_path / "d"), "--max-frac-v", "0.01", "--seed", "3"]) == 0
+    argv = ["demo", "--quick", "--out", str(tmp_path / "d"), "--max-frac-v", "0.01", "--seed", "3", "--mu-b", "0"]
+    assert cli.main(argv) == 0
     assert cli.main(["demo", "--paper", "--size", "cpu-small", "--jobs", "2", "--out", str(tmp_path / "p")]) == 0
     demo, suite = seen
-    assert demo == runner.DemoOptions(out=tmp_path / "d", quick=True, max_frac_v=0.01, seed=3)
+    assert demo == runner.DemoOptions(out=tmp_path / "d", quick=True, max_frac_v=0.01, seed=3, mu_b=0.0)
     assert suite == paper.PaperOptions(out=tmp_path / "p", size="cpu-small", jobs=2)
     assert (tmp_path / "d").is_dir() and (tmp_path / "p").is_dir()
 
