@@ -125,8 +125,9 @@ def test_leading_dimensions_read_in_place():
 
 @pytest.mark.parametrize("scale", [1e-4, 1e-3, 1e-2])
 def test_near_uniform_rows_relative_accuracy(scale):
-    """E_p[S] ~ var(u) / V on near-uniform rows: the kernel's centred form keeps it to a relative
-    1e-3, no worse than the naive fp32 formula."""
+    """E_p[S] ~ var(u) / V on near-uniform rows: the kernel's one-pass centred form
+    (s3 - s2 s1/s0) / s0^2 errs by ~eps |ubar| / var(u) ~ 1e-6 / scale relative (1e-4 at scale
+    1e-2), far below the naive fp32 formula's (~1e1 at 1e-3)."""
     g = torch.Generator().manual_seed(int(1 / scale))
     v = 32000
     logits = (torch.randn(4, v, generator=g, dtype=torch.float64) * scale).float().to(DEV)
@@ -138,7 +139,7 @@ def test_near_uniform_rows_relative_accuracy(scale):
     p = logq.exp()
     naive = (p * p * (-(p * logq).sum(-1, keepdim=True) + logq)).sum(-1)
     rel_naive = float(((naive.double() - want).abs() / want.abs()).max())
-    assert rel <= 1e-3, rel
+    assert rel <= 2e-6 / scale, rel
     assert rel <= max(rel_naive, 1e-6), (rel, rel_naive)
 
 

@@ -256,6 +256,37 @@ def test_bad_input_raises_naming_the_argument(logits, labels, kwargs, exc, needl
         ed.token_stats(logits, labels, **kwargs)
 
 
+def test_huge_finite_logits_at_low_temperature_are_exact():
+    """fp32 logits of 3e38 at T = 0.5: z = x / T would overflow; the row max is subtracted first."""
+    logits = make_logits(4, (5,), 40, "normal", torch.float32)
+    logits[:, 3] = 3e38
+    logits[1, 7] = -3e38
+    logits[2] = -3e38 + torch.arange(40) * 1e32
+    labels = torch.tensor([3, 3, 39, 3, -100])  # a label off the max: log p = -6e38, not an fp32
+    for temperature in (0.5, 1.0, 3.0):
+        stats = ed.token_stats(logits, labels, temperature=temperature)
+        assert_matches_reference(logits, labels, stats, temperature)
+
+
+def test_check_false_never_raises_and_gives_nan_in_bad_rows():
+    logits = make_logits(6, (6,), 9, "normal", torch.float32)
+    logits[1, 2] = math.nan
+    logits[2, 0] = math.inf
+    logits[3] = -math.inf
+    labels = torch.tensor([0, 1, 2, 3, 9, -100])
+    stats = ed.token_stats(logits, labels, check=False)
+    good = torch.tensor([True, False, False, False, False, False])
+    for name in FIELDS:
+        got = getattr(stats, name)
+        assert torch.isnan(got[1:5]).all() and got[5] == 0, name
+    assert stats.valid.tolist() == [True] * 5 + [False]
+    assert_matches_reference(logits[good], labels[good], ed.TokenStats(*(getattr(stats, f)[good] for f in (*FIELDS, "valid"))))
+    with pytest.raises(ValueError, match="labels"):  # the default raises on the first fault (labels first)
+        ed.token_stats(logits, labels)
+    with pytest.raises(TypeError, match="check"):
+        ed.token_stats(logits, labels, check="no")
+
+
 def test_discriminator_score_matches_token_stats():
     logits = make_logits(5, (20,), 30, "masked", torch.float32)
     labels = make_labels(5, logits, ignore_frac=0.0)
