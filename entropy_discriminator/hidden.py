@@ -93,11 +93,12 @@ def token_stats_from_hidden(
 
     with torch.no_grad():
         out = token_stats_fused_triton(h2, weight, k, bias, float(temperature), int(ignore_index))
+    result = TokenStats(*(t.view(shape) for t in out[:6]))
     if check:
         errors = out.errors.tolist()  # the one host synchronisation
         if any(errors):
             raise_for_errors(errors, labels, vocab, ignore_index)
-    return TokenStats(*(t.view(shape) for t in out[:6]))
+    return result
 
 
 def _from_hidden_torch(

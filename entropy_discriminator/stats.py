@@ -138,15 +138,15 @@ def token_stats(
     if _use_triton(impl, logits, vocab_parallel_group):
         from .kernels.triton_stats import token_stats_triton
 
-        with torch.no_grad():
-            out = token_stats_triton(logits, labels, float(temperature), int(ignore_index))
+        out = token_stats_triton(logits, labels, float(temperature), int(ignore_index))  # no autograd graph
+        result = TokenStats(out.logp, out.entropy, out.s_star, out.s_expected, out.s_centered, out.valid)
         if check:
-            errors = out.errors.tolist()  # the one host synchronisation
+            errors = out.errors.tolist()  # the one host synchronisation, last: nothing left to do after it
             if any(errors):
                 if impl == "auto" and not any(errors[:3]):  # only the kernel's fp32 scaling overflowed
                     return _token_stats_torch(logits, labels, float(temperature), ignore_index, chunk_size, check, None, 0)
                 raise_for_errors(errors, labels, logits.shape[-1], ignore_index)
-        return TokenStats(out.logp, out.entropy, out.s_star, out.s_expected, out.s_centered, out.valid)
+        return result
     return _token_stats_torch(
         logits, labels, float(temperature), ignore_index, chunk_size, check, vocab_parallel_group, vocab_start_index
     )

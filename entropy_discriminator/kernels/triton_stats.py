@@ -289,32 +289,37 @@ def token_stats_triton(
     out = torch.empty((5, *labels.shape), device=dev, dtype=torch.float32)
     valid = torch.empty(labels.shape, device=dev, dtype=torch.bool)
     cfg = config or choose_config(n_rows, vocab, logits.dtype, _num_sms(dev), card_of(dev))
-    block, split = cfg["block"], cfg["split"]
-    nblocks = triton.cdiv(vocab, block)
-    split = max(1, min(split, nblocks))
-    chunk = triton.cdiv(nblocks, split) * block
-    split = triton.cdiv(vocab, chunk)
+    split, chunk = _split_plan(vocab, cfg["block"], cfg["split"])
     ws = torch.zeros(ERR_WORDS + (n_rows if split > 1 else 0), device=dev, dtype=torch.int32)
-    result = KernelStats(*out.unbind(0), valid, ws[:ERR_WORDS])
+    result = KernelStats(*out.unbind(0), valid, ws if split == 1 else ws[:ERR_WORDS])
     if n_rows == 0:
         return result
     part = torch.empty(6 * n_rows * split, device=dev, dtype=torch.float32) if split > 1 else ws
-    c = LOG2E / float(temperature)
-    args = (float(c), int(ignore_index), cfg, split, chunk, part, ws)
+    args = (LOG2E / float(temperature), int(ignore_index), cfg, split, chunk, part, ws)
     layout = _row_layout(logits)
+    flat_out, flat_valid = (out, valid) if labels.dim() == 1 else (out.view(5, -1), valid.view(-1))
     # Host time matters at small N (the launch path costs more than the kernel): no device switch
     # unless the tensors live on another GPU, cached configuration, one memset and one launch.
     switch = dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device()
     with torch.cuda.device(dev) if switch else contextlib.nullcontext():
         if layout is not None:
-            _launch(logits, layout, flat_labels, out.view(5, -1), valid.view(-1), n_rows, *args)
+            _launch(logits, layout, flat_labels, flat_out, flat_valid, n_rows, *args)
         else:  # leading dimensions that do not fold: one launch per leading index
             per = n_rows // logits.shape[0]
             for i in range(logits.shape[0]):
                 rows = slice(i * per, (i + 1) * per)
                 sub = logits[i] if _row_layout(logits[i]) is not None else logits[i].reshape(-1, vocab)
-                _launch(sub, _row_layout(sub), flat_labels[rows], out.view(5, -1)[:, rows], valid.view(-1)[rows], n_rows, *args)
+                _launch(sub, _row_layout(sub), flat_labels[rows], flat_out[:, rows], flat_valid[rows], n_rows, *args)
     return result
+
+
+@functools.lru_cache(maxsize=4096)
+def _split_plan(vocab: int, block: int, split: int) -> tuple[int, int]:
+    """(split, chunk): slices of whole blocks, at most ``split`` of them, none empty."""
+    nblocks = -(-vocab // block)
+    split = max(1, min(split, nblocks))
+    chunk = -(-nblocks // split) * block
+    return -(-vocab // chunk), chunk
 
 
 def _launch(x, layout, labels, out, valid, n_out, c, ignore_index, cfg, split, chunk, part, ws) -> None:
@@ -323,6 +328,6 @@ def _launch(x, layout, labels, out, valid, n_out, c, ignore_index, cfg, split, c
     _stats_kernel[(n, split)](
         x, inner, stride_outer, stride_inner, labels, x.shape[-1], chunk, c, ignore_index,
         out, valid, part, ws, n_out,
-        SPLIT=split, SPLIT_P2=triton.next_power_of_2(split), BLOCK=cfg["block"], TAU=TAU, STAGES=cfg["stages"],
+        SPLIT=split, SPLIT_P2=1 << (split - 1).bit_length(), BLOCK=cfg["block"], TAU=TAU, STAGES=cfg["stages"],
         num_warps=cfg["num_warps"],
     )  # fmt: skip
