@@ -32,7 +32,7 @@ import triton.language as tl
 
 from . import interpreting
 from . import is_available as _is_available
-from ._reduce import D_FLOOR, ERR_WORDS, LOG2E, max_nan, merge_partials, rescale, store_row
+from ._reduce import D_FLOOR, ERR_WORDS, ERR_WORDS_C, LOG2E, max_nan, merge_partials, rescale, store_row
 
 __all__ = ["KernelStats", "token_stats_triton", "is_available", "choose_config"]
 
@@ -134,9 +134,9 @@ def _stats_kernel(
         tl.store(base + 4 * stride_f + sp, t3)
         tl.store(base + 5 * stride_f + sp, mx)
         tl.debug_barrier()
-        arrived = tl.atomic_add(ws_ptr + ERR_WORDS + row, 1, sem="acq_rel", scope="gpu")
+        arrived = tl.atomic_add(ws_ptr + ERR_WORDS_C + row, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT - 1:
-            tl.store(ws_ptr + ERR_WORDS + row, 0)  # reset: the next launch on this stream may reuse it
+            tl.store(ws_ptr + ERR_WORDS_C + row, 0)  # reset: the next launch on this stream may reuse it
             j = tl.arange(0, SPLIT_P2)
             msk = j < SPLIT
             mj = tl.load(base + j, mask=msk, other=float("-inf"), cache_modifier=".cg")
