@@ -193,9 +193,12 @@ def card_of(device: torch.device) -> str:
 
 
 # (block, num_warps, stages) of the streaming loop per card and logits width (16-bit, fp32).
+# H200, bf16, N=16384, V=151936 (results/h200/sweep_issue11.csv; torch.sum 1.217 ms): 1024/2/4
+# (the H100's choice) 1.562 ms, 1024/1/4 1.522, 512/1/8 1.400-1.463, 512/1/4 1.389, 256/1/16 1.612;
+# fp32 2048/4/3 runs at 2.145 ms, faster than torch.sum (2.44).
 _LOOP_DEFAULTS = {
     "default": {2: (1024, 2, 4), 4: (2048, 4, 3)},
-    "h200": {2: (1024, 2, 4), 4: (2048, 4, 3)},
+    "h200": {2: (512, 1, 4), 4: (2048, 4, 3)},
 }
 
 
@@ -205,7 +208,8 @@ def choose_config(n_rows: int, vocab: int, dtype: torch.dtype, num_sms: int, car
     Measured on an H100 (V=151936; benchmarks/sweep.sh, benchmarks/RESULTS.md): 16-bit logits run
     best in blocks of 1024 with 2 warps and 4 cp.async stages (N=16384: the torch.sum time), fp32
     logits at the read floor with 2048 / 4 warps / 3 stages.  ``card="h200"`` selects the H200's
-    table (see benchmarks/RESULTS.md).  Split-V is used when the rows alone give fewer than
+    table: one warp per 512-logit block, which issues fewer instructions per logit (no cross-warp
+    max reduction) where the H200's faster memory leaves less slack (see _LOOP_DEFAULTS).  Split-V is used when the rows alone give fewer than
     SPLIT_TARGET programs per multiprocessor: the split is the power of two that reaches it (N=256
     on the H100: split 4 took 45.5 us, 8 45.8, 3 46.3, 6 52.2; results/h100/tune_stats.csv),
     capped so that each slice holds >= 2 blocks.
@@ -296,7 +300,7 @@ def token_stats_triton(
         return result
     part = torch.empty(6 * n_rows * split, device=dev, dtype=torch.float32) if split > 1 else ws
     args = (LOG2E / float(temperature), int(ignore_index), cfg, split, chunk, part, ws)
-    layout = _row_layout(logits)
+    layout = (n_rows, 0, logits.stride(0)) if logits.dim() == 2 else _row_layout(logits)
     flat_out, flat_valid = (out, valid) if labels.dim() == 1 else (out.view(5, -1), valid.view(-1))
     # Host time matters at small N (the launch path costs more than the kernel): no device switch
     # unless the tensors live on another GPU, cached configuration, one memset and one launch.
