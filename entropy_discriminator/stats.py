@@ -47,6 +47,8 @@ class TokenStats:
     ``logp, entropy, s_star, s_expected, s_centered`` are float32 (float64 when the logits are
     float64); ``valid`` is bool (``labels != ignore_index``).  Ignored positions hold 0.
     ``logp`` is ``-inf`` where the sampled token's logit is ``-inf`` (its ``s_star`` is then 0).
+    With ``check=False``, rows that would have raised (label out of range, NaN / ``+inf``, every
+    logit ``-inf``) hold NaN.
     """
 
     logp: torch.Tensor

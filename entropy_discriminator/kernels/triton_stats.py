@@ -327,6 +327,7 @@ def _split_plan(vocab: int, block: int, split: int) -> tuple[int, int]:
 
 
 def _launch(x, layout, labels, out, valid, n_out, c, ignore_index, cfg, split, chunk, part, ws) -> None:
+    """One launch of the streaming kernel over the rows of ``x`` (``layout``: see :func:`_row_layout`)."""
     inner, stride_outer, stride_inner = layout
     n = labels.shape[0]
     _stats_kernel[(n, split)](
