@@ -1,9 +1,10 @@
 """Benchmarks of the per-token statistics (CUDA).
 
-    python -m benchmarks stats   # one-pass kernel vs eager / chunked / torch.compile / framework style / torch.sum
-    python -m benchmarks fused   # statistics from hidden states vs matmul + kernel, TFLOP/s
+    python -m benchmarks stats   # ed.token_stats and its kernel vs torch.sum / eager / torch.compile / framework style
+    python -m benchmarks fused   # ed.token_stats_from_hidden and its kernel vs cuBLAS matmul (+ kernel), TFLOP/s
 
-Tables are printed per shape and appended to benchmarks/results/<name>.csv (BENCH_RESULTS
+Tables are printed per shape, then the ratios of the public call to the floor and to its kernel,
+and appended to benchmarks/results/<card>/<name>.csv (card: h100, h200, ...; BENCH_RESULTS
 overrides the folder); every row names the card it ran on.
 """
 
@@ -30,7 +31,8 @@ def _parser() -> argparse.ArgumentParser:
         q.add_argument("--kernel-config", action="append", help="extra kernel config to time, k=v,k=v (repeatable)")
         q.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition budget per measurement")
         q.add_argument("--kernel-only", action="store_true", help="time only the kernels and the floor (config sweeps)")
-        q.add_argument("--csv", default=None, help="CSV name under benchmarks/results/ (default: the bench name)")
+        q.add_argument("--csv", default=None, help="CSV name under benchmarks/results/<card>/ (default: the bench name)")
+        q.add_argument("--methods", nargs="+", default=None, help="time only these methods (and the floor, and --kernel-config ones)")
     return p
 
 

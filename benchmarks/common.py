@@ -46,6 +46,29 @@ def card_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+def card_dir(name: str | None = None) -> str:
+    """Folder of a card's results: ``h100``, ``h200``, else the name in lower case, ``_`` for the rest."""
+    name = (name or card_name()).lower()
+    for short in ("h100", "h200", "a100", "b200"):
+        if short in name:
+            return short
+    return "".join(ch if ch.isalnum() else "_" for ch in name)
+
+
+def host_us(fn: Callable[[], object], calls: int = 200) -> float:
+    """Microseconds of wall time per call over ``calls`` back-to-back calls (one sync at the end):
+    the host's cost of a call when the GPU keeps up (a call that synchronises pays its GPU time too)."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
 def free_memory() -> None:
     gc.collect()
     torch.cuda.empty_cache()
@@ -76,8 +99,11 @@ def fits(bytes_needed: float, margin: float = 0.9) -> bool:
 
 
 def write_csv(rows: list[Row], name: str) -> Path:
-    """Append the rows to benchmarks/results/<name>.csv (header written when the file is new)."""
-    out_dir = Path(os.environ.get("BENCH_RESULTS", RESULTS))
+    """Append the rows to benchmarks/results/<card>/<name>.csv (header written when the file is new).
+
+    ``BENCH_RESULTS`` overrides the folder (then no card sub-folder is added).
+    """
+    out_dir = Path(os.environ["BENCH_RESULTS"]) if "BENCH_RESULTS" in os.environ else RESULTS / card_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.csv"
     new = not path.exists()
@@ -91,6 +117,25 @@ def write_csv(rows: list[Row], name: str) -> Path:
             d.pop("extra")
             w.writerow(d)
     return path
+
+
+def print_ratios(rows: list[Row], pairs: list[tuple[str, str, object]], title: str) -> None:
+    """One line per shape: ``a / b`` time ratios of the named methods (same card, same run), and
+    whether each meets its target (a number, a dict by N, or None: no target)."""
+    shapes: dict[tuple, dict[str, Row]] = {}
+    for r in rows:
+        shapes.setdefault((r.card, r.dtype, r.n, r.v, r.h), {})[r.method] = r
+    print(f"\n{title}")
+    for (card, dtype, n, v, h), m in shapes.items():
+        parts = []
+        for a, b, target in pairs:
+            if a in m and b in m and m[a].ms == m[a].ms and m[b].ms == m[b].ms:
+                ratio = m[a].ms / m[b].ms
+                target = target.get(n) if isinstance(target, dict) else target
+                mark = "" if target is None else (" ok" if ratio <= target else f" MISSES <= {target}")
+                parts.append(f"{a} / {b} = {ratio:.3f}{mark}")
+        if parts:
+            print(f"  [{card}] {dtype} N={n} V={v}" + (f" H={h}" if h else "") + ": " + "; ".join(parts))
 
 
 def print_table(rows: list[Row], floor_method: str | None = None) -> None:

@@ -1,10 +1,12 @@
 """``python -m benchmarks fused``: statistics straight from LM-head inputs (hidden [N, H], weight [V, H]).
 
-Methods: cuBLAS ``hidden @ weight.T`` alone (bf16 logits, the matmul everyone pays), that matmul
-followed by the one-pass kernel (logits materialised), the fused Triton kernel (logits tiles stay
-on chip) with all four moments and with only the two that logp and H need (the cost of sum p^2 and
-E_p[S]), and the library's chunked torch path (fp32 matmul) at small N.  Rate is effective
-TFLOP/s = 2 N H V / time.
+Methods: what users call, ``ed.token_stats_from_hidden(hidden, weight, labels)`` (validation
+included: one host synchronisation), cuBLAS ``hidden @ weight.T`` alone (bf16 logits, the matmul
+everyone pays), that matmul followed by the one-pass kernel (logits materialised), the fused Triton
+kernel (logits tiles stay on chip) with all four moments and with only the two that logp and H need
+(the cost of sum p^2 and E_p[S]), and the library's chunked torch path (fp32 matmul) at small N.
+Rate is effective TFLOP/s = 2 N H V / time.  A ratio line (public / kernel, target <= 1.03) closes
+the run.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from .common import Row, bench_ms, card_name, extra_peak_mib, fits, free_memory, print_table, write_csv
+from .common import Row, bench_ms, card_name, extra_peak_mib, fits, free_memory, print_ratios, print_table, write_csv
 
 # (H, V) of Qwen2.5-3B, Qwen2.5-7B, Llama-3-8B heads.
 SHAPES = ((2048, 151936), (3584, 152064), (4096, 128256))
@@ -28,7 +30,11 @@ def _errors(out, hidden, weight, labels, rows) -> tuple[float, float, float]:
     return tuple(float((out[i][rows].double() - ref[k]).abs().max()) for i, k in enumerate(("logp", "entropy", "s_expected")))
 
 
-def methods(n: int, configs: dict[str, dict], kernel_only: bool = False) -> dict[str, Callable]:
+PUBLIC = "token_stats_from_hidden"
+KERNEL = "fused_triton"
+
+
+def methods(n: int, configs: dict[str, dict], kernel_only: bool = False, only: list[str] | None = None) -> dict[str, Callable]:
     from entropy_discriminator.hidden import token_stats_from_hidden
     from entropy_discriminator.kernels.triton_fused import token_stats_fused_triton
     from entropy_discriminator.kernels.triton_stats import token_stats_triton
@@ -37,15 +43,19 @@ def methods(n: int, configs: dict[str, dict], kernel_only: bool = False) -> dict
         return h @ w.T
 
     def matmul_then_kernel(h, w, lab):
-        lp, ent, _, se, _ = token_stats_triton(h @ w.T, lab, TEMPERATURE, -100)
-        return lp, ent, se
+        out = token_stats_triton(h @ w.T, lab, TEMPERATURE, -100)
+        return out.logp, out.entropy, out.s_expected
 
     def fused(cfg):
         def run(h, w, lab):
-            lp, ent, _, se, _ = token_stats_fused_triton(h, w, lab, None, TEMPERATURE, -100, config=cfg)
-            return lp, ent, se
+            out = token_stats_fused_triton(h, w, lab, None, TEMPERATURE, -100, config=cfg)
+            return out.logp, out.entropy, out.s_expected
 
         return run
+
+    def public(h, w, lab):
+        s = token_stats_from_hidden(h, w, lab, temperature=TEMPERATURE)
+        return s.logp, s.entropy, s.s_expected
 
     def torch_chunked(h, w, lab):
         s = token_stats_from_hidden(h, w, lab, impl="torch")
@@ -53,15 +63,20 @@ def methods(n: int, configs: dict[str, dict], kernel_only: bool = False) -> dict
 
     out = {"cublas_matmul_only": matmul_only}
     if not kernel_only:
+        out[PUBLIC] = public
         out["matmul+triton_kernel"] = matmul_then_kernel
     for name, cfg in configs.items():
         out[name] = fused(cfg)
     if n <= 4096 and not kernel_only:
         out["library_torch_chunked(fp32 mm)"] = torch_chunked
+    if only:
+        out = {k: f for k, f in out.items() if k in only or k == "cublas_matmul_only" or k.startswith("fused[")}
     return out
 
 
-def run_shape(n: int, h: int, v: int, configs: dict[str, dict], rep_ms: int, kernel_only: bool = False) -> list[Row]:
+def run_shape(
+    n: int, h: int, v: int, configs: dict[str, dict], rep_ms: int, kernel_only: bool = False, only: list[str] | None = None
+) -> list[Row]:
     card = card_name()
     free_memory()
     gen = torch.Generator(device="cuda").manual_seed(n + h + v)
@@ -71,7 +86,7 @@ def run_shape(n: int, h: int, v: int, configs: dict[str, dict], rep_ms: int, ker
     rows = torch.linspace(0, n - 1, min(n, 32), device="cuda").long()
     tflop = 2.0 * n * h * v / 1e12
     results = []
-    for name, fn in methods(n, configs, kernel_only).items():
+    for name, fn in methods(n, configs, kernel_only, only).items():
         if name.startswith("matmul") and not fits(n * v * 2 * 1.2):
             results.append(Row("fused", card, "bf16", n, v, h, name, note="skipped: logits would not fit"))
             continue
@@ -90,7 +105,7 @@ def run_shape(n: int, h: int, v: int, configs: dict[str, dict], rep_ms: int, ker
 def main(args) -> list[Row]:
     from entropy_discriminator.kernels.triton_fused import DEFAULT_CONFIG
 
-    configs: dict[str, dict] = {"fused_triton": dict(DEFAULT_CONFIG), "fused_triton(logp+H only)": {**DEFAULT_CONFIG, "moments": 2}}
+    configs: dict[str, dict] = {KERNEL: dict(DEFAULT_CONFIG), "fused_triton(logp+H only)": {**DEFAULT_CONFIG, "moments": 2}}
     for spec in args.kernel_config or []:  # e.g. bm=128,bn=128,bk=64,num_warps=8,stages=4
         cfg = {k: int(val) for k, val in (kv.split("=") for kv in spec.split(","))}
         configs[f"fused[{spec}]"] = {**DEFAULT_CONFIG, **cfg}
@@ -99,7 +114,7 @@ def main(args) -> list[Row]:
         for h, v in SHAPES:
             if args.h and h not in args.h:
                 continue
-            rs = run_shape(n, h, v, configs, args.rep_ms, args.kernel_only)
+            rs = run_shape(n, h, v, configs, args.rep_ms, args.kernel_only, args.methods)
             print_table(rs, floor_method="cublas_matmul_only")
             write_csv(rs, args.csv or "fused")
             rows += rs
@@ -107,12 +122,17 @@ def main(args) -> list[Row]:
 
 
 def summary(rows: list[Row]) -> None:
+    print_ratios(
+        rows,
+        [(PUBLIC, KERNEL, 1.03), (KERNEL, "cublas_matmul_only", None)],
+        "ratios (same card, same run; target: token_stats_from_hidden / fused kernel <= 1.03)",
+    )
     by_shape: dict[tuple, dict[str, Row]] = {}
     for r in rows:
         by_shape.setdefault((r.card, r.n, r.h, r.v), {})[r.method] = r
     print("\nsummary (same card, same run): fused kernel TFLOP/s and the cost of the sum p^2 / E_p[S] moments")
     for (card, n, h, v), m in by_shape.items():
-        f, f2, mm = m.get("fused_triton"), m.get("fused_triton(logp+H only)"), m.get("cublas_matmul_only")
+        f, f2, mm = m.get(KERNEL), m.get("fused_triton(logp+H only)"), m.get("cublas_matmul_only")
         if not f:
             continue
         line = f"  [{card}] N={n} H={h} V={v}: fused {f.ms:.2f} ms = {f.rate:.0f} TFLOP/s"

@@ -14,7 +14,7 @@ import torch
 
 from . import kernels
 from ._checks import require_float
-from .stats import TokenStats, _check_rows, check_stats_args, checked_valid, token_stats
+from .stats import TokenStats, check_stats_args, raise_for_errors, token_stats
 
 __all__ = ["token_stats_from_hidden"]
 
@@ -32,6 +32,7 @@ def token_stats_from_hidden(
     ignore_index: int = -100,
     chunk_size: int | None = None,
     impl: str = "auto",
+    check: bool = True,
 ) -> TokenStats:
     """``token_stats(hidden @ weight.T + bias, labels, temperature=...)`` without [N, V] logits.
 
@@ -48,6 +49,9 @@ def token_stats_from_hidden(
         impl: ``"triton"`` (fused CUDA kernel: logits tiles never leave the chip), ``"torch"``
             (chunked matmul + :func:`token_stats`, any device) or ``"auto"`` (Triton for bf16/fp16
             CUDA inputs when available, else torch).
+        check: as in :func:`token_stats`: validate labels and logits rows with one host
+            synchronisation (the kernel counts bad rows on the device); ``False`` never blocks
+            the host and gives NaN statistics in bad rows instead of raising.
 
     Returns:
         :class:`TokenStats` of ``labels.shape``: float32 ``logp, entropy, s_star, s_expected,
@@ -72,33 +76,29 @@ def token_stats_from_hidden(
     if bias is not None and (bias.shape != (vocab,) or bias.device != hidden.device):
         raise ValueError(f"bias must be a [{vocab}] tensor on {hidden.device}, got {tuple(bias.shape)} on {bias.device}")
 
+    if not isinstance(check, bool):
+        raise TypeError(f"check must be a bool, got {check!r}")
+
     shape = labels.shape
     h2 = hidden.reshape(-1, hidden.shape[-1])
-    k = labels.reshape(-1).to(torch.int64)
-    valid = checked_valid(k, vocab, ignore_index)
-
+    k = labels.reshape(-1)
     use_triton = impl == "triton" or (
         impl == "auto" and hidden.is_cuda and hidden.dtype != torch.float32 and kernels.is_available()
     )
-    with torch.no_grad():
-        if use_triton:
-            if not (hidden.is_cuda and kernels.is_available()):
-                raise RuntimeError("impl='triton' needs CUDA tensors and an importable triton")
-            from .kernels.triton_fused import token_stats_fused_triton
+    if not use_triton:
+        return _from_hidden_torch(h2, weight, k, bias, float(temperature), int(ignore_index), chunk_size, impl, check, shape)
+    if not (hidden.is_cuda and kernels.is_available()):
+        raise RuntimeError("impl='triton' needs CUDA tensors and an importable triton")
+    from .kernels.triton_fused import token_stats_fused_triton
 
-            logp, ent, s_star, s_exp, row_max = token_stats_fused_triton(
-                h2, weight, k, bias, float(temperature), int(ignore_index)
-            )
-            _check_rows(row_max, valid)
-            return TokenStats(
-                logp=logp.reshape(shape),
-                entropy=ent.reshape(shape),
-                s_star=s_star.reshape(shape),
-                s_expected=s_exp.reshape(shape),
-                s_centered=(s_star - s_exp).reshape(shape),
-                valid=valid.reshape(shape),
-            )
-        return _from_hidden_torch(h2, weight, k, bias, float(temperature), int(ignore_index), chunk_size, impl, shape)
+    with torch.no_grad():
+        out = token_stats_fused_triton(h2, weight, k, bias, float(temperature), int(ignore_index))
+    result = TokenStats(*(t.view(shape) for t in out[:6]))
+    if check:
+        errors = out.errors.tolist()  # the one host synchronisation
+        if any(errors):
+            raise_for_errors(errors, labels, vocab, ignore_index)
+    return result
 
 
 def _from_hidden_torch(
@@ -110,6 +110,7 @@ def _from_hidden_torch(
     ignore_index: int,
     chunk_size: int | None,
     impl: str,
+    check: bool,
     shape: torch.Size,
 ) -> TokenStats:
     """Chunked torch path: fp32 logits of ``chunk_size`` rows at a time, then :func:`token_stats`."""
@@ -118,15 +119,16 @@ def _from_hidden_torch(
     w32 = weight.float()
     b32 = bias.float() if bias is not None else None
     parts: list[TokenStats] = []
-    for lo in range(0, n, rows):
-        logits = torch.nn.functional.linear(h2[lo : lo + rows].float(), w32, b32)
-        parts.append(
-            token_stats(
-                logits, labels[lo : lo + rows], temperature=temperature, ignore_index=ignore_index,
-                impl="torch" if impl == "torch" else "auto",
-            )  # fmt: skip
-        )
-        del logits
+    with torch.no_grad():
+        for lo in range(0, n, rows):
+            logits = torch.nn.functional.linear(h2[lo : lo + rows].float(), w32, b32)
+            parts.append(
+                token_stats(
+                    logits, labels[lo : lo + rows], temperature=temperature, ignore_index=ignore_index,
+                    impl="torch" if impl == "torch" else "auto", check=check,
+                )  # fmt: skip
+            )
+            del logits
     fields = ("logp", "entropy", "s_star", "s_expected", "s_centered", "valid")
     if not parts:
         empty = torch.zeros(0, dtype=torch.float32, device=h2.device)

@@ -7,14 +7,17 @@ For one row of (temperature-scaled) logits ``z`` with ``p = softmax(z)`` and sam
     E_p[S] = sum_i p_i^2 (H + log p_i) = H sum p^2 + sum p^2 log p
     S_c    = S* - E_p[S]                               (Theorem 2)
 
-All of them follow from one streaming pass over the row with the row max ``m`` and
-``u_i = z_i - m``, ``e_i = exp(u_i)``::
+All of them follow from the row max ``m`` and ``u_i = z_i - m``, ``e_i = exp(u_i)``::
 
-    s0 = sum e,  s1 = sum e u,  s2 = sum e^2,  s3 = sum e^2 u,   log Z = log s0
-    H = log Z - s1/s0,   sum p^2 = s2/s0^2,   sum p^2 log p = (s3 - log Z s2)/s0^2,   log p_k = u_k - log Z
+    s0 = sum e,  s1 = sum e u,  ubar = s1/s0 = E_p[u],   log Z = log s0 (+ m)
+    H = log s0 - ubar,   log p_k = u_k - log s0,   E_p[S] = sum e^2 (u - ubar) / s0^2
 
-The torch path below evaluates these per chunk of rows; ``kernels/`` holds a one-pass Triton kernel
-for CUDA (``impl="triton"``), chosen by ``impl="auto"`` when it is available.
+since ``H + log p_i = u_i - ubar``.  The last is the centred form: ``H sum p^2 + sum p^2 log p``
+subtracts two nearly equal numbers on near-uniform rows (relative error up to ~1e-1 in fp32),
+the centred sum does not.  The torch path below evaluates these per chunk of rows (``u - ubar``
+formed in a second sweep over the chunk it holds); ``kernels/`` holds a one-pass Triton kernel for
+CUDA (``impl="triton"``, ``E_p[S] = (sum e^2 u - ubar sum e^2) / s0^2``, accumulated in one sweep),
+chosen by ``impl="auto"`` when it is available.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ class TokenStats:
     ``logp, entropy, s_star, s_expected, s_centered`` are float32 (float64 when the logits are
     float64); ``valid`` is bool (``labels != ignore_index``).  Ignored positions hold 0.
     ``logp`` is ``-inf`` where the sampled token's logit is ``-inf`` (its ``s_star`` is then 0).
+    With ``check=False``, rows that would have raised (label out of range, NaN / ``+inf``, every
+    logit ``-inf``) hold NaN.
     """
 
     logp: torch.Tensor
@@ -77,6 +82,7 @@ def token_stats(
     ignore_index: int = -100,
     chunk_size: int | None = None,
     impl: str = "auto",
+    check: bool = True,
     vocab_parallel_group: dist.ProcessGroup | None = None,
     vocab_start_index: int = 0,
 ) -> TokenStats:
@@ -88,6 +94,10 @@ def token_stats(
         H = -(p * logq).sum(-1); lpk = logq.gather(-1, k[..., None])[..., 0]
         s_star = lpk.exp() * (H + lpk); s_expected = (p**2 * (H[..., None] + logq)).sum(-1)
 
+    ``E_p[S]`` is evaluated in the centred form ``sum p_i^2 (u_i - sum_j p_j u_j)`` (u = z - max z),
+    which keeps its relative accuracy on near-uniform rows where ``H sum p^2 + sum p^2 log p``
+    cancels.
+
     Args:
         logits: ``[..., V]`` bf16/fp16/fp32/fp64, any leading shape, any strides (non-contiguous
             views are read in place). ``-inf`` entries are legal (masked vocabulary); NaN or
@@ -95,15 +105,24 @@ def token_stats(
         labels: integer tensor of shape ``logits.shape[:-1]``: the sampled token of each row,
             in ``[0, V)`` or ``ignore_index``. Aligning labels with logits (the one-token shift)
             is the caller's job.
-        temperature: logits are upcast, then divided by it, exactly as samplers do.
+        temperature: logits are upcast, then divided by it, exactly as samplers do (the row max
+            is subtracted first, so finite logits never overflow on division).
         ignore_index: label of positions that are skipped; they return 0 and ``valid=False``.
         chunk_size: rows per chunk on the torch path; peak extra memory is about
             ``3 * chunk_size * V`` accumulator elements (fp32, or fp64 for fp64 logits), never a
             full fp32 copy of the logits. Default: ``2**25 // V`` rows.
         impl: ``"torch"`` (chunked, any device), ``"triton"`` (one-pass CUDA kernel) or
             ``"auto"`` (Triton for CUDA logits when available, else torch).
+        check: validate the data (labels in range, no NaN / ``+inf`` logit and no row of
+            ``-inf`` only in a counted row) and raise ``ValueError`` naming the fault. On CUDA
+            the kernel counts bad rows on the device and the call reads them back once: one host
+            synchronisation per call. ``check=False`` skips that read, so the call never blocks
+            the host; what is given up is the exception: a bad row's five statistics are NaN
+            instead (NaN propagates into any mask or monitor built from them, which reject NaN
+            scores), and with ``impl="auto"`` logits of magnitude above ``~3.4e38 * T / log2(e)``
+            give NaN instead of being recomputed on the torch path.
         vocab_parallel_group: tensor-parallel group when each rank holds a vocabulary shard
-            (Megatron style). Labels stay global ids; max, the four sums and the label logit are
+            (Megatron style). Labels stay global ids; max, the sums and the label logit are
             all-reduced, so every rank returns the full-vocabulary statistics.
         vocab_start_index: first global vocabulary id of this rank's shard.
 
@@ -114,42 +133,89 @@ def token_stats(
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"logits must have shape [..., V] with V >= 1, got {tuple(logits.shape)}")
     check_stats_args(labels, logits, "logits", temperature, chunk_size, impl)
-    v_local = logits.shape[-1]
-    v_total = _global_vocab(v_local, vocab_parallel_group, logits.device)
+    if not isinstance(check, bool):
+        raise TypeError(f"check must be a bool, got {check!r}")
     if vocab_parallel_group is None and vocab_start_index != 0:
         raise ValueError("vocab_start_index needs vocab_parallel_group")
-    flat_labels = labels.reshape(-1)
-    valid = checked_valid(flat_labels, v_total, ignore_index)
+    if _use_triton(impl, logits, vocab_parallel_group):
+        from .kernels.triton_stats import token_stats_triton
 
+        out = token_stats_triton(logits, labels, float(temperature), int(ignore_index))  # no autograd graph
+        result = TokenStats(out.logp, out.entropy, out.s_star, out.s_expected, out.s_centered, out.valid)
+        if check:
+            errors = out.errors.tolist()  # the one host synchronisation, last: nothing left to do after it
+            if any(errors):
+                if impl == "auto" and not any(errors[:3]):  # only the kernel's fp32 scaling overflowed
+                    return _token_stats_torch(logits, labels, float(temperature), ignore_index, chunk_size, check, None, 0)
+                raise_for_errors(errors, labels, logits.shape[-1], ignore_index)
+        return result
+    return _token_stats_torch(
+        logits, labels, float(temperature), ignore_index, chunk_size, check, vocab_parallel_group, vocab_start_index
+    )
+
+
+def _token_stats_torch(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    ignore_index: int,
+    chunk_size: int | None,
+    check: bool,
+    group: dist.ProcessGroup | None,
+    vocab_start: int,
+) -> TokenStats:
+    """The chunked torch path of :func:`token_stats` (any device, fp64 logits, vocabulary-parallel)."""
+    v_total = _global_vocab(logits.shape[-1], group, logits.device)
+    flat_labels = labels.reshape(-1)
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    block_fn = _select_impl(impl, logits, vocab_parallel_group)
     n = flat_labels.numel()
-    cols = [torch.zeros(n, dtype=acc, device=logits.device) for _ in range(4)]
-    row_max = torch.zeros(n, dtype=acc, device=logits.device)
+    out = torch.empty((5, n), dtype=acc, device=logits.device)
+    row_max = torch.empty(n, dtype=acc, device=logits.device)
     if chunk_size is None:
         chunk_size = max(1, _DEFAULT_CHUNK_ELEMENTS // v_total)
-        if block_fn is _moments_triton:
-            chunk_size = n or 1  # the kernel streams each row itself: one launch per row block
     with torch.no_grad():
-        chunks = _row_chunks(logits, chunk_size, copy_rows=block_fn is _moments_torch)
-        for sl, rows in chunks:
-            out = block_fn(rows, flat_labels[sl], float(temperature), ignore_index, acc, vocab_parallel_group, vocab_start_index)
-            for col, val in zip(cols, out[:4]):
-                col[sl] = val
-            row_max[sl] = out[4]
-
-    _check_rows(row_max, valid)
-    logp, entropy, s_star, s_expected = (torch.where(valid, c, torch.zeros((), dtype=acc, device=c.device)) for c in cols)
-    s_centered = s_star - s_expected
+        for sl, rows in _row_chunks(logits, chunk_size):
+            *stats, row_max[sl] = _moments_torch(rows, flat_labels[sl], temperature, ignore_index, acc, group, vocab_start)
+            out[:4, sl] = torch.stack(stats)
+        valid = flat_labels != ignore_index
+        bad_label = valid & ((flat_labels < 0) | (flat_labels >= v_total))
+        nan_inf = valid & (torch.isnan(row_max) | (row_max == math.inf))
+        masked = valid & (row_max == -math.inf)
+        if check:
+            errors = torch.stack([bad_label.sum(), nan_inf.sum(), masked.sum()]).tolist()
+            if any(errors):
+                raise_for_errors(errors, labels, v_total, ignore_index)
+        else:
+            out.masked_fill_(bad_label | nan_inf | masked, math.nan)
+        out[:4].masked_fill_(~valid, 0.0)
+        torch.sub(out[2], out[3], out=out[4])
     shape = labels.shape
-    return TokenStats(
-        logp=logp.reshape(shape),
-        entropy=entropy.reshape(shape),
-        s_star=s_star.reshape(shape),
-        s_expected=s_expected.reshape(shape),
-        s_centered=s_centered.reshape(shape),
-        valid=valid.reshape(shape),
-    )
+    return TokenStats(*(f.view(shape) for f in out.unbind(0)), valid=valid.view(shape))
+
+
+def raise_for_errors(errors: list[int], labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Raise the ``ValueError`` the first non-zero counter names.
+
+    ``errors`` counts counted rows with: a label outside ``[0, vocab)``, a NaN or ``+inf`` logit,
+    every logit ``-inf``, and (Triton kernels only) finite logits that overflow fp32 once scaled
+    by ``log2(e) / temperature``.
+    """
+    bad_label, nan_inf, masked, overflow = (list(errors) + [0])[:4]
+    if bad_label:
+        flat = labels.reshape(-1)
+        out_of_range = (flat != ignore_index) & ((flat < 0) | (flat >= vocab))
+        bad = flat[out_of_range][:5].tolist()
+        raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}; got {bad}")
+    if nan_inf:
+        raise ValueError(f"logits contain NaN or +inf in {nan_inf} counted row(s)")
+    if masked:
+        raise ValueError(f"logits rows with every entry -inf at {masked} counted position(s)")
+    if overflow:
+        raise ValueError(
+            f"logits / temperature overflow float32 in the Triton kernel in {overflow} counted row(s) "
+            "(it scales logits by log2(e) / temperature; |logit| must stay below ~3.4e38 * temperature / 1.44): "
+            "use impl='torch' or impl='auto', which subtract the row max before scaling"
+        )
 
 
 def check_stats_args(
@@ -176,16 +242,6 @@ def check_stats_args(
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
-def checked_valid(flat_labels: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
-    """``flat_labels != ignore_index``, after checking every other label lies in ``[0, vocab)``."""
-    valid = flat_labels != ignore_index
-    out_of_range = valid & ((flat_labels < 0) | (flat_labels >= vocab))
-    if bool(out_of_range.any()):
-        bad = flat_labels[out_of_range][:5].tolist()
-        raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}; got {bad}")
-    return valid
-
-
 def _global_vocab(v_local: int, group: dist.ProcessGroup | None, device: torch.device) -> int:
     if group is None:
         return v_local
@@ -199,17 +255,18 @@ def _collective_device(group: dist.ProcessGroup | None, device: torch.device) ->
     return device if backend == "nccl" else torch.device("cpu")
 
 
-def _select_impl(impl: str, logits: torch.Tensor, group: dist.ProcessGroup | None):
+def _use_triton(impl: str, logits: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+    """Whether this call runs the Triton kernel (``impl="triton"`` refuses what it cannot take)."""
     if impl == "torch":
-        return _moments_torch
+        return False
     reason = _triton_unavailable_reason(logits)
     if impl == "triton":
         if group is not None:
             raise ValueError("impl='triton' does not support vocab_parallel_group; use impl='torch'")
         if reason:
             raise RuntimeError(f"impl='triton' is unavailable: {reason}")
-        return _moments_triton
-    return _moments_triton if (reason is None and group is None) else _moments_torch
+        return True
+    return reason is None and group is None
 
 
 def _triton_unavailable_reason(logits: torch.Tensor) -> str | None:
@@ -225,49 +282,25 @@ def _triton_unavailable_reason(logits: torch.Tensor) -> str | None:
     return None
 
 
-def _moments_triton(
-    rows: torch.Tensor,
-    labels: torch.Tensor,
-    temperature: float,
-    ignore_index: int,
-    acc: torch.dtype,
-    group: dist.ProcessGroup | None,
-    vocab_start: int,
-) -> tuple[torch.Tensor, ...]:
-    """logp, H, S*, E_p[S] and the row max of one ``[n, V]`` chunk from the one-pass kernel."""
-    from .kernels.triton_stats import token_stats_triton
-
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    return token_stats_triton(rows, labels.to(torch.int64), temperature, ignore_index)
-
-
-def _row_chunks(x: torch.Tensor, chunk_size: int, copy_rows: bool) -> Iterator[tuple[slice, torch.Tensor]]:
+def _row_chunks(x: torch.Tensor, chunk_size: int) -> Iterator[tuple[slice, torch.Tensor]]:
     """Yield ``(flat_rows, [n, V] rows)`` covering ``x[..., V]`` in flat row order, ``n <= chunk_size``.
 
-    Where ``x`` views as ``[rows, V]`` the chunks are views. Otherwise (e.g. ``logits[:, :-1]``),
-    with ``copy_rows`` each chunk's rows are gathered into a ``[n, V]`` copy of the input dtype
-    (one chunk at a time, never the whole tensor); without it (the Triton path, which takes any row
-    stride) the chunks are views of the viewable sub-blocks ``x[i]``, ``x[i, j]``...
+    Where ``x`` views as ``[rows, V]`` the chunks are views. Otherwise (e.g. ``logits[:, :-1]``)
+    each chunk's rows are gathered into a ``[n, V]`` copy of the input dtype (one chunk at a time,
+    never the whole tensor).
     """
     n_rows = math.prod(x.shape[:-1])
     try:
         flat = x.view(-1, x.shape[-1])
     except RuntimeError:
         flat = None
-    if flat is not None:
-        for lo in range(0, n_rows, chunk_size):
-            yield slice(lo, min(lo + chunk_size, n_rows)), flat[lo : lo + chunk_size]
-    elif copy_rows:
-        for lo in range(0, n_rows, chunk_size):
-            idx = torch.arange(lo, min(lo + chunk_size, n_rows), device=x.device)
-            yield slice(lo, lo + idx.numel()), x[torch.unravel_index(idx, x.shape[:-1])]
-    else:
-        start = 0
-        for i in range(x.shape[0]):
-            for sl, rows in _row_chunks(x[i], chunk_size, copy_rows):
-                yield slice(start + sl.start, start + sl.stop), rows
-            start += math.prod(x.shape[1:-1])
+    for lo in range(0, n_rows, chunk_size):
+        hi = min(lo + chunk_size, n_rows)
+        if flat is not None:
+            yield slice(lo, hi), flat[lo:hi]
+        else:
+            idx = torch.arange(lo, hi, device=x.device)
+            yield slice(lo, hi), x[torch.unravel_index(idx, x.shape[:-1])]
 
 
 def _moments_torch(
@@ -279,53 +312,55 @@ def _moments_torch(
     group: dist.ProcessGroup | None,
     vocab_start: int,
 ) -> tuple[torch.Tensor, ...]:
-    """logp, H, S*, E_p[S] and the row max of one ``[n, V]`` chunk (torch, three [n, V] buffers)."""
+    """logp, H, S*, E_p[S] and the unscaled row max of one ``[n, V]`` chunk (three [n, V] buffers).
+
+    u = (x - max x) / T (the shift first: finite logits cannot overflow).  A first sweep gives
+    ubar = E_p[u] = sum e^u u / sum e^u; the second works with v = u - ubar (|v| small wherever p
+    is not negligible; v <= log V since ubar >= -H): e = exp(v), s0 = sum e, s1 = sum e v,
+    s2 = sum e^2, s3 = sum e^2 v, and H = log s0 - s1/s0, log p_k = v_k - log s0,
+    E_p[S] = sum p^2 (v - s1/s0) = (s3 - s2 s1/s0) / s0^2.  Centring on ubar makes s1/s0 nearly 0,
+    so E_p[S] keeps its relative accuracy on near-uniform rows (where it is ~var(u)/V and
+    ``H sum p^2 + sum p^2 log p`` cancels entirely).
+    """
     z = rows.to(acc, copy=True)
-    if temperature != 1.0:
-        z.div_(temperature)
     m = z.amax(dim=-1)
     if group is not None:
         # NaN / +inf rows become +inf so that every rank of the group sees the same bad row.
         m = torch.where(torch.isnan(m), torch.full_like(m, math.inf), m)
-        m_c = m.to(_collective_device(group, m.device))
-        dist.all_reduce(m_c, op=dist.ReduceOp.MAX, group=group)
-        m = m_c.to(m.device)
+        m = _all_reduce(m, group, dist.ReduceOp.MAX)
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     z.sub_(m_safe[:, None])
+    if temperature != 1.0:
+        z.div_(temperature)
     k = labels.to(torch.int64) - vocab_start
     here = (k >= 0) & (k < z.shape[-1]) & (labels != ignore_index)
     u_k = torch.where(here, z.gather(-1, torch.where(here, k, 0)[:, None])[:, 0], torch.zeros_like(m))
     z.clamp_(min=_NEG_CLAMP)
     e = torch.exp(z)
-    w = e * z
-    sums = torch.stack([e.sum(-1), w.sum(-1), w.mul_(e).sum(-1), e.square_().sum(-1), u_k])
+    w = torch.mul(e, z)
+    s0, s1 = _all_reduce(torch.stack([e.sum(-1), w.sum(-1)]), group)
+    ubar = s1 / s0
+    z.sub_(ubar[:, None])  # v = u - ubar
+    v_k = torch.where(here, u_k - ubar, u_k)
+    torch.exp(z, out=e)
+    torch.mul(e, z, out=w)
+    sums = [e.sum(-1), w.sum(-1), w.mul_(e).sum(-1), e.square_().sum(-1), v_k]
+    s0, s1, s3, s2, v_k = _all_reduce(torch.stack(sums), group)
     del z, e, w
-    if group is not None:
-        s_c = sums.to(_collective_device(group, sums.device))
-        dist.all_reduce(s_c, group=group)
-        sums = s_c.to(sums.device)
-    s0, s1, s3, s2, u_k = sums
-    return (*_finish(s0, s1, s2, s3, u_k), m)
-
-
-def _finish(s0, s1, s2, s3, u_k) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logp, H, S*, E_p[S] from the streaming sums (see the module docstring)."""
-    log_z = torch.log1p(s0 - 1.0)
-    inv = 1.0 / s0
-    entropy = log_z - s1 * inv
-    logp = u_k - log_z
+    log_s0 = torch.log(s0)
+    vbar = s1 / s0
+    entropy = log_s0 - vbar
+    logp = v_k - log_s0
     p_k = logp.exp()
     s_star = torch.where(p_k > 0, p_k * (entropy + logp), torch.zeros_like(p_k))
-    inv2 = inv * inv
-    s_expected = entropy * (s2 * inv2) + (s3 - log_z * s2) * inv2
-    return logp, entropy, s_star, s_expected
+    s_expected = (s3 - s2 * vbar) / (s0 * s0)
+    return logp, entropy, s_star, s_expected, m
 
 
-def _check_rows(row_max: torch.Tensor, valid: torch.Tensor) -> None:
-    """Reject counted rows holding NaN / +inf, or made of -inf only."""
-    nan_or_inf = valid & (torch.isnan(row_max) | (row_max == math.inf))
-    if bool(nan_or_inf.any()):
-        raise ValueError(f"logits contain NaN or +inf in {int(nan_or_inf.sum())} counted row(s)")
-    all_masked = valid & (row_max == -math.inf)
-    if bool(all_masked.any()):
-        raise ValueError(f"logits rows with every entry -inf at {int(all_masked.sum())} counted position(s)")
+def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """``t`` summed (or ``op``-reduced) over the vocabulary-parallel group; ``t`` itself without one."""
+    if group is None:
+        return t
+    t_c = t.to(_collective_device(group, t.device))
+    dist.all_reduce(t_c, op=op, group=group)
+    return t_c.to(t.device)

@@ -162,6 +162,42 @@ def test_fast_path_at_least_as_accurate_as_naive_fp32():
         assert err_fast <= max(2 * err_naive, 1e-6), (err_fast, err_naive)
 
 
+def _naive_fp32_s_expected(logits: torch.Tensor) -> torch.Tensor:
+    """The textbook fp32 formula a user would write: H sum p^2 + sum p^2 log p."""
+    logq = torch.log_softmax(logits.float(), -1)
+    p = logq.exp()
+    h = -(p * logq).sum(-1, keepdim=True)
+    return (p * p * (h + logq)).sum(-1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    v=st.sampled_from([2, 50, 1000, 32000]),
+    log_scale=st.floats(-4.0, -1.0),
+    offset=st.floats(-50.0, 50.0),
+    temperature=st.sampled_from([1.0, 0.7]),
+)
+def test_near_uniform_rows_keep_relative_accuracy(seed, v, log_scale, offset, temperature):
+    """On near-uniform rows E_p[S] ~ var(z) / V is tiny and H sum p^2 + sum p^2 log p cancels
+    (naive fp32: relative error ~1e0-1e1 at scale 1e-3, ~1e2 at 1e-4); the centred form keeps a
+    relative bound (~1e-6 at V = 32000, scale 1e-3) and is never worse than the naive formula."""
+    scale = 10.0**log_scale
+    g = torch.Generator().manual_seed(seed)
+    logits = (offset + scale * torch.randn(3, v, generator=g, dtype=torch.float64)).float()
+    labels = torch.randint(0, v, (3,), generator=g)
+    stats = ed.token_stats(logits, labels, temperature=temperature, impl="torch")
+    ref = reference_token_stats(logits, labels, temperature)
+    want = ref["s_expected"]
+    rel = float(((stats.s_expected.double() - want).abs() / want.abs()).max())
+    # fp32 rounding of exp(v) ~ 1 + v (6e-8 absolute) against v ~ scale, averaged over V terms:
+    assert rel <= 1e-5 + 5e-5 / (scale * math.sqrt(v)), rel
+    naive = _naive_fp32_s_expected(logits / temperature)
+    rel_naive = float(((naive.double() - want).abs() / want.abs()).max())
+    assert rel <= max(rel_naive, 1e-6), (rel, rel_naive)
+    assert_matches_reference(logits, labels, stats, temperature)
+
+
 class _LargestAllocation(TorchDispatchMode):
     """Records the largest storage any op allocates (views of the input do not count)."""
 
@@ -218,6 +254,37 @@ def test_no_gradient_and_no_mutation_of_inputs():
 def test_bad_input_raises_naming_the_argument(logits, labels, kwargs, exc, needle):
     with pytest.raises(exc, match=needle):
         ed.token_stats(logits, labels, **kwargs)
+
+
+def test_huge_finite_logits_at_low_temperature_are_exact():
+    """fp32 logits of 3e38 at T = 0.5: z = x / T would overflow; the row max is subtracted first."""
+    logits = make_logits(4, (5,), 40, "normal", torch.float32)
+    logits[:, 3] = 3e38
+    logits[1, 7] = -3e38
+    logits[2] = -3e38 + torch.arange(40) * 1e32
+    labels = torch.tensor([3, 3, 39, 3, -100])  # a label off the max: log p = -6e38, not an fp32
+    for temperature in (0.5, 1.0, 3.0):
+        stats = ed.token_stats(logits, labels, temperature=temperature)
+        assert_matches_reference(logits, labels, stats, temperature)
+
+
+def test_check_false_never_raises_and_gives_nan_in_bad_rows():
+    logits = make_logits(6, (6,), 9, "normal", torch.float32)
+    logits[1, 2] = math.nan
+    logits[2, 0] = math.inf
+    logits[3] = -math.inf
+    labels = torch.tensor([0, 1, 2, 3, 9, -100])
+    stats = ed.token_stats(logits, labels, check=False)
+    good = torch.tensor([True, False, False, False, False, False])
+    for name in FIELDS:
+        got = getattr(stats, name)
+        assert torch.isnan(got[1:5]).all() and got[5] == 0, name
+    assert stats.valid.tolist() == [True] * 5 + [False]
+    assert_matches_reference(logits[good], labels[good], ed.TokenStats(*(getattr(stats, f)[good] for f in (*FIELDS, "valid"))))
+    with pytest.raises(ValueError, match="labels"):  # the default raises on the first fault (labels first)
+        ed.token_stats(logits, labels)
+    with pytest.raises(TypeError, match="check"):
+        ed.token_stats(logits, labels, check="no")
 
 
 def test_discriminator_score_matches_token_stats():

@@ -29,6 +29,10 @@ LOG2E = 1.4426950408889634  # host side only
 # d is clamped at -D_FLOOR before e*d is formed: 2^-256 is 0 in fp32, so the clamp changes no sum
 # and keeps 0 * (-inf) (masked vocabulary entries, the masked tail) out of s1 and s3.
 D_FLOOR = tl.constexpr(256.0)
+# int32 error counters written by :func:`store_row`: bad label, NaN/+inf, all -inf, scaling overflow
+# (ERR_WORDS on the host, ERR_WORDS_C inside kernels).
+ERR_WORDS = 4
+ERR_WORDS_C = tl.constexpr(ERR_WORDS)
 
 
 @triton.jit
@@ -70,21 +74,73 @@ def finalize(mu, s0, s1, s2, s3, yk, valid):
 
 
 @triton.jit
+def merge_partials(mj, s0j, s1j, s2j, s3j):
+    """Combine vectors of partial sums (each against its own reference m_j) into one row's sums.
+
+    Padding entries carry m_j = -inf and zero sums.  Returns (mu, s0, s1, s2, s3) against the
+    finite reference mu (the largest m_j, 0 when every m_j is -inf); fixed reduction order.
+    """
+    m = tl.max(mj, axis=0)
+    mu = tl.where(m > float("-inf"), m, 0.0)
+    dj = mj - mu
+    aj = tl.exp2(dj)
+    adj = tl.where(aj > 0, aj * dj, 0.0)
+    s0 = tl.sum(aj * s0j, axis=0)
+    s1 = tl.sum(aj * s1j + adj * s0j, axis=0)
+    s2 = tl.sum(aj * aj * s2j, axis=0)
+    s3 = tl.sum(aj * aj * s3j + aj * adj * s2j, axis=0)
+    return mu, s0, s1, s2, s3
+
+
+@triton.jit
+def store_row(row, n_out, valid, in_range, mu, s0, s1, s2, s3, yk, mx, mx_scaled, out_ptr, valid_ptr, err_ptr):
+    """Write one row's five statistics and ``valid``; count the row in the error words if it is bad.
+
+    ``out_ptr`` is fp32 [5, n_out] (logp, entropy, s_star, s_expected, s_centered), ``valid_ptr``
+    bool [n_out], ``err_ptr`` int32 [ERR_WORDS] counters of counted rows with: a label outside
+    [0, V); a NaN or +inf logit (``mx``, the NaN-propagating max of the unscaled logits); every
+    logit -inf; finite logits whose scaled max ``mx_scaled`` overflows fp32.  A bad row's
+    statistics are NaN (never a plausible number); ignored rows are 0.
+    """
+    logp, ent, s_star, s_exp = finalize(mu, s0, s1, s2, s3, yk, valid)
+    bad_label = valid & (in_range == 0)
+    nan_inf = valid & ((mx != mx) | (mx == float("inf")))
+    masked = valid & (mx == float("-inf"))
+    overflow = valid & (tl.abs(mx) < float("inf")) & (tl.abs(mx_scaled) == float("inf"))
+    bad = bad_label | nan_inf | masked | overflow
+    logp = tl.where(bad, float("nan"), logp)
+    ent = tl.where(bad, float("nan"), ent)
+    s_star = tl.where(bad, float("nan"), s_star)
+    s_exp = tl.where(bad, float("nan"), s_exp)
+    q = out_ptr + row
+    tl.store(q, logp)
+    tl.store(q + n_out, ent)
+    tl.store(q + 2 * n_out, s_star)
+    tl.store(q + 3 * n_out, s_exp)
+    tl.store(q + 4 * n_out, s_star - s_exp)
+    tl.store(valid_ptr + row, valid)
+    tl.atomic_add(err_ptr, 1, mask=bad_label)
+    tl.atomic_add(err_ptr + 1, 1, mask=nan_inf)
+    tl.atomic_add(err_ptr + 2, 1, mask=masked)
+    tl.atomic_add(err_ptr + 3, 1, mask=overflow)
+
+
+@triton.jit
 def merge_kernel(
     part_ptr,  # fp32 [6, N, NP]: m, s0, s1, s2, s3, mx (base-2 units) per row and partial
     yk_ptr,  # fp32 [N]: y of the label logit (base-2 units)
-    lab_ptr,  # int64 [N]
-    logp_ptr,
-    ent_ptr,
-    ss_ptr,
-    se_ptr,
-    rmax_ptr,  # fp32 [N] outputs
+    lab_ptr,  # int [N]
+    out_ptr,  # fp32 [5, n_out] outputs (this launch's rows start at out_ptr)
+    valid_ptr,  # bool [N]
+    err_ptr,  # int32 [ERR_WORDS] error counters
     N,
+    n_out,
     NP,
+    V,
     ignore_index,
     PB: tl.constexpr,
 ):
-    """Deterministic merge of NP partial sums per row, in a fixed order (no atomics)."""
+    """Deterministic merge of NP partial sums per row, in a fixed order (no atomics on the sums)."""
     row = tl.program_id(0)
     label = tl.load(lab_ptr + row)
     valid = label != ignore_index
@@ -100,31 +156,28 @@ def merge_kernel(
         j = j0 + tl.arange(0, PB)
         msk = j < NP
         mj = tl.load(base + j, mask=msk, other=float("-inf"))
-        s0j = tl.load(base + stride_f + j, mask=msk, other=0.0)
-        s1j = tl.load(base + 2 * stride_f + j, mask=msk, other=0.0)
-        s2j = tl.load(base + 3 * stride_f + j, mask=msk, other=0.0)
-        s3j = tl.load(base + 4 * stride_f + j, mask=msk, other=0.0)
         mxj = tl.load(base + 5 * stride_f + j, mask=msk, other=float("-inf"))
         mx = max_nan(mx, tl.reduce(mxj, 0, max_nan))
+        mu_j, t0, t1, t2, t3 = merge_partials(
+            mj,
+            tl.load(base + stride_f + j, mask=msk, other=0.0),
+            tl.load(base + 2 * stride_f + j, mask=msk, other=0.0),
+            tl.load(base + 3 * stride_f + j, mask=msk, other=0.0),
+            tl.load(base + 4 * stride_f + j, mask=msk, other=0.0),
+        )
         m_new = tl.maximum(m, tl.max(mj, axis=0))
         mu = tl.where(m_new > float("-inf"), m_new, 0.0)
         s0, s1, s2, s3 = rescale(s0, s1, s2, s3, m, mu)
-        dj = mj - mu
-        aj = tl.exp2(dj)
-        adj = tl.where(aj > 0, aj * dj, 0.0)
-        s0 += tl.sum(aj * s0j, axis=0)
-        s1 += tl.sum(aj * s1j + adj * s0j, axis=0)
-        s2 += tl.sum(aj * aj * s2j, axis=0)
-        s3 += tl.sum(aj * aj * s3j + aj * adj * s2j, axis=0)
+        t0, t1, t2, t3 = rescale(t0, t1, t2, t3, mu_j, mu)
+        s0 += t0
+        s1 += t1
+        s2 += t2
+        s3 += t3
         m = m_new
     mu = tl.where(m > float("-inf"), m, 0.0)
     yk = tl.load(yk_ptr + row)
-    logp, ent, s_star, s_exp = finalize(mu, s0, s1, s2, s3, yk, valid)
-    tl.store(logp_ptr + row, logp)
-    tl.store(ent_ptr + row, ent)
-    tl.store(ss_ptr + row, s_star)
-    tl.store(se_ptr + row, s_exp)
-    tl.store(rmax_ptr + row, tl.where(valid, mx * LN2, 0.0))
+    in_range = (label >= 0) & (label < V)
+    store_row(row.to(tl.int64), n_out, valid, in_range, mu, s0, s1, s2, s3, yk, mx, mx, out_ptr, valid_ptr, err_ptr)
 
 
 def merge_block(num_partials: int) -> int:

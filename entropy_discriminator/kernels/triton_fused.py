@@ -8,7 +8,7 @@ GPUs) one program per tile loads through pointers.  The epilogue reduces the til
 six numbers per row (the reference m, the sums s0..s3 of :mod:`._reduce`, and a NaN-propagating
 max); the program whose tile holds a row's label
 also writes that logit.  :func:`._reduce.merge_kernel` then merges the ceil(V/BN) partials of every
-row in a fixed order (deterministic, no atomics).  Forward only: the statistics are used under
+row in a fixed order (deterministic) and writes the statistics, ``valid`` and the error counters.  Forward only: the statistics are used under
 no_grad.
 """
 
@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from ._reduce import D_FLOOR, LOG2E, max_nan, merge_block, merge_kernel
+from ._reduce import D_FLOOR, ERR_WORDS, LOG2E, max_nan, merge_block, merge_kernel
+from .triton_stats import KernelStats
 
 try:  # host-side TMA descriptors (Triton >= 3.2); without them the pointer kernel is used
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -233,14 +234,14 @@ def token_stats_fused_triton(
     *,
     config: dict | None = None,
     rows_per_launch: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> KernelStats:
     """Statistics of z = (hidden @ weight.T + bias) / T without materialising [N, V] logits.
 
     hidden [N, H], weight [V, H] (bf16/fp16/fp32, same dtype, CUDA, last dim contiguous), bias [V]
-    or None, labels [N] int64.  Returns fp32 [N] ``(logp, entropy, s_star, s_expected, row_max)``
-    with the meaning of :func:`.triton_stats.token_stats_triton` (0 at ignored rows; row_max NaN
-    when a row's logits hold a NaN).  Matmul in the input dtype on tensor cores with fp32
-    accumulation (fp32 inputs: full-precision "ieee" dot, slow).  Rows are processed in slices of
+    or None, labels [N] int64.  Returns :class:`.triton_stats.KernelStats` (fp32 [N] statistics
+    written by the merge kernel, bool ``valid``, int32 error counters; a NaN or +inf in a row's
+    logits counts as NaN/+inf).  Matmul in the input dtype on tensor cores with fp32 accumulation
+    (fp32 inputs: full-precision "ieee" dot, slow).  Rows are processed in slices of
     ``rows_per_launch`` (default: partials <= 256 MiB).  ``config`` overrides DEFAULT_CONFIG
     (benchmarks; ``moments=2`` skips sum p^2 and E_p[S], which then read 0).
     """
@@ -258,9 +259,12 @@ def token_stats_fused_triton(
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     labels = labels.to(device=hidden.device, dtype=torch.int64).contiguous()
     dev = hidden.device
-    outs = [torch.empty(n_rows, device=dev, dtype=torch.float32) for _ in range(5)]
+    out = torch.empty((5, n_rows), device=dev, dtype=torch.float32)
+    valid = torch.empty(n_rows, device=dev, dtype=torch.bool)
+    errors = torch.zeros(ERR_WORDS, device=dev, dtype=torch.int32)
+    result = KernelStats(*out.unbind(0), valid, errors)
     if n_rows == 0:
-        return tuple(outs)
+        return result
     cfg = {**DEFAULT_CONFIG, **(config or {})}
     bm, bn, bk = cfg["bm"], cfg["bn"], cfg["bk"]
     n_tiles = triton.cdiv(vocab, bn)
@@ -296,7 +300,7 @@ def token_stats_fused_triton(
                     num_warps=cfg["num_warps"],
                 )  # fmt: skip
             merge_kernel[(rows,)](
-                part, yk, lab, *(o[r0:r1] for o in outs), rows, n_tiles, int(ignore_index),
+                part, yk, lab, out[:, r0:], valid[r0:], errors, rows, n_rows, n_tiles, vocab, int(ignore_index),
                 PB=merge_block(n_tiles), num_warps=4 if n_tiles >= 128 else 1,
             )  # fmt: skip
-    return tuple(outs)
+    return result

@@ -10,15 +10,21 @@ handful of times per row), and adds into four per-lane accumulators
     s2 += e*e, s3 += e*e d   (e^(2(z-m)) as the square of e^(z-m)),
 
 see :mod:`._reduce` for the algebra.  The lanes are summed once at the end of the row.  With
-split-V, each program writes its six partials (m, s0..s3, max) and a second kernel merges them per
-row in a fixed order, so two runs give identical bits.  Rows whose label is ``ignore_index`` are
-not read at all.
+split-V, each program writes its six partials (m, s0..s3, max), then takes a ticket from the row's
+arrival counter; the last program of the row merges the partials in slice order (one launch, and
+two runs give identical bits).  Rows whose label is ``ignore_index`` are not read at all.
+
+The kernel also validates: the program that finishes a row writes its five statistics and
+``valid`` directly and, for a bad row (label outside [0, V), a NaN or +inf logit, every logit
+-inf, or finite logits that overflow fp32 once scaled by log2(e)/T), NaN statistics and one
+increment of the matching error counter, so the caller needs one host read for the whole batch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -26,9 +32,9 @@ import triton.language as tl
 
 from . import interpreting
 from . import is_available as _is_available
-from ._reduce import D_FLOOR, LN2, LOG2E, finalize, max_nan, merge_block, merge_kernel, rescale
+from ._reduce import D_FLOOR, ERR_WORDS, ERR_WORDS_C, LOG2E, max_nan, merge_partials, rescale, store_row
 
-__all__ = ["token_stats_triton", "is_available", "choose_config"]
+__all__ = ["KernelStats", "token_stats_triton", "is_available", "choose_config"]
 
 SPLIT_TARGET = 4  # programs per multiprocessor below which rows are split (split-V)
 TAU = 8.0  # lazy-rescale slack in base-2 units: e <= 2^8, e^2 <= 2^16, sums stay far from overflow
@@ -63,30 +69,32 @@ def _update(x, c, m, mx, s0, s1, s2, s3, TAU: tl.constexpr):
 @triton.jit
 def _stats_kernel(
     x_ptr,
-    stride_row,
+    inner,
+    stride_outer,
+    stride_inner,
     lab_ptr,
     V,
     chunk,
     c,
     ignore_index,
-    logp_ptr,
-    ent_ptr,
-    ss_ptr,
-    se_ptr,
-    rmax_ptr,
+    out_ptr,
+    valid_ptr,
     part_ptr,
-    yk_ptr,
+    ws_ptr,
     N,
     SPLIT: tl.constexpr,
+    SPLIT_P2: tl.constexpr,
     BLOCK: tl.constexpr,
     TAU: tl.constexpr,
     STAGES: tl.constexpr,
 ):
     row = tl.program_id(0)
     sp = tl.program_id(1)
+    r = row.to(tl.int64)
     label = tl.load(lab_ptr + row)
     valid = label != ignore_index
-    row_ptr = x_ptr + row.to(tl.int64) * stride_row
+    outer = r // inner
+    row_ptr = x_ptr + outer * stride_outer + (r - outer * inner) * stride_inner
     start = sp * chunk
     n = tl.where(valid, tl.minimum(V - start, chunk), 0)
     n_full = n // BLOCK
@@ -113,24 +121,51 @@ def _stats_kernel(
     if SPLIT == 1:
         xk = tl.load(row_ptr + label, mask=valid & in_range, other=float("nan")).to(tl.float32)
         mu = tl.where(m > float("-inf"), m, 0.0)
-        logp, ent, s_star, s_exp = finalize(mu, t0, t1, t2, t3, xk * c, valid)
-        tl.store(logp_ptr + row, logp)
-        tl.store(ent_ptr + row, ent)
-        tl.store(ss_ptr + row, s_star)
-        tl.store(se_ptr + row, s_exp)
-        tl.store(rmax_ptr + row, tl.where(valid, mx * c * LN2, 0.0))
+        store_row(r, N, valid, in_range, mu, t0, t1, t2, t3, xk * c, mx, mx * c, out_ptr, valid_ptr, ws_ptr)
     else:
+        # Split-V: publish this slice's partials; the last program of the row to arrive (arrival
+        # counter after the error words) merges all of them in slice order (deterministic bits).
         stride_f = N.to(tl.int64) * SPLIT
-        q = part_ptr + row.to(tl.int64) * SPLIT + sp
-        tl.store(q, m)
-        tl.store(q + stride_f, t0)
-        tl.store(q + 2 * stride_f, t1)
-        tl.store(q + 3 * stride_f, t2)
-        tl.store(q + 4 * stride_f, t3)
-        tl.store(q + 5 * stride_f, mx * c)
-        if sp == 0:
+        base = part_ptr + r * SPLIT
+        tl.store(base + sp, m)
+        tl.store(base + stride_f + sp, t0)
+        tl.store(base + 2 * stride_f + sp, t1)
+        tl.store(base + 3 * stride_f + sp, t2)
+        tl.store(base + 4 * stride_f + sp, t3)
+        tl.store(base + 5 * stride_f + sp, mx)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(ws_ptr + ERR_WORDS_C + row, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            tl.store(ws_ptr + ERR_WORDS_C + row, 0)  # reset: the next launch on this stream may reuse it
+            j = tl.arange(0, SPLIT_P2)
+            msk = j < SPLIT
+            mj = tl.load(base + j, mask=msk, other=float("-inf"), cache_modifier=".cg")
+            mxj = tl.load(base + 5 * stride_f + j, mask=msk, other=float("-inf"), cache_modifier=".cg")
+            mu, u0, u1, u2, u3 = merge_partials(
+                mj,
+                tl.load(base + stride_f + j, mask=msk, other=0.0, cache_modifier=".cg"),
+                tl.load(base + 2 * stride_f + j, mask=msk, other=0.0, cache_modifier=".cg"),
+                tl.load(base + 3 * stride_f + j, mask=msk, other=0.0, cache_modifier=".cg"),
+                tl.load(base + 4 * stride_f + j, mask=msk, other=0.0, cache_modifier=".cg"),
+            )
+            mx_row = tl.reduce(mxj, 0, max_nan)
             xk = tl.load(row_ptr + label, mask=valid & in_range, other=float("nan")).to(tl.float32)
-            tl.store(yk_ptr + row, xk * c)
+            store_row(r, N, valid, in_range, mu, u0, u1, u2, u3, xk * c, mx_row, mx_row * c, out_ptr, valid_ptr, ws_ptr)
+
+
+class KernelStats(NamedTuple):
+    """What the kernels return: five fp32 statistics and ``valid`` of the labels' shape, and
+    ``errors``, int32 [ERR_WORDS] device counters of counted rows with a label outside [0, V), a
+    NaN or +inf logit, every logit -inf, and finite logits whose scaled values overflow fp32 (in
+    that order; a bad row's statistics are NaN)."""
+
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    s_star: torch.Tensor
+    s_expected: torch.Tensor
+    s_centered: torch.Tensor
+    valid: torch.Tensor
+    errors: torch.Tensor
 
 
 def _num_sms(device: torch.device) -> int:
@@ -144,25 +179,47 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def choose_config(n_rows: int, vocab: int, dtype: torch.dtype, num_sms: int) -> dict:
+@functools.lru_cache(maxsize=None)
+def _card(index: int) -> str:
+    """``"h200"`` for an H200 (same 132 SMs as an H100, ~1.4x its memory bandwidth), else ``"default"``."""
+    return "h200" if "H200" in torch.cuda.get_device_properties(index).name else "default"
+
+
+def card_of(device: torch.device) -> str:
+    """The defaults table :func:`choose_config` uses for ``device`` (``"default"`` off CUDA)."""
+    if device.type != "cuda":
+        return "default"
+    return _card(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# (block, num_warps, stages) of the streaming loop per card and logits width (16-bit, fp32).
+# H200, bf16, N=16384, V=151936 (results/h200/sweep_issue11.csv; torch.sum 1.217 ms): 1024/2/4
+# (the H100's choice) 1.562 ms, 1024/1/4 1.522, 512/1/8 1.400-1.463, 512/1/4 1.389, 256/1/16 1.612;
+# fp32 2048/4/3 runs at 2.145 ms, faster than torch.sum (2.44).
+_LOOP_DEFAULTS = {
+    "default": {2: (1024, 2, 4), 4: (2048, 4, 3)},
+    "h200": {2: (512, 1, 4), 4: (2048, 4, 3)},
+}
+
+
+def choose_config(n_rows: int, vocab: int, dtype: torch.dtype, num_sms: int, card: str = "default") -> dict:
     """Block size, warps, pipelining depth and split-V factor for an [n_rows, vocab] problem.
 
     Measured on an H100 (V=151936; benchmarks/sweep.sh, benchmarks/RESULTS.md): 16-bit logits run
     best in blocks of 1024 with 2 warps and 4 cp.async stages (N=16384: the torch.sum time), fp32
-    logits at the read floor with 2048 / 4 warps / 3 stages.  Split-V is used when the rows alone
-    give fewer than SPLIT_TARGET programs per multiprocessor: the split is the power of two that
-    reaches it (N=256 on the H100: split 4 took 45.5 us, 8 45.8, 3 46.3, 6 52.2; results/h100/
-    tune_stats.csv), capped so that each slice holds >= 2 blocks.
+    logits at the read floor with 2048 / 4 warps / 3 stages.  ``card="h200"`` selects the H200's
+    table: one warp per 512-logit block, which issues fewer instructions per logit (no cross-warp
+    max reduction) where the H200's faster memory leaves less slack (see _LOOP_DEFAULTS).  Split-V is used when the rows alone give fewer than
+    SPLIT_TARGET programs per multiprocessor: the split is the power of two that reaches it (N=256
+    on the H100: split 4 took 45.5 us, 8 45.8, 3 46.3, 6 52.2; results/h100/tune_stats.csv),
+    capped so that each slice holds >= 2 blocks.
     """
-    return dict(_choose(n_rows, vocab, dtype, num_sms))
+    return dict(_choose(n_rows, vocab, dtype, num_sms, card))
 
 
 @functools.lru_cache(maxsize=4096)
-def _choose(n_rows: int, vocab: int, dtype: torch.dtype, num_sms: int) -> tuple:
-    if dtype == torch.float32:
-        block, num_warps, stages = 2048, 4, 3
-    else:
-        block, num_warps, stages = 1024, 2, 4
+def _choose(n_rows: int, vocab: int, dtype: torch.dtype, num_sms: int, card: str) -> tuple:
+    block, num_warps, stages = _LOOP_DEFAULTS[card][4 if dtype == torch.float32 else 2]
     block = min(block, max(128, triton.next_power_of_2(vocab)))
     split = 1
     target = SPLIT_TARGET * num_sms
@@ -172,71 +229,110 @@ def _choose(n_rows: int, vocab: int, dtype: torch.dtype, num_sms: int) -> tuple:
     return (("block", block), ("num_warps", num_warps), ("stages", stages), ("split", split))
 
 
+def _row_layout(x: torch.Tensor) -> tuple[int, int, int] | None:
+    """``(inner, stride_outer, stride_inner)`` with row r of ``x[..., V]`` (flat row order) at
+    ``(r // inner) * stride_outer + (r % inner) * stride_inner``, or None when the leading
+    dimensions do not fold into two such levels."""
+    dims = [(n, st) for n, st in zip(x.shape[:-1], x.stride()[:-1]) if n != 1]
+    folded: list[list[int]] = []
+    for n, st in dims:
+        if folded and folded[-1][1] == n * st:
+            folded[-1] = [folded[-1][0] * n, st]
+        else:
+            folded.append([n, st])
+    if len(folded) > 2:
+        return None
+    if len(folded) == 2:
+        return folded[1][0], folded[0][1], folded[1][1]
+    if len(folded) == 1:
+        return folded[0][0], 0, folded[0][1]
+    return 1, 0, 0
+
+
 def token_stats_triton(
-    logits2d: torch.Tensor,
-    labels1d: torch.Tensor,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
     temperature: float,
     ignore_index: int,
     *,
     config: dict | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One-pass statistics of every row of ``logits2d`` [N, V] (bf16/fp16/fp32, CUDA).
+) -> KernelStats:
+    """One-pass statistics of every row of ``logits`` [..., V] (bf16/fp16/fp32, CUDA).
 
-    With z = logits/T (fp32), p = softmax(z), k = labels1d[n] (int64 [N]) returns fp32 [N] tensors
-    ``(logp, entropy, s_star, s_expected, row_max)``: log p_k, H = -sum p log p,
-    S* = p_k (H + log p_k), E_p[S] = H sum p^2 + sum p^2 log p, and row_max = max_i z_i (NaN if the
-    row holds a NaN, +inf if it holds +inf, -inf if all entries are -inf).  Rows with
-    label == ignore_index are not read and give 0 in all five outputs.  A non-ignored label outside
-    [0, V) gives NaN logp (the caller validates labels).  Any row stride is accepted; a last
-    dimension that is not contiguous is copied.  ``config`` overrides :func:`choose_config`
-    (benchmarks).  Deterministic: the same inputs give the same bits.
+    With z = logits/T (fp32), p = softmax(z), k = labels (integer, ``logits.shape[:-1]``) returns
+    :class:`KernelStats`: fp32 log p_k, H = -sum p log p, S* = p_k (H + log p_k),
+    E_p[S] = H sum p^2 + sum p^2 log p (centred form, see :mod:`._reduce`), S_c = S* - E_p[S], and
+    ``valid = labels != ignore_index``, each of ``labels.shape``, written once by the kernel; and
+    the int32 error counters (no host synchronisation here: the caller reads them).  Rows with
+    label == ignore_index are not read and give 0.  Rows whose leading dimensions fold into two
+    strided levels (any 2-D row stride, the ``[B, T+1, V][:, :-1]`` shift) are read in place;
+    other layouts run one launch per leading index (a leading slice that still does not fold is
+    copied); a last dimension that is not contiguous is copied.  ``config`` overrides :func:`choose_config` (benchmarks).  Deterministic: the same
+    inputs give the same bits (split-V partials are merged in slice order).
     """
-    if logits2d.dim() != 2:
-        raise ValueError(f"logits2d must be 2-D [N, V], got shape {tuple(logits2d.shape)}")
-    if logits2d.dtype not in _DTYPES:
-        raise ValueError(f"logits2d dtype must be bf16, fp16 or fp32, got {logits2d.dtype}")
-    if not interpreting() and logits2d.device.type != "cuda":
-        raise ValueError(f"logits2d must be a CUDA tensor, got device {logits2d.device}")
-    if labels1d.dim() != 1 or labels1d.shape[0] != logits2d.shape[0]:
-        raise ValueError(
-            f"labels1d must be 1-D with {logits2d.shape[0]} entries, got shape {tuple(labels1d.shape)}"
-        )
+    if logits.dim() < 1:
+        raise ValueError(f"logits must have shape [..., V], got shape {tuple(logits.shape)}")
+    if logits.dtype not in _DTYPES:
+        raise ValueError(f"logits dtype must be bf16, fp16 or fp32, got {logits.dtype}")
+    if not interpreting() and logits.device.type != "cuda":
+        raise ValueError(f"logits must be a CUDA tensor, got device {logits.device}")
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(f"labels must have shape {tuple(logits.shape[:-1])}, got shape {tuple(labels.shape)}")
     if not (temperature > 0 and temperature < float("inf")):
         raise ValueError(f"temperature must be a positive finite number, got {temperature}")
-    n_rows, vocab = logits2d.shape
+    vocab = logits.shape[-1]
     if vocab == 0:
-        raise ValueError("logits2d must have a non-empty vocabulary dimension")
-    if logits2d.stride(1) != 1:
-        logits2d = logits2d.contiguous()
-    labels1d = labels1d.to(device=logits2d.device, dtype=torch.int64).contiguous()
-    dev = logits2d.device
-    outs = torch.empty((5, n_rows), device=dev, dtype=torch.float32).unbind(0)  # one allocation
+        raise ValueError("logits must have a non-empty vocabulary dimension")
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    dev = logits.device
+    flat_labels = labels.reshape(-1)
+    if flat_labels.dtype not in (torch.int32, torch.int64):
+        flat_labels = flat_labels.to(torch.int64)
+    n_rows = flat_labels.shape[0]
+    out = torch.empty((5, *labels.shape), device=dev, dtype=torch.float32)
+    valid = torch.empty(labels.shape, device=dev, dtype=torch.bool)
+    cfg = config or choose_config(n_rows, vocab, logits.dtype, _num_sms(dev), card_of(dev))
+    split, chunk = _split_plan(vocab, cfg["block"], cfg["split"])
+    ws = torch.zeros(ERR_WORDS + (n_rows if split > 1 else 0), device=dev, dtype=torch.int32)
+    result = KernelStats(*out.unbind(0), valid, ws if split == 1 else ws[:ERR_WORDS])
     if n_rows == 0:
-        return tuple(outs)
-    cfg = config or choose_config(n_rows, vocab, logits2d.dtype, _num_sms(dev))
-    block, split = cfg["block"], cfg["split"]
-    nblocks = triton.cdiv(vocab, block)
-    split = max(1, min(split, nblocks))
-    chunk = triton.cdiv(nblocks, split) * block
-    split = triton.cdiv(vocab, chunk)
-    c = LOG2E / float(temperature)
-    if split > 1:
-        work = torch.empty(n_rows * (6 * split + 1), device=dev, dtype=torch.float32)
-        part, yk = work[: 6 * n_rows * split], work[6 * n_rows * split :]  # [6, N, split] and [N]
-    else:
-        part = yk = outs[0]  # unused by the SPLIT == 1 specialisation
+        return result
+    part = torch.empty(6 * n_rows * split, device=dev, dtype=torch.float32) if split > 1 else ws
+    args = (LOG2E / float(temperature), int(ignore_index), cfg, split, chunk, part, ws)
+    layout = (n_rows, 0, logits.stride(0)) if logits.dim() == 2 else _row_layout(logits)
+    flat_out, flat_valid = (out, valid) if labels.dim() == 1 else (out.view(5, -1), valid.view(-1))
     # Host time matters at small N (the launch path costs more than the kernel): no device switch
-    # unless the tensors live on another GPU, cached configuration, two allocations.
+    # unless the tensors live on another GPU, cached configuration, one memset and one launch.
     switch = dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device()
     with torch.cuda.device(dev) if switch else contextlib.nullcontext():
-        _stats_kernel[(n_rows, split)](
-            logits2d, logits2d.stride(0), labels1d, vocab, chunk, c, int(ignore_index),
-            *outs, part, yk, n_rows,
-            SPLIT=split, BLOCK=block, TAU=TAU, STAGES=cfg["stages"], num_warps=cfg["num_warps"],
-        )  # fmt: skip
-        if split > 1:
-            merge_kernel[(n_rows,)](
-                part, yk, labels1d, *outs, n_rows, split, int(ignore_index),
-                PB=merge_block(split), num_warps=1,
-            )  # fmt: skip
-    return tuple(outs)
+        if layout is not None:
+            _launch(logits, layout, flat_labels, flat_out, flat_valid, n_rows, *args)
+        else:  # leading dimensions that do not fold: one launch per leading index
+            per = n_rows // logits.shape[0]
+            for i in range(logits.shape[0]):
+                rows = slice(i * per, (i + 1) * per)
+                sub = logits[i] if _row_layout(logits[i]) is not None else logits[i].reshape(-1, vocab)
+                _launch(sub, _row_layout(sub), flat_labels[rows], flat_out[:, rows], flat_valid[rows], n_rows, *args)
+    return result
+
+
+@functools.lru_cache(maxsize=4096)
+def _split_plan(vocab: int, block: int, split: int) -> tuple[int, int]:
+    """(split, chunk): slices of whole blocks, at most ``split`` of them, none empty."""
+    nblocks = -(-vocab // block)
+    split = max(1, min(split, nblocks))
+    chunk = -(-nblocks // split) * block
+    return -(-vocab // chunk), chunk
+
+
+def _launch(x, layout, labels, out, valid, n_out, c, ignore_index, cfg, split, chunk, part, ws) -> None:
+    """One launch of the streaming kernel over the rows of ``x`` (``layout``: see :func:`_row_layout`)."""
+    inner, stride_outer, stride_inner = layout
+    n = labels.shape[0]
+    _stats_kernel[(n, split)](
+        x, inner, stride_outer, stride_inner, labels, x.shape[-1], chunk, c, ignore_index,
+        out, valid, part, ws, n_out,
+        SPLIT=split, SPLIT_P2=1 << (split - 1).bit_length(), BLOCK=cfg["block"], TAU=TAU, STAGES=cfg["stages"],
+        num_warps=cfg["num_warps"],
+    )  # fmt: skip

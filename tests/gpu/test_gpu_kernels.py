@@ -103,11 +103,11 @@ def test_non_contiguous_batch_time_view():
     poison(128)
     stats = ed.token_stats(logits, labels, impl="triton")
     assert stats.entropy.shape == (4, 32)
-    # The view is read per batch entry (32-row launches, split-V) while the copy is one 128-row
-    # launch: same values up to fp32 summation order, each within the float64 tolerance.
+    # The view is read in place (two strided row levels, one launch), the copy as [128, V]: the
+    # same programs over the same bytes, so the same bits.
     flat_stats = ed.token_stats(logits.reshape(-1, 32768), labels.reshape(-1), impl="triton")
     for name in FIELDS:
-        torch.testing.assert_close(getattr(stats, name).reshape(-1), getattr(flat_stats, name), rtol=1e-5, atol=2e-6)
+        assert torch.equal(getattr(stats, name).reshape(-1), getattr(flat_stats, name)), name
     flat = ed.TokenStats(**{f: getattr(stats, f).reshape(-1) for f in (*FIELDS, "valid")})
     check(flat, logits.reshape(-1, 32768), labels.reshape(-1), 1.0)
 
@@ -141,6 +141,84 @@ def test_nan_and_all_masked_rows_raise():
         ed.token_stats(bad, labels, impl="triton")
     labels[1] = -100  # an ignored all -inf row is fine
     ed.token_stats(bad, labels, impl="triton")
+
+
+def _first_sync(fn) -> str | None:
+    """Source line of the first synchronising torch operation of ``fn`` (after a warm-up call),
+    or None: torch's sync debug mode set to "error" raises there."""
+    import traceback
+
+    fn()  # compile and cache first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    except RuntimeError as exc:
+        assert "synchroniz" in str(exc), exc
+        return traceback.extract_tb(exc.__traceback__)[-1].line
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return None
+
+
+def test_public_call_synchronises_once_at_the_end_and_check_false_never():
+    """The only synchronising operation is the read of the error counters, the last statement
+    before ``return`` when the data are valid: one host synchronisation per call."""
+    from entropy_discriminator.hidden import token_stats_from_hidden
+
+    for n in (64, 3000):  # split-V and one program per row
+        logits = make_logits(n, n, 20000, torch.bfloat16, "normal")
+        labels = make_labels(n, n, 20000)
+        assert _first_sync(lambda: ed.token_stats(logits, labels, check=False)) is None
+        assert _first_sync(lambda: ed.token_stats(logits, labels)).startswith("errors = out.errors.tolist()")
+    hidden = torch.randn(100, 256, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(5000, 256, device="cuda", dtype=torch.bfloat16) * 0.1
+    labels = make_labels(3, 100, 5000)
+    assert _first_sync(lambda: token_stats_from_hidden(hidden, weight, labels, check=False)) is None
+    assert _first_sync(lambda: token_stats_from_hidden(hidden, weight, labels)).startswith("errors = out.errors.tolist()")
+
+
+@pytest.mark.parametrize("n", [6, 3000])
+def test_bad_rows_raise_in_order_or_read_nan_without_check(n):
+    from entropy_discriminator.hidden import token_stats_from_hidden
+
+    logits = make_logits(n, n, 9000, torch.bfloat16, "normal")
+    labels = make_labels(n, n, 9000, ignore_frac=0.0)
+    logits[1, 17] = math.nan
+    logits[2] = -math.inf
+    labels[4] = 9000
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 9000\) or equal ignore_index=-100; got \[9000\]"):
+        ed.token_stats(logits, labels)
+    stats = ed.token_stats(logits, labels, check=False)
+    bad = torch.zeros(n, dtype=torch.bool, device="cuda")
+    bad[[1, 2, 4]] = True
+    for name in FIELDS:
+        got = getattr(stats, name)
+        assert torch.isnan(got[bad]).all() and not torch.isnan(got[~bad]).any(), name
+    labels[4] = 0
+    with pytest.raises(ValueError, match="logits contain NaN or \\+inf in 1 counted row"):
+        ed.token_stats(logits, labels)
+    logits[1, 17] = 0.0
+    with pytest.raises(ValueError, match="every entry -inf at 1 counted position"):
+        ed.token_stats(logits, labels)
+    hidden = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"\[0, 300\).*got \[300\]"):
+        token_stats_from_hidden(hidden, weight, torch.tensor([0, 1, 2, 300, 4, 5, 6, 7], device="cuda"))
+
+
+def test_overflowing_scale_falls_back_to_torch_or_is_named():
+    """fp32 logits of 3e38 at T = 0.5 (issue 13, item 6): the kernel's base-2 scaling overflows;
+    ``auto`` recomputes on the torch path (exact), ``triton`` names the overflow."""
+    logits = make_logits(2, 8, 1000, torch.float32, "normal")
+    logits[:, 5] = 3e38
+    logits[3] = torch.linspace(-3e38, -2.9e38, 1000, device="cuda")
+    labels = torch.full((8,), 5, device="cuda")
+    labels[3] = 999  # its max: other labels' log p (~-6e38 / T) are not fp32 numbers
+    stats = ed.token_stats(logits, labels, temperature=0.5)
+    check(stats, logits, labels, 0.5)
+    with pytest.raises(ValueError, match="overflow"):
+        ed.token_stats(logits, labels, temperature=0.5, impl="triton")
 
 
 @pytest.mark.parametrize(
