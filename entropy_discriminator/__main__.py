@@ -56,7 +56,30 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--render-only", action="store_true", help="--paper: redraw figures and report.md from the results saved in --out"
     )
+    _add_compare_parser(sub)
     return parser
+
+
+def _add_compare_parser(sub: argparse._SubParsersAction) -> None:
+    """``compare``: Clip_B / Clip_V against the peer entropy controls on signed-sum Countdown (issue 12)."""
+    cmp = sub.add_parser(
+        "compare",
+        help="Clip_B / Clip_V vs GRPO, PPO and peer entropy controls on signed-sum Countdown, several paired seeds",
+        description=(
+            "Warm up one small transformer per seed on signed-sum Countdown, then run every arm from it (GRPO, + Clip_B "
+            "at mu 2.5 and a tuned mu, + Clip_V, Clip-Cov, KL-Cov, forking tokens, rewarding the unlikely, entropy bonus; "
+            "PPO with GAE: vanilla, + Clip_B, + Clip_V) and write tables (mean and 95%% CI over seeds, paired "
+            "differences) as markdown and CSV, and plots of Pass@K and entropy."
+        ),
+    )
+    cmp.add_argument("--preset", choices=("smoke", "gpu"), default="smoke",
+                     help="smoke: seconds on a 2-core CPU (CI); gpu: the full comparison on a 16-core GPU machine")
+    cmp.add_argument("--out", type=Path, default=Path("compare_out"), help="output folder (default compare_out)")
+    cmp.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu: tiny models, many processes)")
+    cmp.add_argument("--jobs", type=int, default=1, help="parallel worker processes (default 1)")
+    cmp.add_argument("--seeds", type=int, default=None, help="seeds per arm, >= 2 (default: the preset's)")
+    cmp.add_argument("--steps", type=int, default=None, help="RL steps per arm (default: the preset's)")
+    cmp.add_argument("--arms", default=None, help="comma-separated arm names (default: all; baselines must be included)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -85,6 +108,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
         except ValueError as exc:
             print(f"entropy-discriminator demo: error: {exc}", file=sys.stderr)
+            return 2
+    if args.command == "compare":
+        from .demo.compare import CompareOptions, run_compare
+
+        try:
+            run_compare(
+                CompareOptions(
+                    out=args.out, preset=args.preset, device=args.device, jobs=args.jobs, seeds=args.seeds,
+                    steps=args.steps, arms=tuple(args.arms.split(",")) if args.arms else None,
+                )
+            )
+        except ValueError as exc:
+            print(f"entropy-discriminator compare: error: {exc}", file=sys.stderr)
             return 2
     return 0
 

@@ -82,7 +82,7 @@ def ppo_clip_losses(
 def _global_mean(x: torch.Tensor, valid: torch.Tensor, group: Group) -> tuple[float, int]:
     """(mean over the valid entries of every rank, global valid count), in float64."""
     zero = torch.zeros((), dtype=torch.float64, device=x.device)
-    n, total = all_reduce(torch.stack([valid.sum().to(torch.float64), torch.where(valid, x.double(), zero).sum()]), group)
+    n, total = all_reduce(torch.stack([valid.sum().to(torch.float64), torch.where(valid, x.detach().double(), zero).sum()]), group)
     return (float(total / n) if n > 0 else 0.0), int(n)
 
 
