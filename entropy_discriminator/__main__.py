@@ -80,6 +80,7 @@ def _add_compare_parser(sub: argparse._SubParsersAction) -> None:
     cmp.add_argument("--seeds", type=int, default=None, help="seeds per arm, >= 2 (default: the preset's)")
     cmp.add_argument("--steps", type=int, default=None, help="RL steps per arm (default: the preset's)")
     cmp.add_argument("--arms", default=None, help="comma-separated arm names (default: all; baselines must be included)")
+    cmp.add_argument("--render-only", action="store_true", help="rebuild results.json and the report from the runs saved in --out")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -117,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 CompareOptions(
                     out=args.out, preset=args.preset, device=args.device, jobs=args.jobs, seeds=args.seeds,
                     steps=args.steps, arms=tuple(args.arms.split(",")) if args.arms else None,
+                    render_only=args.render_only,
                 )
             )
         except ValueError as exc:

@@ -109,3 +109,9 @@ def test_smoke_preset_end_to_end(tmp_path: Path):
     assert "Paired difference" in (out / "tables.md").read_text()
     for png in ("pass_at_k.png", "entropy.png"):
         assert (out / png).stat().st_size > 1000
+    # a cut-off run keeps its finished jobs: drop one seed's runs and re-render from the saved files
+    for p in (out / "runs").glob("seed1_*.json"):
+        p.unlink()
+    assert main(["compare", "--render-only", "--out", str(out)]) == 0
+    again = json.loads((out / "results.json").read_text())
+    assert {r["seed"] for r in again["runs"]} == {0} and len(again["runs"]) == len(arms)

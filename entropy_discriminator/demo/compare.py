@@ -108,7 +108,7 @@ class CompareConfig:
     clip_eps: float = 0.2
     eval_prompts: int = 200
     eval_samples: int = 64
-    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
+    seeds: tuple[int, ...] = (0, 1, 2, 3, 4, 5)
     tuned_mu_b: float = 1.5
     log_every: int = 5
 
@@ -340,6 +340,7 @@ class CompareOptions:
     seeds: int | None = None
     steps: int | None = None
     arms: tuple[str, ...] | None = None
+    render_only: bool = False
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -426,41 +427,61 @@ def _pool_map(fn: Callable, jobs: list, n_proc: int, log: Callable[[str], None],
 
 
 def run_compare(opts: CompareOptions, log: Callable[[str], None] = print) -> dict[str, object]:
-    """Warm up every seed, run every (seed, arm), write ``results.json`` and the report under ``opts.out``."""
+    """Warm up every seed, run every (seed, arm), write ``results.json`` and the report under ``opts.out``.
+
+    Every finished job is written at once (``warm/seed*.json``, ``runs/*.json``, next to ``meta.json``), so a run
+    cut off keeps what it finished; ``render_only`` rebuilds ``results.json`` and the report from those files.
+    """
+    if opts.render_only:
+        return render(opts.out, log)
     cfg, arms = opts.config(), opts.arm_list()
     _device(opts.device)
     opts.out.mkdir(parents=True, exist_ok=True)
     warm_dir = opts.out / "warm"
     warm_dir.mkdir(exist_ok=True)
+    run_dir = opts.out / "runs"
+    run_dir.mkdir(exist_ok=True)
+    meta = {
+        "preset": opts.preset, "device": opts.device, "jobs": opts.jobs, "config": asdict(cfg), "peers": PEERS,
+        "arms": [asdict(a) for a in arms], "torch": torch.__version__, "cpu_count": os.cpu_count(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    (opts.out / "meta.json").write_text(json.dumps(meta))
     t0 = time.perf_counter()
     log(f"compare: preset {opts.preset}, {len(cfg.seeds)} seeds x {len(arms)} arms, device {opts.device}, {opts.jobs} jobs")
     log("warm-up ...")
-    warm = _pool_map(
+    _pool_map(
         _warm_job, [(cfg, s, opts.device, str(warm_dir / f"seed{s}.pt")) for s in cfg.seeds], opts.jobs, log,
         lambda r: (warm_dir / f"seed{r['seed']}.json").write_text(json.dumps(r)),
     )
-    warm.sort(key=lambda r: r["seed"])
     log("RL arms ...")
-    run_dir = opts.out / "runs"
-    run_dir.mkdir(exist_ok=True)
     jobs = [(cfg, a, s, opts.device, str(warm_dir / f"seed{s}.pt")) for s in cfg.seeds for a in arms]
-    runs = _pool_map(
+    _pool_map(
         _arm_job, jobs, opts.jobs, log,
-        lambda r: (run_dir / f"{r['arm']}_seed{r['seed']}.json".replace("/", "_")).write_text(json.dumps(r)),
+        lambda r: (run_dir / f"seed{r['seed']}_{r['arm']}.json".replace("/", "_")).write_text(json.dumps(r)),
     )
-    order = {(a.name, s): i for i, (_, a, s, _, _) in enumerate(jobs)}
-    runs.sort(key=lambda r: order[(r["arm"], r["seed"])])
-    results = {
-        "preset": opts.preset, "device": opts.device, "jobs": opts.jobs, "config": asdict(cfg), "peers": PEERS,
-        "arms": [asdict(a) for a in arms], "warmup": warm, "runs": runs, "wall_seconds": time.perf_counter() - t0,
-        "torch": torch.__version__, "cpu_count": os.cpu_count(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-    }
-    (opts.out / "results.json").write_text(json.dumps(results))
+    meta["wall_seconds"] = time.perf_counter() - t0
+    (opts.out / "meta.json").write_text(json.dumps(meta))
+    return render(opts.out, log)
+
+
+def render(out: Path, log: Callable[[str], None] = print) -> dict[str, object]:
+    """Assemble ``results.json`` from ``meta.json``, ``warm/*.json`` and ``runs/*.json`` under ``out`` (keeping only
+    seeds whose warm-up finished) and write the report."""
+    if not (out / "meta.json").is_file():
+        raise ValueError(f"out: no meta.json in {out} (run the comparison first)")
+    results = json.loads((out / "meta.json").read_text())
+    warm = sorted((json.loads(p.read_text()) for p in (out / "warm").glob("seed*.json")), key=lambda r: r["seed"])
+    seeds = {w["seed"] for w in warm}
+    names = [a["name"] for a in results["arms"]]
+    runs = [json.loads(p.read_text()) for p in (out / "runs").glob("*.json")]
+    runs = sorted((r for r in runs if r["seed"] in seeds), key=lambda r: (r["seed"], names.index(r["arm"])))
+    results.update(warmup=warm, runs=runs)
+    (out / "results.json").write_text(json.dumps(results))
     from .compare_report import write_report
 
-    write_report(results, opts.out)
-    log(f"done in {results['wall_seconds']:.0f} s; report in {opts.out}")
+    write_report(results, out)
+    log(f"{len(runs)} runs of {len(seeds)} seeds; report in {out}")
     return results
 
 
@@ -470,4 +491,4 @@ def dh_correlation(pairs: list[tuple[float, float]]) -> float:
 
 
 __all__ = ["CompareArm", "CompareConfig", "CompareOptions", "PRESETS", "default_arms", "evaluate", "run_arm",
-           "run_compare", "warm_up", "dh_correlation"]
+           "render", "run_compare", "warm_up", "dh_correlation"]

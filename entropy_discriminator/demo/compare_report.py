@@ -81,7 +81,10 @@ def write_report(results: dict, out: Path) -> str:
     cfg = results["config"]
     lines.append(f"Seeds: {len(cfg['seeds'])} per arm (paired), {cfg['rl_steps']} RL steps of {cfg['prompts_per_step']} x "
                  f"{cfg['group_size']} samples, {cfg['eval_prompts']} held-out prompts x {cfg['eval_samples']} samples. "
-                 "Mean ± 95% t-interval over seeds. Avg@K is the same for every K (mean correctness of all samples).\n")
+                 "Mean ± 95% t-interval over seeds. Avg@K is the same for every K (mean correctness of all samples).")
+    lines.append(f"Machine: {results.get('cpu_count')} CPU cores, {results.get('jobs')} worker processes on device "
+                 f"{results.get('device')} (GPU present: {results.get('cuda')}); torch {results.get('torch')}; wall time "
+                 f"{results.get('wall_seconds', float('nan')):.0f} s for the whole comparison.\n")
     # warm-up headroom
     warm = results["warmup"]
     lines.append("### After warm-up (the RL start), per seed\n")
