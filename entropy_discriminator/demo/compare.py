@@ -467,21 +467,24 @@ def run_compare(opts: CompareOptions, log: Callable[[str], None] = print) -> dic
 
 def render(out: Path, log: Callable[[str], None] = print) -> dict[str, object]:
     """Assemble ``results.json`` from ``meta.json``, ``warm/*.json`` and ``runs/*.json`` under ``out`` (keeping only
-    seeds whose warm-up finished) and write the report."""
-    if not (out / "meta.json").is_file():
-        raise ValueError(f"out: no meta.json in {out} (run the comparison first)")
-    results = json.loads((out / "meta.json").read_text())
-    warm = sorted((json.loads(p.read_text()) for p in (out / "warm").glob("seed*.json")), key=lambda r: r["seed"])
-    seeds = {w["seed"] for w in warm}
-    names = [a["name"] for a in results["arms"]]
-    runs = [json.loads(p.read_text()) for p in (out / "runs").glob("*.json")]
-    runs = sorted((r for r in runs if r["seed"] in seeds), key=lambda r: (r["seed"], names.index(r["arm"])))
-    results.update(warmup=warm, runs=runs)
-    (out / "results.json").write_text(json.dumps(results))
+    seeds whose warm-up finished; without ``runs/``, read the saved ``results.json``) and write the report."""
+    if not (out / "runs").is_dir() and (out / "results.json").is_file():
+        results = json.loads((out / "results.json").read_text())
+    else:
+        if not (out / "meta.json").is_file():
+            raise ValueError(f"out: no meta.json or results.json in {out} (run the comparison first)")
+        results = json.loads((out / "meta.json").read_text())
+        warm = sorted((json.loads(p.read_text()) for p in (out / "warm").glob("seed*.json")), key=lambda r: r["seed"])
+        seeds = {w["seed"] for w in warm}
+        names = [a["name"] for a in results["arms"]]
+        runs = [json.loads(p.read_text()) for p in (out / "runs").glob("*.json")]
+        runs = sorted((r for r in runs if r["seed"] in seeds), key=lambda r: (r["seed"], names.index(r["arm"])))
+        results.update(warmup=warm, runs=runs)
+        (out / "results.json").write_text(json.dumps(results))
     from .compare_report import write_report
 
     write_report(results, out)
-    log(f"{len(runs)} runs of {len(seeds)} seeds; report in {out}")
+    log(f"{len(results['runs'])} runs of {len(results['warmup'])} seeds; report in {out}")
     return results
 
 

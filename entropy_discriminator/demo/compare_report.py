@@ -129,6 +129,24 @@ def write_report(results: dict, out: Path) -> str:
             cells.append(_fmt(m, h) + _sig(m, h))
             paired_rows.append({"arm": arm, "vs": base, "metric": k, "diff": m, "ci95": h, "n": n})
         lines.append(f"| {arm} | {base} | " + " | ".join(cells) + " |")
+    # change from the RL start (the warm-up of the same seed)
+    start = {w["seed"]: w["eval"] for w in results["warmup"]}
+    lines.append("\n### Change from the RL start (same seed's warm-up), paired; ▲/▼: interval excludes 0\n")
+    lines.append("| arm | Δ Avg@K | Δ Pass@4 | Δ Pass@16 | Δ Pass@64 |")
+    lines.append("|---|---|---|---|---|")
+    for arm in arms:
+        cells = []
+        for k in ("avg", "pass@4", "pass@16", "pass@64"):
+            diffs = []
+            for seed, m in sorted(data.get(arm, {}).items()):
+                if seed in start:
+                    ev = start[seed]
+                    ref = ev["avg"] if k == "avg" else (ev["pass"].get(k[5:], ev["pass"].get(int(k[5:]))))
+                    diffs.append(m[k] - ref)
+            dm, dh = mean_ci(diffs)
+            cells.append(_fmt(dm, dh) + _sig(dm, dh))
+            paired_rows.append({"arm": arm, "vs": "warm-up", "metric": k, "diff": dm, "ci95": dh, "n": len(diffs)})
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     # Clip_B / Clip_V against each GRPO-family peer
     ours = [a for a in arms if ("clip_b" in a or "clip_v" in a) and baseline[a] == "grpo"]
     peers = [a for a in arms if a not in ours and baseline[a] == "grpo"]
