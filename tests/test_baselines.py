@@ -160,7 +160,7 @@ def test_entropy_bonus_value_and_gradient():
     assert float(out.detach()) == pytest.approx(-0.1 * 1.5)
     out.backward()
     assert h.grad.tolist() == [[-0.05, -0.05, 0.0]]
-    assert float(entropy_bonus(h[:, :0], v[:, :0], coef=0.1)) == 0.0
+    assert float(entropy_bonus(h.detach()[:, :0], v[:, :0], coef=0.1)) == 0.0
 
 
 def test_empty_batch_is_a_no_op():

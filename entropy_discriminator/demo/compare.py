@@ -28,8 +28,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import apply_keep_mask, batch_entropy_change, clip_b_mask, clip_v_mask, token_stats
-from ..baselines import clip_cov_losses, entropy_bonus, high_entropy_mask, kl_cov_losses, ppo_clip_losses, unlikeliness_scores
+from .. import (
+    apply_keep_mask,
+    batch_entropy_change,
+    clip_b_mask,
+    clip_v_mask,
+    token_stats,
+)
+from ..baselines import (
+    clip_cov_losses,
+    entropy_bonus,
+    high_entropy_mask,
+    kl_cov_losses,
+    ppo_clip_losses,
+    unlikeliness_scores,
+)
 from .countdown import VOCAB_SIZE, CountdownTask, pass_at_k
 from .model import ModelConfig, TinyGPT
 from .train import group_advantages, pearson
@@ -493,5 +506,16 @@ def dh_correlation(pairs: list[tuple[float, float]]) -> float:
     return pearson([p for p, _ in pairs], [r for _, r in pairs])
 
 
-__all__ = ["CompareArm", "CompareConfig", "CompareOptions", "PRESETS", "default_arms", "evaluate", "run_arm",
-           "render", "run_compare", "warm_up", "dh_correlation"]
+__all__ = [
+    "PRESETS",
+    "CompareArm",
+    "CompareConfig",
+    "CompareOptions",
+    "default_arms",
+    "dh_correlation",
+    "evaluate",
+    "render",
+    "run_arm",
+    "run_compare",
+    "warm_up",
+]

@@ -199,7 +199,7 @@ def _plots(results: dict, arms: list[str], out: Path) -> None:
     families = [("GRPO family", [a for a in arms if baseline[a] == "grpo"]), ("PPO (GAE) family", [a for a in arms if baseline[a] == "ppo"])]
     families = [f for f in families if f[1]]
     fig, axes = plt.subplots(1, len(families), figsize=(6.5 * len(families), 4.5), squeeze=False)
-    warm_m, warm_h = curve([w["eval"]["pass"] for w in results["warmup"]])
+    warm_m, _ = curve([w["eval"]["pass"] for w in results["warmup"]])
     for ax, (title, members) in zip(axes[0], families):
         ax.plot(ks, warm_m, "k--", label="after warm-up")
         for arm in members:

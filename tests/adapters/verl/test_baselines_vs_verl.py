@@ -14,7 +14,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from entropy_discriminator.baselines import clip_cov_losses, entropy_bonus, kl_cov_losses
+from entropy_discriminator.baselines import (
+    clip_cov_losses,
+    entropy_bonus,
+    kl_cov_losses,
+)
 
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
 actor_cfg = pytest.importorskip("verl.workers.config.actor")
