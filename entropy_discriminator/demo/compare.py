@@ -57,7 +57,8 @@ EVAL_KS = (1, 4, 16, 64)
 @dataclass(frozen=True)
 class CompareArm:
     """One arm: an advantage ``estimator``, a policy ``loss``, a keep-``mask``, a reward ``shaping`` and an entropy
-    bonus ``entropy_coef``; ``baseline`` names the arm its paired differences are taken against."""
+    bonus ``entropy_coef``; ``cov_ratio`` overrides Clip-Cov's / KL-Cov's published token ratio (:data:`PEERS`);
+    ``baseline`` names the arm its paired differences are taken against."""
 
     name: str
     estimator: str = "grpo"
@@ -66,6 +67,7 @@ class CompareArm:
     mu: float = 2.5
     shaping: str = "none"
     entropy_coef: float = 0.0
+    cov_ratio: float | None = None
     baseline: str = "grpo"
 
     def __post_init__(self) -> None:
@@ -74,6 +76,8 @@ class CompareArm:
                 raise ValueError(f"{label} must be one of {allowed}, got {getattr(self, label)!r}")
         if self.loss != "ppo_clip" and self.mask != "none":
             raise ValueError(f"arm {self.name}: a keep-mask needs loss 'ppo_clip', got {self.loss!r}")
+        if self.cov_ratio is not None and (self.loss == "ppo_clip" or not 0 < self.cov_ratio <= 1):
+            raise ValueError(f"arm {self.name}: cov_ratio needs loss clip_cov or kl_cov and a value in (0, 1]")
 
 
 #: Peer hyperparameters: Clip-Cov / KL-Cov as Cui et al.'s 7B recipe in verl, forking tokens rho = 0.2 (Wang et al.),
@@ -97,6 +101,16 @@ def default_arms(tuned_mu_b: float) -> tuple[CompareArm, ...]:
         CompareArm("ppo", estimator="ppo", baseline="ppo"),
         CompareArm("ppo+clip_b", estimator="ppo", mask="clip_b", mu=2.5, baseline="ppo"),
         CompareArm("ppo+clip_v", estimator="ppo", mask="clip_v", mu=2.5, baseline="ppo"),
+    )
+
+
+def sensitivity_arms() -> tuple[CompareArm, ...]:
+    """Peers pushed harder than published, for a fairer match with the tuned Clip_B (chosen by ``--arms``):
+    Clip-Cov / KL-Cov on 2% of the tokens (about Clip_B mu = 1.5's clipped share), entropy bonus 0.05."""
+    return (
+        CompareArm("clip_cov(ratio=0.02)", loss="clip_cov", cov_ratio=0.02),
+        CompareArm("kl_cov(ratio=0.02)", loss="kl_cov", cov_ratio=0.02),
+        CompareArm("entropy_bonus(c=0.05)", entropy_coef=0.05),
     )
 
 
@@ -299,11 +313,11 @@ def run_arm(state: dict[str, torch.Tensor], cfg: CompareConfig, arm: CompareArm,
                 keep = high_entropy_mask(stats.entropy, v_mb, rho=PEERS["rho"])
             if arm.loss == "clip_cov":
                 res = clip_cov_losses(lp, old_lp[idx], a_mb, v_mb, clip_ratio_low=cfg.clip_eps, clip_ratio_high=cfg.clip_eps,
-                                      clip_cov_ratio=PEERS["clip_cov_ratio"], clip_cov_lb=PEERS["clip_cov_lb"],
+                                      clip_cov_ratio=arm.cov_ratio or PEERS["clip_cov_ratio"], clip_cov_lb=PEERS["clip_cov_lb"],
                                       clip_cov_ub=PEERS["clip_cov_ub"], generator=sample_gen)
                 pg, ppo_clipped, keep = res.pg_losses, res.ppo_clipped, ~res.selected
             elif arm.loss == "kl_cov":
-                res = kl_cov_losses(lp, old_lp[idx], a_mb, v_mb, kl_cov_ratio=PEERS["kl_cov_ratio"],
+                res = kl_cov_losses(lp, old_lp[idx], a_mb, v_mb, kl_cov_ratio=arm.cov_ratio or PEERS["kl_cov_ratio"],
                                     ppo_kl_coef=PEERS["ppo_kl_coef"])
                 pg, ppo_clipped, keep = res.pg_losses, res.ppo_clipped, ~res.selected
             else:
@@ -377,7 +391,7 @@ class CompareOptions:
         arms = default_arms(self.config().tuned_mu_b)
         if self.arms is None:
             return arms
-        by_name = {a.name: a for a in arms}
+        by_name = {a.name: a for a in (*arms, *sensitivity_arms())}
         unknown = [n for n in self.arms if n not in by_name]
         if unknown:
             raise ValueError(f"arms: unknown {unknown}; choose from {list(by_name)}")
@@ -517,5 +531,6 @@ __all__ = [
     "render",
     "run_arm",
     "run_compare",
+    "sensitivity_arms",
     "warm_up",
 ]
