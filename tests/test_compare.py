@@ -86,6 +86,16 @@ def test_options_refuse_bad_settings():
     assert main(["compare", "--jobs", "0"]) == 2
 
 
+def test_sensitivity_arms_are_selectable_and_checked():
+    names = ("grpo", "clip_cov(ratio=0.02)", "kl_cov(ratio=0.02)", "entropy_bonus(c=0.05)")
+    arms = CompareOptions(arms=names).arm_list()
+    assert [a.name for a in arms] == list(names) and arms[1].cov_ratio == 0.02 and arms[3].entropy_coef == 0.05
+    with pytest.raises(ValueError, match="cov_ratio"):
+        CompareArm("x", cov_ratio=0.1)
+    with pytest.raises(ValueError, match="cov_ratio"):
+        CompareArm("x", loss="clip_cov", cov_ratio=0.0)
+
+
 def test_default_arms_cover_the_issue():
     names = [a.name for a in default_arms(1.5)]
     assert len(names) == len(set(names)) == 12
