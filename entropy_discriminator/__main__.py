@@ -167,8 +167,56 @@ def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def _add_compare(commands: argparse._SubParsersAction) -> None:
+    """``compare``: Clip_B / Clip_V against the peer entropy controls on signed-sum Countdown (issue 12)."""
+    from .demo.compare import PRESETS as COMPARE_PRESETS
+
+    compare = commands.add_parser(
+        "compare",
+        help="Clip_B / Clip_V vs GRPO, PPO and peer entropy controls on signed-sum Countdown, several paired seeds",
+        description=(
+            "Warm up one small transformer per seed on signed-sum Countdown, then run every arm from it (GRPO, + Clip_B "
+            "at mu 2.5 and a tuned mu, + Clip_V, Clip-Cov, KL-Cov, forking tokens, rewarding the unlikely, entropy bonus; "
+            "PPO with GAE: vanilla, + Clip_B, + Clip_V) and write tables (mean and 95%% CI over seeds, paired "
+            "differences) as markdown and CSV, and plots of Pass@K and entropy."
+        ),
+    )
+    compare.add_argument("--preset", choices=tuple(COMPARE_PRESETS), default="smoke",
+                         help="smoke: seconds on a 2-core CPU (CI); gpu: the full comparison on a 16-core machine")
+    compare.add_argument("--out", type=Path, default=Path("compare_out"), help="output folder (default compare_out)")
+    compare.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu: tiny models, many processes)")
+    compare.add_argument("--jobs", type=_int_in(1), default=1, help="parallel worker processes, minimum 1 (default 1)")
+    compare.add_argument("--seeds", type=_int_in(2), default=None, help="seeds per arm, minimum 2 (default: the preset's)")
+    compare.add_argument("--steps", type=_int_in(1), default=None, help="RL steps per arm, minimum 1 (default: the preset's)")
+    compare.add_argument("--arms", default=None, help="comma-separated arm names (default: all; paired baselines must be included)")
+    compare.add_argument("--render-only", action="store_true", help="rebuild results.json and the report from the runs saved in --out")
+    compare.set_defaults(run=lambda args: _run_compare(args, compare))
+
+
+def _run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Check the arms, the device and ``--out`` before any work, then run the comparison."""
+    from .demo.compare import CompareOptions, resolve_device, run_compare
+    from .demo.report import prepare_output_folder
+
+    try:
+        options = CompareOptions(
+            out=args.out, preset=args.preset, device=args.device, jobs=args.jobs, seeds=args.seeds,
+            steps=args.steps, arms=tuple(args.arms.split(",")) if args.arms else None, render_only=args.render_only,
+        )
+        options.arm_list()
+        resolve_device(options.device)
+    except (ValueError, RuntimeError) as exc:
+        parser.error(str(exc))
+    try:
+        prepare_output_folder(options.out)
+    except ValueError as exc:
+        parser.error(f"argument --out: {exc}")
+    run_compare(options)
+    return 0
+
+
 #: Every command: a function that adds its parser (with ``run=``) to the top-level subparsers.
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_demo]
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_demo, _add_compare]
 
 
 def build_parser() -> argparse.ArgumentParser:

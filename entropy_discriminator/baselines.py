@@ -1,0 +1,292 @@
+"""Peer entropy controls, for comparison with Clip_B / Clip_V on the same batches.
+
+* :func:`clip_cov_losses` and :func:`kl_cov_losses`: Clip-Cov and KL-Cov (Cui et al. 2025) with verl 0.9.1's
+  semantics (``actor.policy_loss.loss_mode: clip_cov | kl_cov``);
+* :func:`high_entropy_mask`: forking tokens / high-entropy minority tokens (Wang et al. 2025), the top
+  ``rho`` share of tokens by entropy, as TRL's ``top_entropy_quantile``;
+* :func:`unlikeliness_scores`: rewarding the unlikely (He et al. 2025), the rank penalty of their release;
+* :func:`entropy_bonus`: ``-coef * token-mean entropy`` added to the loss (verl's ``actor.entropy_coeff``).
+
+Conventions as :func:`~entropy_discriminator.clip_b_mask`: per-token tensors are ``[B, T]`` (any common shape),
+``valid`` is the bool / 0-1 response mask, advantages are ``[B]`` per sequence or per token, and every batch
+statistic (means, counts, top-k, quantile) is global over ``process_group`` (reduced from sums and counts, so a
+sharded batch gives the single-process result).  An empty batch is a no-op.  The functions return per-token
+losses (not aggregated): the caller applies its ``loss_agg_mode``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ._checks import as_valid_mask, broadcast_advantages, require_finite, require_float
+from .distributed import Group, all_reduce, global_top_k, kth_smallest, rank_offset
+
+#: verl 0.9.1's defaults (``verl/workers/config/actor.py``, ``PolicyLossConfig``).
+VERL_CLIP_COV_RATIO = 2e-4
+VERL_CLIP_COV_LB = 1.0
+VERL_CLIP_COV_UB = 5.0
+VERL_KL_COV_RATIO = 2e-4
+VERL_PPO_KL_COEF = 0.1
+
+
+@dataclass(frozen=True)
+class CovLossResult:
+    """Per-token losses of a covariance-based control and the tokens it acted on.
+
+    ``pg_losses`` has ``log_prob``'s shape and dtype and carries the gradient; ``selected`` (bool, same shape) marks
+    the tokens whose gradient Clip-Cov removed or that KL-Cov penalised; ``ppo_clipped`` marks the tokens where
+    the PPO clip was active (Clip-Cov only; all False for KL-Cov, which has no PPO clip).  Counts are global.
+    """
+
+    pg_losses: torch.Tensor
+    selected: torch.Tensor
+    ppo_clipped: torch.Tensor
+    n_valid: int
+    n_selected: int
+
+    @property
+    def selected_frac(self) -> float:
+        """Selected share of the valid tokens (0 for an empty batch)."""
+        return self.n_selected / self.n_valid if self.n_valid else 0.0
+
+
+def ppo_clip_losses(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate per token: ``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``, ``r = exp(logp - old)``.
+
+    Shapes ``[B, T]`` (``advantages`` may be ``[B]``).  Returns ``(pg_losses, clipped)``: the losses in
+    ``log_prob``'s dtype and the bool mask where the clipped branch is the larger one (``-A clip(r) > -A r``).
+    """
+    require_float("log_prob", log_prob)
+    if old_log_prob.shape != log_prob.shape:
+        raise ValueError(f"old_log_prob must have log_prob's shape {tuple(log_prob.shape)}, got {tuple(old_log_prob.shape)}")
+    for label, eps in (("clip_ratio_low", clip_ratio_low), ("clip_ratio_high", clip_ratio_high)):
+        if not (isinstance(eps, (int, float)) and eps >= 0):
+            raise ValueError(f"{label} must be a number >= 0, got {eps!r}")
+    adv = broadcast_advantages(advantages, log_prob.shape).to(log_prob.device, log_prob.dtype)
+    ratio = torch.exp(log_prob - old_log_prob)
+    pg1 = -adv * ratio
+    pg2 = -adv * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    return torch.maximum(pg1, pg2), pg2 > pg1
+
+
+def _global_mean(x: torch.Tensor, valid: torch.Tensor, group: Group) -> tuple[float, int]:
+    """(mean over the valid entries of every rank, global valid count), in float64."""
+    zero = torch.zeros((), dtype=torch.float64, device=x.device)
+    n, total = all_reduce(torch.stack([valid.sum().to(torch.float64), torch.where(valid, x.detach().double(), zero).sum()]), group)
+    return (float(total / n) if n > 0 else 0.0), int(n)
+
+
+def _token_covariance(adv: torch.Tensor, log_prob: torch.Tensor, valid: torch.Tensor, group: Group) -> tuple[torch.Tensor, int]:
+    """``(A - mean_B A) (logp - mean_B logp)`` per token in float64 (means over valid tokens, global), and n_valid."""
+    mean_a, n = _global_mean(adv, valid, group)
+    mean_l, _ = _global_mean(log_prob, valid, group)
+    return (adv.double() - mean_a) * (log_prob.detach().double() - mean_l), n
+
+
+def _checked(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor):
+    require_float("log_prob", log_prob)
+    require_float("old_log_prob", old_log_prob)
+    if old_log_prob.shape != log_prob.shape:
+        raise ValueError(f"old_log_prob must have log_prob's shape {tuple(log_prob.shape)}, got {tuple(old_log_prob.shape)}")
+    valid = as_valid_mask(valid, log_prob.shape)
+    adv = broadcast_advantages(advantages, log_prob.shape).to(log_prob.device)
+    require_finite("log_prob", log_prob.detach(), valid)
+    require_finite("old_log_prob", old_log_prob, valid)
+    require_finite("advantages", adv, valid)
+    return adv, valid
+
+
+def clip_cov_losses(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_cov_ratio: float = VERL_CLIP_COV_RATIO,
+    clip_cov_lb: float = VERL_CLIP_COV_LB,
+    clip_cov_ub: float = VERL_CLIP_COV_UB,
+    generator: torch.Generator | None = None,
+    process_group: Group = None,
+) -> CovLossResult:
+    """Clip-Cov (verl 0.9.1 ``compute_policy_loss_clip_cov``), per token.
+
+    ``cov_t = (A_t - mean_B A) (logp_t - mean_B logp)`` over the valid tokens; candidates are valid tokens with
+    ``clip_cov_lb < cov_t < clip_cov_ub`` where the PPO clip is not active; ``max(floor(clip_cov_ratio * N), 1)``
+    of them (all if fewer) are drawn uniformly at random and their loss is multiplied by 0 (gradient removed).
+    The loss elsewhere is PPO's clipped surrogate (:func:`ppo_clip_losses`).
+
+    Randomness: without ``process_group`` the draw is ``torch.randperm(n_candidates, generator=generator)`` over the
+    candidates in row-major order, the first ones taken: with ``generator=None`` the same global-RNG draw as verl's.
+    With a group (verl draws per rank), each rank draws one uniform key per candidate and the globally largest keys
+    win: a uniform subset of the global candidates of the global size.
+
+    Shapes: ``log_prob``, ``old_log_prob``, ``valid`` ``[B, T]``; ``advantages`` ``[B]`` or ``[B, T]``.
+    """
+    adv, valid = _checked(log_prob, old_log_prob, advantages, valid)
+    if not (isinstance(clip_cov_ratio, (int, float)) and 0 < clip_cov_ratio <= 1):
+        raise ValueError(f"clip_cov_ratio must be a number in (0, 1], got {clip_cov_ratio!r}")
+    if not clip_cov_lb < clip_cov_ub:
+        raise ValueError(f"clip_cov_lb ({clip_cov_lb}) must be < clip_cov_ub ({clip_cov_ub})")
+    pg, clipped = ppo_clip_losses(
+        log_prob, old_log_prob, adv, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high
+    )
+    clipped = clipped & valid
+    cov, n = _token_covariance(adv, log_prob, valid, process_group)
+    cand = valid & ~clipped & (cov > clip_cov_lb) & (cov < clip_cov_ub)
+    limit = max(int(clip_cov_ratio * n), 1)
+    flat = cand.reshape(-1)
+    idx = torch.nonzero(flat).reshape(-1)
+    chosen = torch.zeros_like(flat)
+    if process_group is None:
+        perm = torch.randperm(len(idx), generator=generator)
+        chosen[idx[perm[: min(limit, len(idx))].to(idx.device)]] = True
+    else:
+        keys = torch.rand(len(idx), generator=generator, dtype=torch.float64).to(idx.device)
+        offset = rank_offset(flat.numel(), process_group, idx.device)
+        chosen[idx[global_top_k(keys, idx + offset, limit, process_group)]] = True
+    selected = chosen.reshape(cand.shape)
+    n_sel = int(all_reduce(selected.sum().to(torch.float64), process_group))
+    return CovLossResult(
+        pg_losses=pg * (~selected).to(pg.dtype), selected=selected, ppo_clipped=clipped, n_valid=n, n_selected=n_sel
+    )
+
+
+def kl_cov_losses(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    kl_cov_ratio: float = VERL_KL_COV_RATIO,
+    ppo_kl_coef: float = VERL_PPO_KL_COEF,
+    process_group: Group = None,
+) -> CovLossResult:
+    """KL-Cov (verl 0.9.1 ``compute_policy_loss_kl_cov``), per token.
+
+    Loss ``-A_t r_t`` (no PPO clip), plus ``ppo_kl_coef * |logp_t - old_logp_t|`` on the
+    ``max(1, floor(kl_cov_ratio * N))`` valid tokens with the largest ``cov_t = (A_t - mean_B A)(logp_t - mean_B logp)``
+    (ties by row-major position; global over ``process_group``).  ``r_t = exp(logp_t - old_logp_t)``.
+
+    Shapes as :func:`clip_cov_losses`; the losses have ``log_prob``'s dtype and carry the gradient.
+    """
+    adv, valid = _checked(log_prob, old_log_prob, advantages, valid)
+    if not (isinstance(kl_cov_ratio, (int, float)) and 0 < kl_cov_ratio <= 1):
+        raise ValueError(f"kl_cov_ratio must be a number in (0, 1], got {kl_cov_ratio!r}")
+    if not (isinstance(ppo_kl_coef, (int, float)) and ppo_kl_coef >= 0):
+        raise ValueError(f"ppo_kl_coef must be a number >= 0, got {ppo_kl_coef!r}")
+    diff = log_prob - old_log_prob
+    a = adv.to(log_prob.dtype)
+    pg = -a * torch.exp(diff)
+    cov, n = _token_covariance(adv, log_prob, valid, process_group)
+    flat_valid = valid.reshape(-1)
+    idx = torch.nonzero(flat_valid).reshape(-1)
+    selected = torch.zeros_like(flat_valid)
+    if n > 0:
+        k = max(1, int(n * kl_cov_ratio))
+        offset = rank_offset(flat_valid.numel(), process_group, idx.device)
+        selected[idx[global_top_k(cov.reshape(-1)[idx], idx + offset, k, process_group)]] = True
+    selected = selected.reshape(valid.shape)
+    pg = torch.where(selected, pg + ppo_kl_coef * diff.abs(), pg)
+    n_sel = int(all_reduce(selected.sum().to(torch.float64), process_group))
+    return CovLossResult(
+        pg_losses=pg, selected=selected, ppo_clipped=torch.zeros_like(selected), n_valid=n, n_selected=n_sel
+    )
+
+
+def high_entropy_mask(
+    entropy: torch.Tensor, valid: torch.Tensor, *, rho: float = 0.2, process_group: Group = None
+) -> torch.Tensor:
+    """Forking tokens: bool mask of the valid tokens whose entropy is at least the global ``1 - rho`` quantile.
+
+    As TRL 1.16's ``top_entropy_quantile = rho``: the threshold is ``torch.quantile`` (linear interpolation) of the
+    float32 entropies of every valid token on every rank, and a token is kept when ``H_t >= threshold``.  Here the
+    two order statistics around the quantile position ``q (N - 1)`` are found exactly without gathering the values
+    (:func:`~entropy_discriminator.distributed.kth_smallest`), then interpolated in float64.  ``rho = 1`` keeps
+    every valid token (TRL skips the mask then); an empty batch gives an all-False mask.
+
+    Shapes: ``entropy``, ``valid`` ``[B, T]`` (any common shape); returns bool of that shape.
+    """
+    require_float("entropy", entropy)
+    valid = as_valid_mask(valid, entropy.shape)
+    if not (isinstance(rho, (int, float)) and 0 < rho <= 1):
+        raise ValueError(f"rho must be a number in (0, 1], got {rho!r}")
+    require_finite("entropy", entropy, valid)
+    n = int(all_reduce(valid.sum().to(torch.float64), process_group))
+    if n == 0:
+        return torch.zeros_like(valid)
+    if rho == 1:
+        return valid.clone()
+    values = entropy.detach().float()[valid]
+    pos = (1.0 - rho) * (n - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, n - 1)
+    v_lo, v_hi = kth_smallest(values, [lo + 1, hi + 1], process_group)
+    threshold = v_lo + (pos - lo) * (v_hi - v_lo)
+    return valid & (entropy.detach().float().double() >= threshold)
+
+
+def unlikeliness_scores(
+    scores: torch.Tensor, seq_log_prob: torch.Tensor, group_size: int, *, rank_penalty: float = 0.25
+) -> torch.Tensor:
+    """Rewarding the unlikely (He et al. 2025), the rule of their release (``ray_lean_trainer._compute_advantages``).
+
+    Within each group of ``group_size`` consecutive samples, ``rank_i`` in {0, .., G-1} orders the samples by their
+    mean token log-probability under the sampling policy (0 = least likely; ties by position), and
+    ``score_i <- score_i * (1 - rank_penalty * rank_i / G)``: a correct sample loses up to ``rank_penalty`` of its
+    reward the likelier it is; a zero reward stays zero.  GRPO's group normalisation then runs on these scores.
+
+    Shapes: ``scores`` and ``seq_log_prob`` float ``[B]`` with ``B`` a multiple of ``group_size``; returns ``[B]`` in
+    ``scores``' dtype.  Per-group only (no cross-rank statistic): groups must not straddle ranks.
+    """
+    require_float("scores", scores)
+    require_float("seq_log_prob", seq_log_prob)
+    if scores.dim() != 1 or seq_log_prob.shape != scores.shape:
+        raise ValueError(f"scores and seq_log_prob must be 1-D of equal shape, got {tuple(scores.shape)} and {tuple(seq_log_prob.shape)}")
+    if group_size < 1 or len(scores) % group_size:
+        raise ValueError(f"group_size must be >= 1 and divide the batch ({len(scores)}), got {group_size}")
+    if not (isinstance(rank_penalty, (int, float)) and 0 <= rank_penalty <= 1):
+        raise ValueError(f"rank_penalty must be a number in [0, 1], got {rank_penalty!r}")
+    require_finite("seq_log_prob", seq_log_prob)
+    lp = seq_log_prob.detach().view(-1, group_size)
+    order = torch.argsort(lp, dim=1, stable=True)
+    rank = torch.argsort(order, dim=1, stable=True).to(scores.dtype)
+    return (scores.view(-1, group_size) * (1 - rank_penalty * rank / group_size)).reshape(-1)
+
+
+def entropy_bonus(entropy: torch.Tensor, valid: torch.Tensor, *, coef: float, process_group: Group = None) -> torch.Tensor:
+    """``-coef * sum_t H_t / N`` over the valid tokens, ``N`` the global valid count: add it to the loss.
+
+    ``entropy`` ``[B, T]`` must carry the gradient (e.g. ``-(p * log p).sum(-1)`` of the current logits); returns a
+    0-d tensor in its dtype.  With data parallelism and gradients averaged over ranks, multiply by the world size
+    as verl's ``token-mean`` does.  An empty batch gives 0.
+    """
+    require_float("entropy", entropy)
+    valid = as_valid_mask(valid, entropy.shape)
+    if not (isinstance(coef, (int, float)) and math.isfinite(coef)):
+        raise ValueError(f"coef must be a finite number, got {coef!r}")
+    n = float(all_reduce(valid.sum().to(torch.float64), process_group))
+    total = torch.where(valid, entropy, torch.zeros((), dtype=entropy.dtype, device=entropy.device)).sum()
+    return -coef * total / max(n, 1.0)
+
+
+__all__ = [
+    "CovLossResult",
+    "clip_cov_losses",
+    "entropy_bonus",
+    "high_entropy_mask",
+    "kl_cov_losses",
+    "ppo_clip_losses",
+    "unlikeliness_scores",
+]
