@@ -284,10 +284,11 @@ def check_update(layer, hidden, labels, temps, hook_out, checks: dict) -> dict:
     s_c = discriminator_score(hook_out["log_probs"], hook_out["entropy"]) - hook_out["s_expected"]
     valid = torch.ones_like(labels, dtype=torch.bool)
     mask = clip_v_mask(s_c.float(), adv, valid, mu_low=1.0, max_frac=None)
-    keep = mask.keep
+    both = gather_vocab(mask.keep[None].int())[0]  # the same mask on every TP rank?
+    n = mask.keep.numel()
+    checks["update_mask_identical_across_tp"] = bool((both[:n] == both[n:]).all())
+    keep = both[:n].bool()  # rank 0's, so that the ranks' collectives below stay matched either way
     clipped = ~keep
-    both = gather_vocab(keep[None].int())  # the same mask on every TP rank?
-    checks["update_mask_identical_across_tp"] = bool((both[0, : keep.numel()] == both[0, keep.numel() :]).all())
     old_logp = hook_out["log_probs"].float().detach()
     res = {"n_tokens": int(valid.sum()), "n_clipped": int(clipped.sum()), "threshold_low": mask.lower}
     checks["update_some_clipped"] = 0 < res["n_clipped"] < res["n_tokens"]
@@ -334,6 +335,9 @@ def main() -> int:
         h = check_hook(case, device, hidden, labels, temps, checks)
         report[case] = h["errors"]
         report[f"excluded_padding_{case}"] = check_excluded_padding(h["logits"], labels, temps, checks)
+        for key in (case, f"excluded_padding_{case}"):
+            summary = {k: [f"{v['max_abs']:.3g}", f"{v['rel_l2']:.3g}"] for k, v in report[key].items()}
+            print(f"rank {rank} {key} [max_abs, rel_l2]:", json.dumps(summary), flush=True)
         if case == "bf16_params_fp32_logits":
             report["update"] = check_update(h["layer"], hidden, labels, temps, h["hook"], checks)
     _engine.remove_engine_hook()
@@ -345,10 +349,7 @@ def main() -> int:
     failed = [k for k, ok in checks.items() if not ok]
     print(f"rank {rank} ({report['device']}, {report['backend']}): {len(checks) - len(failed)}/{len(checks)} checks passed"
           + (f"; FAILED: {failed}" if failed else ""), flush=True)
-    if rank == 0:
-        for key in (*CASES, *(f"excluded_padding_{c}" for c in CASES)):
-            print(key, json.dumps({k: [f"{v['max_abs']:.3g}", f"{v['rel_l2']:.3g}"] for k, v in report[key].items()}), flush=True)
-        print("update", json.dumps(report["update"], default=float), flush=True)
+    print(f"rank {rank} update:", json.dumps(report["update"], default=float), flush=True)
     ok = torch.tensor([0 if failed else 1], device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     dist.destroy_process_group()
