@@ -97,13 +97,15 @@ def full_weight() -> torch.Tensor:
 
 
 def batch_inputs(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """hidden ``[N, HIDDEN]`` fp32, labels ``[N]`` (global ids < V), per-token temperature ``[N]`` fp32."""
+    """hidden ``[N, HIDDEN]`` fp32, labels ``[N]`` sampled from the tempered softmax over the V real ids
+    (as a rollout samples them), per-token temperature ``[N]`` fp32; identical on every rank."""
     g = torch.Generator().manual_seed(11)
     n = sum(SEQ_LENS)
     hidden = torch.randn(n, HIDDEN, generator=g)
     hidden[::37] *= 6.0  # some very peaked rows
-    labels = torch.randint(0, V, (n,), generator=g)
     temps = torch.cat([torch.full((s,), t) for s, t in zip(SEQ_LENS, TEMPS)])
+    probs = torch.softmax((hidden.double() @ full_weight()[:V].double().T) / temps[:, None].double(), dim=-1)
+    labels = torch.multinomial(probs, 1, generator=g)[:, 0]
     return hidden.to(device), labels.to(device), temps.to(device)
 
 
