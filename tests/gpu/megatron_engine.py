@@ -47,6 +47,7 @@ MICRO_BATCH = 2  # -> 2 micro-batches (pipelined with PP=2)
 TEMPERATURE = 0.8
 TOL_HOOK = 2e-6  # max |E_p[S] error| / max(1, max |ref|), fp32 logits (Float16Module's output)
 TOL_VERL = 2e-4  # verl's own fp32 entropy / log-probs, and S*, S_c formed from them
+CHECKED = ("hook_s_expected", "verl_entropy", "verl_log_probs", "driver_s_centered")
 
 
 def setup(tp: int, pp: int) -> tuple[int, torch.device]:
@@ -145,7 +146,7 @@ def make_engine(module, tf_config):
     return engine
 
 
-def make_data(device: torch.device):
+def make_data():
     from verl.utils import tensordict_utils as tu
 
     from entropy_discriminator.adapters.verl._engine import STATS_CHUNK, STATS_FLAG, STATS_IMPL
@@ -163,7 +164,7 @@ def make_data(device: torch.device):
             "calculate_entropy": True, "use_dynamic_bsz": False, "micro_batch_size_per_gpu": MICRO_BATCH,
             STATS_FLAG: True, STATS_CHUNK: None, STATS_IMPL: "auto",
         },
-    ), seqs
+    )
 
 
 def reference(full: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -179,6 +180,18 @@ def reference(full: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tenso
     }
 
 
+def _cpu_dry_run_patches() -> None:
+    """CPU dry run only: verl, megatron's layers and its schedules ask CUDA for devices and RNG states."""
+    import contextlib
+
+    from megatron.core import tensor_parallel
+    from verl.workers.engine.megatron import transformer_impl
+
+    torch.cuda.current_device = lambda: "cpu"
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    transformer_impl.get_forward_backward_func = lambda: _sequential_schedule
+
+
 def _sequential_schedule(forward_step_func, data_iterator, model, num_microbatches, forward_only, **_):
     """CPU dry run only: megatron's no-pipelining schedule, forward_only, without its CUDA tensors."""
     assert forward_only
@@ -187,6 +200,52 @@ def _sequential_schedule(forward_step_func, data_iterator, model, num_microbatch
         output, loss_func = forward_step_func(data_iterator, model[0])
         store.append(loss_func(output)[1])
     return store
+
+
+def compare(mo: dict, seen: list[dict], v_local: int, checks: dict, report: dict) -> None:
+    """The engine's ``model_output`` (last stage) against float64 on the logits the hook saw, position by position."""
+    from megatron.core import parallel_state as mpu
+
+    from entropy_discriminator import discriminator_score
+    from entropy_discriminator.adapters.verl._engine import SEQ_FIELD
+
+    checks["hook_field_returned"] = SEQ_FIELD in mo
+    checks["hook_called_per_micro_batch"] = len(seen) == math.ceil(len(SEQ_LENS) / MICRO_BATCH)
+    report["logits_seen"] = [f"{tuple(s['logits'].shape)} {s['logits'].dtype}" for s in seen]
+    checks["hook_saw_fp32_vocab_shards"] = all(
+        s["logits"].dtype == torch.float32 and s["logits"].shape[-1] == v_local for s in seen
+    )
+    group = mpu.get_tensor_model_parallel_group()
+    refs: dict[str, list[torch.Tensor]] = {"logp": [], "entropy": [], "s_expected": []}
+    for s in seen:  # [b, s_pad, V_local] logits, [b, s_pad] rolled labels and temperatures
+        parts = [torch.empty_like(s["logits"]) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, s["logits"].contiguous(), group=group)
+        t = s["temperature"].clone()
+        t[t <= 0] = 1e-8
+        full = torch.cat(parts, -1) / t.unsqueeze(-1).to(s["logits"].dtype)
+        r = reference(full.reshape(-1, full.shape[-1]), s["label"].reshape(-1))
+        for k in refs:
+            refs[k].append(r[k].reshape(s["label"].shape))
+
+    def ref_seq(k):  # verl's bshd post-processing keeps each sequence's first len positions, in batch order
+        rows = [row for chunk in refs[k] for row in chunk]
+        return torch.cat([row[:n] for row, n in zip(rows, SEQ_LENS)])
+
+    got = {
+        "hook_s_expected": (mo[SEQ_FIELD].values(), ref_seq("s_expected"), TOL_HOOK),
+        "verl_entropy": (mo["entropy"].values(), ref_seq("entropy"), TOL_VERL),
+        "verl_log_probs": (mo["log_probs"].values(), ref_seq("logp"), TOL_VERL),
+    }
+    s_star_ref = ref_seq("logp").exp() * (ref_seq("entropy") + ref_seq("logp"))
+    s_star = discriminator_score(mo["log_probs"].values(), mo["entropy"].values())
+    got["driver_s_centered"] = (s_star.double() - mo[SEQ_FIELD].values().double(),
+                                s_star_ref - ref_seq("s_expected"), TOL_VERL)
+    for k, (a, b, tol) in got.items():
+        a, b = a.double().reshape(-1), b.double().reshape(-1)
+        e = {"max_abs": float((a - b).abs().max()), "rel_l2": float((a - b).norm() / b.norm()),
+             "max_ref": float(b.abs().max()), "n": a.numel()}
+        report[k] = e
+        checks[k] = a.numel() == sum(SEQ_LENS) and e["max_abs"] <= tol * max(1.0, e["max_ref"])
 
 
 def main() -> int:
@@ -199,7 +258,6 @@ def main() -> int:
     from megatron.core import parallel_state as mpu
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
-    from entropy_discriminator import discriminator_score
     from entropy_discriminator.adapters.verl import _engine
 
     _engine.install_engine_hook()
@@ -211,21 +269,13 @@ def main() -> int:
         return hooked(self, logits, label, temperature, **kwargs)
 
     MegatronEngineWithLMHead._lm_head_logits_processor = capturing
-    if device.type == "cpu":  # dry run only: verl, megatron's layers and its schedules ask CUDA for devices
+    if device.type == "cpu":
         if args.pp != 1:
             raise SystemExit("the CPU dry run covers --pp 1 only")
-        from verl.workers.engine.megatron import transformer_impl
-
-        import contextlib
-
-        from megatron.core import tensor_parallel
-
-        torch.cuda.current_device = lambda: "cpu"
-        tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # CUDA RNG states
-        transformer_impl.get_forward_backward_func = lambda: _sequential_schedule
+        _cpu_dry_run_patches()
     module, tf_config, v_pad = build_model(args.tp, args.pp, device)
     engine = make_engine(module, tf_config)
-    data, seqs = make_data(device)
+    data = make_data()
     with torch.no_grad():
         out = engine.forward_backward_batch(data, loss_function=None, forward_only=True)
     MegatronEngineWithLMHead._lm_head_logits_processor = hooked
@@ -236,43 +286,7 @@ def main() -> int:
                     "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "micro_batches_seen_by_hook": len(seen)}
     if mpu.is_pipeline_last_stage():
-        mo = out["model_output"]
-        checks["hook_field_returned"] = _engine.SEQ_FIELD in mo
-        checks["hook_called_per_micro_batch"] = len(seen) == math.ceil(len(SEQ_LENS) / MICRO_BATCH)
-        report["logits_seen"] = [f"{tuple(s['logits'].shape)} {s['logits'].dtype}" for s in seen]
-        checks["hook_saw_fp32_vocab_shards"] = all(
-            s["logits"].dtype == torch.float32 and s["logits"].shape[-1] == v_pad // args.tp for s in seen
-        )
-        group = mpu.get_tensor_model_parallel_group()
-        refs: dict[str, list[torch.Tensor]] = {"logp": [], "entropy": [], "s_expected": []}
-        for s in seen:  # [b, s_pad, V_local] logits, [b, s_pad] rolled labels and temperatures
-            parts = [torch.empty_like(s["logits"]) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(parts, s["logits"].contiguous(), group=group)
-            t = s["temperature"].clone()
-            t[t <= 0] = 1e-8
-            full = torch.cat(parts, -1) / t.unsqueeze(-1).to(s["logits"].dtype)
-            r = reference(full.reshape(-1, full.shape[-1]), s["label"].reshape(-1))
-            for k in refs:
-                refs[k].append(r[k].reshape(s["label"].shape))
-        # verl's bshd post-processing keeps each sequence's first len positions, in batch order.
-        def ref_seq(k):
-            rows = [row for chunk in refs[k] for row in chunk]
-            return torch.cat([row[:n] for row, n in zip(rows, SEQ_LENS)])
-        got = {
-            "hook_s_expected": (mo[_engine.SEQ_FIELD].values(), ref_seq("s_expected"), TOL_HOOK),
-            "verl_entropy": (mo["entropy"].values(), ref_seq("entropy"), TOL_VERL),
-            "verl_log_probs": (mo["log_probs"].values(), ref_seq("logp"), TOL_VERL),
-        }
-        s_star_ref = ref_seq("logp").exp() * (ref_seq("entropy") + ref_seq("logp"))
-        s_star = discriminator_score(mo["log_probs"].values(), mo["entropy"].values())
-        got["driver_s_centered"] = (s_star.double() - mo[_engine.SEQ_FIELD].values().double(),
-                                    s_star_ref - ref_seq("s_expected"), TOL_VERL)
-        for k, (a, b, tol) in got.items():
-            a, b = a.double().reshape(-1), b.double().reshape(-1)
-            e = {"max_abs": float((a - b).abs().max()), "rel_l2": float((a - b).norm() / b.norm()),
-                 "max_ref": float(b.abs().max()), "n": a.numel()}
-            report[k] = e
-            checks[k] = a.numel() == sum(SEQ_LENS) and e["max_abs"] <= tol * max(1.0, e["max_ref"])
+        compare(out["model_output"], seen, v_pad // args.tp, checks, report)
     else:
         checks["no_hook_call_before_last_stage"] = not seen and not out
     report["checks"] = checks
@@ -280,10 +294,9 @@ def main() -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"megatron_engine_tp{args.tp}_pp{args.pp}_rank{rank}.json").write_text(json.dumps(report, indent=1))
-    print(f"rank {rank} tp={args.tp} pp={args.pp} ({report['device']}): {len(checks) - len(failed)}/{len(checks)} "
-          f"checks passed" + (f"; FAILED {failed}" if failed else "") + " " +
-          json.dumps({k: [f"{v['max_abs']:.3g}", f"{v['rel_l2']:.3g}"] for k, v in report.items() if isinstance(v, dict) and "max_abs" in v}),
-          flush=True)
+    errors = {k: [f"{v['max_abs']:.3g}", f"{v['rel_l2']:.3g}"] for k, v in report.items() if k in CHECKED}
+    verdict = f"{len(checks) - len(failed)}/{len(checks)} checks passed" + (f"; FAILED {failed}" if failed else "")
+    print(f"rank {rank} tp={args.tp} pp={args.pp} ({report['device']}): {verdict} {json.dumps(errors)}", flush=True)
     ok = torch.tensor([0 if failed else 1], device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     dist.destroy_process_group()
