@@ -345,7 +345,7 @@ def test_trl_grpo_script_wrapper_patches_the_stock_trainer(monkeypatch, tmp_path
         "--model_name_or_path", str(tmp_path / "model"), "--dataset_name", str(tmp_path / "data"),
         "--reward_funcs", "tiny_reward.digit_reward", "--output_dir", str(tmp_path / "out"), "--use_cpu",
         "--report_to", "none", "--max_steps", "1", "--per_device_train_batch_size", "4", "--num_generations", "4",
-        "--max_completion_length", "8", "--save_strategy", "no", "--dtype", "float32",
+        "--max_completion_length", "8", "--save_strategy", "no", "--dtype", "float32", "--bf16", "False",
         "--entropy_disc_method", "clip_b", "--entropy_disc_mu_low", "0.5", "--entropy_disc_sides", "both",
     ])
     assert not is_patched()
