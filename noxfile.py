@@ -43,8 +43,8 @@ def verl(session: nox.Session) -> None:
 
 
 # TRL: the oldest and the newest release of the adapter's range (adapters/trl/_support.py SUPPORTED_TRL),
-# each with its own transformers pin.
-TRL_RELEASES = {"1.14.0": "transformers==5.24.0", "1.16.0": "transformers==5.24.0"}
+# each with its own pins (TRL 1.14 imports requests without declaring it).
+TRL_RELEASES = {"1.14.0": ["transformers==5.24.0", "requests"], "1.16.0": ["transformers==5.24.0"]}
 
 
 @nox.session
@@ -57,7 +57,7 @@ def trl(session: nox.Session, release: str) -> None:
     in-memory tokenizer (no hub access) and include a 2-process gloo run.
     """
     session.install(TORCH)
-    session.install("-e", ".[test]", f"trl=={release}", TRL_RELEASES[release], TORCH)
+    session.install("-e", ".[test]", f"trl=={release}", *TRL_RELEASES[release], TORCH)
     # Only the TRL test files: collecting another adapter's tests can put stub modules (e.g. vllm)
     # into sys.modules, which TRL's import-time feature checks then trip over.
     # ED_REQUIRE_TRL: the TRL tests fail instead of skipping when trl cannot be imported here.

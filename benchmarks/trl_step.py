@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> None:
         r["card"] = card
         r["rest_vs_off_pct"] = 100 * (r["rest_s"] / base["rest_s"] - 1)
         r["peak_vs_off_pct"] = 100 * (r["peak_gib"] / base["peak_gib"] - 1)
-    out = ns.out or Path(__file__).resolve().parent / "results" / card.lower()
+    folder = next((c for c in ("h100", "h200") if c in card.lower()), card.lower())  # the results/ folder names
+    out = ns.out or Path(__file__).resolve().parent / "results" / folder
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "trl_step.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
