@@ -92,14 +92,14 @@ def stats_from_hidden(
 
     ``z = (hidden @ W.T + b) / trainer.temperature`` per token, computed in the promoted dtype of
     hidden and weight (a bf16 backbone under a float32 head, as with TRL's
-    ``cast_lm_head_to_fp32``, is upcast); positions outside ``valid`` (B, T) bool are ignored
+    ``cast_lm_head_to_fp32``, is upcast), with autocast off so that dtype holds; positions outside ``valid`` (B, T) bool are ignored
     (zero, ``valid=False``).  Returns float32 (B, T) fields.
     """
     weight, bias = lm_head(trainer)
     dtype = torch.promote_types(hidden.dtype, weight.dtype)
     hidden = hidden.to(device=weight.device, dtype=dtype)
     labels = completion_ids.to(weight.device).masked_fill(~valid.to(weight.device), -100)
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
         return token_stats_from_hidden(
             hidden, weight.to(dtype), labels, bias=None if bias is None else bias.to(dtype),
             temperature=float(trainer.temperature), chunk_size=chunk_size, impl=impl,
