@@ -41,7 +41,6 @@ from ._support import (
     CURRENT,
     EXTRA_PASS,
     HOOKED_METHODS,
-    MONITOR_OFF,
     OLD_PASS,
     TRAINING_FORWARD,
     Plan,
@@ -275,7 +274,7 @@ def _class_state(trainer: Any, entry: _ClassPatch) -> AdapterState | None:
     """The instance's state under a class patch, built once per patch setting (cached on it)."""
     key = (entry, entry.config, entry.mask_source, entry.explicit)
     cached = trainer.__dict__.get(_CLASS_STATE_ATTR)
-    if cached is not None and cached[0] == key and cached[0][0] is entry:
+    if cached is not None and cached[0] == key:
         return cached[1]
     from_args = settings_from_args(trainer.args)
     if entry.config is None:

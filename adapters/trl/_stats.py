@@ -106,13 +106,6 @@ def stats_from_hidden(
         )
 
 
-def concat(parts: list[TokenStats]) -> TokenStats:
-    """Row-wise concatenation of (B_i, T) statistics."""
-    if len(parts) == 1:
-        return parts[0]
-    return TokenStats(**{f: torch.cat([getattr(p, f) for p in parts], dim=0) for f in _FIELDS})
-
-
 def restrict(stats: TokenStats, valid: torch.Tensor) -> TokenStats:
     """``stats`` with ``valid`` narrowed to ``stats.valid & valid`` (e.g. TRL's ``tool_mask``)."""
     keep = stats.valid & valid.to(stats.valid.device)

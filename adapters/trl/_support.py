@@ -79,11 +79,9 @@ def validate_options(config: EntropyDiscConfig, mask_source: str) -> None:
 
 @dataclass(frozen=True)
 class Plan:
-    """How one trainer is served: ``route`` (one of the route names above) and ``old_pass``
-    (whether TRL itself runs an old-policy pass over each generation batch)."""
+    """How one trainer is served: ``route``, one of the route names above."""
 
     route: str
-    old_pass: bool
 
 
 def trl_runs_old_pass(trainer: Any) -> bool:
@@ -118,7 +116,7 @@ def plan(trainer: GRPOTrainer, config: EntropyDiscConfig, mask_source: str) -> P
     """
     masking = config.method != "none"
     if not masking and not config.log_metrics:
-        return Plan(MONITOR_OFF, trl_runs_old_pass(trainer))
+        return Plan(MONITOR_OFF)
     text_config = trainer.model.config.get_text_config()
     for name in LOGIT_TRANSFORMS:
         value = getattr(text_config, name, None)
@@ -145,14 +143,13 @@ def plan(trainer: GRPOTrainer, config: EntropyDiscConfig, mask_source: str) -> P
                 + " TRL's loss still gives that token gradient. Use mask_mode='drop_token' (the clipped token leaves "
                 "TRL's loss mask, so it gets no gradient from any term) or change that setting."
             )
-    old_pass = trl_runs_old_pass(trainer)
     if mask_source == "current":
-        return Plan(CURRENT, old_pass)
-    if old_pass:
-        return Plan(OLD_PASS, old_pass)
+        return Plan(CURRENT)
+    if trl_runs_old_pass(trainer):
+        return Plan(OLD_PASS)
     if trainer.args.steps_per_generation == 1 and (not masking or config.mask_mode == "zero_pg"):
-        return Plan(TRAINING_FORWARD, old_pass)
-    return Plan(EXTRA_PASS, old_pass)
+        return Plan(TRAINING_FORWARD)
+    return Plan(EXTRA_PASS)
 
 
 __all__ = ["HOOKED_METHODS", "LOSS_TYPES", "MASK_SOURCES", "SUPPORTED_TRL", "Plan", "UnsupportedVersionError",

@@ -9,12 +9,14 @@ the loss seam, the monitor and the examples.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import sys
 
 import pytest
 import torch
-from _trl_harness import BASE, ROOT, make_trainer, tiny
+import trl
+from _trl_harness import ROOT, make_trainer, tiny
 from trl import GRPOConfig, GRPOTrainer, RLOOTrainer, TrlParser
 
 import entropy_discriminator.adapters.trl as ed_trl
@@ -29,9 +31,6 @@ from entropy_discriminator.adapters.trl import (
     patch,
     unpatch,
 )
-
-import importlib.util  # noqa: E402  (used by the example tests)
-import trl  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -73,7 +73,7 @@ def _run(trainer, rows: slice) -> dict[str, object]:
     ):
         trainer._metrics["train"].clear()
         state = _patch.AdapterState(cfg, "current" if route == _support.CURRENT else "generation")
-        state.plan = _support.Plan(route, old_pass=False)
+        state.plan = _support.Plan(route)
         trainer.__dict__[_patch._STATE_ATTR] = state  # the trainer's wrappers read this state
         _patch._extra_pass(trainer, state, half)
         stats = _stats.restrict(state.captured, _mask.loss_mask(half))

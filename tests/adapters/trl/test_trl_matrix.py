@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _trl_harness import Probe, make_trainer, reference_keep, row_key, tiny
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOConfig
 
 from entropy_discriminator import EntropyDiscConfig
 from entropy_discriminator.adapters.trl import LOSS_TYPES, EntropyDiscGRPOTrainer, patch, unpatch
