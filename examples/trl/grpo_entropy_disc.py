@@ -1,4 +1,4 @@
-"""GRPO with Clip_B / Clip_V (entropy discriminator) in TRL 1.16: Qwen2.5-0.5B-Instruct on GSM8K.
+"""GRPO with Clip_B / Clip_V (entropy discriminator) in TRL 1.14-1.16: Qwen2.5-0.5B-Instruct on GSM8K.
 
 Install (GPU machine with hub access)::
 

@@ -215,14 +215,23 @@ def test_patch_rejects_bad_targets_and_settings(tmp_path):
 CLIP_ARGS = dict(entropy_disc_method="clip_b", entropy_disc_mu_low=0.5, entropy_disc_sides="both")
 
 
+@pytest.fixture(scope="module")
+def subclass_run(tmp_path_factory):
+    """One EntropyDiscGRPOTrainer run with CLIP_ARGS: what every entry point must reproduce."""
+    unpatch()
+    ref = _trainer(tmp_path_factory.mktemp("ref"), **CLIP_ARGS)
+    ref.train()
+    unpatch()
+    return ref
+
+
 @pytest.mark.parametrize("how", ["stock_trainer_given_the_config", "patch_without_config_takes_args",
                                  "class_patch", "instance_patch", "subclass_under_class_patch"])
-def test_every_entry_point_behaves_like_the_subclass(how, tmp_path):
+def test_every_entry_point_behaves_like_the_subclass(how, subclass_run, tmp_path):
     """Issue 10 item 5: a stock GRPOTrainer given EntropyDiscGRPOConfig(clip_b) without patch() clips;
     patch() with no config takes the args' clip_b.  Every entry point logs the same metrics and losses
     as EntropyDiscGRPOTrainer (whose masks test_trl_matrix.py checks)."""
-    ref = _trainer(tmp_path / "ref", **CLIP_ARGS)
-    ref.train()
+    ref = subclass_run
     core = EntropyDiscConfig(method="clip_b", mu_low=0.5, sides="both")
     if how == "stock_trainer_given_the_config":
         unpatch()  # the config built below installs the wrappers again
