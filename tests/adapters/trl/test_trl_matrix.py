@@ -11,7 +11,9 @@ logits of the generating policy's weights in float64, ``tests/reference.py``):
 * the gradient: d loss / d log p_t of TRL's own current-policy log-probs is exactly 0.0 at every
   clipped token (the only way a token reaches the parameters in these runs: no KL term, no entropy
   bonus, so a clipped token contributes exactly zero parameter gradient), and nonzero at kept ones;
-* the route the adapter took (TRL's old-policy pass, the training forward, or one extra pass).
+* the route the adapter took (TRL's old-policy pass, the training forward, or one extra pass);
+* (loss level, off-policy ratios) the zero_pg parameter update equals TRL's stock update with the
+  clipped tokens' contributions removed.
 
 Settings the adapter cannot serve exactly are refused before any generation, with their message.
 """
@@ -21,10 +23,10 @@ from __future__ import annotations
 import pytest
 import torch
 from _trl_harness import Probe, make_trainer, reference_keep, row_key, tiny
-from trl import GRPOConfig
+from trl import GRPOConfig, GRPOTrainer
 
 from entropy_discriminator import EntropyDiscConfig
-from entropy_discriminator.adapters.trl import LOSS_TYPES, EntropyDiscGRPOTrainer, patch, unpatch
+from entropy_discriminator.adapters.trl import KEEP_KEY, LOSS_TYPES, EntropyDiscGRPOTrainer, patch, unpatch
 
 #: name: (steps_per_generation, num_iterations, gradient_accumulation_steps, optimiser steps, route)
 SCHEDULES = {
@@ -161,3 +163,47 @@ def test_current_policy_source_per_micro_batch(tmp_path):
         assert torch.all(logps.grad[sub["completion_mask"].bool() & ~keep] == 0.0)
         clipped += int((~keep).sum())
     assert clipped > 0
+
+
+@pytest.mark.parametrize("loss_type", [t for t in LOSS_TYPES if t != "luspo"])
+def test_zero_pg_update_is_the_stock_update_without_the_clipped_tokens(loss_type, tmp_path):
+    """Parameter gradient, off-policy (old log-probs perturbed, so ratios and their clipping act):
+    the adapter's zero_pg update equals TRL's stock update with the clipped tokens' contributions
+    removed, i.e. backpropagating the stock per-token gradient d loss / d log p_t times keep_t."""
+    patch(Probe, EntropyDiscConfig(method="clip_b", mask_mode="zero_pg"))
+    trainer = make_trainer(tmp_path, cls=Probe, config_cls=GRPOConfig, loss_type=loss_type)
+    model = trainer.model
+    model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    g = torch.Generator().manual_seed(3)
+    vocab, b, p, t = model.config.vocab_size, 4, 3, 5
+    cmask = torch.ones(b, t, dtype=torch.long)
+    cmask[0, 3:] = 0
+    inputs = {"prompt_ids": torch.randint(4, vocab, (b, p), generator=g),
+              "prompt_mask": torch.ones(b, p, dtype=torch.long),
+              "completion_ids": torch.randint(4, vocab, (b, t), generator=g), "completion_mask": cmask,
+              "advantages": torch.tensor([1.0, -0.5, 2.0, -1.5]), "num_items_in_batch": cmask.sum()}
+    with torch.no_grad():
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        current, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, model, ids, torch.cat([inputs["prompt_mask"], cmask], 1), t)
+    inputs["old_per_token_logps"] = current + 0.3 * torch.randn(b, t, generator=g)
+    keep = torch.rand(b, t, generator=g) > 0.4
+
+    def grads(loss):
+        model.zero_grad()
+        loss.backward()
+        return [q.grad.clone() for q in model.parameters() if q.grad is not None]
+
+    patched = grads(trainer._compute_loss(model, {**inputs, KEEP_KEY: keep}))
+    unpatch(Probe)
+    stock_loss = trainer._compute_loss(model, dict(inputs))
+    logps = trainer.probe_logps
+    per_token = torch.autograd.grad(stock_loss, logps, retain_graph=True)[0]
+    assert bool((per_token[cmask.bool() & ~keep] != 0).any())  # the clipped tokens would have contributed
+    model.zero_grad()
+    logps.backward(per_token * keep)
+    expected = [q.grad.clone() for q in model.parameters() if q.grad is not None]
+    assert len(patched) == len(expected)
+    for got, want in zip(patched, expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
