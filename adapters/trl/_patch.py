@@ -116,7 +116,8 @@ def _generate(trainer: Any, state: AdapterState, original: Callable, inputs: Any
         return batch
     multimodal = [k for k in _MULTIMODAL_KEYS if batch.get(k) is not None]
     if multimodal:
-        raise ValueError(f"the entropy-discriminator TRL adapter scores text-only batches; this batch carries {multimodal}")
+        raise ValueError(
+            f"the entropy-discriminator TRL adapter scores text-only batches; this batch carries {multimodal}")
     if route == EXTRA_PASS:
         _extra_pass(trainer, state, batch)
     stats, state.captured = state.captured, None
@@ -226,7 +227,9 @@ def make_wrappers(originals: dict[str, Callable], resolve: Resolver) -> dict[str
 
     def _get_per_token_logps_and_entropies(self: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
         state = resolve(self)
-        return logps(self, model, *args, **kwargs) if state is None else _logps(self, state, logps, model, *args, **kwargs)
+        if state is None:
+            return logps(self, model, *args, **kwargs)
+        return _logps(self, state, logps, model, *args, **kwargs)
 
     wrapped = dict(zip(HOOKED_METHODS, (_generate_and_score_completions, _compute_loss_,
                                         _get_per_token_logps_and_entropies)))

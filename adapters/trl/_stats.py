@@ -92,8 +92,8 @@ def stats_from_hidden(
 
     ``z = (hidden @ W.T + b) / trainer.temperature`` per token, computed in the promoted dtype of
     hidden and weight (a bf16 backbone under a float32 head, as with TRL's
-    ``cast_lm_head_to_fp32``, is upcast), with autocast off so that dtype holds; positions outside ``valid`` (B, T) bool are ignored
-    (zero, ``valid=False``).  Returns float32 (B, T) fields.
+    ``cast_lm_head_to_fp32``, is upcast), with autocast off so that dtype holds; positions outside
+    ``valid`` (B, T) bool are ignored (zero, ``valid=False``).  Returns float32 (B, T) fields.
     """
     weight, bias = lm_head(trainer)
     dtype = torch.promote_types(hidden.dtype, weight.dtype)

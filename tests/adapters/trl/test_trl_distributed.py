@@ -4,8 +4,9 @@ Each spawned process builds a real ``EntropyDiscGRPOTrainer`` (accelerate initia
 process group from RANK/WORLD_SIZE) with the same tiny model, takes its half of one fixed
 generation batch, scores it through TRL's own log-prob method with the hidden states captured
 (the adapter's extra-pass route) and masks it over the generation batch (Clip_B zero_pg, Clip_V
-drop_token) and per micro-batch (the training-forward / current routes).  The keep-masks, ``num_items_in_batch`` and every ``entropy_disc/``
-metric must equal those of a single process on the whole batch.
+drop_token) and per micro-batch (the training-forward / current routes).  The keep-masks,
+``num_items_in_batch`` and every ``entropy_disc/`` metric must equal those of a single process on
+the whole batch.
 """
 
 from __future__ import annotations
