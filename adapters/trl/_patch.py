@@ -112,7 +112,7 @@ def _generate(trainer: Any, state: AdapterState, original: Callable, inputs: Any
         batch = original(trainer, inputs)
     finally:
         state.capture_next = False
-    if route not in (OLD_PASS, EXTRA_PASS) or KEEP_KEY in batch:
+    if route not in (OLD_PASS, EXTRA_PASS):
         return batch
     multimodal = [k for k in _MULTIMODAL_KEYS if batch.get(k) is not None]
     if multimodal:
