@@ -43,16 +43,22 @@ def verl(session: nox.Session) -> None:
     session.run(*PYTEST, "tests/adapters/verl", *session.posargs)
 
 
-@nox.session
-def trl(session: nox.Session) -> None:
-    """The TRL 1.16.0 adapter against a real CPU install of ``trl==1.16.0``.
+# TRL: the oldest and the newest release of the adapter's range (adapters/trl/_support.py SUPPORTED_TRL),
+# each with its own pins (TRL 1.14 imports requests without declaring it).
+TRL_RELEASES = {"1.14.0": ["transformers==5.24.0", "requests"], "1.16.0": ["transformers==5.24.0"]}
 
-    torch is installed first and pinned again with the extra so that TRL's dependencies
-    (accelerate, transformers) can never pull a CUDA build.  The tests build a tiny random
-    causal LM and an in-memory tokenizer (no hub access) and include a 2-process gloo run.
+
+@nox.session
+@nox.parametrize("release", list(TRL_RELEASES), ids=["1.14", "1.16"])
+def trl(session: nox.Session, release: str) -> None:
+    """The TRL adapter against a real CPU install of the oldest and the newest supported TRL.
+
+    torch is installed first and pinned again with TRL so that its dependencies (accelerate,
+    transformers) can never pull a CUDA build.  The tests build a tiny random causal LM and an
+    in-memory tokenizer (no hub access) and include a 2-process gloo run.
     """
     session.install(TORCH)
-    session.install("-e", ".[test,trl]", TORCH)
+    session.install("-e", ".[test]", f"trl=={release}", *TRL_RELEASES[release], TORCH)
     # Only the TRL test files: collecting another adapter's tests can put stub modules (e.g. vllm)
     # into sys.modules, which TRL's import-time feature checks then trip over.
     # ED_REQUIRE_TRL: the TRL tests fail instead of skipping when trl cannot be imported here.

@@ -1,4 +1,4 @@
-"""GRPO with Clip_B / Clip_V (entropy discriminator) in TRL 1.16: Qwen2.5-0.5B-Instruct on GSM8K.
+"""GRPO with Clip_B / Clip_V (entropy discriminator) in TRL 1.14-1.16: Qwen2.5-0.5B-Instruct on GSM8K.
 
 Install (GPU machine with hub access)::
 
@@ -15,7 +15,7 @@ Run, one GPU (the ``--entropy_disc_*`` flags are fields of ``EntropyDiscGRPOConf
 Several GPUs: ``accelerate launch --num_processes 4 examples/trl/grpo_entropy_disc.py ...`` (the
 mask's statistics are then global over all processes).  ``--use_patch`` trains a stock
 ``GRPOTrainer`` made to behave the same by ``patch()``; ``--entropy_disc_mask_source current``
-recomputes Clip_B per micro-batch from the current policy.
+recomputes the mask per micro-batch from the current policy.
 
 ``--tiny`` runs the same code path without the hub: a randomly initialised Llama
 (``--tiny_hidden``/``--tiny_layers``), an in-memory tokenizer and "what is x plus y" prompts
@@ -117,9 +117,9 @@ def build(ex: ExampleArguments, args: EntropyDiscGRPOConfig) -> GRPOTrainer:
     kwargs = dict(model=model, reward_funcs=reward, train_dataset=dataset, processing_class=tokenizer)
     if not ex.use_patch:
         return EntropyDiscGRPOTrainer(args=args, **kwargs)
-    # A launch script that builds a stock GRPOTrainer elsewhere needs only this line (the stock trainer
-    # ignores the entropy_disc_* fields of args; patch() carries the settings).
-    patch(config=args.entropy_disc_config(), mask_source=args.entropy_disc_mask_source)
+    # A stock GRPOTrainer given an EntropyDiscGRPOConfig acts on its entropy_disc_* fields (building the
+    # config installs the wrappers); patch() with no config says so explicitly and takes the args' settings.
+    patch()
     return GRPOTrainer(args=args, **kwargs)
 
 

@@ -1,39 +1,28 @@
-"""The TRL 1.16 adapter against a real CPU install of TRL (nox session ``trl``).
+"""The TRL adapter against a real CPU install of TRL (nox sessions ``trl-1.14`` and ``trl-1.16``).
 
 A tiny randomly initialised Llama and a word-level tokenizer built in memory
 (``examples/trl/tiny.py``, no hub access) train through the real ``GRPOTrainer``.  Nothing of
-TRL is stubbed.  Outside the ``trl`` session (where TRL is not installed) the module is skipped at
-collection; with ``ED_REQUIRE_TRL=1`` (set by the session) a missing TRL is an error.
+TRL is stubbed.  The configuration matrix is in ``test_trl_matrix.py``; here: version guard,
+config and CLI flags, the entry points (subclass, stock trainer with the config, patch/unpatch),
+the loss seam, the monitor and the examples.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
-import os
-import pathlib
 import sys
 
 import pytest
 import torch
+import trl
+from _trl_harness import ROOT, make_trainer, tiny
+from trl import GRPOConfig, GRPOTrainer, RLOOTrainer, TrlParser
 
-if os.environ.get("ED_REQUIRE_TRL"):
-    import trl
-else:
-    trl = pytest.importorskip("trl", reason="TRL is installed only in the nox 'trl' session")
-
-from trl import GRPOConfig, GRPOTrainer, RLOOTrainer, TrlParser  # noqa: E402
-
-import entropy_discriminator.adapters.trl._hooks as hooks  # noqa: E402
-import entropy_discriminator.adapters.trl as ed_trl  # noqa: E402
-from entropy_discriminator import (  # noqa: E402
-    EntropyDiscConfig,
-    clip_b_mask,
-    clip_v_mask,
-    discriminator_score,
-    token_stats,
-)
-from entropy_discriminator.adapters.trl import (  # noqa: E402
+import entropy_discriminator.adapters.trl as ed_trl
+import entropy_discriminator.adapters.trl._patch as ed_patch
+from entropy_discriminator import EntropyDiscConfig
+from entropy_discriminator.adapters.trl import (
     KEEP_KEY,
     EntropyDiscGRPOConfig,
     EntropyDiscGRPOTrainer,
@@ -43,28 +32,17 @@ from entropy_discriminator.adapters.trl import (  # noqa: E402
     unpatch,
 )
 
-ROOT = pathlib.Path(__file__).resolve().parents[3]
-_spec = importlib.util.spec_from_file_location("ed_trl_tiny", ROOT / "examples" / "trl" / "tiny.py")
-tiny = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tiny)
-
-BASE = dict(
-    max_steps=2, per_device_train_batch_size=4, num_generations=4, max_completion_length=8, logging_steps=1,
-    report_to="none", use_cpu=True, save_strategy="no", learning_rate=1e-2, disable_dropout=True, seed=0,
-)
-
 
 @pytest.fixture(autouse=True)
 def _no_leftover_patch():
+    unpatch()
     yield
     unpatch()  # a failed test must not leave GRPOTrainer patched for the next one
 
 
 def _trainer(tmp_path, cls=EntropyDiscGRPOTrainer, config_cls=EntropyDiscGRPOConfig, trainer_kwargs=None, **kw):
-    tok = tiny.tiny_tokenizer()
-    args = config_cls(output_dir=str(tmp_path), **{**BASE, **kw})
-    return cls(model=tiny.tiny_model(tok), reward_funcs=tiny.digit_reward, args=args,
-               train_dataset=tiny.tiny_dataset(), processing_class=tok, **(trainer_kwargs or {}))
+    return make_trainer(tmp_path, cls=cls, config_cls=config_cls, trainer_kwargs=trainer_kwargs,
+                        **{"max_steps": 2, "max_completion_length": 8, **kw})
 
 
 def _ed_logs(trainer) -> list[dict[str, float]]:
@@ -72,31 +50,23 @@ def _ed_logs(trainer) -> list[dict[str, float]]:
             if any(k.startswith("entropy_disc/") for k in h)]
 
 
-def _reference_stats(trainer, batch):
-    """token_stats on the full (not logits_to_keep) forward, shifted by hand."""
-    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
-    att = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-    p = batch["prompt_ids"].size(1)
-    with torch.no_grad():
-        logits = trainer.model(input_ids=ids, attention_mask=att).logits
-    labels = batch["completion_ids"].masked_fill(batch["completion_mask"] == 0, -100)
-    return token_stats(logits[:, p - 1 : -1], labels, temperature=trainer.args.temperature, impl="torch")
-
-
 # ---------------------------------------------------------------------------------------------- version
 
 
 def test_version_guard_names_range_and_reason(monkeypatch, tmp_path):
-    assert ed_trl.check_trl_version() == trl.__version__ == "1.16.0"
-    for bad in ("1.15.2", "1.17.0", "2.0.0"):
-        with pytest.raises(UnsupportedVersionError, match=r"trl>=1\.16\.0,<1\.17\.0.*private methods"):
+    assert ed_trl.check_trl_version() == trl.__version__
+    for good in ("1.14.0", "1.14.2", "1.15.0", "1.16.0", "1.16.1"):
+        assert ed_trl.check_trl_version(good) == good
+    for bad in ("1.13.0", "1.14.0rc1", "1.14.0.dev0", "1.17.0", "1.17.0rc1", "2.0.0"):
+        with pytest.raises(UnsupportedVersionError, match=r"trl>=1\.14\.0,<1\.17\.0.*private methods"):
             ed_trl.check_trl_version(bad)
     monkeypatch.setattr(trl, "__version__", "1.17.0")
     with pytest.raises(UnsupportedVersionError, match="1.17.0 is not supported"):
         patch(config=EntropyDiscConfig(method="clip_b"))
     assert not is_patched()
     with pytest.raises(UnsupportedVersionError):
-        _trainer(tmp_path)
+        _trainer(tmp_path)  # the config itself checks
+    assert not is_patched()
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -128,76 +98,13 @@ def test_config_rejects_bad_values_naming_the_field(field, value, match):
         EntropyDiscGRPOConfig(output_dir="/tmp/x", report_to="none", use_cpu=True, **{field: value})
 
 
-def test_current_source_refuses_what_its_seam_cannot_serve():
-    with pytest.raises(ValueError, match="'clip_b' only"):
-        hooks.AdapterState(EntropyDiscConfig(method="clip_v"), "current")
+def test_current_source_refuses_drop_token():
+    ed_patch.AdapterState(EntropyDiscConfig(method="clip_v"), "current")  # served: statistics from hidden states
     with pytest.raises(ValueError, match="drop_token"):
-        hooks.AdapterState(EntropyDiscConfig(method="clip_b", mask_mode="drop_token"), "current")
+        ed_patch.AdapterState(EntropyDiscConfig(method="clip_b", mask_mode="drop_token"), "current")
 
 
 # ---------------------------------------------------------------------------------------------- training
-
-
-@pytest.mark.parametrize("method", ["clip_b", "clip_v"])
-def test_train_mask_fixed_over_iterations_and_accumulation(method, monkeypatch, tmp_path):
-    """num_iterations=2, gradient_accumulation_steps=2: one generation batch, four loss calls,
-    each sees A * keep with keep = the core mask of the generating policy, never recomputed."""
-    generations, losses = [], []
-    real_gen, real_loss = ed_trl.after_generation, ed_trl.loss_inputs
-
-    def spy_gen(trainer, state, batch):
-        ref = _reference_stats(trainer, batch)
-        mine = hooks.policy_token_stats(trainer, batch, chunk_size=None, impl="torch")
-        out = real_gen(trainer, state, batch)
-        generations.append((batch, out, ref, mine))
-        return out
-
-    def spy_loss(state, trainer, inputs):
-        out = real_loss(state, trainer, inputs)
-        losses.append((inputs, out))
-        return out
-
-    monkeypatch.setattr(ed_trl, "after_generation", spy_gen)
-    monkeypatch.setattr(ed_trl, "loss_inputs", spy_loss)
-    trainer = _trainer(tmp_path, gradient_accumulation_steps=2, num_iterations=2, temperature=0.7,
-                       entropy_disc_method=method, entropy_disc_mu_low=0.5, entropy_disc_sides="both",
-                       entropy_disc_max_frac="none")
-    before = [p.detach().clone() for p in trainer.model.parameters()]
-    trainer.train()
-    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
-
-    assert len(generations) == 1 and len(losses) == 4
-    batch, out, ref, mine = generations[0]
-    # The mask is the core function's on the same tensors (full forward, temperature 0.7).
-    scores = ref.s_star if method == "clip_b" else ref.s_centered
-    fn = clip_b_mask if method == "clip_b" else clip_v_mask
-    expected = fn(scores, batch["advantages"], ref.valid, mu_low=0.5, sides="both", max_frac=None)
-    assert torch.equal(out[KEEP_KEY], expected.keep)
-    assert 0 < expected.n_clipped < expected.n_valid
-    # The adapter's statistics agree with TRL's own fused-head log-probs of the same policy.
-    valid = batch["completion_mask"].bool()
-    assert "old_per_token_logps" in batch  # num_iterations > 1 makes TRL score the batch itself
-    torch.testing.assert_close(mine.logp[valid], batch["old_per_token_logps"][valid], atol=2e-5, rtol=0)
-
-    # Four loss calls = two buffered slices, each used on both iterations, never modified.
-    slices = [inputs for inputs, _ in losses]
-    assert slices[0] is slices[2] and slices[1] is slices[3] and slices[0] is not slices[1]
-    rows = {}
-    for i in range(batch["completion_ids"].size(0)):
-        key = (tuple(batch["prompt_ids"][i].tolist()), tuple(batch["completion_ids"][i].tolist()))
-        rows[key] = out[KEEP_KEY][i]
-    for inputs, passed in losses:
-        assert KEEP_KEY not in passed and KEEP_KEY in inputs and inputs["advantages"].dim() == 1
-        for i in range(inputs["completion_ids"].size(0)):
-            key = (tuple(inputs["prompt_ids"][i].tolist()), tuple(inputs["completion_ids"][i].tolist()))
-            assert torch.equal(inputs[KEEP_KEY][i], rows[key])
-        torch.testing.assert_close(passed["advantages"], inputs["advantages"][:, None] * inputs[KEEP_KEY])
-
-    logs = _ed_logs(trainer)
-    assert len(logs) == 1  # one generation batch -> one set of metrics
-    assert logs[0]["entropy_disc/clip/n_clipped"] == expected.n_clipped
-    assert logs[0]["entropy_disc/entropy/mean"] == pytest.approx(ref.entropy[ref.valid].double().mean().item(),
-                                                                 rel=1e-5)
 
 
 def test_monitor_entropy_matches_trl_entropy(tmp_path):
@@ -208,43 +115,6 @@ def test_monitor_entropy_matches_trl_entropy(tmp_path):
     (log,) = [h for h in trainer.state.log_history if "entropy" in h]
     assert log["entropy_disc/entropy/mean"] == pytest.approx(log["entropy"], rel=1e-5)
     assert "entropy_disc/clip/frac" not in log  # method none: monitor only
-
-
-def test_current_policy_clip_b_per_micro_batch(monkeypatch, tmp_path):
-    seen = []
-    real = ed_trl.current_policy_mask
-
-    def spy(trainer, state, logps, entropies):
-        inputs = state.pending
-        adv = inputs["advantages"]
-        real(trainer, state, logps, entropies)
-        seen.append((adv, logps.detach().clone(), entropies.detach().clone(), hooks.loss_mask(inputs),
-                     inputs["advantages"]))
-
-    monkeypatch.setattr(ed_trl, "current_policy_mask", spy)
-    trainer = _trainer(tmp_path, gradient_accumulation_steps=2, entropy_disc_method="clip_b",
-                       entropy_disc_mask_source="current", entropy_disc_mu_low=0.5, entropy_disc_sides="both")
-    trainer.train()
-    assert len(seen) == 4  # 2 optimiser steps x 2 micro-batches
-    n_clipped = 0
-    for adv, logps, ent, valid, written in seen:
-        ref = clip_b_mask(discriminator_score(logps, ent), adv, valid, mu_low=0.5, sides="both")
-        torch.testing.assert_close(written, adv[:, None] * ref.keep)
-        n_clipped += ref.n_clipped
-    assert n_clipped > 0
-    assert all("entropy_disc/clip/frac" in log for log in _ed_logs(trainer))
-
-
-def test_drop_token_shrinks_loss_mask_and_normaliser(monkeypatch, tmp_path):
-    outs = []
-    real = ed_trl.after_generation
-    monkeypatch.setattr(ed_trl, "after_generation", lambda t, s, b: outs.append(real(t, s, b)) or outs[-1])
-    trainer = _trainer(tmp_path, loss_type="dapo", entropy_disc_method="clip_b", entropy_disc_mu_low=0.5,
-                       entropy_disc_sides="both", entropy_disc_mask_mode="drop_token")
-    trainer.train()
-    for out in outs:
-        kept = (out["completion_mask"].bool() & out[KEEP_KEY]).sum()
-        assert out["num_items_in_batch"] == kept < out["completion_mask"].sum()
 
 
 # ---------------------------------------------------------------------------------------------- loss
@@ -299,9 +169,14 @@ def test_patch_unpatch_restore_exact_originals(tmp_path):
     assert is_patched() and all(patched[n] is not before[n] and patched[n].__wrapped__ is before[n] for n in names)
     patch(config=EntropyDiscConfig(method="clip_v"))  # idempotent: settings replaced, wrappers kept
     assert all(GRPOTrainer.__dict__[n] is patched[n] for n in names)
-    assert ed_trl._CLASS_PATCHES[GRPOTrainer].config.method == "clip_v"
+    assert ed_patch._CLASS_PATCHES[GRPOTrainer].config.method == "clip_v"
     assert unpatch() is True and unpatch() is False
     assert not is_patched() and all(GRPOTrainer.__dict__[n] is before[n] for n in names)
+
+    # Building an EntropyDiscGRPOConfig installs the same wrappers (serving only trainers built with one).
+    EntropyDiscGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    assert is_patched() and not ed_patch._CLASS_PATCHES[GRPOTrainer].explicit
+    assert unpatch() and all(GRPOTrainer.__dict__[n] is before[n] for n in names)
 
     class Sub(GRPOTrainer):
         pass
@@ -316,7 +191,7 @@ def test_patch_unpatch_restore_exact_originals(tmp_path):
     assert is_patched(trainer) and not is_patched(GRPOTrainer)
     assert all(getattr(trainer, n).__func__.__wrapped__ is before[n] for n in names)
     assert unpatch(trainer) and not is_patched(trainer)
-    assert all(n not in trainer.__dict__ for n in names) and ed_trl._STATE_ATTR not in trainer.__dict__
+    assert all(n not in trainer.__dict__ for n in names) and ed_patch._STATE_ATTR not in trainer.__dict__
     assert all(getattr(type(trainer), n) is before[n] for n in names)
 
 
@@ -327,28 +202,51 @@ def test_patch_rejects_bad_targets_and_settings(tmp_path):
         patch(object)
     with pytest.raises(ValueError, match="mask_source"):
         patch(config=EntropyDiscConfig(method="clip_b"), mask_source="sometimes")
-    with pytest.raises(ValueError, match="'clip_b' only"):
-        patch(config=EntropyDiscConfig(method="clip_v"), mask_source="current")
+    with pytest.raises(ValueError, match="drop_token"):
+        patch(config=EntropyDiscConfig(method="clip_b", mask_mode="drop_token"), mask_source="current")
+    with pytest.raises(TypeError, match="already applies"):
+        patch(EntropyDiscGRPOTrainer)
     assert not is_patched()
     trainer = _trainer(tmp_path)
     with pytest.raises(TypeError, match="already applies"):
         patch(trainer)
 
 
-@pytest.mark.parametrize("how", ["class_patch", "instance_patch", "subclass_under_class_patch"])
-def test_patched_stock_trainer_behaves_like_the_subclass(how, tmp_path):
-    cfg = dict(entropy_disc_method="clip_b", entropy_disc_mu_low=0.5, entropy_disc_sides="both")
-    ref = _trainer(tmp_path / "ref", **cfg)
+CLIP_ARGS = dict(entropy_disc_method="clip_b", entropy_disc_mu_low=0.5, entropy_disc_sides="both")
+
+
+@pytest.fixture(scope="module")
+def subclass_run(tmp_path_factory):
+    """One EntropyDiscGRPOTrainer run with CLIP_ARGS: what every entry point must reproduce."""
+    unpatch()
+    ref = _trainer(tmp_path_factory.mktemp("ref"), **CLIP_ARGS)
     ref.train()
+    unpatch()
+    return ref
+
+
+@pytest.mark.parametrize("how", ["stock_trainer_given_the_config", "patch_without_config_takes_args",
+                                 "class_patch", "instance_patch", "subclass_under_class_patch"])
+def test_every_entry_point_behaves_like_the_subclass(how, subclass_run, tmp_path):
+    """Issue 10 item 5: a stock GRPOTrainer given EntropyDiscGRPOConfig(clip_b) without patch() clips;
+    patch() with no config takes the args' clip_b.  Every entry point logs the same metrics and losses
+    as EntropyDiscGRPOTrainer (whose masks test_trl_matrix.py checks)."""
+    ref = subclass_run
     core = EntropyDiscConfig(method="clip_b", mu_low=0.5, sides="both")
-    if how == "class_patch":
+    if how == "stock_trainer_given_the_config":
+        unpatch()  # the config built below installs the wrappers again
+        trainer = _trainer(tmp_path / "t", cls=GRPOTrainer, **CLIP_ARGS)
+    elif how == "patch_without_config_takes_args":
+        patch()
+        trainer = _trainer(tmp_path / "t", cls=GRPOTrainer, **CLIP_ARGS)
+    elif how == "class_patch":
         patch(config=core)
         trainer = _trainer(tmp_path / "t", cls=GRPOTrainer, config_cls=GRPOConfig)
     elif how == "instance_patch":
         trainer = patch(_trainer(tmp_path / "t", cls=GRPOTrainer, config_cls=GRPOConfig), core)
     else:  # nested wrappers must act once
         patch(config=core)
-        trainer = _trainer(tmp_path / "t", **cfg)
+        trainer = _trainer(tmp_path / "t", **CLIP_ARGS)
     trainer.train()
     expected, got = _ed_logs(ref), _ed_logs(trainer)
     assert len(expected) == 2 and expected[0]["entropy_disc/clip/n_clipped"] > 0
@@ -359,6 +257,38 @@ def test_patched_stock_trainer_behaves_like_the_subclass(how, tmp_path):
             assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-9), k
     losses = [h["loss"] for h in ref.state.log_history if "loss" in h]
     assert [h["loss"] for h in trainer.state.log_history if "loss" in h] == pytest.approx(losses, rel=1e-6)
+
+
+def test_patch_without_config_monitors_a_plain_config(tmp_path):
+    patch()
+    trainer = _trainer(tmp_path, cls=GRPOTrainer, config_cls=GRPOConfig, max_steps=1)
+    trainer.train()
+    (log,) = _ed_logs(trainer)
+    assert "entropy_disc/entropy/mean" in log and "entropy_disc/clip/frac" not in log
+
+
+def test_patch_config_conflicting_with_the_args_is_refused_before_generation(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(GRPOTrainer, "_generate", lambda self, *a, **k: calls.append(1))
+    patch(config=EntropyDiscConfig(method="clip_v"))
+    trainer = _trainer(tmp_path, cls=GRPOTrainer, **CLIP_ARGS)
+    with pytest.raises(ValueError, match="give the settings in one place"):
+        trainer.train()
+    assert not calls
+    unpatch()
+    with pytest.raises(ValueError, match="give the settings in one place"):
+        patch(_trainer(tmp_path / "instance", cls=GRPOTrainer, **CLIP_ARGS), EntropyDiscConfig(method="clip_v"))
+
+
+def test_refused_configuration_stops_a_stock_trainer_before_generation(tmp_path, monkeypatch):
+    """A stock GRPOTrainer given EntropyDiscGRPOConfig(clip_b) with a setting zero_pg cannot serve
+    fails on its first step, before generating anything."""
+    calls = []
+    monkeypatch.setattr(GRPOTrainer, "_generate", lambda self, *a, **k: calls.append(1))
+    trainer = _trainer(tmp_path, cls=GRPOTrainer, entropy_coef=0.01, **CLIP_ARGS)
+    with pytest.raises(ValueError, match="entropy bonus"):
+        trainer.train()
+    assert not calls
 
 
 # ---------------------------------------------------------------------------------------------- example
@@ -423,7 +353,7 @@ def test_trl_grpo_script_wrapper_patches_the_stock_trainer(monkeypatch, tmp_path
         "--model_name_or_path", str(tmp_path / "model"), "--dataset_name", str(tmp_path / "data"),
         "--reward_funcs", "tiny_reward.digit_reward", "--output_dir", str(tmp_path / "out"), "--use_cpu",
         "--report_to", "none", "--max_steps", "1", "--per_device_train_batch_size", "4", "--num_generations", "4",
-        "--max_completion_length", "8", "--save_strategy", "no", "--dtype", "float32",
+        "--max_completion_length", "8", "--save_strategy", "no", "--dtype", "float32", "--bf16", "False",
         "--entropy_disc_method", "clip_b", "--entropy_disc_mu_low", "0.5", "--entropy_disc_sides", "both",
     ])
     assert not is_patched()

@@ -1,10 +1,12 @@
 """Two CPU processes (accelerate over gloo) give the statistics of one process on the whole batch.
 
-Each spawned process builds a real ``EntropyDiscGRPOTrainer`` (TRL 1.16; accelerate initialises
-the gloo process group from RANK/WORLD_SIZE) with the same tiny model, takes its half of one fixed
-generation batch and runs the adapter's generation-batch hook (Clip_B zero_pg, Clip_V drop_token)
-and its current-policy hook.  The keep-masks, ``num_items_in_batch`` and every ``entropy_disc/``
-metric must equal those of a single process on the whole batch.
+Each spawned process builds a real ``EntropyDiscGRPOTrainer`` (accelerate initialises the gloo
+process group from RANK/WORLD_SIZE) with the same tiny model, takes its half of one fixed
+generation batch, scores it through TRL's own log-prob method with the hidden states captured
+(the adapter's extra-pass route) and masks it over the generation batch (Clip_B zero_pg, Clip_V
+drop_token) and per micro-batch (the training-forward / current routes).  The keep-masks,
+``num_items_in_batch`` and every ``entropy_disc/`` metric must equal those of a single process on
+the whole batch.
 """
 
 from __future__ import annotations
@@ -54,38 +56,36 @@ def _batch(vocab: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _current_policy_tensors() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(2)
-    logps = -torch.rand(ROWS, 7, generator=g) * 4
-    entropies = torch.rand(ROWS, 7, generator=g) * 3
-    return logps, entropies
-
-
 def _run(trainer, rows: slice) -> dict[str, object]:
-    """The adapter's hooks on ``rows`` of the fixed batch; returns masks, counts and metrics."""
+    """The adapter's statistics and masks on ``rows`` of the fixed batch; returns masks, counts, metrics."""
     from entropy_discriminator import EntropyDiscConfig
-    from entropy_discriminator.adapters.trl import _hooks as hooks
+    from entropy_discriminator.adapters.trl import _mask, _patch, _stats, _support
 
     trainer.model.train()
     full = _batch(trainer.model.config.vocab_size)
     half = {k: (v[rows] if v.dim() else v) for k, v in full.items()}
     results: dict[str, object] = {}
-    for name, cfg in (
-        ("clip_b", EntropyDiscConfig(method="clip_b", mu_low=0.8, mu_high=1.0, sides="both")),
+    for name, cfg, route in (
+        ("clip_b", EntropyDiscConfig(method="clip_b", mu_low=0.8, mu_high=1.0, sides="both"), _support.EXTRA_PASS),
         ("clip_v", EntropyDiscConfig(method="clip_v", mu_low=0.5, mu_high=0.5, sides="negative", max_frac=0.2,
-                                     mask_mode="drop_token")),
+                                     mask_mode="drop_token"), _support.EXTRA_PASS),
+        ("current", EntropyDiscConfig(method="clip_v", mu_low=0.5, mu_high=0.5, sides="both", max_frac=0.3),
+         _support.CURRENT),
     ):
         trainer._metrics["train"].clear()
-        out = hooks.after_generation(trainer, hooks.AdapterState(cfg), dict(half))
-        results[name] = {"keep": out[hooks.KEEP_KEY], "num_items": int(out["num_items_in_batch"]),
-                         "metrics": {k: v[0] for k, v in trainer._metrics["train"].items()}}
-    trainer._metrics["train"].clear()
-    state = hooks.AdapterState(EntropyDiscConfig(method="clip_b", mu_low=0.8, mu_high=1.0, sides="both"), "current")
-    parked = hooks.loss_inputs(state, trainer, half)
-    logps, entropies = _current_policy_tensors()
-    hooks.current_policy_mask(trainer, state, logps[rows], entropies[rows])
-    results["current"] = {"advantages": parked["advantages"],
-                          "metrics": {k: v[0] for k, v in trainer._metrics["train"].items()}}
+        state = _patch.AdapterState(cfg, "current" if route == _support.CURRENT else "generation")
+        state.plan = _support.Plan(route)
+        trainer.__dict__[_patch._STATE_ATTR] = state  # the trainer's wrappers read this state
+        _patch._extra_pass(trainer, state, half)
+        stats = _stats.restrict(state.captured, _mask.loss_mask(half))
+        if route == _support.CURRENT:
+            parked = dict(half)
+            _patch._mask_micro_batch(trainer, state, parked, stats)
+            results[name] = {"advantages": parked["advantages"]}
+        else:
+            out = _patch._mask_generation_batch(trainer, state, dict(half), stats)
+            results[name] = {"keep": out[_mask.KEEP_KEY], "num_items": int(out["num_items_in_batch"])}
+        results[name]["metrics"] = {k: v[0] for k, v in trainer._metrics["train"].items()}
     return results
 
 
@@ -95,7 +95,7 @@ def _make_trainer(tmp: str):
     tiny = _tiny()
     tok = tiny.tiny_tokenizer()
     args = EntropyDiscGRPOConfig(output_dir=tmp, per_device_train_batch_size=4, num_generations=4,
-                                 max_completion_length=7, report_to="none", use_cpu=True, save_strategy="no",
+                                 max_completion_length=7, report_to="none", use_cpu=True, bf16=False, save_strategy="no",
                                  disable_dropout=True)
     return EntropyDiscGRPOTrainer(model=tiny.tiny_model(tok), reward_funcs=tiny.digit_reward, args=args,
                                   train_dataset=tiny.tiny_dataset(), processing_class=tok)

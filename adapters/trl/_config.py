@@ -1,0 +1,103 @@
+"""``EntropyDiscGRPOConfig``: ``GRPOConfig`` plus the ``entropy_disc_*`` settings (CLI flags
+through ``TrlParser``).
+
+Building one also installs the adapter's wrappers on ``GRPOTrainer``
+(:func:`._patch.ensure_args_patch`): a stock ``GRPOTrainer`` given this config then acts on it
+exactly like ``EntropyDiscGRPOTrainer``, instead of silently training without the mask.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from trl import GRPOConfig
+
+from entropy_discriminator import EntropyDiscConfig
+
+from ._patch import ensure_args_patch
+from ._support import check_trl_version, validate_options
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass
+class EntropyDiscGRPOConfig(GRPOConfig):
+    """``GRPOConfig`` plus the entropy-discriminator settings.
+
+    The ``entropy_disc_*`` fields map one-to-one onto :class:`EntropyDiscConfig` (``mask_source``
+    is the adapter's own option); ``__post_init__`` validates them, checks the TRL version and
+    makes ``GRPOTrainer`` read them (module docstring).
+    """
+
+    entropy_disc_method: str = field(
+        default="none", metadata=_help("Token mask: 'none' (monitor only), 'clip_b' (on S*) or 'clip_v' (on S_c).")
+    )
+    entropy_disc_mu_low: float | None = field(
+        default=None, metadata=_help("Lower threshold in batch std units (None: clip_b 2.5, clip_v 8.5).")
+    )
+    entropy_disc_mu_high: float = field(
+        default=math.inf, metadata=_help("Upper threshold in batch std units (inf: no upper clipping).")
+    )
+    entropy_disc_sides: str = field(
+        default="negative", metadata=_help("Which advantage sign may be clipped: negative, positive or both.")
+    )
+    entropy_disc_max_frac: str | None = field(
+        default="auto",
+        metadata=_help("Cap on the clipped share of valid tokens: a number in [0, 1], 'none' (no cap) or 'auto' "
+                       "(clip_b: no cap, clip_v: 1e-4)."),
+    )
+    entropy_disc_mask_mode: str = field(
+        default="zero_pg",
+        metadata=_help("'zero_pg': clipped tokens lose their policy-gradient term; 'drop_token': they leave the "
+                       "loss mask (normaliser shrinks)."),
+    )
+    entropy_disc_mask_source: str = field(
+        default="generation",
+        metadata=_help("'generation': one mask per generation batch from the generating policy; 'current': "
+                       "per micro-batch from the current policy in the training forward."),
+    )
+    entropy_disc_chunk_size: int | None = field(
+        default=None, metadata=_help("Rows per chunk of the statistics on the torch path (None: ~128 MiB slices).")
+    )
+    entropy_disc_impl: str = field(
+        default="auto", metadata=_help("Statistics implementation: auto, torch or triton.")
+    )
+    entropy_disc_log_metrics: bool = field(
+        default=True, metadata=_help("Log the entropy_disc/ metrics (entropy percentiles, S*, clip fractions, ...).")
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        validate_options(self.entropy_disc_config(), self.entropy_disc_mask_source)
+        check_trl_version()
+        ensure_args_patch()
+
+    def entropy_disc_config(self) -> EntropyDiscConfig:
+        """The core :class:`EntropyDiscConfig` these fields describe."""
+        return EntropyDiscConfig(
+            method=self.entropy_disc_method,
+            mu_low=self.entropy_disc_mu_low,
+            mu_high=self.entropy_disc_mu_high,
+            sides=self.entropy_disc_sides,
+            max_frac=_max_frac(self.entropy_disc_max_frac),
+            mask_mode=self.entropy_disc_mask_mode,
+            chunk_size=self.entropy_disc_chunk_size,
+            impl=self.entropy_disc_impl,
+            log_metrics=self.entropy_disc_log_metrics,
+        )
+
+
+def _max_frac(value: Any) -> float | str | None:
+    """CLI text of ``--entropy_disc_max_frac`` -> the core's value ('auto', None or a float)."""
+    if value is None or value == "auto" or isinstance(value, (int, float)):
+        return value
+    if str(value).lower() in ("none", "null"):
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"entropy_disc_max_frac must be 'auto', 'none' or a number in [0, 1], got {value!r}") from None

@@ -1,0 +1,232 @@
+"""Cost of the TRL adapter in a real GRPO step (issue 11 item 6), on one CUDA GPU.
+
+A model with Qwen2.5-0.5B's shapes (Qwen2 config, 24 layers, hidden 896, vocabulary 151936, tied
+embeddings; random weights, bf16) built locally, a word-level tokenizer over the same vocabulary,
+8 prompts x 8 generations x 512 completion tokens per step (HF generation), TRL's defaults otherwise
+(dapo loss, one iteration, one micro-batch of 64 completions = the generation batch, so the adapter
+takes its statistics from the training forward).  Arms, each 4 optimiser steps from the same
+initial weights, in one process:
+
+* ``clip_v_gen``: Clip_V with real generation (the completions of each step are recorded);
+* ``off`` (stock ``GRPOTrainer``), ``monitor``, ``clip_b``, ``clip_v``: the same steps with the
+  recorded completions replayed, so every arm trains on identical batches and only the
+  non-generation part differs.
+
+Per step: wall time (CUDA-synchronised), generation time (``GRPOTrainer._generate``), the rest, and
+the adapter's own time (statistics, mask, metrics); per arm: peak allocated GPU memory.  Medians of
+steps 2-4.  Writes ``benchmarks/results/<card>/trl_step.csv`` (or ``--out``) and prints a table.
+
+    python -m benchmarks.trl_step [--steps 4] [--completion 512] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import gc
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+import entropy_discriminator.adapters.trl._patch as ed_patch
+from entropy_discriminator.adapters.trl import EntropyDiscGRPOConfig, unpatch
+
+VOCAB = 151936
+SMOKE_VOCAB = 512
+SPECIAL = ["<pad>", "<eos>"]
+
+
+def qwen25_05b_shapes(smoke: bool) -> Qwen2Config:
+    """Qwen2.5-0.5B's architecture (its config.json values), random weights; ``smoke``: a tiny one."""
+    if smoke:
+        return Qwen2Config(vocab_size=SMOKE_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=0,
+                           eos_token_id=1, bos_token_id=1)
+    return Qwen2Config(vocab_size=VOCAB, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                       rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, pad_token_id=0,
+                       eos_token_id=1, bos_token_id=1)
+
+
+def tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """Word-level tokenizer whose ids cover the whole vocabulary (any sampled id decodes)."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL + [f"w{i}" for i in range(vocab_size - len(SPECIAL))])}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", padding_side="left")
+
+
+def prompts(n: int, length: int = 32) -> Dataset:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(len(SPECIAL), SMOKE_VOCAB, (n, length), generator=g).tolist()
+    return Dataset.from_dict({"prompt": [" ".join(f"w{i}" for i in row) for row in ids]})
+
+
+def reward(completions: list[str], **_: Any) -> list[float]:
+    """Varied rewards (so advantages are nonzero): distinct words modulo 7."""
+    return [(len(set(text.split())) % 7) / 7 for text in completions]
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Clock(TrainerCallback):
+    """Per optimiser step: CUDA-synchronised wall time."""
+
+    def __init__(self) -> None:
+        self.steps: list[float] = []
+        self._t = 0.0
+
+    def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
+        sync()
+        self._t = time.perf_counter()
+
+    def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+        sync()
+        self.steps.append(time.perf_counter() - self._t)
+
+
+class Timed:
+    """Wraps ``owner.name`` to add its CUDA-synchronised time to ``self.total`` (and per-call list)."""
+
+    def __init__(self, owner: Any, name: str) -> None:
+        self.owner, self.name, self.real = owner, name, getattr(owner, name)
+        self.calls: list[float] = []
+        real, calls = self.real, self.calls
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            sync()
+            t = time.perf_counter()
+            out = real(*args, **kwargs)
+            sync()
+            calls.append(time.perf_counter() - t)
+            return out
+
+        setattr(owner, name, timed)
+
+    def restore(self) -> None:
+        setattr(self.owner, self.name, self.real)
+
+
+def run_arm(arm: str, model: Qwen2ForCausalLM, weights: dict, tok, data, ns, recorded: list | None) -> dict:
+    """Train ``ns.steps`` steps in one arm; ``recorded`` None: real generation (recorded), else replayed."""
+    model.load_state_dict(weights)
+    common = dict(output_dir=str(ns.tmp / arm), per_device_train_batch_size=64, num_generations=8,
+                  max_completion_length=ns.completion, max_steps=ns.steps, learning_rate=1e-6,
+                  logging_steps=1, report_to="none", save_strategy="no", seed=0, disable_dropout=True,
+                  use_cpu=ns.smoke, bf16=not ns.smoke)
+    method = {"off": None, "monitor": "none", "clip_b": "clip_b", "clip_v": "clip_v", "clip_v_gen": "clip_v"}[arm]
+    unpatch()
+    args = GRPOConfig(**common) if method is None else EntropyDiscGRPOConfig(**common, entropy_disc_method=method)
+    real_generate = GRPOTrainer._generate
+    store: list = []
+    queue = iter(recorded or [])
+
+    def source(self: GRPOTrainer, prompts: list) -> Any:
+        if recorded is not None:
+            return copy.deepcopy(next(queue))
+        out = real_generate(self, prompts)
+        store.append(copy.deepcopy(out))
+        return out
+
+    GRPOTrainer._generate = source
+    gen_t = Timed(GRPOTrainer, "_generate")
+    stats_t = Timed(ed_patch, "stats_from_hidden")
+    mask_t = Timed(ed_patch, "_mask_micro_batch")
+    clock = Clock()
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok,
+                          callbacks=[clock])
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        trainer.train()
+    finally:
+        for timer in (gen_t, stats_t, mask_t):
+            timer.restore()
+        GRPOTrainer._generate = real_generate
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+    logs = [h for h in trainer.state.log_history if "entropy" in h]
+    route = getattr(trainer.__dict__.get(ed_patch._CLASS_STATE_ATTR, (None, None))[1], "plan", None)
+    gen = gen_t.calls
+    adapter = [a + b for a, b in zip(stats_t.calls, mask_t.calls)] if stats_t.calls else [0.0] * len(gen)
+    sel = slice(1, ns.steps)  # steps 2..N
+    row = {
+        "arm": arm,
+        "route": route.route if route is not None else "",
+        "generation": "real" if recorded is None else "replayed",
+        "step_s": statistics.median(clock.steps[sel]),
+        "generation_s": statistics.median(gen[sel]),
+        "rest_s": statistics.median([s - g for s, g in zip(clock.steps[sel], gen[sel])]),
+        "adapter_s": statistics.median(adapter[sel]),
+        "peak_gib": peak,
+        "entropy_trl": logs[0].get("entropy", float("nan")),
+        "entropy_disc_mean": logs[0].get("entropy_disc/entropy/mean", float("nan")),
+        "clip_frac": logs[0].get("entropy_disc/clip/frac", float("nan")),
+        "steps_s": " ".join(f"{s:.3f}" for s in clock.steps),
+    }
+    del trainer
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    unpatch()
+    if recorded is None:
+        row["_recorded"] = store
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--completion", type=int, default=512)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--tmp", type=Path, default=Path("/tmp/trl_step"))
+    parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the code path only")
+    ns = parser.parse_args(argv)
+    card = "cpu_smoke" if ns.smoke else torch.cuda.get_device_name().replace(" ", "_")
+    torch.manual_seed(0)
+    with torch.device("cpu" if ns.smoke else "cuda"):
+        model = Qwen2ForCausalLM(qwen25_05b_shapes(ns.smoke)).to(torch.float32 if ns.smoke else torch.bfloat16)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    tok, data = tokenizer(model.config.vocab_size), prompts(8 * ns.steps)
+    rows = [run_arm("clip_v_gen", model, weights, tok, data, ns, None)]
+    recorded = rows[0].pop("_recorded")
+    for arm in ("off", "monitor", "clip_b", "clip_v"):
+        rows.append(run_arm(arm, model, weights, tok, data, ns, recorded))
+    base = next(r for r in rows if r["arm"] == "off")
+    for r in rows:
+        r["card"] = card
+        r["rest_vs_off_pct"] = 100 * (r["rest_s"] / base["rest_s"] - 1)
+        r["peak_vs_off_pct"] = 100 * (r["peak_gib"] / base["peak_gib"] - 1)
+    folder = next((c for c in ("h100", "h200") if c in card.lower()), card.lower())  # the results/ folder names
+    out = ns.out or Path(__file__).resolve().parent / "results" / folder
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "trl_step.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"card {card}; medians of steps 2-{ns.steps}; 64 completions x {ns.completion} tokens")
+    print("| arm | generation | route | step s | generation s | rest s | adapter s | rest vs off | peak GiB | peak vs off |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['arm']} | {r['generation']} | {r['route']} | {r['step_s']:.3f} | {r['generation_s']:.3f} | "
+              f"{r['rest_s']:.3f} | {r['adapter_s']:.4f} | {r['rest_vs_off_pct']:+.1f}% | {r['peak_gib']:.2f} | "
+              f"{r['peak_vs_off_pct']:+.1f}% |")
+    for r in rows:
+        print(f"{r['arm']}: first-step entropy TRL {r['entropy_trl']} adapter {r['entropy_disc_mean']} "
+              f"clip_frac {r['clip_frac']}; steps {r['steps_s']}")
+
+
+if __name__ == "__main__":
+    main()
