@@ -1,7 +1,22 @@
-"""Argument validation shared by the core modules: every error names the argument at fault."""
+"""Argument validation shared by the core modules: every error names the argument at fault.
+
+Two kinds of check live here:
+
+* argument coercion (:func:`real_number`, :func:`integer`, :func:`one_of`, shape checks), which
+  raises at once: the arguments are the same on every rank;
+* :class:`DataChecks`, counts of bad entries (NaN, non-0/1 masks) kept on the device and read with
+  the call's first reduction, so a bad value on one rank raises the same error on every rank and
+  costs no extra host synchronisation.
+"""
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Sequence
+from fractions import Fraction
+
+import numpy as np
 import torch
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -22,6 +37,110 @@ def require_float(name: str, value: object) -> torch.Tensor:
     return t
 
 
+def _scalar(value: object) -> object:
+    """The Python scalar inside a 0-d torch tensor or 0-d numpy array; other values unchanged."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype != torch.bool and not value.dtype.is_complex:
+        return value.item()
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        return value.item()
+    return value
+
+
+def real_number(
+    name: str,
+    value: object,
+    *,
+    finite: bool = True,
+    minimum: float | None = None,
+    above: float | None = None,
+    maximum: float | None = None,
+) -> float:
+    """``value`` as a Python float, or ``ValueError``/``TypeError`` naming ``name``.
+
+    Accepts any real number (``int``, ``float``, ``numpy`` scalars, ``Fraction``...) and 0-d real
+    tensors / arrays; refuses ``bool``, strings, NaN, and (``finite=True``) ``±inf``.  Bounds:
+    ``minimum <= value``, ``above < value``, ``value <= maximum``.
+    """
+    bounds = [f">= {minimum:g}" if minimum is not None else "", f"> {above:g}" if above is not None else ""]
+    bounds.append(f"<= {maximum:g}" if maximum is not None else "")
+    want = " ".join(["a finite real number" if finite else "a real number (inf allowed)", *filter(None, bounds)])
+    x = _scalar(value)
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be {want}, got {value!r} ({type(value).__name__})")
+    x = float(x)
+    ok = not math.isnan(x) and (math.isfinite(x) or not finite)
+    ok = ok and (minimum is None or x >= minimum) and (above is None or x > above) and (maximum is None or x <= maximum)
+    if not ok:
+        raise ValueError(f"{name} must be {want}, got {value!r}")
+    return x
+
+
+def integer(name: str, value: object, *, minimum: int | None = None) -> int:
+    """``value`` as a Python int (ints, numpy integers, 0-d integer tensors), else an error naming ``name``."""
+    x = _scalar(value)
+    want = "an integer" + (f" >= {minimum}" if minimum is not None else "")
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be {want}, got {value!r} ({type(value).__name__})")
+    if minimum is not None and x < minimum:
+        raise ValueError(f"{name} must be {want}, got {value!r}")
+    return int(x)
+
+
+def one_of(name: str, value: object, options: Sequence[str]) -> str:
+    """``value`` if it is one of the string ``options``, else ``ValueError`` naming ``name``."""
+    if not isinstance(value, str) or value not in options:
+        raise ValueError(f"{name} must be one of {tuple(options)}, got {value!r}")
+    return value
+
+
+def exact_fraction(value: object) -> Fraction:
+    """The decimal a finite real number was written as: ``exact_fraction(99.9) == Fraction(999, 10)``.
+
+    Floats (also ``np.float32`` and 0-d float tensors) are read as their shortest round-tripping
+    decimal in their own precision, so ``ceil(q/100 * n)`` and ``floor(max_frac * n)`` evaluated
+    on the result are the exact decimal results a user expects; integers and fractions are exact.
+    """
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    if isinstance(value, np.ndarray):
+        value = value[()]
+    if isinstance(value, numbers.Rational):
+        return Fraction(value)
+    if isinstance(value, np.floating):
+        return Fraction(str(value))
+    return Fraction(repr(float(value)))
+
+
+def require_shape(name: str, value: torch.Tensor, shape: torch.Size, ref: str) -> torch.Tensor:
+    """``value`` if its shape is ``shape`` (the shape of argument ``ref``), else ``ValueError``."""
+    if value.shape != shape:
+        raise ValueError(f"{name} must have {ref}'s shape {tuple(shape)}, got {tuple(value.shape)}")
+    return value
+
+
+def broadcasts_to(name: str, value: torch.Tensor, shape: torch.Size, ref: str) -> None:
+    """Raise ``ValueError`` unless ``value`` broadcasts to ``shape`` without enlarging it."""
+    try:
+        ok = torch.broadcast_shapes(value.shape, shape) == shape
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"{name} of shape {tuple(value.shape)} does not broadcast to {ref}'s shape {tuple(shape)} "
+            "(leading dimensions align on the right: per-row values need a trailing 1, e.g. x[:, None])"
+        )
+
+
+def real_or_tensor(name: str, value: object, shape: torch.Size, ref: str) -> torch.Tensor | float:
+    """A real number (float) or a real tensor broadcasting to ``shape`` (the shape of ``ref``)."""
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        if value.dtype == torch.bool or value.dtype.is_complex:
+            raise TypeError(f"{name} must be a real number or a real tensor, got dtype {value.dtype}")
+        broadcasts_to(name, value, shape, ref)
+        return value
+    return real_number(name, value)
+
+
 def require_finite(name: str, values: torch.Tensor, where: torch.Tensor | None = None) -> None:
     """Raise ``ValueError`` naming ``name`` if ``values`` (restricted to ``where``) holds NaN or inf."""
     bad = ~torch.isfinite(values)
@@ -31,11 +150,10 @@ def require_finite(name: str, values: torch.Tensor, where: torch.Tensor | None =
         raise ValueError(f"{name} contains NaN or inf at {int(bad.sum())} valid position(s)")
 
 
-def as_valid_mask(valid: object, shape: torch.Size, name: str = "valid") -> torch.Tensor:
-    """Return ``valid`` as a bool tensor of ``shape``.
+def valid_mask(valid: object, shape: torch.Size, checks: DataChecks, name: str = "valid") -> torch.Tensor:
+    """``valid`` as a bool tensor of ``shape``; non-0/1 entries of a numeric mask are counted in ``checks``.
 
-    Accepts bool tensors and numeric 0/1 tensors (frameworks' ``response_mask`` / ``action_mask``);
-    any other value raises ``ValueError`` naming the argument.
+    Accepts bool tensors and numeric 0/1 tensors (frameworks' ``response_mask`` / ``action_mask``).
     """
     t = require_tensor(name, valid)
     if t.shape != shape:
@@ -44,10 +162,16 @@ def as_valid_mask(valid: object, shape: torch.Size, name: str = "valid") -> torc
         return t
     if t.dtype.is_complex:
         raise TypeError(f"{name} must be a bool or 0/1 tensor, got dtype {t.dtype}")
-    as_bool = t != 0
-    if bool(((t != 0) & (t != 1)).any()):
-        raise ValueError(f"{name} must hold only 0 and 1 (or be a bool tensor)")
-    return as_bool
+    checks.count(f"{name} must hold only 0 and 1 (or be a bool tensor); other values at {{}} position(s)", (t != 0) & (t != 1))
+    return t != 0
+
+
+def as_valid_mask(valid: object, shape: torch.Size, name: str = "valid") -> torch.Tensor:
+    """:func:`valid_mask` checked at once (one host synchronisation for a numeric mask)."""
+    checks = DataChecks()
+    mask = valid_mask(valid, shape, checks, name)
+    checks.verdict(checks.counts(mask.device).tolist())
+    return mask
 
 
 def broadcast_advantages(advantages: object, shape: torch.Size) -> torch.Tensor:
@@ -67,3 +191,40 @@ def broadcast_advantages(advantages: object, shape: torch.Size) -> torch.Tensor:
         f"advantages must be per sequence [B] with B = {shape[0] if len(shape) else '?'} or per token "
         f"with the scores' shape {tuple(shape)}, got {tuple(a.shape)}"
     )
+
+
+class DataChecks:
+    """Counts of bad entries, kept on the device until the call's first reduction reads them.
+
+    ``counts(device)`` is a float64 vector (one entry per check, in the order added) to append to
+    the payload of that reduction; ``verdict(values)`` raises ``ValueError`` for the first
+    non-zero count, with the same message on every rank (the counts are global).
+    """
+
+    def __init__(self) -> None:
+        self._messages: list[str] = []
+        self._counts: list[torch.Tensor] = []
+
+    def count(self, message: str, bad: torch.Tensor) -> None:
+        """Count the True entries of ``bad``; ``message`` has one ``{}`` for the count."""
+        self._messages.append(message)
+        self._counts.append(bad.sum())
+
+    def finite(self, name: str, values: torch.Tensor, where: torch.Tensor) -> None:
+        """Count NaN / ±inf entries of ``values`` at the ``where`` positions."""
+        self.count(f"{name} contains NaN or inf at {{}} valid position(s)", ~torch.isfinite(values) & where)
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def counts(self, device: torch.device) -> torch.Tensor:
+        """float64 ``[len(self)]`` counts on ``device``."""
+        if not self._counts:
+            return torch.zeros(0, dtype=torch.float64, device=device)
+        return torch.stack([c.to(device=device, dtype=torch.float64) for c in self._counts])
+
+    def verdict(self, values: Sequence[float]) -> None:
+        """Raise ``ValueError`` for the first check whose (reduced) count is non-zero."""
+        for message, n in zip(self._messages, values):
+            if n:
+                raise ValueError(message.format(int(n)))
