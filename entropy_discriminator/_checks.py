@@ -101,7 +101,8 @@ def exact_fraction(value: object) -> Fraction:
     on the result are the exact decimal results a user expects; integers and fractions are exact.
     """
     if isinstance(value, torch.Tensor):
-        value = value.detach().cpu().numpy()
+        value = value.detach().cpu()
+        value = (value.float() if value.dtype == torch.bfloat16 else value).numpy()
     if isinstance(value, np.ndarray):
         value = value[()]
     if isinstance(value, numbers.Rational):
