@@ -152,18 +152,21 @@ def require_finite(name: str, values: torch.Tensor, where: torch.Tensor | None =
 
 
 def valid_mask(valid: object, shape: torch.Size, checks: DataChecks, name: str = "valid") -> torch.Tensor:
-    """``valid`` as a bool tensor of ``shape``; non-0/1 entries of a numeric mask are counted in ``checks``.
+    """``valid`` as a bool tensor of ``shape``; non-0/1 entries of a numeric mask are counted in ``checks``
+    (one check is always added, so the number of checks does not depend on the dtype).
 
     Accepts bool tensors and numeric 0/1 tensors (frameworks' ``response_mask`` / ``action_mask``).
     """
     t = require_tensor(name, valid)
     if t.shape != shape:
         raise ValueError(f"{name} must have the scores' shape {tuple(shape)}, got {tuple(t.shape)}")
-    if t.dtype == torch.bool:
-        return t
     if t.dtype.is_complex:
         raise TypeError(f"{name} must be a bool or 0/1 tensor, got dtype {t.dtype}")
-    checks.count(f"{name} must hold only 0 and 1 (or be a bool tensor); other values at {{}} position(s)", (t != 0) & (t != 1))
+    message = f"{name} must hold only 0 and 1 (or be a bool tensor); other values at {{}} position(s)"
+    if t.dtype == torch.bool:
+        checks.count(message, torch.zeros((), dtype=torch.bool, device=t.device))
+        return t
+    checks.count(message, (t != 0) & (t != 1))
     return t != 0
 
 
