@@ -132,6 +132,15 @@ def broadcasts_to(name: str, value: torch.Tensor, shape: torch.Size, ref: str) -
         )
 
 
+def common_shape(**tensors: torch.Tensor) -> torch.Size:
+    """The broadcast shape of the named tensors, or ``ValueError`` naming each with its shape."""
+    try:
+        return torch.broadcast_shapes(*(t.shape for t in tensors.values()))
+    except RuntimeError:
+        shapes = ", ".join(f"{name} {tuple(t.shape)}" for name, t in tensors.items())
+        raise ValueError(f"shapes do not broadcast: {shapes}") from None
+
+
 def real_or_tensor(name: str, value: object, shape: torch.Size, ref: str) -> torch.Tensor | float:
     """A real number (float) or a real tensor broadcasting to ``shape`` (the shape of ``ref``)."""
     if isinstance(value, torch.Tensor) and value.dim() > 0:
