@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ._checks import require_float, require_tensor
+from ._checks import common_shape, require_float, require_tensor
 
 #: ``impl=`` names accepted by :func:`token_stats`.
 IMPLS = ("auto", "torch", "triton")
@@ -58,15 +58,18 @@ def discriminator_score(logp: torch.Tensor, entropy: torch.Tensor) -> torch.Tens
     """``S* = exp(logp) * (entropy + logp)`` from what every framework already logs.
 
     Equivalent torch: ``logp.exp() * (entropy + logp)``, computed in float32 (float64 stays float64),
-    with ``S* = 0`` where ``logp = -inf``.  ``logp`` and ``entropy`` must broadcast; the result has
-    their broadcast shape.  Clip_B needs nothing more.
+    with ``S* = 0`` where ``logp = -inf``; a NaN in ``logp`` or ``entropy`` gives a NaN score (which
+    the masks then refuse at a valid position).  ``logp`` and ``entropy`` must broadcast
+    (``ValueError`` naming both otherwise); the result has their broadcast shape.  Clip_B needs
+    nothing more.
     """
     require_float("logp", logp)
     require_float("entropy", entropy)
+    common_shape(logp=logp, entropy=entropy)
     dtype = torch.float64 if torch.float64 in (logp.dtype, entropy.dtype) else torch.float32
     lp, h = logp.to(dtype), entropy.to(dtype)
     p = lp.exp()
-    return torch.where(p > 0, p * (h + lp), torch.zeros((), dtype=dtype, device=p.device))
+    return torch.where((p > 0) | torch.isnan(lp), p * (h + lp), torch.zeros((), dtype=dtype, device=p.device))
 
 
 def token_stats(
