@@ -86,6 +86,16 @@ def integer(name: str, value: object, *, minimum: int | None = None) -> int:
     return int(x)
 
 
+#: ``ignore_index=None`` (no position ignored) as an int: int64's minimum, which no label in [0, V) equals.
+NO_IGNORE_INDEX = -(2**63)
+
+
+def ignore_index_value(value: object) -> int:
+    """``ignore_index`` as a Python int for the kernels: an integer, or None for "ignore nothing"
+    (:data:`NO_IGNORE_INDEX`, so every label is checked against ``[0, V)`` and counted)."""
+    return NO_IGNORE_INDEX if value is None else integer("ignore_index", value)
+
+
 def one_of(name: str, value: object, options: Sequence[str]) -> str:
     """``value`` if it is one of the string ``options``, else ``ValueError`` naming ``name``."""
     if not isinstance(value, str) or value not in options:
