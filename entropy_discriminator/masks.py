@@ -120,8 +120,8 @@ def clip_v_mask(
 
     ``S_c = S* - E_p[S]`` from :func:`~entropy_discriminator.token_stats`.  Arguments as in
     :func:`clip_b_mask`; the defaults are the reference's (mu = 8.5, one side, at most 1e-4 of the
-    valid tokens clipped; unlike the reference, which clips at least one token, a batch of fewer
-    than 10,000 valid tokens then clips none).
+    valid tokens clipped, so a batch of fewer than 10,000 valid tokens clips none: the cap bounds
+    the share, see :func:`cap_limit`).
     """
     return _outlier_mask(
         "clip_v", "s_centered", s_centered, advantages, valid, False, mu_low, mu_high, sides, max_frac, process_group
