@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from fractions import Fraction
 
 import numpy as np
@@ -185,15 +185,16 @@ def valid_mask(valid: object, shape: torch.Size, checks: DataChecks, name: str =
     if t.dtype == torch.bool:
         checks.count(message, torch.zeros((), dtype=torch.bool, device=t.device))
         return t
-    checks.count(message, (t != 0) & (t != 1))
-    return t != 0
+    as_bool = t != 0
+    checks.count(message, as_bool & (t != 1))
+    return as_bool
 
 
 def as_valid_mask(valid: object, shape: torch.Size, name: str = "valid") -> torch.Tensor:
     """:func:`valid_mask` checked at once (one host synchronisation for a numeric mask)."""
     checks = DataChecks()
     mask = valid_mask(valid, shape, checks, name)
-    checks.verdict(checks.counts(mask.device).tolist())
+    checks.verdict(checks.witnesses(mask.device).tolist())
     return mask
 
 
@@ -217,37 +218,53 @@ def broadcast_advantages(advantages: object, shape: torch.Size) -> torch.Tensor:
 
 
 class DataChecks:
-    """Counts of bad entries, kept on the device until the call's first reduction reads them.
+    """Checks of the data (NaN / inf, 0/1 masks) whose verdict rides on the call's first reduction.
 
-    ``counts(device)`` is a float64 vector (one entry per check, in the order added) to append to
-    the payload of that reduction; ``verdict(values)`` raises ``ValueError`` for the first
-    non-zero count, with the same message on every rank (the counts are global).
+    Each check puts one float64 *witness* into the reduced payload (:meth:`witnesses`): for a
+    finiteness check the sum of the values over the valid positions (non-finite exactly when a
+    valid value is NaN or inf, barring a float64 overflow, impossible for fp32 and narrower
+    inputs), for a 0/1 mask the count of other values.  :meth:`verdict` reads the reduced
+    witnesses: when all are clean nothing more happens (no extra kernel, no extra host
+    synchronisation); otherwise every rank (all see the same reduced witnesses) counts the bad
+    entries exactly, reduces the counts over the group, and raises ``ValueError`` naming the
+    first offender with its global count, the same message on every rank.
     """
 
     def __init__(self) -> None:
-        self._messages: list[str] = []
-        self._counts: list[torch.Tensor] = []
+        self._checks: list[tuple[str, torch.Tensor, bool, Callable[[], torch.Tensor]]] = []
+
+    def finite(self, name: str, values: torch.Tensor, where: torch.Tensor, witness: torch.Tensor | None = None) -> None:
+        """Check ``values`` for NaN / inf at the ``where`` positions.
+
+        ``witness``: ``sum(where(where, values, 0))`` in float64 if the caller already has it.
+        """
+        if witness is None:
+            witness = torch.where(where, values.to(torch.float64), torch.zeros((), dtype=torch.float64, device=values.device)).sum()
+        recount = lambda: (~torch.isfinite(values) & where).sum()  # noqa: E731
+        self._checks.append((f"{name} contains NaN or inf at {{}} valid position(s)", witness, True, recount))
 
     def count(self, message: str, bad: torch.Tensor) -> None:
         """Count the True entries of ``bad``; ``message`` has one ``{}`` for the count."""
-        self._messages.append(message)
-        self._counts.append(bad.sum())
-
-    def finite(self, name: str, values: torch.Tensor, where: torch.Tensor) -> None:
-        """Count NaN / ±inf entries of ``values`` at the ``where`` positions."""
-        self.count(f"{name} contains NaN or inf at {{}} valid position(s)", ~torch.isfinite(values) & where)
+        n = bad.sum()
+        self._checks.append((message, n, False, lambda: n))
 
     def __len__(self) -> int:
-        return len(self._counts)
+        return len(self._checks)
 
-    def counts(self, device: torch.device) -> torch.Tensor:
-        """float64 ``[len(self)]`` counts on ``device``."""
-        if not self._counts:
+    def witnesses(self, device: torch.device) -> torch.Tensor:
+        """float64 ``[len(self)]`` witnesses on ``device``, to be summed over the group."""
+        if not self._checks:
             return torch.zeros(0, dtype=torch.float64, device=device)
-        return torch.stack([c.to(device=device, dtype=torch.float64) for c in self._counts])
+        return torch.stack([w.to(device=device, dtype=torch.float64) for _, w, _, _ in self._checks])
 
-    def verdict(self, values: Sequence[float]) -> None:
-        """Raise ``ValueError`` for the first check whose (reduced) count is non-zero."""
-        for message, n in zip(self._messages, values):
+    def verdict(self, reduced: Sequence[float], group: object = None) -> None:
+        """Raise ``ValueError`` for the first failed check, given the reduced witnesses."""
+        clean = [math.isfinite(w) if is_sum else w == 0 for (_, _, is_sum, _), w in zip(self._checks, reduced)]
+        if all(clean):
+            return
+        from .distributed import all_reduce  # the exact counts: only on this error path
+
+        counts = torch.stack([recount().to(torch.float64) for _, _, _, recount in self._checks])
+        for (message, _, _, _), n in zip(self._checks, all_reduce(counts, group).tolist()):
             if n:
                 raise ValueError(message.format(int(n)))

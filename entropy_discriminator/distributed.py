@@ -178,8 +178,8 @@ def kth_smallest(values: torch.Tensor, ks: list[int], group: Group, where: torch
 
 
 def _radix_select(keys: torch.Tensor, where: torch.Tensor | None, target: torch.Tensor, group: Group) -> torch.Tensor:
-    """The ``target``-th smallest (1-based) int64 key over all ranks, 8 bits per round from the top."""
-    u = keys + 2**31  # unsigned image in [0, 2**32)
+    """The ``target``-th smallest (1-based) int32 key over all ranks (as int64), 8 bits per round from the top."""
+    u = keys.to(torch.int64) + 2**31  # unsigned image in [0, 2**32)
     selected = torch.ones_like(u, dtype=torch.bool) if where is None else where.reshape(-1)
     prefix = torch.zeros_like(target)
     rank = target.clone()
@@ -196,12 +196,13 @@ def _radix_select(keys: torch.Tensor, where: torch.Tensor | None, target: torch.
 
 
 def _sortable_int(x: torch.Tensor) -> torch.Tensor:
-    """int64 keys with the order of the float32 values (negative floats have their bits flipped)."""
-    bits = x.view(torch.int32).to(torch.int64)
-    return torch.where(bits < 0, -(bits & 0x7FFFFFFF) - 1, bits)
+    """int32 keys with the order of the float32 values: the bits, with the 31 low bits of
+    negative values flipped (``-0.0`` sorts just below ``+0.0``).  The map is its own inverse."""
+    bits = x.view(torch.int32)
+    return bits ^ ((bits >> 31) & _INT32_MAX)
 
 
 def _float_from_sortable(keys: torch.Tensor) -> torch.Tensor:
-    """float32 values of int64 keys from :func:`_sortable_int` (its inverse)."""
-    bits = torch.where(keys >= 0, keys, (-(keys + 1)) | -(2**31))
-    return bits.to(torch.int32).view(torch.float32)
+    """float32 values of int keys from :func:`_sortable_int` (its inverse)."""
+    bits = keys.to(torch.int32)
+    return (bits ^ ((bits >> 31) & _INT32_MAX)).view(torch.float32)

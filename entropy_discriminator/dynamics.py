@@ -91,12 +91,13 @@ def batch_entropy_change(
             checks.finite("ratio", ratio, valid_b)
             y = y * ratio.to(torch.float64)
         checks.finite("s_centered", s_centered, valid_b)
-        checks.finite("advantages", a, valid_b)
-        return torch.cat([checks.counts(y.device), covariance_terms(a, y, valid_b)]), (checks, eta)
+        terms = covariance_terms(a, y, valid_b)
+        checks.finite("advantages", a, valid_b, witness=terms[1])
+        return torch.cat([checks.witnesses(y.device), terms]), (checks, eta)
 
     n_checks = 3 + (ratio is not None)
     values, (checks, eta) = reduce_or_raise(local, n_checks + 4, process_group)
-    checks.verdict(values[:n_checks])
+    checks.verdict(values[:n_checks], process_group)
     n, s_a, s_y, s_ay = values[n_checks:]
     if n == 0:
         return 0.0

@@ -173,15 +173,16 @@ def _outlier_mask(
         checks = DataChecks()
         valid_b = valid_mask(valid, scores.shape, checks)
         adv = broadcast_advantages(advantages, scores.shape).to(scores.device)
-        checks.finite(name, scores, valid_b)
-        checks.finite("advantages", adv, valid_b)
         x = scores.to(torch.float64)
         zero = torch.zeros((), dtype=torch.float64, device=x.device)
-        sums = torch.stack([valid_b.sum().to(torch.float64), torch.where(valid_b, x, zero).sum()])
-        return torch.cat([checks.counts(x.device), sums]), (params, checks, valid_b, adv, x, zero)
+        total = torch.where(valid_b, x, zero).sum()
+        checks.finite(name, scores, valid_b, witness=total)
+        checks.finite("advantages", adv, valid_b)
+        sums = torch.stack([valid_b.sum().to(torch.float64), total])
+        return torch.cat([checks.witnesses(x.device), sums]), (params, checks, valid_b, adv, x, zero)
 
     values, (params, checks, valid, adv, x, zero) = reduce_or_raise(local, _N_CHECKS + 2, group)
-    checks.verdict(values[:_N_CHECKS])
+    checks.verdict(values[:_N_CHECKS], group)
     mu_low, mu_high = params
     n, total = values[_N_CHECKS:]
     mean = total / n if n > 0 else 0.0
@@ -193,7 +194,11 @@ def _outlier_mask(
     upper = center + mu_high * std if math.isfinite(mu_high) else math.inf
     pos, neg = valid & (adv > 0), valid & (adv < 0)
     eligible = {"negative": neg, "positive": pos, "both": pos | neg}[sides]
-    clipped = eligible & ((x < lower) | (x > upper)) if std > ZERO_STD else torch.zeros_like(valid)
+    outside = ([x < lower] if lower > -math.inf else []) + ([x > upper] if upper < math.inf else [])
+    if std > ZERO_STD and outside:
+        clipped = eligible & (outside[0] | outside[1] if len(outside) == 2 else outside[0])
+    else:
+        clipped = torch.zeros_like(valid)
 
     def counts(mask: torch.Tensor) -> list[int]:
         parts = torch.stack([t.sum() for t in (pos, neg, mask, mask & pos, mask & neg)]).to(torch.float64)

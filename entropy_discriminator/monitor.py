@@ -96,10 +96,11 @@ class EntropyMonitor:
             shape = entropy.shape
             checks = DataChecks()
             valid_b = valid_mask(valid, shape, checks)
-            checks.finite("entropy", entropy, valid_b)
             zero = torch.zeros((), dtype=torch.float64, device=entropy.device)
             h = torch.where(valid_b, entropy.to(torch.float64), zero)
-            parts = [valid_b.sum().to(torch.float64), h.sum()]
+            h_sum = h.sum()
+            checks.finite("entropy", entropy, valid_b, witness=h_sum)
+            parts = [valid_b.sum().to(torch.float64), h_sum]
             adv = None
             if advantages is not None:
                 adv = broadcast_advantages(advantages, shape).to(entropy.device)
@@ -109,11 +110,13 @@ class EntropyMonitor:
             masked = {}
             for name, t in (("s_star", s_star), ("s_centered", s_centered), ("ratio", ratio)):
                 if t is not None:
-                    masked[name] = self._masked(name, t, shape, valid_b, checks)
+                    masked[name] = x = self._masked(name, t, shape, valid_b)
+                    masked[name + "_sum"] = x_sum = x.sum()
+                    checks.finite(name, t, valid_b, witness=x_sum)
             for name in ("s_star", "s_centered"):
                 if name in masked:
                     x = masked[name]
-                    parts += [x.sum(), (x * x).sum()]
+                    parts += [masked[name + "_sum"], (x * x).sum()]
             if mask is not None:
                 keep = require_tensor("mask.keep", getattr(mask, "keep", None))
                 require_shape("mask.keep", keep, shape, "entropy")
@@ -124,11 +127,11 @@ class EntropyMonitor:
                 if "ratio" in masked:
                     y = y * masked["ratio"]
                 parts += list(covariance_terms(adv, y, valid_b)[1:])
-            payload = torch.cat([checks.counts(entropy.device), torch.stack(parts)])
+            payload = torch.cat([checks.witnesses(entropy.device), torch.stack(parts)])
             return payload, (checks, valid_b, lr_value)
 
         values, (checks, valid_b, lr_value) = reduce_or_raise(local, size, group)
-        checks.verdict(values[:n_checks])
+        checks.verdict(values[:n_checks], group)
         total = iter(values[n_checks:])
         out: dict[str, float] = {}
         n, h_sum = next(total), next(total)
@@ -197,18 +200,17 @@ class EntropyMonitor:
             checks.finite("entropy_before", entropy_before, valid_b)
             checks.finite("entropy_after", entropy_after, valid_b)
             diff = torch.where(valid_b, entropy_after.to(torch.float64) - entropy_before.to(torch.float64), 0.0)
-            return torch.cat([checks.counts(diff.device), torch.stack([valid_b.sum().to(torch.float64), diff.sum()])]), checks
+            return torch.cat([checks.witnesses(diff.device), torch.stack([valid_b.sum().to(torch.float64), diff.sum()])]), checks
 
         values, checks = reduce_or_raise(local, 5, self.process_group)
-        checks.verdict(values[:3])
+        checks.verdict(values[:3], self.process_group)
         n, s = values[3:]
         return {self.prefix + "delta_entropy/realised": s / n} if n > 0 else {}
 
     @staticmethod
-    def _masked(name: str, t: object, shape: torch.Size, valid: torch.Tensor, checks: DataChecks) -> torch.Tensor:
+    def _masked(name: str, t: object, shape: torch.Size, valid: torch.Tensor) -> torch.Tensor:
         require_float(name, t)
         require_shape(name, t, shape, "entropy")
-        checks.finite(name, t, valid)
         return torch.where(valid, t.to(torch.float64), torch.zeros((), dtype=torch.float64, device=t.device))
 
     @staticmethod
