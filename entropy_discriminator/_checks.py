@@ -161,15 +161,6 @@ def real_or_tensor(name: str, value: object, shape: torch.Size, ref: str) -> tor
     return real_number(name, value)
 
 
-def require_finite(name: str, values: torch.Tensor, where: torch.Tensor | None = None) -> None:
-    """Raise ``ValueError`` naming ``name`` if ``values`` (restricted to ``where``) holds NaN or inf."""
-    bad = ~torch.isfinite(values)
-    if where is not None:
-        bad = bad & where
-    if bool(bad.any()):
-        raise ValueError(f"{name} contains NaN or inf at {int(bad.sum())} valid position(s)")
-
-
 def valid_mask(valid: object, shape: torch.Size, checks: DataChecks, name: str = "valid") -> torch.Tensor:
     """``valid`` as a bool tensor of ``shape``; non-0/1 entries of a numeric mask are counted in ``checks``
     (one check is always added, so the number of checks does not depend on the dtype).
