@@ -174,10 +174,10 @@ def valid_mask(valid: object, shape: torch.Size, checks: DataChecks, name: str =
         raise TypeError(f"{name} must be a bool or 0/1 tensor, got dtype {t.dtype}")
     message = f"{name} must hold only 0 and 1 (or be a bool tensor); other values at {{}} position(s)"
     if t.dtype == torch.bool:
-        checks.count(message, torch.zeros((), dtype=torch.bool, device=t.device))
+        checks.count(message, torch.zeros((), dtype=torch.float64, device=t.device))
         return t
     as_bool = t != 0
-    checks.count(message, as_bool & (t != 1))
+    checks.count(message, (as_bool & (t != 1)).sum())
     return as_bool
 
 
@@ -185,7 +185,7 @@ def as_valid_mask(valid: object, shape: torch.Size, name: str = "valid") -> torc
     """:func:`valid_mask` checked at once (one host synchronisation for a numeric mask)."""
     checks = DataChecks()
     mask = valid_mask(valid, shape, checks, name)
-    checks.verdict(checks.witnesses(mask.device).tolist())
+    checks.verdict(torch.stack(checks.witnesses()).tolist())
     return mask
 
 
@@ -211,7 +211,7 @@ def broadcast_advantages(advantages: object, shape: torch.Size) -> torch.Tensor:
 class DataChecks:
     """Checks of the data (NaN / inf, 0/1 masks) whose verdict rides on the call's first reduction.
 
-    Each check puts one float64 *witness* into the reduced payload (:meth:`witnesses`): for a
+    Each check puts one float64 0-d *witness* into the reduced payload (:meth:`witnesses`): for a
     finiteness check the sum of the values over the valid positions (non-finite exactly when a
     valid value is NaN or inf, barring a float64 overflow, impossible for fp32 and narrower
     inputs), for a 0/1 mask the count of other values.  :meth:`verdict` reads the reduced
@@ -230,23 +230,20 @@ class DataChecks:
         ``witness``: ``sum(where(where, values, 0))`` in float64 if the caller already has it.
         """
         if witness is None:
-            witness = torch.where(where, values.to(torch.float64), torch.zeros((), dtype=torch.float64, device=values.device)).sum()
+            witness = torch.where(where, values.to(torch.float64), 0.0).sum()
         recount = lambda: (~torch.isfinite(values) & where).sum()  # noqa: E731
         self._checks.append((f"{name} contains NaN or inf at {{}} valid position(s)", witness, True, recount))
 
-    def count(self, message: str, bad: torch.Tensor) -> None:
-        """Count the True entries of ``bad``; ``message`` has one ``{}`` for the count."""
-        n = bad.sum()
+    def count(self, message: str, n: torch.Tensor) -> None:
+        """A 0-d count of bad entries (non-zero fails); ``message`` has one ``{}`` for it."""
         self._checks.append((message, n, False, lambda: n))
 
     def __len__(self) -> int:
         return len(self._checks)
 
-    def witnesses(self, device: torch.device) -> torch.Tensor:
-        """float64 ``[len(self)]`` witnesses on ``device``, to be summed over the group."""
-        if not self._checks:
-            return torch.zeros(0, dtype=torch.float64, device=device)
-        return torch.stack([w.to(device=device, dtype=torch.float64) for _, w, _, _ in self._checks])
+    def witnesses(self) -> list[torch.Tensor]:
+        """The float64 0-d witnesses, in order, for the payload of the reduction."""
+        return [w.to(torch.float64) for _, w, _, _ in self._checks]
 
     def verdict(self, reduced: Sequence[float], group: object = None) -> None:
         """Raise ``ValueError`` for the first failed check, given the reduced witnesses."""

@@ -30,9 +30,9 @@ def collective_device(group: Group, device: torch.device) -> torch.device:
 
 
 def all_reduce(values: torch.Tensor, group: Group, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
-    """All-reduce ``values`` over ``group`` (identity when ``group`` is None); returns a new tensor."""
+    """All-reduce ``values`` over ``group``: a new tensor, or ``values`` itself when ``group`` is None."""
     if group is None:
-        return values.clone()
+        return values
     t = values.to(collective_device(group, values.device), copy=True)
     dist.all_reduce(t, op=op, group=group)
     return t.to(values.device)
@@ -112,11 +112,9 @@ def top_k_mask(score: torch.Tensor, candidate: torch.Tensor, k: int, group: Grou
     if k <= 0:
         return torch.zeros_like(candidate)
     if group is None:
-        keyed = torch.where(flat, score.reshape(-1), torch.full((), -torch.inf, dtype=score.dtype, device=score.device))
+        keyed = torch.where(flat, score.reshape(-1), -torch.inf)
         order = torch.sort(keyed, descending=True, stable=True).indices[:k]
-        chosen = torch.zeros_like(flat)
-        chosen[order] = True
-        return (chosen & flat).reshape(candidate.shape)
+        return (torch.zeros_like(flat).index_fill_(0, order, True) & flat).reshape(candidate.shape)
     idx = torch.nonzero(flat).reshape(-1)
     offset = rank_offset(flat.numel(), group, score.device)
     won = global_top_k(score.reshape(-1)[idx], idx + offset, k, group)
@@ -168,13 +166,13 @@ def kth_smallest(values: torch.Tensor, ks: list[int], group: Group, where: torch
         return []
     keys = _sortable_int(values.to(torch.float32).reshape(-1))
     if where is not None:
-        keys = torch.where(where.reshape(-1), keys, torch.full((), _INT32_MAX, dtype=keys.dtype, device=keys.device))
-    target = torch.tensor(ks, dtype=torch.int64, device=values.device)
+        keys = torch.where(where.reshape(-1), keys, _INT32_MAX)
     if group is None:
-        found = torch.sort(keys).values[target - 1]
+        ordered = torch.sort(keys).values
+        found = torch.stack([ordered[k - 1] for k in ks])  # views, one gather
     else:
-        found = _radix_select(keys, where, target, group)
-    return _float_from_sortable(found).tolist()
+        found = _radix_select(keys, where, torch.tensor(ks, dtype=torch.int64, device=values.device), group)
+    return _float_from_sortable(found.cpu()).tolist()
 
 
 def _radix_select(keys: torch.Tensor, where: torch.Tensor | None, target: torch.Tensor, group: Group) -> torch.Tensor:

@@ -93,7 +93,7 @@ def batch_entropy_change(
         checks.finite("s_centered", s_centered, valid_b)
         terms = covariance_terms(a, y, valid_b)
         checks.finite("advantages", a, valid_b, witness=terms[1])
-        return torch.cat([checks.witnesses(y.device), terms]), (checks, eta)
+        return torch.cat([torch.stack(checks.witnesses()), terms]), (checks, eta)
 
     n_checks = 3 + (ratio is not None)
     values, (checks, eta) = reduce_or_raise(local, n_checks + 4, process_group)

@@ -174,43 +174,42 @@ def _outlier_mask(
         valid_b = valid_mask(valid, scores.shape, checks)
         adv = broadcast_advantages(advantages, scores.shape).to(scores.device)
         x = scores.to(torch.float64)
-        zero = torch.zeros((), dtype=torch.float64, device=x.device)
-        total = torch.where(valid_b, x, zero).sum()
+        total = torch.where(valid_b, x, 0.0).sum()
         checks.finite(name, scores, valid_b, witness=total)
         checks.finite("advantages", adv, valid_b)
-        sums = torch.stack([valid_b.sum().to(torch.float64), total])
-        return torch.cat([checks.witnesses(x.device), sums]), (params, checks, valid_b, adv, x, zero)
+        pos, neg = valid_b & (adv > 0), valid_b & (adv < 0)
+        sums = [t.sum().to(torch.float64) for t in (valid_b, pos, neg)]
+        return torch.stack([*checks.witnesses(), total, *sums]), (params, checks, valid_b, x, pos, neg)
 
-    values, (params, checks, valid, adv, x, zero) = reduce_or_raise(local, _N_CHECKS + 2, group)
+    values, (params, checks, valid, x, pos, neg) = reduce_or_raise(local, _N_CHECKS + 4, group)
     checks.verdict(values[:_N_CHECKS], group)
     mu_low, mu_high = params
-    n, total = values[_N_CHECKS:]
+    total, n, n_pos, n_neg = values[_N_CHECKS:]
     mean = total / n if n > 0 else 0.0
-    sq = all_reduce(torch.where(valid, (x - mean) ** 2, zero).sum(), group)
-    std = math.sqrt(float(sq / n)) if n > 0 else 0.0
+    sq = all_reduce(torch.where(valid, (x - mean) ** 2, 0.0).sum(), group)
+    std = math.sqrt(float(sq) / n) if n > 0 else 0.0
 
     center = mean if recentre else 0.0
     lower = center - mu_low * std if math.isfinite(mu_low) else -math.inf
     upper = center + mu_high * std if math.isfinite(mu_high) else math.inf
-    pos, neg = valid & (adv > 0), valid & (adv < 0)
     eligible = {"negative": neg, "positive": pos, "both": pos | neg}[sides]
-    outside = ([x < lower] if lower > -math.inf else []) + ([x > upper] if upper < math.inf else [])
-    if std > ZERO_STD and outside:
-        clipped = eligible & (outside[0] | outside[1] if len(outside) == 2 else outside[0])
+    below, above = (x < lower if lower > -math.inf else None), (x > upper if upper < math.inf else None)
+    if std > ZERO_STD and (below is not None or above is not None):
+        clipped = eligible & (above if below is None else below if above is None else below | above)
     else:
         clipped = torch.zeros_like(valid)
 
-    def counts(mask: torch.Tensor) -> list[int]:
-        parts = torch.stack([t.sum() for t in (pos, neg, mask, mask & pos, mask & neg)]).to(torch.float64)
-        return [int(c) for c in all_reduce(parts, group).tolist()]
-
-    n_pos, n_neg, n_clip, n_clip_pos, n_clip_neg = counts(clipped)
+    n_clip = int(all_reduce(clipped.sum(), group))
     limit = cap_limit(max_frac, int(n))
     capped = limit is not None and n_clip > limit
     if capped:
-        beyond = torch.maximum(lower - x, x - upper) / std
-        clipped = top_k_mask(beyond, clipped, limit, group)
-        n_pos, n_neg, n_clip, n_clip_pos, n_clip_neg = counts(clipped)
+        distance = lower - x if above is None else x - upper if below is None else torch.maximum(lower - x, x - upper)
+        clipped = top_k_mask(distance / std, clipped, limit, group)
+        n_clip = limit  # the top-k takes exactly `limit` of the more than `limit` candidates
+    # Clipped tokens are eligible, so the split by advantage sign needs a count only for sides="both".
+    n_clip_pos = {"negative": 0, "positive": n_clip}.get(sides)
+    if n_clip_pos is None:
+        n_clip_pos = int(all_reduce((clipped & pos).sum(), group))
     return MaskResult(
         keep=~clipped,
         method=method,
@@ -219,11 +218,11 @@ def _outlier_mask(
         lower=lower,
         upper=upper,
         n_valid=int(n),
-        n_valid_pos=n_pos,
-        n_valid_neg=n_neg,
+        n_valid_pos=int(n_pos),
+        n_valid_neg=int(n_neg),
         n_clipped=n_clip,
         n_clipped_pos=n_clip_pos,
-        n_clipped_neg=n_clip_neg,
+        n_clipped_neg=n_clip - n_clip_pos,
         capped=capped,
     )
 

@@ -18,7 +18,6 @@ from ._checks import (
     valid_mask,
 )
 from .distributed import Group, kth_smallest, reduce_or_raise
-from .dynamics import covariance_terms
 from .masks import MaskResult
 from .stats import TokenStats
 
@@ -96,38 +95,37 @@ class EntropyMonitor:
             shape = entropy.shape
             checks = DataChecks()
             valid_b = valid_mask(valid, shape, checks)
-            zero = torch.zeros((), dtype=torch.float64, device=entropy.device)
-            h = torch.where(valid_b, entropy.to(torch.float64), zero)
+            h = self._masked("entropy", entropy, shape, valid_b)
             h_sum = h.sum()
             checks.finite("entropy", entropy, valid_b, witness=h_sum)
             parts = [valid_b.sum().to(torch.float64), h_sum]
-            adv = None
+            a = None
             if advantages is not None:
                 adv = broadcast_advantages(advantages, shape).to(entropy.device)
-                checks.finite("advantages", adv, valid_b)
-                for sel in (valid_b & (adv > 0), valid_b & (adv < 0)):
-                    parts += [sel.sum().to(torch.float64), torch.where(sel, h, zero).sum()]
-            masked = {}
+                a = torch.where(valid_b, adv, 0.0)
+                a_sum = a.sum()
+                checks.finite("advantages", adv, valid_b, witness=a_sum)
+                for sel in (a > 0, a < 0):
+                    parts += [sel.sum().to(torch.float64), torch.where(sel, h, 0.0).sum()]
+            masked, sums = {}, {}
             for name, t in (("s_star", s_star), ("s_centered", s_centered), ("ratio", ratio)):
                 if t is not None:
                     masked[name] = x = self._masked(name, t, shape, valid_b)
-                    masked[name + "_sum"] = x_sum = x.sum()
-                    checks.finite(name, t, valid_b, witness=x_sum)
+                    sums[name] = x.sum()
+                    checks.finite(name, t, valid_b, witness=sums[name])
             for name in ("s_star", "s_centered"):
                 if name in masked:
                     x = masked[name]
-                    parts += [masked[name + "_sum"], (x * x).sum()]
+                    parts += [sums[name], (x * x).sum()]
             if mask is not None:
                 keep = require_tensor("mask.keep", getattr(mask, "keep", None))
                 require_shape("mask.keep", keep, shape, "entropy")
                 kept = valid_b & keep.to(entropy.device)
-                parts += [torch.where(kept, h, zero).sum(), kept.sum().to(torch.float64)]
-            if has_cov:
-                y = s_centered.to(torch.float64)
-                if "ratio" in masked:
-                    y = y * masked["ratio"]
-                parts += list(covariance_terms(adv, y, valid_b)[1:])
-            payload = torch.cat([checks.witnesses(entropy.device), torch.stack(parts)])
+                parts += [torch.where(kept, h, 0.0).sum(), kept.sum().to(torch.float64)]
+            if has_cov:  # sums of a, y = r * S_c and a * y over the valid tokens (zero elsewhere)
+                y = masked["s_centered"] * masked["ratio"] if "ratio" in masked else masked["s_centered"]
+                parts += [a_sum, y.sum() if "ratio" in masked else sums["s_centered"], (a * y).sum()]
+            payload = torch.stack([*checks.witnesses(), *parts])
             return payload, (checks, valid_b, lr_value)
 
         values, (checks, valid_b, lr_value) = reduce_or_raise(local, size, group)
@@ -200,7 +198,7 @@ class EntropyMonitor:
             checks.finite("entropy_before", entropy_before, valid_b)
             checks.finite("entropy_after", entropy_after, valid_b)
             diff = torch.where(valid_b, entropy_after.to(torch.float64) - entropy_before.to(torch.float64), 0.0)
-            return torch.cat([checks.witnesses(diff.device), torch.stack([valid_b.sum().to(torch.float64), diff.sum()])]), checks
+            return torch.stack([*checks.witnesses(), valid_b.sum().to(torch.float64), diff.sum()]), checks
 
         values, checks = reduce_or_raise(local, 5, self.process_group)
         checks.verdict(values[:3], self.process_group)
@@ -209,9 +207,10 @@ class EntropyMonitor:
 
     @staticmethod
     def _masked(name: str, t: object, shape: torch.Size, valid: torch.Tensor) -> torch.Tensor:
+        """float64 ``t`` with zeros at the invalid positions, after checking its dtype and shape."""
         require_float(name, t)
         require_shape(name, t, shape, "entropy")
-        return torch.where(valid, t.to(torch.float64), torch.zeros((), dtype=torch.float64, device=t.device))
+        return torch.where(valid, t.to(torch.float64), 0.0)
 
     @staticmethod
     def _mask_metrics(mask: MaskResult, n: float, h_sum: float, h_kept: float, n_kept: float) -> dict[str, float]:
