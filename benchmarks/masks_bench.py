@@ -7,8 +7,8 @@ tokens violate and the top-k runs), ``EntropyMonitor.from_stats`` (every metric:
 means, clip metrics, covariance, predicted change), and ``float(x.sum())`` over the scores (one
 reduction and one host synchronisation: the floor of any call that returns Python numbers).
 
-Times are medians of CUDA-event timings with the L2 cache flushed before each call
-(``triton.testing.do_bench``, as in common.py); ``syncs`` counts the host synchronisations of one
+After a one-second warm-up of every call, times are medians of CUDA-event timings with the L2
+cache flushed before each call (``triton.testing.do_bench``, as in common.py); ``syncs`` counts the host synchronisations of one
 call (``torch.cuda.set_sync_debug_mode``).  Every GPU result is checked against the same call on
 the CPU copy of the inputs (keep-masks, counts and percentiles identical, float metrics to 1e-9);
 the command fails if one differs.  CSV: ``benchmarks/results/<card>/masks.csv``.
@@ -20,6 +20,7 @@ import csv
 import math
 import os
 import re
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -70,6 +71,15 @@ def calls(batch: dict) -> dict[str, Callable[[], object]]:
     }
 
 
+def warm_up(batch_calls: dict[str, Callable[[], object]], seconds: float = 1.0) -> None:
+    """Run every call for about ``seconds``: lazy initialisation, clocks and caches settle before timing."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for fn in batch_calls.values():
+            fn()
+    torch.cuda.synchronize()
+
+
 def count_syncs(fn: Callable[[], object]) -> int:
     """Host synchronisations of one call of ``fn``."""
     torch.cuda.synchronize()
@@ -109,6 +119,7 @@ def main(args) -> list[dict]:
     device = torch.device("cuda")
     card = card_name()
     rows = []
+    warm_up(calls(inputs(min(args.n), device)))
     for n in args.n:
         gpu, cpu = calls(inputs(n, device)), calls(inputs(n, torch.device("cpu")))
         for method, fn in gpu.items():
