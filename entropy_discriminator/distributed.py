@@ -53,10 +53,11 @@ def reduce_or_raise(build: Callable[[], tuple[torch.Tensor, T]], size: int, grou
 
     ``build()`` validates the local arguments and returns ``(payload, context)``, ``payload`` a
     float64 vector of ``size`` entries (counts and sums) to be summed over ``group``.  If
-    ``build`` raises ``ValueError`` or ``TypeError`` on some rank, that rank still takes part in
-    the reduction (with zeros and a failure flag in an extra slot); every rank then sees the flag,
-    the failing ranks' messages are gathered, and every rank raises the lowest failing rank's
-    error with the same message.  Without a group the error propagates unchanged.
+    ``build`` raises on some rank, that rank still takes part in the reduction (with zeros and a
+    failure flag in an extra slot); every rank then sees the flag, the failing ranks' messages are
+    gathered, and every rank raises the lowest failing rank's error with the same message
+    (``ValueError`` / ``TypeError`` as raised, any other exception as ``RuntimeError``).  Without a
+    group the error propagates unchanged.
 
     Returns the reduced payload as Python floats (one host synchronisation) and ``context``.
     """
@@ -68,7 +69,7 @@ def reduce_or_raise(build: Callable[[], tuple[torch.Tensor, T]], size: int, grou
         payload, context = build()
         if payload.numel() != size:
             raise RuntimeError(f"internal: payload of {payload.numel()} entries, expected {size}")
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank
         failure, context = exc, None  # type: ignore[assignment]
         payload = torch.zeros(size, dtype=torch.float64, device=_fallback_device(group))
     flag = torch.tensor([0.0 if failure is None else 1.0], dtype=torch.float64, device=payload.device)
@@ -78,7 +79,7 @@ def reduce_or_raise(build: Callable[[], tuple[torch.Tensor, T]], size: int, grou
         mine = None if failure is None else (type(failure).__name__, str(failure))
         dist.all_gather_object(messages, mine, group=group)
         rank, (kind, text) = next((r, m) for r, m in enumerate(messages) if m is not None)
-        error = TypeError if kind == "TypeError" else ValueError
+        error = {"TypeError": TypeError, "ValueError": ValueError}.get(kind, RuntimeError)
         raise error(f"{text} (raised on rank {rank}; every rank of the process group raises this error)") from failure
     return values[:-1], context
 

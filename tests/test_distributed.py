@@ -6,6 +6,7 @@ float metrics equal to float64 rounding (sums are added in another order).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -130,6 +131,9 @@ def _one_rank_bad_cases(rank: int):
     bad_valid = torch.full((3, 5), 2 if rank == 1 else 1)
     group = dist.group.WORLD
     mon = ed.EntropyMonitor(process_group=group)
+    mask = ed.clip_b_mask(s, adv, valid)
+    if rank == 1:  # torch itself fails on this rank (NotImplementedError: no data to copy)
+        mask = dataclasses.replace(mask, keep=torch.ones(3, 5, dtype=torch.bool, device="meta"))
     return [
         ("clip_b nan", lambda: ed.clip_b_mask(nan, adv, valid, process_group=group)),
         ("clip_v shape", lambda: ed.clip_v_mask(s, short_adv, valid, process_group=group)),
@@ -139,6 +143,7 @@ def _one_rank_bad_cases(rank: int):
         ("monitor nan s_centered", lambda: mon(entropy=s.abs(), valid=valid, advantages=adv, s_centered=nan)),
         ("monitor shape", lambda: mon(entropy=s.abs(), valid=valid, advantages=short_adv, s_star=s)),
         ("monitor lr", lambda: mon(entropy=s.abs(), valid=valid, advantages=adv, s_centered=s, lr=math.nan if rank else 0.1)),
+        ("monitor torch error", lambda: mon(entropy=s.abs(), valid=valid, mask=mask)),
         ("realised nan", lambda: mon.realised(s, nan, valid)),
         ("dynamics nan", lambda: ed.batch_entropy_change(adv, nan, valid, lr=0.1, process_group=group)),
         ("dynamics shape", lambda: ed.batch_entropy_change(short_adv, s, valid, lr=0.1, process_group=group)),
@@ -155,7 +160,7 @@ def _run_bad_cases(rank: int) -> dict:
         try:
             call()
             out[name] = ("no error", "", time.perf_counter() - start)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, RuntimeError) as exc:
             out[name] = (type(exc).__name__, str(exc), time.perf_counter() - start)
         # the ranks are still in step: a good call afterwards agrees everywhere
         ok = ed.clip_b_mask(torch.ones(2, 2) * rank, torch.ones(2), torch.ones(2, 2), process_group=dist.group.WORLD)
@@ -185,6 +190,7 @@ def test_bad_input_on_one_rank_raises_the_same_error_on_every_rank(tmp_path):
     needles = {"clip_b nan": "s_star contains NaN", "clip_v shape": "advantages", "clip_v mu": "mu_low",
                "clip_b valid": "valid must hold only 0 and 1", "monitor nan entropy": "entropy contains NaN",
                "monitor nan s_centered": "s_centered contains NaN", "monitor shape": "advantages", "monitor lr": "lr",
+               "monitor torch error": "meta",
                "realised nan": "entropy_after contains NaN", "dynamics nan": "s_centered contains NaN",
                "dynamics shape": "advantages"}
     assert set(needles) | {k + " then" for k in needles} == set(r0)
