@@ -1,7 +1,22 @@
-"""Argument validation shared by the core modules: every error names the argument at fault."""
+"""Argument validation shared by the core modules: every error names the argument at fault.
+
+Two kinds of check live here:
+
+* argument coercion (:func:`real_number`, :func:`integer`, :func:`one_of`, shape checks), which
+  raises at once: the arguments are the same on every rank;
+* :class:`DataChecks`, counts of bad entries (NaN, non-0/1 masks) kept on the device and read with
+  the call's first reduction, so a bad value on one rank raises the same error on every rank and
+  costs no extra host synchronisation.
+"""
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+
+import numpy as np
 import torch
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -14,6 +29,19 @@ def require_tensor(name: str, value: object) -> torch.Tensor:
     return value
 
 
+def require_finite(name: str, values: torch.Tensor, where: torch.Tensor | None = None) -> None:
+    """Raise ``ValueError`` naming ``name`` if ``values`` (restricted to ``where``) holds NaN or inf.
+
+    A local check with one host sync; the masks and the monitor instead carry their checks in their
+    first all-reduce (:class:`DataChecks`) so that every rank raises together.
+    """
+    bad = ~torch.isfinite(values)
+    if where is not None:
+        bad = bad & where
+    if bool(bad.any()):
+        raise ValueError(f"{name} contains NaN or inf at {int(bad.sum())} valid position(s)")
+
+
 def require_float(name: str, value: object) -> torch.Tensor:
     """A floating tensor (bf16, fp16, fp32 or fp64)."""
     t = require_tensor(name, value)
@@ -22,32 +50,156 @@ def require_float(name: str, value: object) -> torch.Tensor:
     return t
 
 
-def require_finite(name: str, values: torch.Tensor, where: torch.Tensor | None = None) -> None:
-    """Raise ``ValueError`` naming ``name`` if ``values`` (restricted to ``where``) holds NaN or inf."""
-    bad = ~torch.isfinite(values)
-    if where is not None:
-        bad = bad & where
-    if bool(bad.any()):
-        raise ValueError(f"{name} contains NaN or inf at {int(bad.sum())} valid position(s)")
+def _scalar(value: object) -> object:
+    """The Python scalar inside a 0-d torch tensor or 0-d numpy array; other values unchanged."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype != torch.bool and not value.dtype.is_complex:
+        return value.item()
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        return value.item()
+    return value
 
 
-def as_valid_mask(valid: object, shape: torch.Size, name: str = "valid") -> torch.Tensor:
-    """Return ``valid`` as a bool tensor of ``shape``.
+def real_number(
+    name: str,
+    value: object,
+    *,
+    finite: bool = True,
+    minimum: float | None = None,
+    above: float | None = None,
+    maximum: float | None = None,
+) -> float:
+    """``value`` as a Python float, or ``ValueError``/``TypeError`` naming ``name``.
 
-    Accepts bool tensors and numeric 0/1 tensors (frameworks' ``response_mask`` / ``action_mask``);
-    any other value raises ``ValueError`` naming the argument.
+    Accepts any real number (``int``, ``float``, ``numpy`` scalars, ``Fraction``...) and 0-d real
+    tensors / arrays; refuses ``bool``, strings, NaN, and (``finite=True``) ``±inf``.  Bounds:
+    ``minimum <= value``, ``above < value``, ``value <= maximum``.
+    """
+    bounds = [f">= {minimum:g}" if minimum is not None else "", f"> {above:g}" if above is not None else ""]
+    bounds.append(f"<= {maximum:g}" if maximum is not None else "")
+    want = " ".join(["a finite real number" if finite else "a real number (inf allowed)", *filter(None, bounds)])
+    x = _scalar(value)
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be {want}, got {value!r} ({type(value).__name__})")
+    x = float(x)
+    ok = not math.isnan(x) and (math.isfinite(x) or not finite)
+    ok = ok and (minimum is None or x >= minimum) and (above is None or x > above) and (maximum is None or x <= maximum)
+    if not ok:
+        raise ValueError(f"{name} must be {want}, got {value!r}")
+    return x
+
+
+def integer(name: str, value: object, *, minimum: int | None = None) -> int:
+    """``value`` as a Python int (ints, numpy integers, 0-d integer tensors), else an error naming ``name``."""
+    x = _scalar(value)
+    want = "an integer" + (f" >= {minimum}" if minimum is not None else "")
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be {want}, got {value!r} ({type(value).__name__})")
+    if minimum is not None and x < minimum:
+        raise ValueError(f"{name} must be {want}, got {value!r}")
+    return int(x)
+
+
+#: ``ignore_index=None`` (no position ignored) as an int: int64's minimum, which no label in [0, V) equals.
+NO_IGNORE_INDEX = -(2**63)
+
+
+def ignore_index_value(value: object) -> int:
+    """``ignore_index`` as a Python int for the kernels: an integer, or None for "ignore nothing"
+    (:data:`NO_IGNORE_INDEX`, so every label is checked against ``[0, V)`` and counted)."""
+    return NO_IGNORE_INDEX if value is None else integer("ignore_index", value)
+
+
+def one_of(name: str, value: object, options: Sequence[str]) -> str:
+    """``value`` if it is one of the string ``options``, else ``ValueError`` naming ``name``."""
+    if not isinstance(value, str) or value not in options:
+        raise ValueError(f"{name} must be one of {tuple(options)}, got {value!r}")
+    return value
+
+
+def exact_fraction(value: object) -> Fraction:
+    """The decimal a finite real number was written as: ``exact_fraction(99.9) == Fraction(999, 10)``.
+
+    Floats (also ``np.float32`` and 0-d float tensors) are read as their shortest round-tripping
+    decimal in their own precision, so ``ceil(q/100 * n)`` and ``floor(max_frac * n)`` evaluated
+    on the result are the exact decimal results a user expects; integers and fractions are exact.
+    """
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu()
+        value = (value.float() if value.dtype == torch.bfloat16 else value).numpy()
+    if isinstance(value, np.ndarray):
+        value = value[()]
+    if isinstance(value, numbers.Rational):
+        return Fraction(value)
+    if isinstance(value, np.floating):
+        return Fraction(str(value))
+    return Fraction(repr(float(value)))
+
+
+def require_shape(name: str, value: torch.Tensor, shape: torch.Size, ref: str) -> torch.Tensor:
+    """``value`` if its shape is ``shape`` (the shape of argument ``ref``), else ``ValueError``."""
+    if value.shape != shape:
+        raise ValueError(f"{name} must have {ref}'s shape {tuple(shape)}, got {tuple(value.shape)}")
+    return value
+
+
+def broadcasts_to(name: str, value: torch.Tensor, shape: torch.Size, ref: str) -> None:
+    """Raise ``ValueError`` unless ``value`` broadcasts to ``shape`` without enlarging it."""
+    try:
+        ok = torch.broadcast_shapes(value.shape, shape) == shape
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"{name} of shape {tuple(value.shape)} does not broadcast to {ref}'s shape {tuple(shape)} "
+            "(leading dimensions align on the right: per-row values need a trailing 1, e.g. x[:, None])"
+        )
+
+
+def common_shape(**tensors: torch.Tensor) -> torch.Size:
+    """The broadcast shape of the named tensors, or ``ValueError`` naming each with its shape."""
+    try:
+        return torch.broadcast_shapes(*(t.shape for t in tensors.values()))
+    except RuntimeError:
+        shapes = ", ".join(f"{name} {tuple(t.shape)}" for name, t in tensors.items())
+        raise ValueError(f"shapes do not broadcast: {shapes}") from None
+
+
+def real_or_tensor(name: str, value: object, shape: torch.Size, ref: str) -> torch.Tensor | float:
+    """A real number (float) or a real tensor broadcasting to ``shape`` (the shape of ``ref``)."""
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        if value.dtype == torch.bool or value.dtype.is_complex:
+            raise TypeError(f"{name} must be a real number or a real tensor, got dtype {value.dtype}")
+        broadcasts_to(name, value, shape, ref)
+        return value
+    return real_number(name, value)
+
+
+def valid_mask(valid: object, shape: torch.Size, checks: DataChecks, name: str = "valid") -> torch.Tensor:
+    """``valid`` as a bool tensor of ``shape``; non-0/1 entries of a numeric mask are counted in ``checks``
+    (one check is always added, so the number of checks does not depend on the dtype).
+
+    Accepts bool tensors and numeric 0/1 tensors (frameworks' ``response_mask`` / ``action_mask``).
     """
     t = require_tensor(name, valid)
     if t.shape != shape:
         raise ValueError(f"{name} must have the scores' shape {tuple(shape)}, got {tuple(t.shape)}")
-    if t.dtype == torch.bool:
-        return t
     if t.dtype.is_complex:
         raise TypeError(f"{name} must be a bool or 0/1 tensor, got dtype {t.dtype}")
+    message = f"{name} must hold only 0 and 1 (or be a bool tensor); other values at {{}} position(s)"
+    if t.dtype == torch.bool:
+        checks.count(message, torch.zeros((), dtype=torch.float64, device=t.device))
+        return t
     as_bool = t != 0
-    if bool(((t != 0) & (t != 1)).any()):
-        raise ValueError(f"{name} must hold only 0 and 1 (or be a bool tensor)")
+    checks.count(message, (as_bool & (t != 1)).sum())
     return as_bool
+
+
+def as_valid_mask(valid: object, shape: torch.Size, name: str = "valid") -> torch.Tensor:
+    """:func:`valid_mask` checked at once (one host synchronisation for a numeric mask)."""
+    checks = DataChecks()
+    mask = valid_mask(valid, shape, checks, name)
+    checks.verdict(torch.stack(checks.witnesses()).tolist())
+    return mask
 
 
 def broadcast_advantages(advantages: object, shape: torch.Size) -> torch.Tensor:
@@ -67,3 +219,53 @@ def broadcast_advantages(advantages: object, shape: torch.Size) -> torch.Tensor:
         f"advantages must be per sequence [B] with B = {shape[0] if len(shape) else '?'} or per token "
         f"with the scores' shape {tuple(shape)}, got {tuple(a.shape)}"
     )
+
+
+class DataChecks:
+    """Checks of the data (NaN / inf, 0/1 masks) whose verdict rides on the call's first reduction.
+
+    Each check puts one float64 0-d *witness* into the reduced payload (:meth:`witnesses`): for a
+    finiteness check the sum of the values over the valid positions (non-finite exactly when a
+    valid value is NaN or inf, barring a float64 overflow, impossible for fp32 and narrower
+    inputs), for a 0/1 mask the count of other values.  :meth:`verdict` reads the reduced
+    witnesses: when all are clean nothing more happens (no extra kernel, no extra host
+    synchronisation); otherwise every rank (all see the same reduced witnesses) counts the bad
+    entries exactly, reduces the counts over the group, and raises ``ValueError`` naming the
+    first offender with its global count, the same message on every rank.
+    """
+
+    def __init__(self) -> None:
+        self._checks: list[tuple[str, torch.Tensor, bool, Callable[[], torch.Tensor]]] = []
+
+    def finite(self, name: str, values: torch.Tensor, where: torch.Tensor, witness: torch.Tensor | None = None) -> None:
+        """Check ``values`` for NaN / inf at the ``where`` positions.
+
+        ``witness``: ``sum(where(where, values, 0))`` in float64 if the caller already has it.
+        """
+        if witness is None:
+            witness = torch.where(where, values.to(torch.float64), 0.0).sum()
+        recount = lambda: (~torch.isfinite(values) & where).sum()  # noqa: E731
+        self._checks.append((f"{name} contains NaN or inf at {{}} valid position(s)", witness, True, recount))
+
+    def count(self, message: str, n: torch.Tensor) -> None:
+        """A 0-d count of bad entries (non-zero fails); ``message`` has one ``{}`` for it."""
+        self._checks.append((message, n, False, lambda: n))
+
+    def __len__(self) -> int:
+        return len(self._checks)
+
+    def witnesses(self) -> list[torch.Tensor]:
+        """The float64 0-d witnesses, in order, for the payload of the reduction."""
+        return [w.to(torch.float64) for _, w, _, _ in self._checks]
+
+    def verdict(self, reduced: Sequence[float], group: object = None) -> None:
+        """Raise ``ValueError`` for the first failed check, given the reduced witnesses."""
+        clean = [math.isfinite(w) if is_sum else w == 0 for (_, _, is_sum, _), w in zip(self._checks, reduced)]
+        if all(clean):
+            return
+        from .distributed import all_reduce  # the exact counts: only on this error path
+
+        counts = torch.stack([recount().to(torch.float64) for _, _, _, recount in self._checks])
+        for (message, _, _, _), n in zip(self._checks, all_reduce(counts, group).tolist()):
+            if n:
+                raise ValueError(message.format(int(n)))

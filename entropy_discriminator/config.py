@@ -8,8 +8,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
+from ._checks import exact_fraction, integer, one_of, real_number
 from .distributed import Group
 from .masks import MASK_MODES, SIDES, MaskResult, clip_b_mask, clip_v_mask
 from .stats import IMPLS
@@ -24,13 +26,22 @@ DEFAULT_MAX_FRAC = {"clip_b": None, "clip_v": 1e-4}
 class EntropyDiscConfig:
     """Entropy-discriminator settings, as adapters read them from a framework's config.
 
+    Every field is checked when it is set, at construction and on any later assignment
+    (``cfg.method = "clip_x"`` raises ``ValueError`` naming ``entropy_disc.method`` at once;
+    every bad setting raises ``ValueError``, whatever its type);
+    real-valued fields take any real number or 0-d tensor and are stored as Python floats.
+
     Attributes:
         method: ``"none"`` (metrics only), ``"clip_b"`` (mask on S*) or ``"clip_v"`` (mask on S_c).
-        mu_low: lower bound in batch stds; None takes the method's default (2.5 / 8.5).
+        mu_low: lower bound in batch stds (>= 0, ``inf`` disables it); None takes the method's
+            default (2.5 / 8.5).
         mu_high: upper bound in batch stds; ``inf`` (default) clips one side only.
         sides: advantage sign whose tokens may be clipped: negative, positive or both.
-        max_frac: cap on the clipped share; ``"auto"`` takes the method's default (none for
-            Clip_B, 1e-4 for Clip_V), None disables the cap.
+        max_frac: cap on the clipped share, in [0, 1]: a batch of ``n`` valid tokens clips at most
+            ``floor(max_frac * n)`` (so 0 clips nothing; see
+            :func:`~entropy_discriminator.masks.cap_limit`); ``"auto"`` takes the method's default
+            (none for Clip_B, 1e-4 for Clip_V), None disables the cap.  Stored as the decimal it
+            was written as (``np.float32(1e-4)`` becomes ``0.0001``).
         mask_mode: ``"zero_pg"`` (clipped tokens lose their policy-gradient term; the loss
             normaliser is unchanged) or ``"drop_token"`` (they leave the loss mask).
         chunk_size, impl: passed to :func:`~entropy_discriminator.token_stats`.
@@ -47,43 +58,40 @@ class EntropyDiscConfig:
     impl: str = "auto"
     log_metrics: bool = True
 
-    def __post_init__(self) -> None:
-        self.validate()
+    def __setattr__(self, name: str, value: Any) -> None:
+        check = _FIELD_CHECKS.get(name)
+        if check is not None:
+            try:
+                value = check(f"entropy_disc.{name}", value)
+            except TypeError as exc:  # one exception type for every bad setting, as adapters expect
+                raise ValueError(str(exc)) from None
+        object.__setattr__(self, name, value)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None) -> EntropyDiscConfig:
-        """Build from a dict (e.g. a Hydra/OmegaConf node); unknown keys raise ``ValueError``."""
+        """Build from a dict (e.g. a Hydra/OmegaConf node); unknown keys raise ``ValueError``.
+
+        Strings are accepted for the real-valued fields (``"inf"``, ``"1e-4"`` from a command
+        line); one that is not a number raises ``ValueError`` naming the field.
+        """
         values = dict(values or {})
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown entropy_disc option(s) {unknown}; valid: {sorted(known)}")
         for key in ("mu_low", "mu_high", "max_frac"):
-            if isinstance(values.get(key), str) and values[key] not in ("auto",):
-                values[key] = float(values[key])  # "inf" from a command line
+            text = values.get(key)
+            if isinstance(text, str) and text != "auto":
+                try:
+                    values[key] = float(text)
+                except ValueError:
+                    raise ValueError(f"entropy_disc.{key} must be a number, got {text!r}") from None
         return cls(**values)
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad field."""
-        if self.method not in METHODS:
-            raise ValueError(f"entropy_disc.method must be one of {METHODS}, got {self.method!r}")
-        for name in ("mu_low", "mu_high"):
-            mu = getattr(self, name)
-            if mu is None and name == "mu_low":
-                continue
-            if not isinstance(mu, (int, float)) or math.isnan(mu) or mu < 0:
-                raise ValueError(f"entropy_disc.{name} must be a number >= 0, got {mu!r}")
-        if self.sides not in SIDES:
-            raise ValueError(f"entropy_disc.sides must be one of {SIDES}, got {self.sides!r}")
-        mf = self.max_frac
-        if mf != "auto" and mf is not None and (not isinstance(mf, (int, float)) or not 0 <= mf <= 1):
-            raise ValueError(f"entropy_disc.max_frac must be 'auto', None or a number in [0, 1], got {mf!r}")
-        if self.mask_mode not in MASK_MODES:
-            raise ValueError(f"entropy_disc.mask_mode must be one of {MASK_MODES}, got {self.mask_mode!r}")
-        if self.impl not in IMPLS:
-            raise ValueError(f"entropy_disc.impl must be one of {IMPLS}, got {self.impl!r}")
-        if self.chunk_size is not None and (not isinstance(self.chunk_size, int) or self.chunk_size < 1):
-            raise ValueError(f"entropy_disc.chunk_size must be a positive int or None, got {self.chunk_size!r}")
+        """Check every field again (each is also checked whenever it is set); errors name the field."""
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name))
 
     @property
     def enabled(self) -> bool:
@@ -122,3 +130,43 @@ class EntropyDiscConfig:
         if s_centered is None:
             raise ValueError("entropy_disc.method='clip_v' needs s_centered (token_stats over the full vocabulary)")
         return clip_v_mask(s_centered, advantages, valid, **kwargs)
+
+
+def _choice(options: tuple[str, ...]):
+    return lambda name, value: one_of(name, value, options)
+
+
+def _mu_low(name: str, value: object) -> float | None:
+    return None if value is None else real_number(name, value, finite=False, minimum=0)
+
+
+def _max_frac(name: str, value: object) -> float | str | None:
+    if value is None or (isinstance(value, str) and value == "auto"):
+        return value
+    if isinstance(value, str):
+        raise ValueError(f"{name} must be 'auto', None or a number in [0, 1], got {value!r}")
+    real_number(name, value, minimum=0, maximum=1)
+    return float(exact_fraction(value))
+
+
+def _chunk_size(name: str, value: object) -> int | None:
+    return None if value is None else integer(name, value, minimum=1)
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+_FIELD_CHECKS = {
+    "method": _choice(METHODS),
+    "mu_low": _mu_low,
+    "mu_high": lambda name, value: real_number(name, value, finite=False, minimum=0),
+    "sides": _choice(SIDES),
+    "max_frac": _max_frac,
+    "mask_mode": _choice(MASK_MODES),
+    "chunk_size": _chunk_size,
+    "impl": _choice(IMPLS),
+    "log_metrics": _flag,
+}

@@ -3,14 +3,23 @@
 Every batch statistic is reduced from sums and counts (never a mean of means), so a data-parallel
 job sees exactly the thresholds one process would compute on the concatenated batch.  All
 functions must be called by every rank of ``group`` in the same order, with empty shards too.
+
+A bad argument or value on one rank must not leave the others waiting in a collective:
+:func:`reduce_or_raise` runs a call's local checks, folds a failure flag into the call's first
+reduction and raises the same error on every rank.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 Group = dist.ProcessGroup | None
+T = TypeVar("T")
+_INT32_MAX = 2**31 - 1
 
 
 def collective_device(group: Group, device: torch.device) -> torch.device:
@@ -21,9 +30,9 @@ def collective_device(group: Group, device: torch.device) -> torch.device:
 
 
 def all_reduce(values: torch.Tensor, group: Group, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
-    """All-reduce ``values`` over ``group`` (identity when ``group`` is None); returns a new tensor."""
+    """All-reduce ``values`` over ``group``: a new tensor, or ``values`` itself when ``group`` is None."""
     if group is None:
-        return values.clone()
+        return values
     t = values.to(collective_device(group, values.device), copy=True)
     dist.all_reduce(t, op=op, group=group)
     return t.to(values.device)
@@ -39,12 +48,80 @@ def all_gather_cat(values: torch.Tensor, group: Group) -> torch.Tensor:
     return torch.cat(parts).to(values.device)
 
 
+def reduce_or_raise(build: Callable[[], tuple[torch.Tensor, T]], size: int, group: Group) -> tuple[list[float], T]:
+    """Run a call's local checks and sums, all-reduce them, and agree on failure across ranks.
+
+    ``build()`` validates the local arguments and returns ``(payload, context)``, ``payload`` a
+    float64 vector of ``size`` entries (counts and sums) to be summed over ``group``.  If
+    ``build`` raises on some rank, that rank still takes part in the reduction (with zeros and a
+    failure flag in an extra slot); every rank then sees the flag, the failing ranks' messages are
+    gathered, and every rank raises the lowest failing rank's error with the same message
+    (``ValueError`` / ``TypeError`` as raised, any other exception as ``RuntimeError``).  Without a
+    group the error propagates unchanged.
+
+    Returns the reduced payload as Python floats (one host synchronisation) and ``context``.
+    """
+    if group is None:
+        payload, context = build()
+        return payload.tolist(), context
+    failure: Exception | None = None
+    try:
+        payload, context = build()
+        if payload.numel() != size:
+            raise RuntimeError(f"internal: payload of {payload.numel()} entries, expected {size}")
+    except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank
+        failure, context = exc, None  # type: ignore[assignment]
+        payload = torch.zeros(size, dtype=torch.float64, device=_fallback_device(group))
+    flag = torch.tensor([0.0 if failure is None else 1.0], dtype=torch.float64, device=payload.device)
+    values = all_reduce(torch.cat([payload.to(torch.float64), flag]), group).tolist()
+    if values[-1] > 0:
+        messages: list[tuple[str, str] | None] = [None] * dist.get_world_size(group)
+        mine = None if failure is None else (type(failure).__name__, str(failure))
+        dist.all_gather_object(messages, mine, group=group)
+        rank, (kind, text) = next((r, m) for r, m in enumerate(messages) if m is not None)
+        error = {"TypeError": TypeError, "ValueError": ValueError}.get(kind, RuntimeError)
+        raise error(f"{text} (raised on rank {rank}; every rank of the process group raises this error)") from failure
+    return values[:-1], context
+
+
+def _fallback_device(group: Group) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def rank_offset(n_local: int, group: Group, device: torch.device) -> int:
     """Number of elements held by lower ranks: this shard's start in the concatenated batch."""
     if group is None:
         return 0
     counts = all_gather_cat(torch.tensor([n_local], dtype=torch.int64, device=device), group)
     return int(counts[: dist.get_rank(group)].sum())
+
+
+def top_k_mask(score: torch.Tensor, candidate: torch.Tensor, k: int, group: Group) -> torch.Tensor:
+    """Bool mask (``candidate``'s shape) of the ``k`` candidates with the largest ``score`` over all ranks.
+
+    ``score`` is float64 of ``candidate``'s shape; ties go to the smaller position in the
+    concatenated flat batch, so the result does not depend on how the batch is sharded.
+    Equivalent single-process Python over the candidates' flat positions ``i``::
+
+        chosen = sorted(candidates, key=lambda i: (-score[i], i))[:k]
+
+    One process: one stable descending sort on the device, no host synchronisation.
+    """
+    flat = candidate.reshape(-1)
+    if k <= 0:
+        return torch.zeros_like(candidate)
+    if group is None:
+        keyed = torch.where(flat, score.reshape(-1), -torch.inf)
+        order = torch.sort(keyed, descending=True, stable=True).indices[:k]
+        return (torch.zeros_like(flat).index_fill_(0, order, True) & flat).reshape(candidate.shape)
+    idx = torch.nonzero(flat).reshape(-1)
+    offset = rank_offset(flat.numel(), group, score.device)
+    won = global_top_k(score.reshape(-1)[idx], idx + offset, k, group)
+    chosen = torch.zeros_like(flat)
+    chosen[idx[won]] = True
+    return chosen.reshape(candidate.shape)
 
 
 def global_top_k(score: torch.Tensor, position: torch.Tensor, k: int, group: Group) -> torch.Tensor:
@@ -76,33 +153,55 @@ def _lexsort_desc(score: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     return by_pos[by_score]
 
 
-def kth_smallest(values: torch.Tensor, ks: list[int], group: Group) -> list[float]:
-    """Exact ``k``-th smallest (1-based) of the float32 ``values`` of all ranks, for each k in ``ks``.
+def kth_smallest(values: torch.Tensor, ks: list[int], group: Group, where: torch.Tensor | None = None) -> list[float]:
+    """Exact ``k``-th smallest (1-based) of the float32 ``values[where]`` of all ranks, for each k in ``ks``.
 
-    Bisection on the order-preserving integer image of the float32 bits: 32 rounds of one small
-    all-reduce of counts, O(1) extra memory, no ``torch.quantile`` (which fails above 2**24
-    elements) and no gather of the values.  Equal to ``torch.sort(cat(values))[k - 1]``.
+    Equal to ``torch.sort(cat(values[where]).float())[k - 1]`` with ``-0.0`` below ``+0.0`` (the
+    order of the float32 bit patterns).  One process: one sort of integer keys on the device.
+    Across ranks: a radix select on the order-preserving integer image of the float32 bits,
+    8 bits a round, 4 rounds of one ``[len(ks), 256]`` all-reduce of counts; no gather of the
+    values and no ``torch.quantile`` (which fails above 2**24 elements).  Every ``k`` must lie in
+    ``[1, number of selected values]``.
     """
+    if not ks:
+        return []
     keys = _sortable_int(values.to(torch.float32).reshape(-1))
-    lo = torch.full((len(ks),), -(2**31), dtype=torch.int64, device=values.device)
-    hi = torch.full((len(ks),), 2**31 - 1, dtype=torch.int64, device=values.device)
-    target = torch.tensor(ks, dtype=torch.int64, device=values.device)
-    for _ in range(32):
-        mid = torch.div(lo + hi, 2, rounding_mode="floor")
-        below = (keys[None, :] <= mid[:, None]).sum(dim=1)
-        below = all_reduce(below, group)
-        enough = below >= target
-        hi = torch.where(enough, mid, hi)
-        lo = torch.where(enough, lo, mid + 1)
-    return [float(_float_from_sortable(int(x))) for x in hi.tolist()]
+    if where is not None:
+        keys = torch.where(where.reshape(-1), keys, _INT32_MAX)
+    if group is None:
+        ordered = torch.sort(keys).values
+        found = torch.stack([ordered[k - 1] for k in ks])  # views, one gather
+    else:
+        found = _radix_select(keys, where, torch.tensor(ks, dtype=torch.int64, device=values.device), group)
+    return _float_from_sortable(found.cpu()).tolist()
+
+
+def _radix_select(keys: torch.Tensor, where: torch.Tensor | None, target: torch.Tensor, group: Group) -> torch.Tensor:
+    """The ``target``-th smallest (1-based) int32 key over all ranks (as int64), 8 bits per round from the top."""
+    u = keys.to(torch.int64) + 2**31  # unsigned image in [0, 2**32)
+    selected = torch.ones_like(u, dtype=torch.bool) if where is None else where.reshape(-1)
+    prefix = torch.zeros_like(target)
+    rank = target.clone()
+    for shift in (24, 16, 8, 0):
+        match = selected[None, :] & ((u >> (shift + 8))[None, :] == prefix[:, None])
+        digit = ((u >> shift) & 255)[None, :].expand(len(target), -1)
+        hist = torch.zeros(len(target), 256, dtype=torch.int64, device=u.device)
+        hist.scatter_add_(1, digit, match.to(torch.int64))
+        cum = all_reduce(hist, group).cumsum(dim=1)
+        d = (cum < rank[:, None]).sum(dim=1)
+        rank = rank - torch.where(d > 0, cum.gather(1, (d - 1).clamp(min=0)[:, None])[:, 0], 0)
+        prefix = prefix * 256 + d
+    return prefix - 2**31
 
 
 def _sortable_int(x: torch.Tensor) -> torch.Tensor:
-    """int64 keys with the order of the float32 values (negative floats have their bits flipped)."""
-    bits = x.view(torch.int32).to(torch.int64)
-    return torch.where(bits < 0, -(bits & 0x7FFFFFFF) - 1, bits)
+    """int32 keys with the order of the float32 values: the bits, with the 31 low bits of
+    negative values flipped (``-0.0`` sorts just below ``+0.0``).  The map is its own inverse."""
+    bits = x.view(torch.int32)
+    return bits ^ ((bits >> 31) & _INT32_MAX)
 
 
-def _float_from_sortable(key: int) -> float:
-    bits = key if key >= 0 else (-(key + 1)) | -(2**31)
-    return float(torch.tensor([bits], dtype=torch.int32).view(torch.float32).item())
+def _float_from_sortable(keys: torch.Tensor) -> torch.Tensor:
+    """float32 values of int keys from :func:`_sortable_int` (its inverse)."""
+    bits = keys.to(torch.int32)
+    return (bits ^ ((bits >> 31) & _INT32_MAX)).view(torch.float32)

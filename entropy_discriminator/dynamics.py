@@ -11,12 +11,19 @@ a quarter of the realised change).  For a network ``eta`` is an effective rate.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ._checks import as_valid_mask, broadcast_advantages, require_finite, require_float
-from .distributed import Group, all_reduce
+from ._checks import (
+    DataChecks,
+    broadcast_advantages,
+    one_of,
+    real_number,
+    real_or_tensor,
+    require_float,
+    require_shape,
+    valid_mask,
+)
+from .distributed import Group, reduce_or_raise
 
 FORMS = ("cov", "mean")
 
@@ -24,19 +31,25 @@ FORMS = ("cov", "mean")
 def entropy_change_logit(eps: torch.Tensor | float, s_star: torch.Tensor) -> torch.Tensor:
     """Theorem 1: raising the sampled token's logit by ``eps`` changes entropy by ``-eps * S*``.
 
-    ``ΔH = -eps * S* + O(eps^2)`` for ``δz = eps * e_k``; element-wise, broadcasting ``eps``.
+    ``ΔH = -eps * S* + O(eps^2)`` for ``δz = eps * e_k``; element-wise.  ``eps`` is a real number
+    (or 0-d tensor) or a tensor broadcasting to ``s_star``'s shape; the result has that shape.
     """
     require_float("s_star", s_star)
+    eps = real_or_tensor("eps", eps, s_star.shape, "s_star")
     return -eps * s_star
 
 
 def entropy_change_step(alpha: torch.Tensor | float, s_star: torch.Tensor, s_expected: torch.Tensor) -> torch.Tensor:
     """Theorem 2: a policy-gradient step ``δz = alpha (e_k - p)``, ``alpha = lr * r * A``.
 
-    ``ΔH = -alpha * (S* - E_p[S]) + O(alpha^2)``; element-wise, broadcasting ``alpha``.
+    ``ΔH = -alpha * (S* - E_p[S]) + O(alpha^2)``; element-wise.  ``s_expected`` has ``s_star``'s
+    shape; ``alpha`` is a real number (or 0-d tensor) or a tensor broadcasting to that shape
+    (per-sequence values as ``alpha[:, None]``); the result has ``s_star``'s shape.
     """
     require_float("s_star", s_star)
     require_float("s_expected", s_expected)
+    require_shape("s_expected", s_expected, s_star.shape, "s_star")
+    alpha = real_or_tensor("alpha", alpha, s_star.shape, "s_star")
     return -alpha * (s_star - s_expected)
 
 
@@ -61,46 +74,52 @@ def batch_entropy_change(
         advantages: ``[B]`` per sequence or per token with ``s_centered``'s shape.
         s_centered: ``S_c = S* - E_p[S]``, ``[B, T]`` (or any shape).
         valid: bool or 0/1 tensor of ``s_centered``'s shape.
-        lr: the step size ``eta`` in ``alpha = eta * r * A``, on the temperature-scaled logits. In
-            the tabular case (each token owns its logits) plain SGD with learning rate ``lambda`` on a
-            loss that averages over ``N`` tokens, sampled at temperature ``T``, has
-            ``eta = lambda / (N * T^2)`` (see the module docstring); for a network it is an effective rate.
+        lr: the step size ``eta`` in ``alpha = eta * r * A``, on the temperature-scaled logits, a
+            finite real number (or 0-d tensor). In the tabular case (each token owns its logits) plain
+            SGD with learning rate ``lambda`` on a loss that averages over ``N`` tokens, sampled at
+            temperature ``T``, has ``eta = lambda / (N * T^2)`` (see the module docstring); for a
+            network it is an effective rate.
         ratio: importance ratio ``r = pi / pi_sample`` per token (None: on-policy, r = 1).
-        process_group: reduce the sums over this group.
+        process_group: reduce the sums over this group; a bad argument or NaN on one rank raises
+            the same error on every rank.
 
     Returns:
         The predicted ``ΔH_B`` as a Python float (0.0 for an empty batch).
     """
-    require_float("s_centered", s_centered)
-    if form not in FORMS:
-        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
-    if not isinstance(lr, (int, float)) or not math.isfinite(lr):
-        raise ValueError(f"lr must be a finite number, got {lr!r}")
-    valid = as_valid_mask(valid, s_centered.shape)
-    a = broadcast_advantages(advantages, s_centered.shape).to(s_centered.device)
-    y = s_centered.to(torch.float64)
-    if ratio is not None:
-        require_float("ratio", ratio)
-        if ratio.shape != s_centered.shape:
-            raise ValueError(f"ratio must have s_centered's shape {tuple(s_centered.shape)}, got {tuple(ratio.shape)}")
-        require_finite("ratio", ratio, valid)
-        y = y * ratio.to(torch.float64)
-    require_finite("s_centered", s_centered, valid)
-    require_finite("advantages", a, valid)
-    sums = covariance_sums(a, y, valid, process_group)
-    n, s_a, s_y, s_ay = sums.tolist()
+
+    def local() -> tuple[torch.Tensor, tuple[DataChecks, float]]:
+        require_float("s_centered", s_centered)
+        one_of("form", form, FORMS)
+        eta = real_number("lr", lr)
+        checks = DataChecks()
+        valid_b = valid_mask(valid, s_centered.shape, checks)
+        a = broadcast_advantages(advantages, s_centered.shape).to(s_centered.device)
+        y = s_centered.to(torch.float64)
+        if ratio is not None:
+            require_float("ratio", ratio)
+            require_shape("ratio", ratio, s_centered.shape, "s_centered")
+            checks.finite("ratio", ratio, valid_b)
+            y = y * ratio.to(torch.float64)
+        checks.finite("s_centered", s_centered, valid_b)
+        terms = covariance_terms(a, y, valid_b)
+        checks.finite("advantages", a, valid_b, witness=terms[1])
+        return torch.cat([torch.stack(checks.witnesses()), terms]), (checks, eta)
+
+    n_checks = 3 + (ratio is not None)
+    values, (checks, eta) = reduce_or_raise(local, n_checks + 4, process_group)
+    checks.verdict(values[:n_checks], process_group)
+    n, s_a, s_y, s_ay = values[n_checks:]
     if n == 0:
         return 0.0
     moment = s_ay / n
     if form == "cov":
         moment -= (s_a / n) * (s_y / n)
-    return -lr * moment
+    return -eta * moment
 
 
-def covariance_sums(a: torch.Tensor, y: torch.Tensor, valid: torch.Tensor, group: Group) -> torch.Tensor:
-    """float64 ``[count, sum a, sum y, sum a*y]`` over ``valid``, all-reduced over ``group``."""
+def covariance_terms(a: torch.Tensor, y: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Local float64 ``[count, sum a, sum y, sum a*y]`` over ``valid`` (to be summed over ranks)."""
     zero = torch.zeros((), dtype=torch.float64, device=a.device)
     a = torch.where(valid, a.to(torch.float64), zero)
     y = torch.where(valid, y.to(torch.float64), zero)
-    local = torch.stack([valid.sum().to(torch.float64), a.sum(), y.sum(), (a * y).sum()])
-    return all_reduce(local, group)
+    return torch.stack([valid.sum().to(torch.float64), a.sum(), y.sum(), (a * y).sum()])

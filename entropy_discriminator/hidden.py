@@ -29,7 +29,7 @@ def token_stats_from_hidden(
     *,
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
-    ignore_index: int = -100,
+    ignore_index: int | None = -100,
     chunk_size: int | None = None,
     impl: str = "auto",
     check: bool = True,
@@ -71,7 +71,7 @@ def token_stats_from_hidden(
         raise ValueError(f"hidden and weight must share a bf16/fp16/fp32 dtype, got {hidden.dtype} and {weight.dtype}")
     if weight.device != hidden.device:
         raise ValueError(f"weight is on {weight.device} but hidden on {hidden.device}")
-    check_stats_args(labels, hidden, "hidden", temperature, chunk_size, impl)
+    temperature, ignore_index = check_stats_args(labels, hidden, "hidden", temperature, ignore_index, chunk_size, impl)
     vocab = weight.shape[0]
     if bias is not None and (bias.shape != (vocab,) or bias.device != hidden.device):
         raise ValueError(f"bias must be a [{vocab}] tensor on {hidden.device}, got {tuple(bias.shape)} on {bias.device}")

@@ -19,8 +19,18 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import as_valid_mask, broadcast_advantages, require_finite, require_float
-from .distributed import Group, all_reduce, global_top_k, rank_offset
+from ._checks import (
+    DataChecks,
+    as_valid_mask,
+    broadcast_advantages,
+    exact_fraction,
+    one_of,
+    real_number,
+    require_float,
+    require_tensor,
+    valid_mask,
+)
+from .distributed import Group, all_reduce, reduce_or_raise, top_k_mask
 
 SIDES = ("negative", "positive", "both")
 MASK_MODES = ("zero_pg", "drop_token")
@@ -78,9 +88,14 @@ def clip_b_mask(
         mu_low, mu_high: bounds in units of the batch std; ``math.inf`` disables a side.
         sides: advantage sign whose tokens may be clipped: ``negative`` (A < 0, the paper's and
             the reference's default), ``positive`` (A > 0) or ``both``.
-        max_frac: if set, clip at most ``max(floor(max_frac * n_valid), 1)`` tokens, the most
-            violating first (distance beyond the bound in units of sigma), ties by position.
-        process_group: statistics and the cap are global over this group.
+        max_frac: if set, a cap on the clipped share: at most ``floor(max_frac * n_valid)``
+            tokens are clipped (exact decimal arithmetic, see :func:`cap_limit`; ``0`` clips
+            nothing), the most violating first (distance beyond the bound in units of sigma),
+            ties by position.
+        process_group: statistics and the cap are global over this group.  A bad argument or
+            value on one rank raises the same error on every rank (no rank is left waiting).
+
+    ``mu_low``, ``mu_high`` and ``max_frac`` take any real number or 0-d tensor.
 
     Returns:
         :class:`MaskResult`; ``keep`` has the scores' shape.
@@ -105,7 +120,8 @@ def clip_v_mask(
 
     ``S_c = S* - E_p[S]`` from :func:`~entropy_discriminator.token_stats`.  Arguments as in
     :func:`clip_b_mask`; the defaults are the reference's (mu = 8.5, one side, at most 1e-4 of the
-    valid tokens clipped).
+    valid tokens clipped, so a batch of fewer than 10,000 valid tokens clips none: the cap bounds
+    the share, see :func:`cap_limit`).
     """
     return _outlier_mask(
         "clip_v", "s_centered", s_centered, advantages, valid, False, mu_low, mu_high, sides, max_frac, process_group
@@ -122,13 +138,13 @@ def apply_keep_mask(
     * ``"drop_token"``: ``loss_mask * keep``; the token leaves the loss and its denominator
       (the reference implementation's behaviour); ``pg_losses`` unchanged.
 
-    Shapes: all three ``[B, T]`` (or any common shape). Returns ``(pg_losses, loss_mask)`` with
-    the input dtypes.
+    Shapes: all three ``[B, T]`` (or any common shape); ``keep`` bool or 0/1, ``loss_mask`` any
+    real or bool tensor. Returns ``(pg_losses, loss_mask)`` with the input dtypes.
     """
     require_float("pg_losses", pg_losses)
-    if mode not in MASK_MODES:
-        raise ValueError(f"mode must be one of {MASK_MODES}, got {mode!r}")
+    one_of("mode", mode, MASK_MODES)
     keep = as_valid_mask(keep, pg_losses.shape, "keep")
+    require_tensor("loss_mask", loss_mask)
     if loss_mask.shape != pg_losses.shape:
         raise ValueError(f"loss_mask must have pg_losses' shape {tuple(pg_losses.shape)}, got {tuple(loss_mask.shape)}")
     if mode == "zero_pg":
@@ -145,52 +161,55 @@ def _outlier_mask(
     advantages: torch.Tensor,
     valid: torch.Tensor,
     recentre: bool,
-    mu_low: float,
-    mu_high: float,
+    mu_low: object,
+    mu_high: object,
     sides: str,
-    max_frac: float | None,
+    max_frac: object,
     group: Group,
 ) -> MaskResult:
-    require_float(name, scores)
-    valid = as_valid_mask(valid, scores.shape)
-    adv = broadcast_advantages(advantages, scores.shape).to(scores.device)
-    _check_params(mu_low, mu_high, sides, max_frac)
-    require_finite(name, scores, valid)
-    require_finite("advantages", adv, valid)
+    def local() -> tuple[torch.Tensor, tuple]:
+        params = _check_params(mu_low, mu_high, sides, max_frac)
+        require_float(name, scores)
+        checks = DataChecks()
+        valid_b = valid_mask(valid, scores.shape, checks)
+        adv = broadcast_advantages(advantages, scores.shape).to(scores.device)
+        x = scores.to(torch.float64)
+        total = torch.where(valid_b, x, 0.0).sum()
+        checks.finite(name, scores, valid_b, witness=total)
+        checks.finite("advantages", adv, valid_b)
+        pos, neg = valid_b & (adv > 0), valid_b & (adv < 0)
+        sums = [t.sum().to(torch.float64) for t in (valid_b, pos, neg)]
+        return torch.stack([*checks.witnesses(), total, *sums]), (params, checks, valid_b, x, pos, neg)
 
-    x = scores.to(torch.float64)
-    zero = torch.zeros((), dtype=torch.float64, device=x.device)
-    pos, neg = valid & (adv > 0), valid & (adv < 0)
-    n, total = all_reduce(torch.stack([valid.sum().to(torch.float64), torch.where(valid, x, zero).sum()]), group)
-    mean = float(total / n) if n > 0 else 0.0
-    sq = all_reduce(torch.where(valid, (x - mean) ** 2, zero).sum(), group)
-    std = math.sqrt(float(sq / n)) if n > 0 else 0.0
+    values, (params, checks, valid, x, pos, neg) = reduce_or_raise(local, _N_CHECKS + 4, group)
+    checks.verdict(values[:_N_CHECKS], group)
+    mu_low, mu_high = params
+    total, n, n_pos, n_neg = values[_N_CHECKS:]
+    mean = total / n if n > 0 else 0.0
+    sq = all_reduce(torch.where(valid, (x - mean) ** 2, 0.0).sum(), group)
+    std = math.sqrt(float(sq) / n) if n > 0 else 0.0
 
     center = mean if recentre else 0.0
     lower = center - mu_low * std if math.isfinite(mu_low) else -math.inf
     upper = center + mu_high * std if math.isfinite(mu_high) else math.inf
     eligible = {"negative": neg, "positive": pos, "both": pos | neg}[sides]
-    clipped = eligible & ((x < lower) | (x > upper)) if std > ZERO_STD else torch.zeros_like(valid)
+    below, above = (x < lower if lower > -math.inf else None), (x > upper if upper < math.inf else None)
+    if std > ZERO_STD and (below is not None or above is not None):
+        clipped = eligible & (above if below is None else below if above is None else below | above)
+    else:
+        clipped = torch.zeros_like(valid)
 
-    capped = False
-    if max_frac is not None and std > ZERO_STD:
-        limit = max(math.floor(round(max_frac * float(n), 9)), 1)
-        n_violating = int(all_reduce(clipped.sum().to(torch.float64), group))
-        if n_violating > limit:
-            capped = True
-            beyond = torch.maximum(lower - x, x - upper) / std
-            flat = clipped.reshape(-1)
-            idx = torch.nonzero(flat).reshape(-1)
-            offset = rank_offset(flat.numel(), group, x.device)
-            chosen = global_top_k(beyond.reshape(-1)[idx], idx + offset, limit, group)
-            new_flat = torch.zeros_like(flat)
-            new_flat[idx[chosen]] = True
-            clipped = new_flat.reshape(clipped.shape)
-
-    counts = all_reduce(
-        torch.stack([t.sum() for t in (pos, neg, clipped, clipped & pos, clipped & neg)]).to(torch.float64), group
-    )
-    n_pos, n_neg, n_clip, n_clip_pos, n_clip_neg = (int(c) for c in counts.tolist())
+    n_clip = int(all_reduce(clipped.sum(), group))
+    limit = cap_limit(max_frac, int(n))
+    capped = limit is not None and n_clip > limit
+    if capped:
+        distance = lower - x if above is None else x - upper if below is None else torch.maximum(lower - x, x - upper)
+        clipped = top_k_mask(distance / std, clipped, limit, group)
+        n_clip = limit  # the top-k takes exactly `limit` of the more than `limit` candidates
+    # Clipped tokens are eligible, so the split by advantage sign needs a count only for sides="both".
+    n_clip_pos = {"negative": 0, "positive": n_clip}.get(sides)
+    if n_clip_pos is None:
+        n_clip_pos = int(all_reduce((clipped & pos).sum(), group))
     return MaskResult(
         keep=~clipped,
         method=method,
@@ -199,20 +218,36 @@ def _outlier_mask(
         lower=lower,
         upper=upper,
         n_valid=int(n),
-        n_valid_pos=n_pos,
-        n_valid_neg=n_neg,
+        n_valid_pos=int(n_pos),
+        n_valid_neg=int(n_neg),
         n_clipped=n_clip,
         n_clipped_pos=n_clip_pos,
-        n_clipped_neg=n_clip_neg,
+        n_clipped_neg=n_clip - n_clip_pos,
         capped=capped,
     )
 
 
-def _check_params(mu_low: float, mu_high: float, sides: str, max_frac: float | None) -> None:
-    for label, mu in (("mu_low", mu_low), ("mu_high", mu_high)):
-        if not isinstance(mu, (int, float)) or math.isnan(mu) or mu < 0:
-            raise ValueError(f"{label} must be a number >= 0 (math.inf disables that side), got {mu!r}")
-    if sides not in SIDES:
-        raise ValueError(f"sides must be one of {SIDES}, got {sides!r}")
-    if max_frac is not None and (not isinstance(max_frac, (int, float)) or not 0 <= max_frac <= 1):
-        raise ValueError(f"max_frac must be None or a number in [0, 1], got {max_frac!r}")
+#: DataChecks of a mask call: valid is 0/1, scores and advantages finite at the valid positions.
+_N_CHECKS = 3
+
+
+def cap_limit(max_frac: object, n_valid: int) -> int | None:
+    """Most tokens a mask may clip: ``floor(max_frac * n_valid)`` in exact decimal arithmetic.
+
+    ``max_frac`` caps the clipped *share*: ``n_clipped <= max_frac * n_valid`` always holds, so
+    ``max_frac = 0`` clips nothing and a batch with ``n_valid < 1 / max_frac`` tokens clips none
+    (None: no cap).  ``max_frac`` is read as the decimal it was written as (``0.29`` is 29/100).
+    """
+    if max_frac is None:
+        return None
+    return math.floor(exact_fraction(max_frac) * n_valid)
+
+
+def _check_params(mu_low: object, mu_high: object, sides: object, max_frac: object) -> tuple[float, float]:
+    """``(mu_low, mu_high)`` as floats, after checking ``sides`` and ``max_frac``; errors name the argument."""
+    low = real_number("mu_low", mu_low, finite=False, minimum=0)
+    high = real_number("mu_high", mu_high, finite=False, minimum=0)
+    one_of("sides", sides, SIDES)
+    if max_frac is not None:
+        real_number("max_frac", max_frac, minimum=0, maximum=1)
+    return low, high

@@ -7,9 +7,17 @@ from collections.abc import Sequence
 
 import torch
 
-from ._checks import as_valid_mask, broadcast_advantages, require_finite, require_float
-from .distributed import Group, all_reduce, kth_smallest
-from .dynamics import covariance_sums
+from ._checks import (
+    DataChecks,
+    broadcast_advantages,
+    exact_fraction,
+    real_number,
+    require_float,
+    require_shape,
+    require_tensor,
+    valid_mask,
+)
+from .distributed import Group, kth_smallest, reduce_or_raise
 from .masks import MaskResult
 from .stats import TokenStats
 
@@ -19,8 +27,9 @@ class EntropyMonitor:
 
     Every mean, std and fraction is reduced from global sums and counts over the valid tokens of
     all ranks of ``process_group`` (never a mean of per-rank means); percentiles are exact order
-    statistics found by bisection (no ``torch.quantile``, no gather of the values): the
-    nearest-rank percentile ``q`` is the ``ceil(q/100 * n)``-th smallest valid entropy.
+    statistics (one sort on the device, or a radix select across ranks; no ``torch.quantile``,
+    no gather of the values): the nearest-rank percentile ``q`` is the ``ceil(q/100 * n)``-th
+    smallest valid entropy, the rank computed in exact arithmetic (:meth:`percentile_ranks`).
     Keys (``prefix`` = ``entropy_disc/``), each present when its inputs are given:
 
     * ``entropy/mean``, ``entropy/p10`` ... ``entropy/p99``, ``entropy/mean_adv_pos``,
@@ -37,12 +46,21 @@ class EntropyMonitor:
     def __init__(
         self, *, prefix: str = "entropy_disc/", percentiles: Sequence[float] = (10, 50, 90, 99), process_group: Group = None
     ) -> None:
-        for q in percentiles:
-            if not 0 < q <= 100:
-                raise ValueError(f"percentiles must lie in (0, 100], got {q!r}")
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
+        qs = [real_number("percentiles", q, above=0, maximum=100) for q in percentiles]
         self.prefix = prefix
-        self.percentiles = tuple(percentiles)
+        self.percentiles = tuple(qs)
+        self._ranks = tuple(exact_fraction(q) / 100 for q in percentiles)
         self.process_group = process_group
+
+    def percentile_ranks(self, n: int) -> list[int]:
+        """Nearest-rank order statistics of the percentiles for ``n`` values: ``ceil(q/100 * n)``.
+
+        Exact rational arithmetic on the decimal each ``q`` was written as (p7 of 100 values is
+        the 7th smallest, p99.9 of 1000 the 999th), clamped to ``[1, n]``.
+        """
+        return [min(max(math.ceil(r * n), 1), n) for r in self._ranks]
 
     def __call__(
         self,
@@ -60,66 +78,89 @@ class EntropyMonitor:
 
         ``mask`` must have been computed on this batch (over the same ``process_group``);
         ``ratio`` (``pi / pi_sample``, per token) weights ``S_c`` in the covariance off-policy;
-        ``lr`` turns the covariance into the predicted entropy change.
+        ``lr`` (a finite real number or 0-d tensor) turns the covariance into the predicted
+        entropy change.  NaN / inf at a valid position of any tensor raises ``ValueError``
+        naming it, on every rank of the process group.  Host synchronisations: one for the
+        sums and counts, one for the percentiles.
         """
         group = self.process_group
-        require_float("entropy", entropy)
-        shape = entropy.shape
-        valid = as_valid_mask(valid, shape)
-        require_finite("entropy", entropy, valid)
-        zero = torch.zeros((), dtype=torch.float64, device=entropy.device)
-        h = torch.where(valid, entropy.to(torch.float64), zero)
-        parts: dict[str, torch.Tensor] = {"n": valid.sum().to(torch.float64), "h": h.sum()}
-        adv = None
-        if advantages is not None:
-            adv = broadcast_advantages(advantages, shape).to(entropy.device)
-            require_finite("advantages", adv, valid)
-            for side, sel in (("pos", valid & (adv > 0)), ("neg", valid & (adv < 0))):
-                parts[f"n_{side}"] = sel.sum().to(torch.float64)
-                parts[f"h_{side}"] = torch.where(sel, h, zero).sum()
-        for name, t in (("s_star", s_star), ("s_centered", s_centered)):
-            if t is not None:
-                x = self._masked(name, t, shape, valid)
-                parts[f"{name}_1"], parts[f"{name}_2"] = x.sum(), (x * x).sum()
-        if mask is not None:
-            if mask.keep.shape != shape:
-                raise ValueError(f"mask.keep must have entropy's shape {tuple(shape)}, got {tuple(mask.keep.shape)}")
-            kept = valid & mask.keep
-            parts["h_kept"], parts["n_kept"] = torch.where(kept, h, zero).sum(), kept.sum().to(torch.float64)
-        names = list(parts)
-        total = dict(zip(names, all_reduce(torch.stack([parts[k] for k in names]), group).tolist()))
+        has_adv, has_cov = advantages is not None, advantages is not None and s_centered is not None
+        optional = (has_adv, s_star is not None, s_centered is not None, ratio is not None)
+        n_checks = 2 + sum(optional)
+        size = n_checks + 2 + 4 * has_adv + 2 * optional[1] + 2 * optional[2] + 2 * (mask is not None) + 3 * has_cov
 
+        def local() -> tuple[torch.Tensor, tuple]:
+            lr_value = None if lr is None else real_number("lr", lr)
+            require_float("entropy", entropy)
+            shape = entropy.shape
+            checks = DataChecks()
+            valid_b = valid_mask(valid, shape, checks)
+            h = self._masked("entropy", entropy, shape, valid_b)
+            h_sum = h.sum()
+            checks.finite("entropy", entropy, valid_b, witness=h_sum)
+            parts = [valid_b.sum().to(torch.float64), h_sum]
+            a = None
+            if advantages is not None:
+                adv = broadcast_advantages(advantages, shape).to(entropy.device)
+                a = torch.where(valid_b, adv, 0.0)
+                a_sum = a.sum()
+                checks.finite("advantages", adv, valid_b, witness=a_sum)
+                for sel in (a > 0, a < 0):
+                    parts += [sel.sum().to(torch.float64), torch.where(sel, h, 0.0).sum()]
+            masked, sums = {}, {}
+            for name, t in (("s_star", s_star), ("s_centered", s_centered), ("ratio", ratio)):
+                if t is not None:
+                    masked[name] = x = self._masked(name, t, shape, valid_b)
+                    sums[name] = x.sum()
+                    checks.finite(name, t, valid_b, witness=sums[name])
+            for name in ("s_star", "s_centered"):
+                if name in masked:
+                    x = masked[name]
+                    parts += [sums[name], (x * x).sum()]
+            if mask is not None:
+                keep = require_tensor("mask.keep", getattr(mask, "keep", None))
+                require_shape("mask.keep", keep, shape, "entropy")
+                kept = valid_b & keep.to(entropy.device)
+                parts += [torch.where(kept, h, 0.0).sum(), kept.sum().to(torch.float64)]
+            if has_cov:  # sums of a, y = r * S_c and a * y over the valid tokens (zero elsewhere)
+                y = masked["s_centered"] * masked["ratio"] if "ratio" in masked else masked["s_centered"]
+                parts += [a_sum, y.sum() if "ratio" in masked else sums["s_centered"], (a * y).sum()]
+            payload = torch.stack([*checks.witnesses(), *parts])
+            return payload, (checks, valid_b, lr_value)
+
+        values, (checks, valid_b, lr_value) = reduce_or_raise(local, size, group)
+        checks.verdict(values[:n_checks], group)
+        total = iter(values[n_checks:])
         out: dict[str, float] = {}
-        n = total["n"]
+        n, h_sum = next(total), next(total)
         out["tokens/valid"] = n
         if n > 0:
-            out["entropy/mean"] = total["h"] / n
-            ks = [min(max(math.ceil(q / 100 * n), 1), int(n)) for q in self.percentiles]
-            values = entropy.to(torch.float32)[valid]
-            for q, v in zip(self.percentiles, kth_smallest(values, ks, group)):
+            out["entropy/mean"] = h_sum / n
+            ranks = self.percentile_ranks(int(n))
+            for q, v in zip(self.percentiles, kth_smallest(entropy, ranks, group, where=valid_b)):
                 out[f"entropy/p{q:g}"] = v
-        if adv is not None:
+        if has_adv:
             for side in ("pos", "neg"):
-                out[f"tokens/adv_{side}"] = total[f"n_{side}"]
-                if total[f"n_{side}"] > 0:
-                    out[f"entropy/mean_adv_{side}"] = total[f"h_{side}"] / total[f"n_{side}"]
-        for name in ("s_star", "s_centered"):
-            if f"{name}_1" in total and n > 0:
-                mean = total[f"{name}_1"] / n
-                out[f"{name}/mean"] = mean
-                out[f"{name}/std"] = math.sqrt(max(total[f"{name}_2"] / n - mean * mean, 0.0))
+                count, h_side = next(total), next(total)
+                out[f"tokens/adv_{side}"] = count
+                if count > 0:
+                    out[f"entropy/mean_adv_{side}"] = h_side / count
+        for name, t in (("s_star", s_star), ("s_centered", s_centered)):
+            if t is not None:
+                s1, s2 = next(total), next(total)
+                if n > 0:
+                    mean = s1 / n
+                    out[f"{name}/mean"] = mean
+                    out[f"{name}/std"] = math.sqrt(max(s2 / n - mean * mean, 0.0))
         if mask is not None:
-            out.update(self._mask_metrics(mask, total))
-        if adv is not None and s_centered is not None:
-            y = s_centered.to(torch.float64)
-            if ratio is not None:
-                y = y * self._masked("ratio", ratio, shape, valid)
-            c_n, s_a, s_y, s_ay = covariance_sums(adv, y, valid, group).tolist()
-            if c_n > 0:
-                cov = s_ay / c_n - (s_a / c_n) * (s_y / c_n)
-                out["cov/adv_s_centered"] = cov
-                if lr is not None:
-                    out["delta_entropy/predicted"] = -lr * cov
+            h_kept, n_kept = next(total), next(total)
+            out.update(self._mask_metrics(mask, n, h_sum, h_kept, n_kept))
+        if has_cov and n > 0:
+            s_a, s_y, s_ay = next(total), next(total), next(total)
+            cov = s_ay / n - (s_a / n) * (s_y / n)
+            out["cov/adv_s_centered"] = cov
+            if lr_value is not None:
+                out["delta_entropy/predicted"] = -lr_value * cov
         return {self.prefix + k: float(v) for k, v in out.items()}
 
     def from_stats(
@@ -147,30 +188,32 @@ class EntropyMonitor:
 
         Both entropies are of the same tokens (same shape), before and after the update.
         """
-        require_float("entropy_before", entropy_before)
-        require_float("entropy_after", entropy_after)
-        if entropy_after.shape != entropy_before.shape:
-            raise ValueError(
-                f"entropy_after must have entropy_before's shape {tuple(entropy_before.shape)}, "
-                f"got {tuple(entropy_after.shape)}"
-            )
-        valid = as_valid_mask(valid, entropy_before.shape)
-        require_finite("entropy_before", entropy_before, valid)
-        require_finite("entropy_after", entropy_after, valid)
-        diff = torch.where(valid, entropy_after.to(torch.float64) - entropy_before.to(torch.float64), 0.0)
-        n, s = all_reduce(torch.stack([valid.sum().to(torch.float64), diff.sum()]), self.process_group).tolist()
+
+        def local() -> tuple[torch.Tensor, DataChecks]:
+            require_float("entropy_before", entropy_before)
+            require_float("entropy_after", entropy_after)
+            require_shape("entropy_after", entropy_after, entropy_before.shape, "entropy_before")
+            checks = DataChecks()
+            valid_b = valid_mask(valid, entropy_before.shape, checks)
+            checks.finite("entropy_before", entropy_before, valid_b)
+            checks.finite("entropy_after", entropy_after, valid_b)
+            diff = torch.where(valid_b, entropy_after.to(torch.float64) - entropy_before.to(torch.float64), 0.0)
+            return torch.stack([*checks.witnesses(), valid_b.sum().to(torch.float64), diff.sum()]), checks
+
+        values, checks = reduce_or_raise(local, 5, self.process_group)
+        checks.verdict(values[:3], self.process_group)
+        n, s = values[3:]
         return {self.prefix + "delta_entropy/realised": s / n} if n > 0 else {}
 
     @staticmethod
-    def _masked(name: str, t: torch.Tensor, shape: torch.Size, valid: torch.Tensor) -> torch.Tensor:
+    def _masked(name: str, t: object, shape: torch.Size, valid: torch.Tensor) -> torch.Tensor:
+        """float64 ``t`` with zeros at the invalid positions, after checking its dtype and shape."""
         require_float(name, t)
-        if t.shape != shape:
-            raise ValueError(f"{name} must have entropy's shape {tuple(shape)}, got {tuple(t.shape)}")
-        require_finite(name, t, valid)
-        return torch.where(valid, t.to(torch.float64), torch.zeros((), dtype=torch.float64, device=t.device))
+        require_shape(name, t, shape, "entropy")
+        return torch.where(valid, t.to(torch.float64), 0.0)
 
     @staticmethod
-    def _mask_metrics(mask: MaskResult, total: dict[str, float]) -> dict[str, float]:
+    def _mask_metrics(mask: MaskResult, n: float, h_sum: float, h_kept: float, n_kept: float) -> dict[str, float]:
         out = {
             "clip/frac": mask.clip_frac,
             "clip/n_clipped": mask.n_clipped,
@@ -181,9 +224,9 @@ class EntropyMonitor:
         for key, value in (("clip/threshold_low", mask.lower), ("clip/threshold_high", mask.upper)):
             if math.isfinite(value):
                 out[key] = value
-        n_clipped = total["n"] - total["n_kept"]
-        if total["n_kept"] > 0:
-            out["entropy/kept_mean"] = total["h_kept"] / total["n_kept"]
+        n_clipped = n - n_kept
+        if n_kept > 0:
+            out["entropy/kept_mean"] = h_kept / n_kept
         if n_clipped > 0:
-            out["entropy/clipped_mean"] = (total["h"] - total["h_kept"]) / n_clipped
+            out["entropy/clipped_mean"] = (h_sum - h_kept) / n_clipped
         return out

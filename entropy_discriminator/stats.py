@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ._checks import require_float, require_tensor
+from ._checks import NO_IGNORE_INDEX, common_shape, ignore_index_value, real_number, require_float, require_tensor
 
 #: ``impl=`` names accepted by :func:`token_stats`.
 IMPLS = ("auto", "torch", "triton")
@@ -63,15 +63,18 @@ def discriminator_score(logp: torch.Tensor, entropy: torch.Tensor) -> torch.Tens
     """``S* = exp(logp) * (entropy + logp)`` from what every framework already logs.
 
     Equivalent torch: ``logp.exp() * (entropy + logp)``, computed in float32 (float64 stays float64),
-    with ``S* = 0`` where ``logp = -inf``.  ``logp`` and ``entropy`` must broadcast; the result has
-    their broadcast shape.  Clip_B needs nothing more.
+    with ``S* = 0`` where ``logp = -inf``; a NaN in ``logp`` or ``entropy`` gives a NaN score (which
+    the masks then refuse at a valid position).  ``logp`` and ``entropy`` must broadcast
+    (``ValueError`` naming both otherwise); the result has their broadcast shape.  Clip_B needs
+    nothing more.
     """
     require_float("logp", logp)
     require_float("entropy", entropy)
+    common_shape(logp=logp, entropy=entropy)
     dtype = torch.float64 if torch.float64 in (logp.dtype, entropy.dtype) else torch.float32
     lp, h = logp.to(dtype), entropy.to(dtype)
     p = lp.exp()
-    return torch.where(p > 0, p * (h + lp), torch.zeros((), dtype=dtype, device=p.device))
+    return torch.where((p > 0) | torch.isnan(lp), p * (h + lp), torch.zeros((), dtype=dtype, device=p.device))
 
 
 def token_stats(
@@ -79,7 +82,7 @@ def token_stats(
     labels: torch.Tensor,
     *,
     temperature: float = 1.0,
-    ignore_index: int = -100,
+    ignore_index: int | None = -100,
     chunk_size: int | None = None,
     impl: str = "auto",
     check: bool = True,
@@ -108,6 +111,7 @@ def token_stats(
         temperature: logits are upcast, then divided by it, exactly as samplers do (the row max
             is subtracted first, so finite logits never overflow on division).
         ignore_index: label of positions that are skipped; they return 0 and ``valid=False``.
+            ``None``: no position is skipped (every label must lie in ``[0, V)``).
         chunk_size: rows per chunk on the torch path; peak extra memory is about
             ``3 * chunk_size * V`` accumulator elements (fp32, or fp64 for fp64 logits), never a
             full fp32 copy of the logits. Default: ``2**25 // V`` rows.
@@ -132,7 +136,7 @@ def token_stats(
     logits = require_float("logits", logits)
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"logits must have shape [..., V] with V >= 1, got {tuple(logits.shape)}")
-    check_stats_args(labels, logits, "logits", temperature, chunk_size, impl)
+    temperature, ignore_index = check_stats_args(labels, logits, "logits", temperature, ignore_index, chunk_size, impl)
     if not isinstance(check, bool):
         raise TypeError(f"check must be a bool, got {check!r}")
     if vocab_parallel_group is None and vocab_start_index != 0:
@@ -205,7 +209,8 @@ def raise_for_errors(errors: list[int], labels: torch.Tensor, vocab: int, ignore
         flat = labels.reshape(-1)
         out_of_range = (flat != ignore_index) & ((flat < 0) | (flat >= vocab))
         bad = flat[out_of_range][:5].tolist()
-        raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}; got {bad}")
+        allowed = "" if ignore_index == NO_IGNORE_INDEX else f" or equal ignore_index={ignore_index}"
+        raise ValueError(f"labels must lie in [0, {vocab}){allowed}; got {bad}")
     if nan_inf:
         raise ValueError(f"logits contain NaN or +inf in {nan_inf} counted row(s)")
     if masked:
@@ -219,11 +224,19 @@ def raise_for_errors(errors: list[int], labels: torch.Tensor, vocab: int, ignore
 
 
 def check_stats_args(
-    labels: object, source: torch.Tensor, source_name: str, temperature: object, chunk_size: object, impl: object
-) -> None:
+    labels: object,
+    source: torch.Tensor,
+    source_name: str,
+    temperature: object,
+    ignore_index: object,
+    chunk_size: object,
+    impl: object,
+) -> tuple[float, int]:
     """Validate the arguments :func:`token_stats` and ``token_stats_from_hidden`` share.
 
-    ``labels`` must be an integer tensor of shape ``source.shape[:-1]`` on ``source``'s device.
+    ``labels`` must be an integer tensor of shape ``source.shape[:-1]`` on ``source``'s device;
+    ``temperature`` a real number > 0 (Python, numpy or 0-d tensor); ``ignore_index`` an integer
+    or None (ignore nothing).  Returns ``(temperature, ignore_index)`` as Python ``float`` / ``int``.
     """
     labels = require_tensor("labels", labels)
     if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
@@ -234,12 +247,13 @@ def check_stats_args(
         )
     if labels.device != source.device:
         raise ValueError(f"labels are on {labels.device} but {source_name} on {source.device}")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    temperature = real_number("temperature", temperature, above=0)
+    ignore_index = ignore_index_value(ignore_index)
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return temperature, ignore_index
 
 
 def _global_vocab(v_local: int, group: dist.ProcessGroup | None, device: torch.device) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from decimal import Decimal
 
 import torch
 
@@ -65,7 +66,7 @@ def reference_outlier_keep(
         i for i, (s, a, v) in enumerate(zip(scores, advantages, valid)) if v and eligible(a) and (s < lo or s > hi)
     ]
     if max_frac is not None:
-        limit = max(math.floor(round(max_frac * n, 9)), 1)
+        limit = math.floor(Decimal(repr(max_frac)) * n)  # the cap on the share: at most max_frac * n
         if len(violators) > limit:
             beyond = {i: max(lo - scores[i], scores[i] - hi) / std for i in violators}
             violators = sorted(violators, key=lambda i: (-beyond[i], i))[:limit]

@@ -6,6 +6,7 @@ float metrics equal to float64 rounding (sums are added in another order).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -109,3 +110,93 @@ def test_sharded_batch_equals_one_process(world, tmp_path):
         for name in ("logp", "entropy", "s_star", "s_expected", "s_centered"):
             torch.testing.assert_close(getattr(p["vp"], name), getattr(single["stats"], name), atol=2e-6, rtol=1e-5)
         assert math.isfinite(float(p["vp"].s_centered.sum()))
+
+
+# ---- a bad input on one rank: every rank raises the same error, promptly (issue 13 item 9) ----------
+
+FAIL_TIMEOUT_S = 60  # the backend's timeout; a rank left waiting in a collective would take this long
+
+
+def _one_rank_bad_cases(rank: int):
+    """``(name, call)`` pairs; only rank 1 passes a bad value (a NaN, a wrong shape, a bad number)."""
+    g = torch.Generator().manual_seed(7 + rank)
+    s = torch.randn(3, 5, generator=g)
+    valid = torch.ones(3, 5, dtype=torch.bool)
+    adv = torch.randn(3, generator=g)
+    nan = s.clone()
+    if rank == 1:
+        nan[2, 4] = float("nan")
+    short_adv = adv[:2] if rank == 1 else adv
+    mu = -1.0 if rank == 1 else 1.0
+    bad_valid = torch.full((3, 5), 2 if rank == 1 else 1)
+    group = dist.group.WORLD
+    mon = ed.EntropyMonitor(process_group=group)
+    mask = ed.clip_b_mask(s, adv, valid)
+    if rank == 1:  # torch itself fails on this rank (NotImplementedError: no data to copy)
+        mask = dataclasses.replace(mask, keep=torch.ones(3, 5, dtype=torch.bool, device="meta"))
+    return [
+        ("clip_b nan", lambda: ed.clip_b_mask(nan, adv, valid, process_group=group)),
+        ("clip_v shape", lambda: ed.clip_v_mask(s, short_adv, valid, process_group=group)),
+        ("clip_v mu", lambda: ed.clip_v_mask(s, adv, valid, mu_low=mu, process_group=group)),
+        ("clip_b valid", lambda: ed.clip_b_mask(s, adv, bad_valid, process_group=group)),
+        ("monitor nan entropy", lambda: mon(entropy=nan.abs(), valid=valid, advantages=adv)),
+        ("monitor nan s_centered", lambda: mon(entropy=s.abs(), valid=valid, advantages=adv, s_centered=nan)),
+        ("monitor shape", lambda: mon(entropy=s.abs(), valid=valid, advantages=short_adv, s_star=s)),
+        ("monitor lr", lambda: mon(entropy=s.abs(), valid=valid, advantages=adv, s_centered=s, lr=math.nan if rank else 0.1)),
+        ("monitor torch error", lambda: mon(entropy=s.abs(), valid=valid, mask=mask)),
+        ("realised nan", lambda: mon.realised(s, nan, valid)),
+        ("dynamics nan", lambda: ed.batch_entropy_change(adv, nan, valid, lr=0.1, process_group=group)),
+        ("dynamics shape", lambda: ed.batch_entropy_change(short_adv, s, valid, lr=0.1, process_group=group)),
+    ]
+
+
+def _run_bad_cases(rank: int) -> dict:
+    """Each case's ``(exception type, message, seconds)``, and the agreed count of a good call after it."""
+    import time
+
+    out = {}
+    for name, call in _one_rank_bad_cases(rank):
+        start = time.perf_counter()
+        try:
+            call()
+            out[name] = ("no error", "", time.perf_counter() - start)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            out[name] = (type(exc).__name__, str(exc), time.perf_counter() - start)
+        # the ranks are still in step: a good call afterwards agrees everywhere
+        ok = ed.clip_b_mask(torch.ones(2, 2) * rank, torch.ones(2), torch.ones(2, 2), process_group=dist.group.WORLD)
+        out[name + " then"] = ok.n_valid
+    return out
+
+
+def _bad_rank_worker(rank: int, world: int, port: int, path: str) -> None:
+    import datetime
+    import gc
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=FAIL_TIMEOUT_S))
+    try:
+        torch.save(_run_bad_cases(rank), f"{path}/bad{rank}.pt")
+    finally:
+        # No reference to the group may outlive it: gloo aborts the process ("terminate called
+        # without an active exception") when a group object is freed at interpreter exit.
+        gc.collect()
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_bad_input_on_one_rank_raises_the_same_error_on_every_rank(tmp_path):
+    mp.spawn(_bad_rank_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"bad{r}.pt", weights_only=False) for r in range(2))
+    needles = {"clip_b nan": "s_star contains NaN", "clip_v shape": "advantages", "clip_v mu": "mu_low",
+               "clip_b valid": "valid must hold only 0 and 1", "monitor nan entropy": "entropy contains NaN",
+               "monitor nan s_centered": "s_centered contains NaN", "monitor shape": "advantages", "monitor lr": "lr",
+               "monitor torch error": "meta",
+               "realised nan": "entropy_after contains NaN", "dynamics nan": "s_centered contains NaN",
+               "dynamics shape": "advantages"}
+    assert set(needles) | {k + " then" for k in needles} == set(r0)
+    for name, needle in needles.items():
+        (kind0, msg0, t0), (kind1, msg1, t1) = r0[name], r1[name]
+        assert kind0 == kind1 != "no error", name
+        assert msg0 == msg1 and needle in msg0, (name, msg0, msg1)
+        assert max(t0, t1) < 10, f"{name}: {t0:.1f} s / {t1:.1f} s, a rank waited in a collective"
+        assert r0[name + " then"] == r1[name + " then"] == 8

@@ -194,3 +194,22 @@ def test_fused_kernel_matches_float64(n, h, v, dtype, bias, temperature, rows_pe
     out = token_stats_fused_triton(hid, w, labels, b, temperature, -100, config=cfg, rows_per_launch=rows_per_launch)
     logits = hid.cpu().double() @ w.cpu().double().T + (b.cpu().double() if bias else 0.0)
     _check(out, logits, labels, temperature)
+
+
+def test_ignore_index_none_counts_every_row():
+    # token_stats(ignore_index=None) passes int64's minimum (NO_IGNORE_INDEX) to both kernels: no row is
+    # skipped and a label of -100 is an out-of-range label, counted in the first error word.
+    from entropy_discriminator._checks import NO_IGNORE_INDEX
+
+    logits = _logits(5, 24, 70, torch.float32)
+    labels = _labels(5, 24, 70).clamp(min=0)
+    out = token_stats_triton(logits, labels, 0.9, NO_IGNORE_INDEX)
+    ref = reference_token_stats(logits.cpu(), labels.cpu(), 0.9)
+    assert bool(out.valid.all()) and out.errors.tolist() == [0, 0, 0, 0]
+    torch.testing.assert_close(out.entropy.cpu().double(), ref["entropy"], atol=3e-5, rtol=0)
+    labels[3] = -100
+    assert token_stats_triton(logits, labels, 0.9, NO_IGNORE_INDEX).errors.tolist()[0] == 1
+    g = torch.Generator().manual_seed(1)
+    hid, w = torch.randn(24, 32, generator=g).to(DEV), (torch.randn(70, 32, generator=g) * 0.5).to(DEV)
+    fused = token_stats_fused_triton(hid, w, labels.clamp(min=0), None, 0.9, NO_IGNORE_INDEX, config={"bm": 16, "bn": 32, "bk": 16, "group_m": 3, "persistent": 0})
+    assert bool(fused.valid.all()) and fused.errors.tolist()[0] == 0

@@ -71,7 +71,7 @@ def test_cap_keeps_only_the_most_violating_clipped_ties_by_position():
     capped = ed.clip_v_mask(scores, adv, valid, mu_low=1.0, max_frac=0.02)  # floor(2) = 2 tokens
     assert capped.capped and capped.n_clipped == 2
     assert (~capped.keep).nonzero().reshape(-1).tolist() == [97, 98]
-    one = ed.clip_v_mask(scores, adv, valid, mu_low=1.0, max_frac=1e-4)  # max(floor(0.01), 1) = 1
+    one = ed.clip_v_mask(scores, adv, valid, mu_low=1.0, max_frac=0.01)  # floor(1) = 1
     assert (~one.keep).nonzero().reshape(-1).tolist() == [97]  # tie at -60: the earlier position
 
 
