@@ -20,7 +20,7 @@ pytest.importorskip("verl", reason="needs the verl extra: nox -s verl")
 import verl  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from entropy_discriminator.adapters.verl._trainer import read_config  # noqa: E402
+from entropy_discriminator.adapters.verl._support import read_config  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "verl"
 CONFIG_DIR = str(Path(verl.__file__).parent / "trainer" / "config")
