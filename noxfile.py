@@ -30,16 +30,21 @@ def core(session: nox.Session) -> None:
     session.run(*PYTEST, "tests", "--ignore=tests/adapters", *session.posargs)
 
 
-@nox.session
-def verl(session: nox.Session) -> None:
-    """The verl 0.9.1 adapter against a real CPU install of ``verl[verl-core]==0.9.1``.
+#: Oldest and newest verl release of the adapter's range (adapters/verl/_support.py: SUPPORTED_VERL).
+VERL_RELEASES = ["0.9.0", "0.9.1"]
 
-    torch is installed first and pinned again with the extra so that verl's loose ``torch``
+
+@nox.session
+@nox.parametrize("release", VERL_RELEASES)
+def verl(session: nox.Session, release: str) -> None:
+    """The verl adapter against a real CPU install of ``verl[verl-core]`` (oldest and newest supported release).
+
+    torch is installed first and pinned again with verl so that verl's loose ``torch``
     requirement can never pull a CUDA build.
     """
     session.install(TORCH)
-    session.install("-e", ".[test,verl]", TORCH)
-    session.run(*PYTEST, "tests/adapters/verl", *session.posargs)
+    session.install("-e", ".[test]", f"verl[verl-core]=={release}", TORCH)
+    session.run(*PYTEST, "tests/adapters/verl", *session.posargs, env={"ED_VERL_RELEASE": release})
 
 
 @nox.session
