@@ -188,6 +188,11 @@ def check_config(config: DictConfig) -> RunPlan | None:
             "entropy_disc needs verl's old-policy pass (entropy and log-probs of the training policy), which "
             "algorithm.rollout_correction.bypass_mode=True skips: set it to False"
         )
+    if _select(config, "distillation.enabled", False):
+        raise ValueError(
+            "entropy_disc cannot run with distillation.enabled=True: the actor then trains on verl's "
+            "distillation_ppo_loss, whose terms the adapter has not checked for exact masking"
+        )
     options, reason = _mask_mode_for_loss(config, options)
     expected, from_hidden = _statistics_source(config, options)
     return RunPlan(options, BASE_MODES[mode], expected, from_hidden, reason)

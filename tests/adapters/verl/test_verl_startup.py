@@ -124,3 +124,9 @@ def test_adapter_mode_options_under_the_adapter_name_are_refused():
     )
     with pytest.raises(ValueError, match=r"trainer\.v1\.entropy_disc_separate_async is set, .* trainer\.v1\.separate_async"):
         ed_verl.check_config(cfg)
+
+
+def test_distillation_is_refused():
+    cfg = compose_ppo(["trainer.v1.trainer_mode=entropy_disc", "+entropy_disc.method=clip_b", "distillation.enabled=true"])
+    with pytest.raises(ValueError, match=r"distillation\.enabled=True"):
+        ed_verl.check_config(cfg)
