@@ -30,17 +30,28 @@ def core(session: nox.Session) -> None:
     session.run(*PYTEST, "tests", "--ignore=tests/adapters", *session.posargs)
 
 
-@nox.session
-def verl(session: nox.Session) -> None:
-    """The verl 0.9.1 adapter against a real CPU install of ``verl[verl-core]==0.9.1``.
+#: Oldest and newest verl release of the adapter's range (adapters/verl/_support.py: SUPPORTED_VERL).
+VERL_RELEASES = ["0.9.0", "0.9.1"]
+#: What verl 0.9.0's V1 trainer imports but its metadata does not require (0.9.1's verl-core extra does).
+VERL_090_MISSING = ["cachetools", "fastapi", "uvicorn"]
 
-    torch is installed first and pinned again with the extra so that verl's loose ``torch``
-    requirement can never pull a CUDA build.
+
+@nox.session
+@nox.parametrize("release", VERL_RELEASES)
+def verl(session: nox.Session, release: str) -> None:
+    """The verl adapter against a real CPU install of ``verl[verl-core]`` (oldest and newest supported release).
+
+    torch is installed first and pinned again with verl so that verl's loose ``torch``
+    requirement can never pull a CUDA build.  verl 0.9.0 has no ``verl-core`` extra; the
+    project's ``verl`` extra adds the TransferQueue its V1 trainer imports.
     """
     session.install(TORCH)
-    session.install("-e", ".[test,verl]", TORCH)
-    session.install("megatron-core==0.16.1", TORCH)  # the Megatron hook's CPU (gloo) tests; no TransformerEngine
-    session.run(*PYTEST, "tests/adapters/verl", *session.posargs)
+    session.install("-e", ".[test,verl]", f"verl[verl-core]=={release}", TORCH)
+    if release == "0.9.0":
+        session.install(*VERL_090_MISSING)
+    else:  # the Megatron hook's CPU (gloo) tests run against the newest release; no TransformerEngine
+        session.install("megatron-core==0.16.1", TORCH)
+    session.run(*PYTEST, "tests/adapters/verl", *session.posargs, env={"ED_VERL_RELEASE": release})
 
 
 # TRL: the oldest and the newest release of the adapter's range (adapters/trl/_support.py SUPPORTED_TRL),

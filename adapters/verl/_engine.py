@@ -1,23 +1,30 @@
 """Worker side of the verl adapter: ``E_p[S]`` from the old-policy forward of verl's engines.
 
-The hook wraps two engine methods, only in processes that install it (see
-:func:`install_engine_hook`), and does nothing unless the micro-batch carries the non-tensor flag
-``entropy_disc_stats=True`` (set by the adapter's trainer for the old-log-prob pass only):
+The hook wraps engine methods, only in processes that install it (see :func:`install_engine_hook`),
+and does nothing unless the micro-batch carries the non-tensor flag ``entropy_disc_stats=True``
+(set by the adapter's trainer for the old-log-prob pass only):
 
-* FSDP: ``FSDPEngineWithLMHead.prepare_model_outputs``. Its own result is returned untouched; the
-  hook re-derives the temperature-scaled logits exactly as verl does (``output.logits``, the same
-  ``_scale_logits_by_temperature`` call with the same per-token temperatures), runs the core's
-  :func:`~entropy_discriminator.token_stats` on them and adds ``entropy_disc_s_expected_seq``,
-  laid out like verl's ``entropy`` (a jagged tensor over prompt+response positions, position ``i``
+* FSDP, logits materialised (``use_fused_kernels=False``):
+  ``FSDPEngineWithLMHead.prepare_model_outputs``. Its own result is returned untouched; the hook
+  scales ``output.logits`` by the same per-token temperatures verl uses (``logits / T``, ``T``
+  clamped at 1e-8, skipped when verl marks the temperature as exactly 1), runs the core's
+  :func:`~entropy_discriminator.token_stats` on them and adds ``entropy_disc_s_expected_seq``, laid
+  out like verl's ``entropy`` (a jagged tensor over prompt+response positions, position ``i``
   holding the statistic of the distribution that predicts token ``i+1``).
+* FSDP, fused kernels (``use_fused_kernels=True``, no logits exist): ``forward_step`` registers a
+  forward hook on the causal LM's base model for that one forward; the hook reads the final hidden
+  states and, while the LM-head weight is gathered, runs the core's
+  :func:`~entropy_discriminator.token_stats_from_hidden` with verl's scalar temperature
+  (``logits = hidden @ W.T / T``, as verl's fused head forms them, in the autocast dtype when
+  autocast is on); ``prepare_model_outputs`` lays the result out like the logits path.
 * Megatron: ``MegatronEngineWithLMHead._lm_head_logits_processor``. The statistic is computed
   before verl's in-place ``logits.div_(temperature)`` and its (destructive) entropy, on the local
   vocabulary shard, reduced across the tensor-parallel group through the core's
   ``vocab_parallel_group``; verl's post-processing then packs it like ``entropy``.
 
-``E_p[S] = H sum_i p_i^2 + sum_i p_i^2 log p_i`` does not depend on the sampled token, so the hook
-passes dummy labels (0); ``S*`` is formed on the driver from verl's own ``old_log_probs`` and
-``entropy`` of the same pass.  With fused kernels the logits never exist: the hook raises.
+``E_p[S] = sum_i p_i^2 (log p_i + H)`` does not depend on the sampled token, so the hook passes
+dummy labels (0); ``S*`` is formed on the driver from verl's own ``old_log_probs`` and ``entropy``
+of the same pass.
 """
 
 from __future__ import annotations
@@ -28,25 +35,21 @@ from typing import Any
 
 import torch
 
-from entropy_discriminator import token_stats
+from entropy_discriminator import token_stats, token_stats_from_hidden
 
 from .._patching import PatchSet
 
 #: Non-tensor micro-batch flag that switches the statistics on (set by the driver for one pass).
 STATS_FLAG = "entropy_disc_stats"
-#: Non-tensor options forwarded to :func:`token_stats` (``chunk_size``, ``impl``).
+#: Non-tensor options forwarded to the core (``chunk_size``, ``impl``).
 STATS_CHUNK = "entropy_disc_chunk_size"
 STATS_IMPL = "entropy_disc_impl"
 #: Model-output field written by the hook (prompt+response positions, like ``entropy``).
 SEQ_FIELD = "entropy_disc_s_expected_seq"
 
-FUSED_KERNELS_MESSAGE = (
-    "entropy_disc needs E_p[S] from the full temperature-scaled logits of the old-policy pass, but "
-    "use_fused_kernels=True never materialises them: set actor_rollout_ref.model.use_fused_kernels=False "
-    "(or use +entropy_disc.method=clip_b, which needs only log-probs and entropy)"
-)
-
 _PATCHES = PatchSet("entropy_disc verl engine hook")
+#: Engine attribute holding the fused path's per-position values between forward and output step.
+_HIDDEN_STASH = "_entropy_disc_from_hidden"
 
 
 def _flag(data: Any, key: str, default: Any) -> Any:
@@ -74,37 +77,74 @@ def expected_score(logits: torch.Tensor, data: Any, vocab_parallel_group: Any = 
     return stats.s_expected.float()
 
 
+def expected_score_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, data: Any) -> torch.Tensor:
+    """``E_p[S]`` of ``softmax(hidden @ weight.T / temperature)`` per row of ``hidden`` ``[..., H]`` -> float32 ``[...]``.
+
+    ``hidden`` and ``weight`` are cast to the autocast dtype when autocast is on for their device
+    (the dtype verl's fused head multiplies in), else to ``hidden``'s dtype; the product is formed
+    with fp32 accumulation by :func:`token_stats_from_hidden`, without ``[N, V]`` logits.
+    """
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    labels = torch.zeros(hidden.shape[:-1], dtype=torch.long, device=hidden.device)
+    with torch.no_grad(), torch.autocast(device_type=device, enabled=False):
+        stats = token_stats_from_hidden(
+            hidden.detach().to(dtype),
+            weight.detach().to(dtype),
+            labels,
+            temperature=float(temperature),
+            chunk_size=_flag(data, STATS_CHUNK, None),
+            impl=_flag(data, STATS_IMPL, "auto"),
+        )
+    return stats.s_expected.float()
+
+
+def _scaled(logits: torch.Tensor, temperature: torch.Tensor, unit: bool) -> torch.Tensor:
+    """``logits / T`` with verl's clamp of ``T`` at 1e-8 (no-op when verl marks ``T`` as exactly 1)."""
+    return logits if unit else logits / temperature.clamp(min=1e-8).to(logits.dtype)
+
+
+def _causal_lm(module: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face causal LM inside an (FSDP-wrapped) engine module: it has an output embedding."""
+    for m in module.modules():
+        get_head = getattr(m, "get_output_embeddings", None)
+        if callable(get_head) and get_head() is not None and hasattr(m, "base_model"):
+            return m
+    raise RuntimeError(
+        "entropy_disc: use_fused_kernels=True needs the LM head's hidden states, but the actor module has no "
+        "Hugging Face causal LM with get_output_embeddings()"
+    )
+
+
 def _fsdp_expected_seq(engine: Any, output: Any, output_args: dict, micro_batch: Any) -> torch.Tensor:
     """The FSDP engine's ``E_p[S]`` as a jagged ``[bsz, j1]`` tensor aligned with its ``entropy``."""
     from torch.distributed.tensor import DTensor
-    from verl.workers.engine.fsdp import transformer_impl as impl
 
-    if _flag(micro_batch, "use_fused_kernels", False):
-        raise RuntimeError(FUSED_KERNELS_MESSAGE)
-    unit = output_args.get("temperature_is_one", False)
     cu_seqlens = micro_batch["input_ids"].offsets()
-    if _flag(micro_batch, "use_remove_padding", True):
-        logits = output.logits.squeeze(0)  # (total_nnz [/ sp + pad], V)
+    remove_padding = _flag(micro_batch, "use_remove_padding", True)
+    values = engine.__dict__.pop(_HIDDEN_STASH, None)
+    if values is None:  # logits materialised
+        logits = output.logits.squeeze(0) if remove_padding else output.logits
         if isinstance(logits, DTensor):
             logits = logits.full_tensor()
-        logits = impl._scale_logits_by_temperature(
-            logits, output_args["temperature_rmpad"].unsqueeze(-1), is_unit_temperature=unit
-        )
-        values = expected_score(logits, micro_batch)
+        unit = output_args.get("temperature_is_one", False)
+        if remove_padding:  # (total_nnz [/ sp + pad], V), one temperature per position
+            temperature = output_args["temperature_rmpad"].unsqueeze(-1)
+        else:  # (bsz, max_len, V), one temperature per sequence
+            temperature = output_args["temperature"].unsqueeze(-1).unsqueeze(-1)
+        values = expected_score(_scaled(logits, temperature, unit), micro_batch)
+    elif remove_padding:
+        values = values.squeeze(0)
+    if remove_padding:
         values = engine._gather_and_unpad_packed(values, output_args["pad_size"])
     else:
-        logits = output.logits  # (bsz, max_len, V)
-        if isinstance(logits, DTensor):
-            logits = logits.full_tensor()
-        temperature = output_args["temperature"].unsqueeze(-1).unsqueeze(-1)
-        logits = impl._scale_logits_by_temperature(logits, temperature, is_unit_temperature=unit)
-        padded = expected_score(logits, micro_batch)
-        lengths = cu_seqlens.diff().tolist()
-        values = torch.cat([padded[i, :n] for i, n in enumerate(lengths)])
+        lengths = cu_seqlens.diff()
+        keep = torch.arange(values.shape[1], device=values.device) < lengths.unsqueeze(1).to(values.device)
+        values = values[keep]
     return torch.nested.nested_tensor_from_jagged(values, cu_seqlens)
 
 
-def _wrap_fsdp(original: Callable[..., Any]) -> Callable[..., Any]:
+def _wrap_fsdp_outputs(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
         model_output = original(self, output, output_args, micro_batch, logits_processor_func)
@@ -113,6 +153,29 @@ def _wrap_fsdp(original: Callable[..., Any]) -> Callable[..., Any]:
         return model_output
 
     return prepare_model_outputs
+
+
+def _wrap_fsdp_forward_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def forward_step(self, micro_batch, loss_function, forward_only):
+        if not (_flag(micro_batch, STATS_FLAG, False) and _flag(micro_batch, "use_fused_kernels", False)):
+            return original(self, micro_batch, loss_function, forward_only)
+        causal_lm = _causal_lm(self.module)
+        temperature = _flag(micro_batch, "temperature", 1.0)
+
+        def from_hidden(module, args, out):  # the final hidden states, while the LM head is gathered
+            hidden = out[0] if isinstance(out, (tuple, list)) else out.last_hidden_state
+            weight = causal_lm.get_output_embeddings().weight
+            self.__dict__[_HIDDEN_STASH] = expected_score_from_hidden(hidden, weight, temperature, micro_batch)
+
+        handle = causal_lm.base_model.register_forward_hook(from_hidden)
+        try:
+            return original(self, micro_batch, loss_function, forward_only)
+        finally:
+            handle.remove()
+            self.__dict__.pop(_HIDDEN_STASH, None)
+
+    return forward_step
 
 
 def _wrap_megatron(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -141,7 +204,10 @@ def _wrap_megatron(original: Callable[..., Any]) -> Callable[..., Any]:
 def _targets() -> list[tuple[type, str, Callable[[Callable[..., Any]], Callable[..., Any]]]]:
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-    targets = [(FSDPEngineWithLMHead, "prepare_model_outputs", _wrap_fsdp)]
+    targets = [
+        (FSDPEngineWithLMHead, "prepare_model_outputs", _wrap_fsdp_outputs),
+        (FSDPEngineWithLMHead, "forward_step", _wrap_fsdp_forward_step),
+    ]
     try:  # megatron-core is optional; without it there is no Megatron engine to hook
         from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
     except ImportError:
@@ -151,7 +217,7 @@ def _targets() -> list[tuple[type, str, Callable[[Callable[..., Any]], Callable[
 
 
 def install_engine_hook() -> None:
-    """Wrap the engines' output methods in this process (idempotent)."""
+    """Wrap the engines' methods in this process (idempotent)."""
     if _PATCHES.active:
         return
     for cls, name, wrap in _targets():

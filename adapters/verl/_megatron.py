@@ -29,7 +29,7 @@ def megatron_layout_refusal(config: Any) -> str | None:
 
     ``config`` is verl's full trainer config (an OmegaConf ``DictConfig`` or a nested mapping) with
     the adapter's options under ``entropy_disc``.  Returns None when the actor's strategy is not
-    ``megatron``.  Call it only for runs that compute ``E_p[S]`` (where ``wants_expected`` holds).
+    ``megatron``.  ``_support.check_config`` calls it for Megatron runs that compute ``E_p[S]``.
     The returned message names the setting to change.
     """
     actor = _get(_get(config, "actor_rollout_ref"), "actor")

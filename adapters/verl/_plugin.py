@@ -1,9 +1,69 @@
 """Target of the ``verl.plugins`` entry point: verl imports it on ``import verl`` in every process.
 
-Importing it only schedules the registration of the adapter's trainer names (see
-:func:`entropy_discriminator.adapters.verl.on_plugin_load`); no verl behaviour changes.
+Loading it (1) wraps verl's config validation with the adapter's start-up check (``_startup``),
+which passes every config that does not mention the adapter unchanged, and (2) arranges for the
+adapter's trainer names to be registered once verl itself imports ``verl.trainer.ppo.v1``: a
+one-shot import hook, so ``import verl`` does not pull in verl's trainer stack.
 """
 
-from . import on_plugin_load
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import logging
+import sys
+from types import ModuleType
+from typing import Any
+
+from ._startup import install_startup_check
+from ._support import unsupported_reason
+
+_V1_PACKAGE = "verl.trainer.ppo.v1"
+_TRAINER_MODULE = f"{__package__}._trainer"
+_logger = logging.getLogger(__name__)
+
+
+class _RegisterAfterImport(importlib.abc.MetaPathFinder):
+    """One-shot import hook: once ``verl.trainer.ppo.v1`` has executed, import the adapter's trainers.
+
+    It finds the package's normal spec and wraps that spec's own loader's ``exec_module``; the
+    module, its spec and loader are otherwise verl's.
+    """
+
+    def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None) -> Any:
+        if fullname != _V1_PACKAGE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module: ModuleType) -> None:
+            exec_module(module)
+            _import_trainers()
+
+        spec.loader.exec_module = exec_then_register
+        return spec
+
+
+def _import_trainers() -> None:
+    """Import ``_trainer``, which registers its trainers at its end (if it is importing v1 itself, it will)."""
+    reason = unsupported_reason()
+    if reason is not None:
+        _logger.warning("entropy_disc trainers not registered: %s", reason)
+        return
+    importlib.import_module(_TRAINER_MODULE)
+
+
+def on_plugin_load() -> None:
+    """What loading the entry point does: the start-up check, and the trainers' registration (now or on import)."""
+    install_startup_check()
+    if _V1_PACKAGE in sys.modules:
+        _import_trainers()
+    elif not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterAfterImport())
+
 
 on_plugin_load()

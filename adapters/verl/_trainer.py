@@ -1,25 +1,28 @@
 """Driver side of the verl adapter: V1 trainers that mask once per training batch.
 
-Per step, on the driver (which sees the whole batch through TransferQueue):
+Per step, on the driver (which sees the batch through TransferQueue):
 
-1. ``_compute_old_log_prob``: verl's old-policy pass, with the flag that makes the worker hook
-   (``_engine``) add ``E_p[S]`` next to verl's ``entropy``; the flag is removed afterwards so
-   the reference and update passes never compute it.  ``E_p[S]`` is sliced to the response like
-   ``old_log_probs`` and stored as ``entropy_disc_s_expected``.
-2. ``_compute_advantage``: verl's advantages (GRPO: per sequence, broadcast over tokens; GAE: per
-   token), then ``S* = exp(old_logp) (H + old_logp)`` (:func:`discriminator_score`),
+1. ``_compute_old_log_prob`` (statistics): verl's old-policy pass, with the flag that makes the
+   worker hook (``_engine``) add ``E_p[S]`` next to verl's ``entropy``; the flag is removed
+   afterwards so the reference and update passes never compute it.  ``E_p[S]`` is sliced to the
+   response like ``old_log_probs`` and stored as ``entropy_disc_s_expected``.
+2. ``_compute_advantage`` (mask and metrics): verl's advantages (GRPO: per sequence, broadcast over
+   tokens; GAE: per token), then ``S* = exp(old_logp) (H + old_logp)`` (:func:`discriminator_score`),
    ``S_c = S* - E_p[S]``, the configured Clip_B / Clip_V mask over every valid token of the batch,
    and the monitor's ``entropy_disc/*`` metrics (``S_c`` weighted by ``r = pi_old / pi_rollout``
    when the rollout's log-probs exist, i.e. off-policy).
-3. ``_update_actor``: the mask acts on the actor update only, then the stored fields are restored
-   (so the critic, verl's metrics and later readers see verl's own values):
-   ``mask_mode=zero_pg`` zeroes the clipped tokens' advantages (their policy-gradient term is 0,
-   the loss normaliser ``loss_mask`` is untouched); ``mask_mode=drop_token`` removes them from
-   ``response_mask`` and ``loss_mask`` (numerator and token-mean denominator).
+3. ``_update_actor``: the mask acts on the actor update only (:func:`apply_mask`), then the stored
+   fields are restored (so the critic, verl's metrics and later readers see verl's own values).
+
+"The batch" is what one ``_step_once`` of verl's trainer samples: the whole training batch in the
+``sync`` and ``colocate_async`` modes; in ``separate_async`` one of its ``parameter_sync_step``
+parts (``train_batch_size / parameter_sync_step`` prompts, which verl requires to equal
+``ppo_mini_batch_size``), each with its own advantage step and actor update.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -27,59 +30,46 @@ from typing import Any
 import ray
 import torch
 import transfer_queue as tq
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from tensordict import TensorDict
 from verl.trainer.ppo.utils import Role
 from verl.trainer.ppo.v1 import PPOTrainerColocateAsync, PPOTrainerSeparateAsync, PPOTrainerSync
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 from verl.workers.utils.padding import response_from_nested, response_to_nested
 
-from entropy_discriminator import EntropyDiscConfig, EntropyMonitor, MaskResult, discriminator_score
+from entropy_discriminator import EntropyMonitor, MaskResult, discriminator_score
 
-from ._engine import FUSED_KERNELS_MESSAGE, SEQ_FIELD, STATS_CHUNK, STATS_FLAG, STATS_IMPL
+from ._engine import SEQ_FIELD, STATS_CHUNK, STATS_FLAG, STATS_IMPL
+from ._support import BASE_MODES, TRAINER_MODES, check_config
 from ._workers import stats_worker
 
 #: Response-aligned ``E_p[S]`` in TransferQueue (float32, jagged like ``old_log_probs``).
 EXPECTED_FIELD = "entropy_disc_s_expected"
-#: Engine strategies whose old-policy pass the hook covers.
-HOOKED_STRATEGIES = ("fsdp", "fsdp2", "megatron")
+#: Fields the mask rewrites for the actor update, per mask mode.
+MASKED_FIELDS = {"zero_pg": ("advantages",), "drop_token": ("response_mask", "loss_mask")}
+
+_logger = logging.getLogger(__name__)
 
 
-def read_config(config: DictConfig) -> EntropyDiscConfig:
-    """``EntropyDiscConfig`` from the top-level ``entropy_disc`` group (absent -> method "none")."""
-    node = config.get("entropy_disc", None)
-    values = OmegaConf.to_container(node, resolve=True) if node is not None else {}
-    if not isinstance(values, dict):
-        raise ValueError(f"entropy_disc must be a mapping of options, got {values!r}")
-    return EntropyDiscConfig.from_mapping(values)
+def apply_mask(fields: dict[str, torch.Tensor], keep: torch.Tensor, mask_mode: str) -> dict[str, torch.Tensor]:
+    """The actor-update fields with the clipped tokens masked: ``{name: field * keep}`` for :data:`MASKED_FIELDS`.
 
+    Args:
+        fields: verl's jagged response-aligned ``[B, j]`` tensors, at least the ones
+            ``MASKED_FIELDS[mask_mode]`` names (``zero_pg``: ``advantages``; ``drop_token``:
+            ``response_mask`` and ``loss_mask``).
+        keep: bool ``[B, T]`` (``T >=`` the longest response), True for kept tokens.
+        mask_mode: ``"zero_pg"`` or ``"drop_token"``.
 
-def wants_expected(config: DictConfig, cfg: EntropyDiscConfig) -> bool:
-    """Whether the old-policy pass must yield ``E_p[S]``; raises ``ValueError`` for settings that rule it out.
-
-    Clip_V needs it; Clip_B and ``method=none`` use it for the ``S_c`` metrics when the engine
-    can give it (logits materialised, FSDP or Megatron), and skip it otherwise.
+    Returns:
+        New jagged tensors of the same dtype and layout; clipped positions hold 0.
     """
-    corr = config.algorithm.get("rollout_correction", None)
-    if corr is not None and corr.get("bypass_mode", False):
-        raise ValueError(
-            "entropy_disc needs verl's old-policy pass (entropy and log-probs of the training policy), which "
-            "algorithm.rollout_correction.bypass_mode=True skips: set it to False"
-        )
-    model = config.actor_rollout_ref.model
-    strategy = config.actor_rollout_ref.actor.get("strategy", "fsdp")
-    if model.get("use_fused_kernels", False):
-        if cfg.needs_expected:
-            raise ValueError(FUSED_KERNELS_MESSAGE)
-        return False
-    if strategy not in HOOKED_STRATEGIES:
-        if cfg.needs_expected:
-            raise ValueError(
-                f"entropy_disc.method=clip_v needs E_p[S], which the adapter computes in the {HOOKED_STRATEGIES} "
-                f"engines only; actor_rollout_ref.actor.strategy={strategy!r}"
-            )
-        return False
-    return True
+    out = {}
+    for name in MASKED_FIELDS[mask_mode]:
+        nested = fields[name]
+        padded = torch.nested.to_padded_tensor(nested, 0)
+        out[name] = response_to_nested(padded * keep[:, : padded.shape[1]].to(padded.dtype), nested)
+    return out
 
 
 @dataclass
@@ -96,20 +86,20 @@ class EntropyDiscTrainerMixin:
     buffer, ``trainer.v1.<mode>`` options) are exactly those of the base mode.
     """
 
-    BASE_MODES = {
-        "entropy_disc": "sync",
-        "entropy_disc_colocate_async": "colocate_async",
-        "entropy_disc_separate_async": "separate_async",
-    }
-
     def __init__(self, config: DictConfig) -> None:
-        from . import check_version
-
-        check_version()
-        self.entropy_disc = read_config(config)
-        self._entropy_disc_expected = wants_expected(config, self.entropy_disc)
+        plan = check_config(config)
+        if plan is None:
+            raise ValueError(
+                f"{type(self).__name__} needs trainer.use_v1=true and trainer.v1.trainer_mode in {list(TRAINER_MODES)}"
+            )
+        if plan.mask_mode_reason is not None:
+            _logger.warning("entropy_disc: mask_mode=drop_token, because %s", plan.mask_mode_reason)
+        self.entropy_disc_plan = plan
+        self.entropy_disc = plan.options
+        self._entropy_disc_expected = plan.expected
         self._entropy_disc_monitor = EntropyMonitor()
         self._entropy_disc_pending: _PendingMask | None = None
+        _alias_mode_options(config)
         super().__init__(config)
 
     @property
@@ -118,7 +108,7 @@ class EntropyDiscTrainerMixin:
 
     @trainer_mode.setter
     def trainer_mode(self, name: str) -> None:
-        self.__dict__["_entropy_disc_trainer_mode"] = self.BASE_MODES.get(name, name)
+        self.__dict__["_entropy_disc_trainer_mode"] = BASE_MODES.get(name, name)
 
     def _init_resource_pool_mgr(self) -> None:
         super()._init_resource_pool_mgr()
@@ -218,24 +208,36 @@ class EntropyDiscTrainerMixin:
 
     def _update_actor(self, batch: Any, metrics: dict) -> Any:
         pending, self._entropy_disc_pending = self._entropy_disc_pending, None
-        if pending is None or pending.keys != tuple(batch.keys):
+        if not self.entropy_disc.enabled:
             return super()._update_actor(batch, metrics)
-        if self.entropy_disc.mask_mode == "zero_pg":
-            fields = ["advantages"]
-        else:
-            fields = ["response_mask", "loss_mask"]
-        original = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
-        masked = {}
-        for name in fields:
-            nested = original[name]
-            padded = torch.nested.to_padded_tensor(nested, 0)
-            keep = pending.keep[:, : padded.shape[1]].to(padded.dtype)
-            masked[name] = response_to_nested(padded * keep, nested)
+        if pending is None or pending.keys != tuple(batch.keys):
+            raise RuntimeError(
+                "entropy_disc: the actor update got a batch whose mask was not computed in the advantage step "
+                "before it; refusing to update without the mask"
+            )
+        names = list(MASKED_FIELDS[self.entropy_disc.mask_mode])
+        original = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=names)
+        masked = apply_mask(dict(original.items()), pending.keep, self.entropy_disc.mask_mode)
         tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=TensorDict(masked, batch_size=len(batch)))
         try:
             return super()._update_actor(batch, metrics)
         finally:
-            tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=original.select(*fields))
+            tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=original.select(*names))
+
+
+def _alias_mode_options(config: DictConfig) -> None:
+    """Make ``trainer.v1.<adapter mode>`` read as ``trainer.v1.<base mode>`` in the raw config.
+
+    verl code that looks a mode's options up by the configured name (e.g. the rollout-skip cache
+    reads ``trainer.v1.<trainer_mode>.parameter_sync_step``) then sees the base mode's values.
+    :func:`check_config` has already refused a config that sets the adapter's name itself.
+    """
+    mode = config.trainer.v1.trainer_mode
+    base = config.trainer.v1.get(BASE_MODES[mode], None)
+    if base is None:
+        return
+    with open_dict(config):
+        config.trainer.v1[mode] = OmegaConf.create(OmegaConf.to_container(base, resolve=True))
 
 
 class EntropyDiscTrainerSync(EntropyDiscTrainerMixin, PPOTrainerSync):
@@ -257,6 +259,15 @@ TRAINERS: dict[str, type[PPOTrainer]] = {
     "entropy_disc_separate_async": EntropyDiscTrainerSeparateAsync,
 }
 
-from . import register_deferred  # noqa: E402  (the import hook may have fired while this module loaded)
 
-register_deferred()
+def register_trainers() -> list[str]:
+    """Add :data:`TRAINERS` to verl's V1 trainer registry (idempotent); returns the names added now."""
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
+
+    added = [name for name in TRAINERS if name not in TRAINER_REGISTRY]
+    for name, cls in TRAINERS.items():
+        register_trainer(name)(cls)
+    return added
+
+
+register_trainers()

@@ -8,8 +8,8 @@ What runs, all in this one process (rank 0 of a one-rank NCCL/gloo group, no Ray
 
 1. A tiny random Llama + a word-level tokenizer are written locally with ``save_pretrained``.
 2. verl's ``ppo_trainer`` config is composed by Hydra with the adapter's overrides
-   (``trainer.v1.trainer_mode=entropy_disc +entropy_disc.*``); the adapter's ``read_config`` /
-   ``wants_expected`` read it.
+   (``trainer.v1.trainer_mode=entropy_disc +entropy_disc.*``); the adapter's start-up decision
+   ``check_config`` reads it.
 3. The adapter's hook-installing worker ``stats_worker(ActorRolloutRefWorker)`` (role ``actor``) is
    built and ``init_model()`` runs verl's real engine build: ``TrainingWorker`` ->
    ``FSDPEngineWithLMHead`` (HF load from the local directory, FSDP wrap, bf16 mixed precision,
@@ -201,6 +201,7 @@ def main() -> int:
 
     from entropy_discriminator import EntropyMonitor, clip_v_mask
     from entropy_discriminator.adapters.verl import _trainer as trainer_mod
+    from entropy_discriminator.adapters.verl import check_config
     from entropy_discriminator.adapters.verl._engine import SEQ_FIELD, STATS_CHUNK, STATS_FLAG, STATS_IMPL
     from entropy_discriminator.adapters.verl._workers import stats_worker
 
@@ -209,8 +210,9 @@ def main() -> int:
 
     cfg, overrides = compose_config(model_dir)
     results["overrides"] = overrides
-    ed_cfg = trainer_mod.read_config(cfg)
-    assert trainer_mod.wants_expected(cfg, ed_cfg), "clip_v must ask the old-policy pass for E_p[S]"
+    plan = check_config(cfg)
+    ed_cfg = plan.options
+    assert plan.expected, "clip_v must ask the old-policy pass for E_p[S]"
     log(f"entropy_disc config {ed_cfg}")
 
     # --- engine build: the adapter's worker class, verl's init_model ----------------------------

@@ -10,7 +10,6 @@ writes / reads TransferQueue exactly where verl's workers do.
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -234,3 +233,12 @@ def test_off_policy_ratio_weights_the_monitor():
         assert metrics["entropy_disc/cov/adv_s_centered"] == pytest.approx(float(cov), rel=1e-5)
         lr = trainer.config.actor_rollout_ref.actor.optim.lr
         assert metrics["entropy_disc/delta_entropy/predicted"] == pytest.approx(-lr * float(cov), rel=1e-5)
+
+
+def test_update_without_its_mask_is_refused():
+    """An actor update whose batch got no mask in the advantage step before it raises instead of training unmasked."""
+    from types import SimpleNamespace
+
+    trainer = make_trainer(["+entropy_disc.method=clip_b"])
+    with pytest.raises(RuntimeError, match="refusing to update without the mask"):
+        trainer._update_actor(SimpleNamespace(keys=["x0_0_0"], partition_id="train"), {})

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 pytest.importorskip("verl", reason="needs the verl extra: nox -s verl")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from verl.utils import seqlen_balancing  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.engine.fsdp import transformer_impl  # noqa: E402
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead  # noqa: E402
@@ -63,6 +64,7 @@ def model():
 def engine(model, gloo, monkeypatch):
     monkeypatch.setattr(transformer_impl, "get_device_id", lambda: "cpu")
     monkeypatch.setattr(transformer_impl, "get_device_name", lambda: "cpu")
+    monkeypatch.setattr(seqlen_balancing, "get_device_name", lambda: "cpu")  # dynamic batching's all-reduce tensor
     eng = object.__new__(FSDPEngineWithLMHead)
     eng.module = model
     eng.engine_config = SimpleNamespace(
@@ -162,13 +164,125 @@ def test_hook_leaves_verl_outputs_alone(engine):
         assert torch.equal(c[key].values(), b[key].values())
 
 
-def test_fused_kernels_refused_with_the_setting_named(engine, model):
-    data, _ = _batch(True, remove_padding=True, temperature=1.0, fused=True)
-    total = sum(PROMPT_LENS) + sum(RESPONSE_LENS)
-    output_args = {
-        "temperature_is_one": True, "pad_size": 0,
-        "input_ids_rmpad_rolled": torch.zeros(total, dtype=torch.long), "temperature_rmpad": torch.ones(total),
-    }
-    fused_output = SimpleNamespace(log_probs=torch.zeros(1, total), entropy=torch.zeros(1, total))
-    with pytest.raises(RuntimeError, match=r"actor_rollout_ref\.model\.use_fused_kernels=False"):
-        FSDPEngineWithLMHead.prepare_model_outputs(engine, fused_output, output_args, data, None)
+class FusedLlama(LlamaForCausalLM):
+    """A subclass, so that verl's fused-kernel forward (patched onto the class) leaves the plain model alone."""
+
+
+@pytest.fixture(scope="module")
+def fused_model(model):
+    from verl.models.transformers.monkey_patch import patch_forward_with_backends
+
+    fused = FusedLlama(model.config).eval()
+    fused.load_state_dict(model.state_dict())
+    patch_forward_with_backends(fused, use_fused_kernels=True, fused_kernels_backend="torch")
+    return fused
+
+
+@pytest.mark.parametrize("remove_padding", [True, False])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_kernels_expected_score_from_hidden_matches_float64(engine, model, fused_model, remove_padding, temperature):
+    """use_fused_kernels=True: no logits exist; E_p[S] comes from the hidden states and the LM-head weight."""
+    engine.module = fused_model
+    data, seqs = _batch(True, remove_padding=remove_padding, temperature=temperature, fused=True)
+    out = engine.infer_batch(data)["model_output"]
+    response_mask = data["response_mask"]
+    s_exp = response_from_nested(out[SEQ_FIELD], response_mask)
+    logp = response_from_nested(out["log_probs"], response_mask)
+    for i, (h, lpk, s_star, e_s) in enumerate(_reference(model, seqs, temperature, remove_padding)):
+        assert e_s.abs().max() > 1e-2
+        torch.testing.assert_close(s_exp[i].double(), e_s, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(logp[i].double(), lpk, rtol=1e-4, atol=1e-5)  # verl's fused log-probs, same rows
+    plain, _ = _batch(False, remove_padding=remove_padding, temperature=temperature, fused=True)
+    assert SEQ_FIELD not in engine.infer_batch(plain)["model_output"]
+    assert "_entropy_disc_from_hidden" not in vars(engine)
+
+
+# --- the actor update: dynamic batch x padding removal x mask mode x GRPO/GAE --------------------
+
+
+def _update_batch(estimator: str, mode: str, *, remove_padding: bool, dynamic: bool, seed: int):
+    """A training batch as the actor update receives it, the adapter's mask applied; plus what the reference needs."""
+    from entropy_discriminator.adapters.verl._trainer import apply_mask
+
+    g = torch.Generator().manual_seed(seed)
+    data, seqs = _batch(False, remove_padding=remove_padding, temperature=1.0)
+    lens = RESPONSE_LENS
+    old = [-(torch.rand(r, generator=g) * 2) for r in lens]
+    if estimator == "grpo":
+        adv = [torch.full((r,), float(torch.randn((), generator=g))) for r in lens]
+    else:
+        adv = [torch.randn(r, generator=g) for r in lens]
+    keep = torch.rand(len(lens), max(lens), generator=g) > 0.35
+    keep[0, 0] = False  # at least one clipped and one kept token
+    keep[2, 1] = True
+    nested = lambda ts: torch.nested.as_nested_tensor(ts, layout=torch.jagged)  # noqa: E731
+    fields = {"response_mask": data["response_mask"], "loss_mask": data["loss_mask"], "advantages": nested(adv)}
+    masked = {**fields, **apply_mask(fields, keep, mode)}
+    for name, value in masked.items():
+        data[name] = value
+    data["old_log_probs"] = nested(old)
+    data["prompts"] = nested([s[: len(s) - r] for s, r in zip(seqs, lens)])
+    data["responses"] = nested([s[len(s) - r :] for s, r in zip(seqs, lens)])
+    flags = {"use_dynamic_bsz": dynamic, "max_token_len_per_gpu": 12, "global_batch_size": len(lens), "calculate_entropy": False}
+    for key, value in flags.items():
+        tu.assign_non_tensor(data, **{key: value})
+    return data, seqs, old, adv, keep
+
+
+@pytest.fixture(scope="module")
+def model64(model):
+    ref = LlamaForCausalLM(model.config).double().eval()
+    ref.load_state_dict(model.state_dict())
+    return ref
+
+
+def _reference_grads(ref, seqs, old, adv, keep, mode, clip=0.2, clip_c=3.0):
+    """float64 vanilla PPO (dual clip), token-mean, written out: parameter gradients of the kept tokens' loss."""
+    ref.zero_grad(set_to_none=True)
+    terms, n_all = [], 0
+    for i, (s, r) in enumerate(zip(seqs, RESPONSE_LENS)):
+        logits = ref(input_ids=s[None], use_cache=False).logits[0].double()
+        logq = torch.log_softmax(logits[len(s) - r - 1 : len(s) - 1], -1).gather(-1, s[len(s) - r :, None])[:, 0]
+        ratio = (logq - old[i].double()).exp()
+        a = adv[i].double()
+        pg = torch.maximum(-a * ratio, -a * ratio.clamp(1 - clip, 1 + clip))
+        pg = torch.where(a < 0, torch.minimum(pg, -a * clip_c), pg)
+        k = keep[i, :r]
+        terms.append(pg[k].sum())
+        n_all += r
+    n_kept = int(sum(keep[i, :r].sum() for i, r in enumerate(RESPONSE_LENS)))
+    loss = torch.stack(terms).sum() / (n_all if mode == "zero_pg" else n_kept)
+    loss.backward()
+    return {name: p.grad.clone() for name, p in ref.named_parameters()}
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+@pytest.mark.parametrize("mode", ["zero_pg", "drop_token"])
+@pytest.mark.parametrize("remove_padding", [True, False])
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_update_gradient_is_the_kept_tokens_only(engine, model, model64, estimator, mode, remove_padding, dynamic):
+    """verl's engine (micro-batching, padding removal) and loss on the masked fields = float64 loss of the kept tokens."""
+    import functools
+
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.utils.losses import ppo_loss
+
+    actor_cfg = omega_conf_to_dataclass(
+        OmegaConf.create(
+            {"_target_": "verl.workers.config.FSDPActorConfig", "strategy": "fsdp", "ppo_micro_batch_size_per_gpu": 2,
+             "clip_ratio": 0.2, "clip_ratio_c": 3.0, "loss_agg_mode": "token-mean", "use_dynamic_bsz": dynamic,
+             "ppo_max_token_len_per_gpu": 12, "rollout_n": 1}
+        )
+    )
+    data, seqs, old, adv, keep = _update_batch(estimator, mode, remove_padding=remove_padding, dynamic=dynamic, seed=5)
+    engine.module = model
+    model.zero_grad(set_to_none=True)
+    engine.forward_backward_batch(data, functools.partial(ppo_loss, actor_cfg), forward_only=False)
+    expected = _reference_grads(model64, seqs, old, adv, keep, mode)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.double(), expected[name], rtol=2e-4, atol=1e-7, msg=name)
+    unmasked = _reference_grads(model64, seqs, old, adv, torch.ones_like(keep), mode)  # the mask changes the update
+    head = "lm_head.weight"
+    assert (unmasked[head] - expected[head]).abs().max() > 100 * (model.get_parameter(head).grad.double() - expected[head]).abs().max()
+    model.zero_grad(set_to_none=True)

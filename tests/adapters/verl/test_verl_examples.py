@@ -20,7 +20,7 @@ pytest.importorskip("verl", reason="needs the verl extra: nox -s verl")
 import verl  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from entropy_discriminator.adapters.verl._trainer import read_config  # noqa: E402
+from entropy_discriminator.adapters.verl import check_config  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "verl"
 CONFIG_DIR = str(Path(verl.__file__).parent / "trainer" / "config")
@@ -57,8 +57,12 @@ def test_gsm8k_variants(script, estimator, method, mu):
     assert cfg.algorithm.adv_estimator == estimator
     assert cfg.trainer.v1.trainer_mode == "entropy_disc"
     assert cfg.data.train_files == "/data/gsm8k/train.parquet"
-    ed = read_config(cfg)
-    assert (ed.method, ed.mu_low, ed.sides, ed.mask_mode) == (method, mu, "negative", "zero_pg")
+    plan = check_config(cfg)  # the start-up decision verl's validate_config runs
+    ed = plan.options
+    # GRPO quick-start: verl's KL loss acts on every token, so the mask acts as drop_token (logged)
+    mode = "drop_token" if estimator == "grpo" else "zero_pg"
+    assert (ed.method, ed.mu_low, ed.sides, ed.mask_mode) == (method, mu, "negative", mode)
+    assert (plan.mask_mode_reason is not None) == (estimator == "grpo")
     if estimator == "gae":
         assert cfg.critic.model.path == cfg.actor_rollout_ref.model.path
     else:
@@ -73,5 +77,6 @@ def test_paper_recipe(method):
     assert cfg.data.train_batch_size == 64 and r.n == 16 and a.optim.lr == 4e-7
     assert r.temperature == 1.0 and r.val_kwargs.temperature == 0.7
     assert list(a.optim.betas) == [0.9, 0.999]
-    ed = read_config(cfg)
+    ed = check_config(cfg).options
     assert ed.method == method and ed.resolved()[0] == {"clip_b": 2.5, "clip_v": 8.5}[method]
+    assert ed.mask_mode == "zero_pg"  # no KL loss, no entropy bonus, vanilla loss: zero_pg is exact

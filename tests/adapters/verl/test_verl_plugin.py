@@ -87,12 +87,13 @@ def test_entry_point_registers_the_trainers_on_import_verl():
 
 
 def test_version_guard_says_why():
-    assert ed_verl.check_version() == verl.__version__ == "0.9.1"
-    for bad in ("0.9.0", "0.10.0", "1.0.0"):
-        with pytest.raises(UnsupportedVersionError, match=r"verl>=0\.9\.1,<0\.9\.2 because .*_compute_advantage"):
+    assert ed_verl.check_version() == verl.__version__ == os.environ.get("ED_VERL_RELEASE", verl.__version__)
+    for good in ("0.9.0", "0.9.1", "0.9.1.post1"):
+        assert ed_verl.unsupported_reason(good) is None
+    for bad in ("0.8.0", "0.9.2", "0.10.0", "1.0.0", "0.9.0rc1", "0.9.0.dev0", "0.9.2rc1"):
+        with pytest.raises(UnsupportedVersionError, match=r"verl>=0\.9\.0,<0\.9\.2 because .*_compute_advantage"):
             ed_verl.check_version(bad)
         assert "prepare_model_outputs" in ed_verl.unsupported_reason(bad)
-    assert ed_verl.unsupported_reason("0.9.1.post1") is None
 
 
 def test_patch_is_idempotent_and_reversible():
@@ -129,7 +130,7 @@ def test_hydra_composition_of_verls_ppo_config():
         ]
     )
     assert cfg.trainer.use_v1 is True and cfg.trainer.v1.trainer_mode == "entropy_disc"
-    from entropy_discriminator.adapters.verl._trainer import read_config
+    from entropy_discriminator.adapters.verl._support import read_config
 
     got = read_config(cfg)
     assert got == EntropyDiscConfig(method="clip_v", mu_low=8.5, mu_high=math.inf, sides="both", max_frac=None, mask_mode="drop_token")
@@ -169,11 +170,13 @@ def test_selected_trainer_behaves_as_its_base_mode():
 
 
 def test_settings_that_rule_out_the_statistics_are_refused():
-    with pytest.raises(ValueError, match=r"actor_rollout_ref\.model\.use_fused_kernels=False"):
-        _trainer(SELECT + ["actor_rollout_ref.model.use_fused_kernels=true"])
     with pytest.raises(ValueError, match=r"algorithm\.rollout_correction\.bypass_mode=True"):
         _trainer(SELECT + ["algorithm.rollout_correction.bypass_mode=true"])
-    # Clip_B needs only log-probs and entropy: fused kernels are fine, E_p[S] is skipped
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.strategy='veomni'"):
+        ed_verl.check_config(compose_ppo(SELECT + ["actor_rollout_ref.actor.strategy=veomni"]))
+    # fused kernels: Clip_V takes E_p[S] from the hidden states; Clip_B needs only log-probs and entropy
+    fused = _trainer(SELECT + ["actor_rollout_ref.model.use_fused_kernels=true"])
+    assert fused._entropy_disc_expected and fused.entropy_disc_plan.from_hidden
     trainer = _trainer(
         ["trainer.v1.trainer_mode=entropy_disc", "+entropy_disc.method=clip_b", "actor_rollout_ref.model.use_fused_kernels=true"]
     )
