@@ -23,6 +23,7 @@ from test_openrlhf import (  # noqa: E402  (skips or fails like it without OpenR
     install_stubs,
     rollout_batch,
     tiny_actor,
+    training_args,
 )
 
 from entropy_discriminator import EntropyDiscConfig  # noqa: E402
@@ -85,9 +86,8 @@ def _items():
 
 
 def _trainer(items, mesh=None):
-    args = SimpleNamespace(ds=SimpleNamespace(zero_stage=2))
     return SimpleNamespace(
-        actor=tiny_actor(seed=4), replay_buffer=SimpleNamespace(items=items), strategy=FakeStrategy(args, mesh),
+        actor=tiny_actor(seed=4), replay_buffer=SimpleNamespace(items=items), strategy=FakeStrategy(training_args(), mesh),
         micro_train_batch_size=2, actor_scheduler=None,
     )
 
