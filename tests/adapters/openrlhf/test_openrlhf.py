@@ -5,9 +5,9 @@ imported, and only when absent:
 
 * ``flash_attn`` (its wheel needs CUDA): OpenRLHF's packing code imports four helpers from
   ``flash_attn.bert_padding`` and ``all_gather`` from ``flash_attn.utils.distributed``. The
-  stand-ins are working functions: transformers' own pure-torch ``_unpad_input`` / ``_pad_input`` /
-  ``_index_first_axis`` (the same contract as flash_attn's), ``einops.rearrange``, and an all-gather
-  along dim 0 through ``torch.distributed``;
+  stand-ins are working functions: transformers' own pure-torch ``_unpad_input`` / ``_pad_input``
+  (the same contract as flash_attn's), ``tensor[indices]`` for ``index_first_axis``,
+  ``einops.rearrange``, and an all-gather along dim 0 through ``torch.distributed``;
 * ``ring_flash_attn`` (needs flash_attn): ``update_ring_flash_attn_params`` does nothing. Each
   ring rank's eager attention then sees only its own slice, so the ring tests compare the adapter
   with OpenRLHF's own outputs under that same attention, not with a real ring;
@@ -58,6 +58,11 @@ def _all_gather_dim0(tensor: torch.Tensor, group=None) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def _index_first_axis(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """flash_attn.bert_padding.index_first_axis: ``tensor[indices]`` on an already flattened first axis."""
+    return tensor[indices]
+
+
 def _stand_in(name: str):
     """A working stand-in where OpenRLHF calls into the module, an empty one elsewhere."""
     if name == "flash_attn.bert_padding":
@@ -66,7 +71,8 @@ def _stand_in(name: str):
 
         module = types.ModuleType(name)
         module.unpad_input, module.pad_input = fa._unpad_input, fa._pad_input
-        module.index_first_axis, module.rearrange = fa._index_first_axis, einops.rearrange
+        module.index_first_axis = _index_first_axis
+        module.rearrange = einops.rearrange
     elif name == "flash_attn.utils.distributed":
         module = types.ModuleType(name)
         module.all_gather = _all_gather_dim0
