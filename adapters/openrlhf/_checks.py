@@ -17,13 +17,25 @@ the two per-token fields of OpenRLHF's ``Experience``:
 
 ``--ds.tensor_parallel_size > 1`` (DeepSpeed AutoTP) is refused whenever clipping is on: the
 statistics need full-vocabulary logits per rank, which has not been verified under AutoTP.
+
+What changed between the supported releases, as far as the mask is concerned
+(:data:`SEQUENCE_MEAN_SKIPS_EMPTY`): before 0.10.3 the sequence-mean aggregation (which GSPO
+forces) divides by each sample's action count without guarding samples with none, so a sample
+whose tokens are all clipped by ``drop_token`` turns the loss into NaN; GSPO is refused there in
+both modes.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 from typing import Any
 
+from packaging.version import Version
+
 from entropy_discriminator import EntropyDiscConfig
+
+#: First OpenRLHF release whose sequence-mean loss skips samples with no action token (``aggregate_loss``).
+SEQUENCE_MEAN_SKIPS_EMPTY = Version("0.10.3")
 
 _MISSING = object()
 
@@ -44,17 +56,27 @@ def _setting(args: Any, dotted: str) -> Any:
     return node
 
 
-def refusals(args: Any, config: EntropyDiscConfig) -> list[str]:
+def refusals(args: Any, config: EntropyDiscConfig, *, openrlhf_version: str | None = None) -> list[str]:
     """One message per OpenRLHF setting (``args``: OpenRLHF's parsed, hierarchical arguments) that
-    the configured clipping cannot serve exactly; empty when everything is exact or nothing is clipped."""
+    the configured clipping cannot serve exactly; empty when everything is exact or nothing is clipped.
+    ``openrlhf_version`` defaults to the installed release."""
     if not config.enabled:
         return []
+    version = Version(openrlhf_version or importlib.metadata.version("openrlhf"))
     problems = []
     if int(_setting(args, "ds.tensor_parallel_size")) > 1:
         problems.append(
             "--ds.tensor_parallel_size > 1 (DeepSpeed AutoTP) is not supported with clipping: the statistics "
             "need full-vocabulary logits on every rank, which is not verified under AutoTP"
         )
+    if _setting(args, "actor.policy_loss_type") == "gspo" and version < SEQUENCE_MEAN_SKIPS_EMPTY:
+        problems.append(
+            f"--actor.policy_loss_type gspo on OpenRLHF {version} (< {SEQUENCE_MEAN_SKIPS_EMPTY}): its sequence-mean "
+            "loss divides by each sample's action count unguarded, so a sample whose tokens are all clipped makes "
+            f"the loss NaN with drop_token, and zero_pg leaves clipped tokens gradient; use OpenRLHF >= "
+            f"{SEQUENCE_MEAN_SKIPS_EMPTY}"
+        )
+        return problems
     if config.mask_mode != "zero_pg":
         return problems
     hint = "; use --entropy_disc.mask_mode drop_token (the clipped token leaves action_mask, so every term drops it)"
@@ -78,9 +100,9 @@ def refusals(args: Any, config: EntropyDiscConfig) -> list[str]:
     return problems
 
 
-def check_training_args(args: Any, config: EntropyDiscConfig) -> None:
+def check_training_args(args: Any, config: EntropyDiscConfig, *, openrlhf_version: str | None = None) -> None:
     """Raise :class:`UnsupportedConfigurationError` listing :func:`refusals`, if any."""
-    problems = refusals(args, config)
+    problems = refusals(args, config, openrlhf_version=openrlhf_version)
     if problems:
         raise UnsupportedConfigurationError(
             f"entropy_disc.method={config.method!r} cannot be applied exactly with these OpenRLHF settings:\n  - "
