@@ -1,4 +1,4 @@
-"""The patch of OpenRLHF 0.11's ``ActorPPOTrainer.ppo_train`` and how it reaches Ray workers.
+"""The patch of OpenRLHF's ``ActorPPOTrainer.ppo_train`` and how it reaches Ray workers.
 
 ``patch(config)`` wraps ``ActorPPOTrainer.ppo_train`` (module ``openrlhf.trainer.ray.ppo_actor``)
 so that each call runs :func:`~._round.begin_round` before the original epochs and adds

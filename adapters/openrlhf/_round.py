@@ -1,11 +1,13 @@
-"""One round of updates in OpenRLHF 0.11's ``ActorPPOTrainer``: statistics, mask, metrics.
+"""One round of updates in OpenRLHF's ``ActorPPOTrainer``: statistics, mask, metrics.
 
-Before ``ppo_train`` runs its epochs over the replay buffer, :func:`begin_round`
+Before ``ppo_train`` runs its epochs over the replay buffer, :func:`begin_round` checks the
+training arguments (:func:`~._checks.check_training_args`), then
 
 1. scores every response token of every buffered sample with the policy as it stands (the policy
    that computed ``action_log_probs`` in ``make_experience``): a no-grad forward of OpenRLHF's own
-   ``Actor`` per micro-batch, whose fp32 logits go to the core's
-   :func:`~entropy_discriminator.token_stats` with the actor's sampling temperature;
+   ``Actor`` per micro-batch, whose fp32 logits (padded, packed, or this rank's ring-attention
+   slice) go to the core's :func:`~entropy_discriminator.token_stats` with the actor's sampling
+   temperature (see :func:`replay_buffer_stats`);
 2. computes the configured Clip_B / Clip_V keep-mask over the whole data-parallel batch (the
    ``dp`` group of OpenRLHF's device mesh, so ring-attention / tensor-parallel replicas of the
    same samples are counted once);
@@ -14,9 +16,10 @@ Before ``ppo_train`` runs its epochs over the replay buffer, :func:`begin_round`
    path read it:
 
    * ``zero_pg``: ``advantages * keep``. OpenRLHF's per-token PPO loss is
-     ``-min(r A, clip(r) A)`` (also with dual-clip, the IS correction and GSPO), which is exactly
-     ``keep * loss`` for a 0/1 ``keep``; ``action_mask`` and so the global token normaliser are
-     unchanged.
+     ``-min(r A, clip(r) A)`` (also with dual-clip and the detached IS correction), which is
+     exactly ``keep * loss`` for a 0/1 ``keep``; ``action_mask`` and so the global token
+     normaliser are unchanged. Terms without the advantage (KL loss, entropy bonus, GSPO's
+     sequence ratio) are refused with this mode (``_checks.py``).
    * ``drop_token``: ``action_mask * keep``. The token leaves the loss and its global token count
      (``iter_grad_accum_global_norm`` and the dynamic-batch token counts read ``action_mask``),
      and with it the KL and entropy terms of that token, as in the reference implementation.
