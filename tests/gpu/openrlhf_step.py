@@ -13,9 +13,11 @@ What runs, in this one process (rank 0 of a one-rank NCCL group, no Ray cluster)
    the optimizer config gets ``torch_adam: true`` (torch's AdamW instead of DeepSpeed's FusedAdam,
    whose CUDA op would have to be compiled; the DeepSpeed wheel was built with no ops).
 3. OpenRLHF's real ``ActorPPOTrainer.__init__`` (PolicyLoss, NaiveReplayBuffer with packing), a
-   rollout batch of 16 samples appended to its replay buffer, advantages from OpenRLHF's own
+   rollout batch of 4 prompts x 4 samples (sampled from the policy with HF ``generate``, not vLLM)
+   appended to its replay buffer, advantages from OpenRLHF's own
    ``group_norm`` estimator, old log-probs from the actor itself.
-4. The adapter patched in (Clip_B, ``zero_pg``, ``mu_low=1.0``, both advantage signs) and the real
+4. The adapter patched in (Clip_B, ``zero_pg``, two-sided ``mu_low=mu_high=1.0`` so that a small
+   batch has clipped tokens, both advantage signs) and the real
    ``ppo_train``: the statistics pass on the packed logits (Triton kernel), the mask, then one
    DeepSpeed forward/backward/step.
 
@@ -35,12 +37,10 @@ from __future__ import annotations
 
 import importlib.machinery
 import json
-import math
 import os
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 from types import SimpleNamespace
 from unittest.mock import MagicMock
@@ -129,7 +129,7 @@ def main() -> int:
                           num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048)
         model = LlamaForCausalLM(cfg)
         with torch.no_grad():
-            model.lm_head.weight.mul_(30.0)  # rows far from uniform, so S* spreads
+            model.lm_head.weight.mul_(4.0)  # rows far from uniform
         model.save_pretrained(tmp)
         actor = Actor(tmp, attn_implementation="sdpa", param_dtype="bf16", packing_samples=True,
                       temperature=TEMPERATURE, ds_config=strategy.get_ds_train_config())
@@ -151,13 +151,19 @@ def main() -> int:
     log(f"DeepSpeed engine {type(actor.model).__name__}, ZeRO stage {actor.model.zero_optimization_stage()}, "
         f"optimizer {type(actor.model.optimizer).__name__} ({time.perf_counter() - started:.1f} s)")
 
-    # rollout batch: unpadded prompt + response, action_mask over positions 1..T-1 (OpenRLHF's layout)
+    # rollout batch: responses sampled from the policy itself (HF generate, temperature 0.7, cut to
+    # random lengths), unpadded prompt + response, action_mask over positions 1..T-1 (OpenRLHF's layout)
     g = torch.Generator().manual_seed(1)
+    engine_module = actor.model.module
     seqs, masks = [], []
     for _ in range(N_PROMPTS):
         prompt = torch.randint(1, VOCAB, (int(torch.randint(16, 64, (1,), generator=g)),), generator=g)
-        for _ in range(N_PER_PROMPT):
-            resp = torch.randint(1, VOCAB, (int(torch.randint(64, 256, (1,), generator=g)),), generator=g)
+        with torch.no_grad():
+            out = engine_module.generate(prompt[None].cuda(), do_sample=True, temperature=TEMPERATURE, top_k=0,
+                                         max_new_tokens=256, min_new_tokens=256, num_return_sequences=N_PER_PROMPT,
+                                         pad_token_id=0).cpu()
+        for row in out:
+            resp = row[len(prompt) : len(prompt) + int(torch.randint(64, 257, (1,), generator=g))]
             seqs.append(torch.cat([prompt, resp]))
             masks.append(torch.cat([torch.zeros(len(prompt) - 1), torch.ones(len(resp))]).bool())
     width = max(len(x) for x in seqs)
@@ -185,7 +191,6 @@ def main() -> int:
         f"{int(attention_mask.sum())} tokens")
 
     # hooks: the logits the statistics pass sees (no grad), the LM-head input gradient of the update
-    engine_module = actor.model.module
     seen: dict[str, list] = {"stats_logits": [], "head_grad": [], "batch": []}
 
     def on_head_out(module, inputs, output):
@@ -212,7 +217,8 @@ def main() -> int:
         return state
 
     _round.begin_round = recording_begin
-    config = EntropyDiscConfig(method="clip_b", mu_low=1.0, sides="both", max_frac=None, mask_mode="zero_pg")
+    config = EntropyDiscConfig(method="clip_b", mu_low=1.0, mu_high=1.0, sides="both", max_frac=None,
+                              mask_mode="zero_pg")
     adapter.patch(config)
     params_before = [p.detach().float().clone() for p in engine_module.parameters()]
     t0 = time.perf_counter()
@@ -261,7 +267,7 @@ def main() -> int:
 
     # 2. mask vs the plain-Python rule on the float64 S*
     keep_ref = torch.tensor(reference_outlier_keep(ref["s_star"].tolist(), adv0.tolist(), valid.tolist(), recentre=True,
-                                                   mu_low=1.0, mu_high=math.inf, sides="both", max_frac=None))
+                                                   mu_low=1.0, mu_high=1.0, sides="both", max_frac=None))
     keep = state.mask.keep.cpu()
     log(f"clipped {int((valid & ~keep).sum())} of {int(valid.sum())} tokens; "
         f"{int((keep != keep_ref).sum())} differences from the float64 rule")
