@@ -151,7 +151,7 @@ def replay_buffer_stats(
             labels = _action_labels(sequences, first, [valids[i].to(device) for i in idx])
             fields = _stats_in_batch_layout(
                 output["logits"], labels, attention_mask if packed else None, ring_attn_group,
-                temperature=temperature, chunk_size=chunk_size, impl=impl,
+                first=first, temperature=temperature, chunk_size=chunk_size, impl=impl,
             )
             for row, i in enumerate(idx):
                 parts.append(fields[row, first : first + valids[i].numel()])
@@ -181,17 +181,22 @@ def _stats_in_batch_layout(
     attention_mask: torch.Tensor | None,
     ring_attn_group: Any,
     *,
+    first: int,
     temperature: float,
     chunk_size: int | None,
     impl: str,
 ) -> torch.Tensor:
     """``[b, T, 6]`` float32: the :data:`_FIELDS` of ``token_stats`` at every position of the
     right-padded batch (``valid`` as 0/1), from the actor's unpacked ``[b, T, V]`` logits
-    (``attention_mask`` None) or packed ``[1, L, V]`` logits (``attention_mask [b, T]`` given; see
-    :func:`replay_buffer_stats`)."""
-    if attention_mask is None:
-        st = token_stats(logits, labels, temperature=temperature, chunk_size=chunk_size, impl=impl)
-        return torch.stack([getattr(st, name).float() for name in _FIELDS], dim=-1)
+    (``attention_mask`` None; only rows ``first .. T-2``, the action columns, are scored) or packed
+    ``[1, L, V]`` logits (``attention_mask [b, T]`` given; every packed row is scored, prompt rows
+    as ignored; see :func:`replay_buffer_stats`)."""
+    if attention_mask is None:  # only the action rows, read in place (a view, no copy)
+        out = torch.zeros(*labels.shape, len(_FIELDS), dtype=torch.float32, device=labels.device)
+        rows = slice(first, labels.shape[1] - 1)
+        st = token_stats(logits[:, rows], labels[:, rows], temperature=temperature, chunk_size=chunk_size, impl=impl)
+        out[:, rows] = torch.stack([getattr(st, name).float() for name in _FIELDS], dim=-1)
+        return out
     positions = attention_mask.reshape(-1).nonzero().squeeze(-1)  # the packed order
     packed_labels = labels.reshape(-1)[positions]
     n_total = packed_labels.numel()
