@@ -47,7 +47,6 @@ from test_openrlhf import (  # noqa: E402  (skips or fails like it without OpenR
 from openrlhf.models import PolicyLoss  # noqa: E402
 from openrlhf.trainer.ppo_utils.experience import Experience  # noqa: E402
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker  # noqa: E402
-from openrlhf.trainer.ray import ppo_actor  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from reference import reference_outlier_keep, reference_token_stats  # noqa: E402
