@@ -1,7 +1,8 @@
 """Test sessions, one virtual environment per framework.
 
-verl 0.9.1, TRL 1.16.0 and OpenRLHF 0.11.2 pin different transformers versions, so each adapter
-is tested in an environment of its own.  ``nox`` with no arguments runs every session; this is the
+verl, TRL and OpenRLHF pin different transformers versions, so each adapter is tested in an
+environment of its own, once for the oldest and once for the newest release of its supported range
+(``verl(release=...)``, ``trl(...)``, ``openrlhf(release=...)``).  ``nox`` with no arguments runs every session; this is the
 README's test command and what ``.ci/run`` executes.
 
 ``ED_TORCH_SPEC`` chooses the torch requirement installed first in every session (default:
@@ -76,27 +77,35 @@ def trl(session: nox.Session, release: str) -> None:
     session.run(*PYTEST, "tests/adapters/trl", *session.posargs, env={"ED_REQUIRE_TRL": "1"})
 
 
-# OpenRLHF 0.11.2 as far as a CPU allows: the package without its requirements (flash-attn 2.8.3 is
+# OpenRLHF as far as a CPU allows: the package without its requirements (flash-attn 2.8.3 is
 # source-only and needs CUDA; vllm is GPU-only), plus what its model, loss, replay-buffer and
-# Ray-trainer modules import. The tests stub flash_attn and vllm, and list them.
-OPENRLHF_CPU_DEPS = ["transformers==5.15.0", "peft", "ray==2.55.0", "torchdata", "pylatexenc", "aiohttp", "pillow", "tqdm"]
+# Ray-trainer modules import, pinned as each release pins them. The tests stand in for flash_attn,
+# ring_flash_attn and vllm, and list them. The oldest and the newest supported release are tested.
+OPENRLHF_RELEASES = {
+    "0.10.2": ["transformers==5.5.4", "ray==2.48.0", "deepspeed==0.18.9"],
+    "0.11.2": ["transformers==5.15.0", "ray==2.55.0", "deepspeed==0.19.6"],
+}
+OPENRLHF_CPU_DEPS = ["peft", "torchdata", "pylatexenc", "aiohttp", "pillow", "tqdm", "einops"]
 
 
 @nox.session
-def openrlhf(session: nox.Session) -> None:
-    """The OpenRLHF 0.11.2 adapter against the real OpenRLHF modules on a CPU.
+@nox.parametrize("release", list(OPENRLHF_RELEASES))
+def openrlhf(session: nox.Session, release: str) -> None:
+    """The OpenRLHF adapter against the real OpenRLHF modules on a CPU (oldest and newest release).
 
-    ``deepspeed==0.19.6`` (imported by OpenRLHF's trainer) is an sdist: built without build
-    isolation against the pinned CPU torch, no ops compiled.  The tests run a tiny random Llama
-    through the patched ``ActorPPOTrainer.ppo_train``, a local Ray cluster and a 2-process gloo run.
+    deepspeed (imported by OpenRLHF's trainer) is an sdist: built without build isolation against
+    the pinned CPU torch, no ops compiled.  The tests run a tiny random Llama through the patched
+    ``ActorPPOTrainer.ppo_train`` (configuration matrix), a local Ray cluster and 2-process gloo runs.
     """
+    *pins, deepspeed = OPENRLHF_RELEASES[release]
     session.install(TORCH, "setuptools", "wheel")
     session.install("-e", ".[test]", TORCH)
-    session.install("--no-deps", "openrlhf==0.11.2")
-    session.install(TORCH, *OPENRLHF_CPU_DEPS)
-    session.install("--no-build-isolation", TORCH, "deepspeed==0.19.6")
+    session.install("--no-deps", f"openrlhf=={release}")
+    session.install(TORCH, *pins, *OPENRLHF_CPU_DEPS)
+    session.install("--no-build-isolation", TORCH, deepspeed)
     # ED_REQUIRE_OPENRLHF: the tests fail instead of skipping when openrlhf cannot be imported here.
-    session.run(*PYTEST, "tests/adapters/openrlhf", *session.posargs, env={"ED_REQUIRE_OPENRLHF": "1"})
+    env = {"ED_REQUIRE_OPENRLHF": "1", "ED_OPENRLHF_RELEASE": release}
+    session.run(*PYTEST, "tests/adapters/openrlhf", *session.posargs, env=env)
 
 
 # --- kernels session (owner: kernel engineer) ---

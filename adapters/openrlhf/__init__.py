@@ -1,4 +1,4 @@
-"""Clip_B / Clip_V and the entropy monitor in OpenRLHF 0.11 (``openrlhf.cli.train_ppo_ray``).
+"""Clip_B / Clip_V and the entropy monitor in OpenRLHF 0.10.2-0.11.x (``openrlhf.cli.train_ppo_ray``).
 
 Launch (every stock flag goes to OpenRLHF unchanged; ``--entropy_disc.help`` lists the others)::
 
@@ -18,11 +18,16 @@ samples, so every epoch and micro-batch uses it. Any advantage estimator that fi
 ``reinforce_baseline``, ``dr_grpo``). Metrics ``entropy_disc/*`` join the actor's status dict, which
 OpenRLHF logs (console, wandb, TensorBoard). Details: ``_round.py``.
 
-Supported: OpenRLHF ``>=0.11.2,<0.12``; others are refused with the reason.
+Packed samples and ring attention are served from the actor's own packed / per-rank logits (see
+``_round.replay_buffer_stats``). Combinations a mask mode cannot serve exactly (``zero_pg`` with the
+KL loss, an entropy bonus or GSPO; AutoTP) are refused before training starts (``_checks.py``).
+
+Supported: OpenRLHF ``>=0.10.2,<0.12``; others are refused with the reason.
 """
 
 from __future__ import annotations
 
+from ._checks import UnsupportedConfigurationError, check_training_args, refusals
 from ._launch import build_parser, main, parse, split_argv
 from ._patch import (
     CONFIG_ENV,
@@ -42,14 +47,17 @@ __all__ = [
     "CONFIG_ENV",
     "SETUP_HOOK",
     "SUPPORTED_OPENRLHF",
+    "UnsupportedConfigurationError",
     "UnsupportedVersionError",
     "build_parser",
     "check_openrlhf_version",
+    "check_training_args",
     "is_patched",
     "main",
     "parse",
     "patch",
     "patch_on_import",
+    "refusals",
     "runtime_env",
     "split_argv",
     "unpatch",

@@ -4,9 +4,15 @@
 
 The stock CLI rejects unknown flags, so the launcher removes its own (anywhere on the line, as
 ``--entropy_disc.x v`` or ``--entropy_disc.x=v``), then runs the CLI module as ``__main__`` with
-the remaining arguments unchanged. While it runs, ``ray.init`` is wrapped so that the runtime
-environment OpenRLHF passes gains ``worker_process_setup_hook`` (which patches every Ray worker)
-and the settings in ``env_vars``; OpenRLHF's own ``env_vars`` are kept.
+the remaining arguments unchanged. While it runs:
+
+* ``openrlhf.utils.config.hierarchize`` (which the CLI calls right after parsing, before any Ray
+  worker exists) is wrapped so that the parsed arguments are checked against the entropy_disc
+  settings (:func:`~._checks.check_training_args`); a combination that cannot be served exactly
+  stops the launch with a message naming the settings;
+* ``ray.init`` is wrapped so that the runtime environment OpenRLHF passes gains
+  ``worker_process_setup_hook`` (which patches every Ray worker) and the settings in
+  ``env_vars``; OpenRLHF's own ``env_vars`` are kept.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from entropy_discriminator.config import METHODS
 from entropy_discriminator.masks import MASK_MODES, SIDES
 from entropy_discriminator.stats import IMPLS
 
+from ._checks import UnsupportedConfigurationError, check_training_args
 from ._patch import check_openrlhf_version, runtime_env
 
 PREFIX = "--entropy_disc."
@@ -137,6 +144,29 @@ def ray_init_with(extra_env: Callable[[dict | None], dict]) -> Iterator[None]:
         ray.init = original
 
 
+@contextlib.contextmanager
+def arguments_checked(config: EntropyDiscConfig) -> Iterator[None]:
+    """Within the block, OpenRLHF's ``hierarchize(args)`` checks the arguments it returns against
+    ``config`` and exits (``SystemExit`` with the message) on a combination that is refused."""
+    from openrlhf.utils import config as openrlhf_config
+
+    original = openrlhf_config.hierarchize
+
+    def hierarchize(*args, **kwargs):
+        parsed = original(*args, **kwargs)
+        try:
+            check_training_args(parsed, config)
+        except UnsupportedConfigurationError as exc:
+            raise SystemExit(f"error: {exc}") from None
+        return parsed
+
+    openrlhf_config.hierarchize = hierarchize
+    try:
+        yield
+    finally:
+        openrlhf_config.hierarchize = original
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Run ``openrlhf.cli.train_ppo_ray`` with the patch in every Ray worker (see module doc)."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -145,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     saved_argv = sys.argv
     sys.argv = [CLI_MODULE, *rest]
     try:
-        with ray_init_with(lambda env: runtime_env(config, realised=realised, base=env)):
+        with arguments_checked(config), ray_init_with(lambda env: runtime_env(config, realised=realised, base=env)):
             runpy.run_module(CLI_MODULE, run_name="__main__", alter_sys=True)
     finally:
         sys.argv = saved_argv

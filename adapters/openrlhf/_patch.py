@@ -1,4 +1,4 @@
-"""The patch of OpenRLHF 0.11's ``ActorPPOTrainer.ppo_train`` and how it reaches Ray workers.
+"""The patch of OpenRLHF's ``ActorPPOTrainer.ppo_train`` and how it reaches Ray workers.
 
 ``patch(config)`` wraps ``ActorPPOTrainer.ppo_train`` (module ``openrlhf.trainer.ray.ppo_actor``)
 so that each call runs :func:`~._round.begin_round` before the original epochs and adds
@@ -29,11 +29,12 @@ from entropy_discriminator import EntropyDiscConfig
 from .._patching import PatchSet, UnsupportedVersionError, require_version
 
 #: OpenRLHF releases this adapter is written and tested against.
-SUPPORTED_OPENRLHF = ">=0.11.2,<0.12"
+SUPPORTED_OPENRLHF = ">=0.10.2,<0.12"
 _WHY = (
     "the adapter wraps the private ActorPPOTrainer.ppo_train and reads NaiveReplayBuffer.items, the "
-    "Experience fields advantages/action_mask and Actor.forward(allgather_logits=...) as they are in "
-    "OpenRLHF 0.11.2; other releases may change them without raising an error"
+    "Experience fields advantages/action_mask, Actor.forward's logits layout (padded, packed, ring-attention "
+    "slices) and the hierarchical arguments (--actor.*, --algo.*, --ds.*) as they are in OpenRLHF 0.10.2 to "
+    "0.11.2 (0.10.0 and 0.10.1 use flat argument names); other releases may change them without raising an error"
 )
 TRAINER_MODULE = "openrlhf.trainer.ray.ppo_actor"
 #: Environment variable carrying the JSON settings to Ray workers.
@@ -82,12 +83,10 @@ def _check_seams(module: Any) -> Any:
     problems = []
     if trainer is None or not callable(getattr(trainer, "ppo_train", None)):
         problems.append("ActorPPOTrainer.ppo_train is missing")
-    if actor is None or not {"allgather_logits", "return_output", "ring_attn_group"} <= set(
-        inspect.signature(actor.forward).parameters
-    ):
-        problems.append("Actor.forward lacks allgather_logits/return_output/ring_attn_group")
+    if actor is None or not {"return_output", "ring_attn_group"} <= set(inspect.signature(actor.forward).parameters):
+        problems.append("Actor.forward lacks return_output/ring_attn_group")
     if problems:
-        raise UnsupportedVersionError(f"{TRAINER_MODULE} does not look like OpenRLHF 0.11.2: {'; '.join(problems)}")
+        raise UnsupportedVersionError(f"{TRAINER_MODULE} does not look like OpenRLHF 0.10.2-0.11.2: {'; '.join(problems)}")
     return trainer
 
 

@@ -1,11 +1,13 @@
-"""One round of updates in OpenRLHF 0.11's ``ActorPPOTrainer``: statistics, mask, metrics.
+"""One round of updates in OpenRLHF's ``ActorPPOTrainer``: statistics, mask, metrics.
 
-Before ``ppo_train`` runs its epochs over the replay buffer, :func:`begin_round`
+Before ``ppo_train`` runs its epochs over the replay buffer, :func:`begin_round` checks the
+training arguments (:func:`~._checks.check_training_args`), then
 
 1. scores every response token of every buffered sample with the policy as it stands (the policy
    that computed ``action_log_probs`` in ``make_experience``): a no-grad forward of OpenRLHF's own
-   ``Actor`` per micro-batch, whose fp32 logits go to the core's
-   :func:`~entropy_discriminator.token_stats` with the actor's sampling temperature;
+   ``Actor`` per micro-batch, whose fp32 logits (padded, packed, or this rank's ring-attention
+   slice) go to the core's :func:`~entropy_discriminator.token_stats` with the actor's sampling
+   temperature (see :func:`replay_buffer_stats`);
 2. computes the configured Clip_B / Clip_V keep-mask over the whole data-parallel batch (the
    ``dp`` group of OpenRLHF's device mesh, so ring-attention / tensor-parallel replicas of the
    same samples are counted once);
@@ -14,9 +16,10 @@ Before ``ppo_train`` runs its epochs over the replay buffer, :func:`begin_round`
    path read it:
 
    * ``zero_pg``: ``advantages * keep``. OpenRLHF's per-token PPO loss is
-     ``-min(r A, clip(r) A)`` (also with dual-clip, the IS correction and GSPO), which is exactly
-     ``keep * loss`` for a 0/1 ``keep``; ``action_mask`` and so the global token normaliser are
-     unchanged.
+     ``-min(r A, clip(r) A)`` (also with dual-clip and the detached IS correction), which is
+     exactly ``keep * loss`` for a 0/1 ``keep``; ``action_mask`` and so the global token
+     normaliser are unchanged. Terms without the advantage (KL loss, entropy bonus, GSPO's
+     sequence ratio) are refused with this mode (``_checks.py``).
    * ``drop_token``: ``action_mask * keep``. The token leaves the loss and its global token count
      (``iter_grad_accum_global_norm`` and the dynamic-batch token counts read ``action_mask``),
      and with it the KL and entropy terms of that token, as in the reference implementation.
@@ -42,7 +45,8 @@ from entropy_discriminator import (
     apply_keep_mask,
     token_stats,
 )
-from entropy_discriminator.distributed import Group, all_reduce
+from ._checks import check_training_args
+from entropy_discriminator.distributed import Group, all_gather_cat, all_reduce
 
 IGNORE_INDEX = -100
 _FIELDS = ("logp", "entropy", "s_star", "s_expected", "s_centered", "valid")
@@ -88,12 +92,21 @@ def replay_buffer_stats(
 
     ``items[i]`` holds ``sequences [T_i]``, ``attention_mask [T_i]``; ``valids[i]`` is bool
     ``[A_i]`` (its action mask). Items are batched ``micro_batch_size`` at a time with OpenRLHF's
-    ``make_experience_batch`` (right padding) and run through ``actor(sequences, None,
-    attention_mask, return_output=True, allgather_logits=True)`` with the actor's temperature
-    switched off, so its ``logits`` are the raw ``[b, T, V]`` fp32 logits ``z``; then
-    ``token_stats(z[:, :-1][:, -A:], sequences[:, 1:][:, -A:], temperature=actor.temperature)``,
-    ignored where the action mask is 0. Returns a :class:`TokenStats` whose fields are the
-    concatenation over items of their first ``A_i`` columns (float32, on the model's device).
+    ``make_experience_batch`` (right padding to ``[b, T]``, ``A`` action columns) and run through
+    ``actor(sequences, None, attention_mask, return_output=True)`` with the actor's temperature
+    switched off, so its ``logits`` are the raw fp32 logits ``z`` in the actor's own layout:
+
+    * unpacked: ``[b, T, V]``; row ``t`` scores token ``t + 1``, action column ``j`` is row
+      ``T - 1 - A + j`` (``Actor.forward``'s ``log_probs[:, :-1][:, -A:]``);
+    * packed (``actor.packing_samples``): ``[1, L, V]`` over the unpadded positions in row-major
+      order; with ring attention (``ring_attn_group``) only this rank's contiguous slice of those
+      positions, padded to a multiple of the ring size. The statistics are computed on the slice,
+      then the per-token results (6 numbers per token, never logits) are all-gathered over the ring
+      group and put back in place.
+
+    ``token_stats(z, labels, temperature=actor.temperature)`` counts the positions where the action
+    mask is 1. Returns a :class:`TokenStats` whose fields are the concatenation over items of their
+    ``A_i`` columns (float32 / bool, on the model's device).
 
     ``sync_group``: every rank runs as many forwards as the rank with the most micro-batches
     (extra forwards repeat the last micro-batch and are discarded), as ZeRO-3 parameter gathering
@@ -104,13 +117,16 @@ def replay_buffer_stats(
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
     device = _model_device(actor)
+    packed = bool(getattr(actor, "packing_samples", False))
+    if ring_attn_group is not None and not packed:
+        raise ValueError("ring attention needs packed samples (OpenRLHF sets packing_samples with ring_attn_size > 1)")
     chunks = [list(range(i, min(i + micro_batch_size, len(items)))) for i in range(0, len(items), micro_batch_size)]
     n_forward = len(chunks)
     if sync_group is not None:
         n_forward = int(all_reduce(torch.tensor([n_forward], device=device), sync_group, dist.ReduceOp.MAX).item())
     temperature = float(actor.temperature)
     was_training = actor.training
-    parts: dict[str, list[torch.Tensor]] = {name: [] for name in _FIELDS}
+    parts: list[torch.Tensor] = []
     actor.eval()
     actor.temperature = 1.0  # token_stats divides by the temperature after upcasting, as Actor does
     try:
@@ -121,37 +137,87 @@ def replay_buffer_stats(
             batch = make_experience_batch([items[i] for i in idx])
             sequences = batch.sequences.to(device)
             attention_mask = batch.attention_mask.to(device)
-            n_cols = batch.action_mask.shape[-1]
+            first = sequences.shape[1] - 1 - batch.action_mask.shape[-1]  # row of action column 0
             output = actor(
                 sequences,
                 None,
                 attention_mask=attention_mask,
                 return_output=True,
-                allgather_logits=True,
                 ring_attn_group=ring_attn_group,
                 **_mm_inputs(actor, batch, device),
             )
             if step >= len(chunks):
                 continue  # a step-keeping forward of a rank that ran out of samples
-            logits = output["logits"][:, :-1][:, -n_cols:]
-            labels = sequences[:, 1:][:, -n_cols:]
-            counted = torch.zeros(labels.shape, dtype=torch.bool, device=device)
+            labels = _action_labels(sequences, first, [valids[i].to(device) for i in idx])
+            fields = _stats_in_batch_layout(
+                output["logits"], labels, attention_mask if packed else None, ring_attn_group,
+                first=first, temperature=temperature, chunk_size=chunk_size, impl=impl,
+            )
             for row, i in enumerate(idx):
-                counted[row, : valids[i].numel()] = valids[i].to(device)
-            labels = labels.masked_fill(~counted, IGNORE_INDEX)
-            st = token_stats(logits, labels, temperature=temperature, chunk_size=chunk_size, impl=impl)
-            for row, i in enumerate(idx):
-                n = valids[i].numel()
-                for name in _FIELDS:
-                    parts[name].append(getattr(st, name)[row, :n])
-            del output, logits
+                parts.append(fields[row, first : first + valids[i].numel()])
+            del output, fields
     finally:
         actor.temperature = temperature
         actor.train(was_training)
-    if not parts["valid"]:
-        empty = torch.zeros(0, dtype=torch.float32, device=device)
-        return TokenStats(empty, empty, empty, empty, empty, torch.zeros(0, dtype=torch.bool, device=device))
-    return TokenStats(**{name: torch.cat(parts[name]) for name in _FIELDS})
+    flat = torch.cat(parts) if parts else torch.zeros(0, len(_FIELDS), device=device)
+    values = {name: flat[:, k].contiguous() for k, name in enumerate(_FIELDS[:-1])}
+    return TokenStats(**values, valid=flat[:, -1] > 0.5)
+
+
+def _action_labels(sequences: torch.Tensor, first: int, valids: list[torch.Tensor]) -> torch.Tensor:
+    """``[b, T]`` int64: at row ``first + j`` of sample ``r`` the token ``sequences[r, first + j + 1]``
+    where ``valids[r][j]``, :data:`IGNORE_INDEX` everywhere else (prompt, padding, masked tokens)."""
+    labels = torch.full_like(sequences, IGNORE_INDEX)
+    for row, valid in enumerate(valids):
+        n = valid.numel()
+        target = sequences[row, first + 1 : first + 1 + n]
+        labels[row, first : first + n] = torch.where(valid, target, torch.full_like(target, IGNORE_INDEX))
+    return labels
+
+
+def _stats_in_batch_layout(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    ring_attn_group: Any,
+    *,
+    first: int,
+    temperature: float,
+    chunk_size: int | None,
+    impl: str,
+) -> torch.Tensor:
+    """``[b, T, 6]`` float32: the :data:`_FIELDS` of ``token_stats`` at every position of the
+    right-padded batch (``valid`` as 0/1), from the actor's unpacked ``[b, T, V]`` logits
+    (``attention_mask`` None; only rows ``first .. T-2``, the action columns, are scored) or packed
+    ``[1, L, V]`` logits (``attention_mask [b, T]`` given; every packed row is scored, prompt rows
+    as ignored; see :func:`replay_buffer_stats`)."""
+    if attention_mask is None:  # only the action rows, read in place (a view, no copy)
+        out = torch.zeros(*labels.shape, len(_FIELDS), dtype=torch.float32, device=labels.device)
+        rows = slice(first, labels.shape[1] - 1)
+        st = token_stats(logits[:, rows], labels[:, rows], temperature=temperature, chunk_size=chunk_size, impl=impl)
+        out[:, rows] = torch.stack([getattr(st, name).float() for name in _FIELDS], dim=-1)
+        return out
+    positions = attention_mask.reshape(-1).nonzero().squeeze(-1)  # the packed order
+    packed_labels = labels.reshape(-1)[positions]
+    n_total = packed_labels.numel()
+    if ring_attn_group is not None:
+        size, rank = dist.get_world_size(ring_attn_group), dist.get_rank(ring_attn_group)
+        local = (n_total + size - 1) // size
+        padded = torch.full((local * size,), IGNORE_INDEX, dtype=packed_labels.dtype, device=packed_labels.device)
+        padded[:n_total] = packed_labels
+        packed_labels = padded[rank * local : (rank + 1) * local]
+    if logits.shape[:2] != (1, packed_labels.numel()):
+        raise RuntimeError(
+            f"packed logits have shape {tuple(logits.shape)}, expected (1, {packed_labels.numel()}, V): "
+            "Actor.forward's packing layout is not the one this adapter was written for"
+        )
+    st = token_stats(logits[0], packed_labels, temperature=temperature, chunk_size=chunk_size, impl=impl)
+    local_fields = torch.stack([getattr(st, name).float() for name in _FIELDS], dim=-1)
+    if ring_attn_group is not None:
+        local_fields = all_gather_cat(local_fields, ring_attn_group)[:n_total]
+    out = torch.zeros(labels.numel(), len(_FIELDS), dtype=torch.float32, device=labels.device)
+    out[positions] = local_fields.to(out.device)
+    return out.reshape(*labels.shape, len(_FIELDS))
 
 
 def _mm_inputs(actor: Any, batch: Any, device: torch.device) -> dict[str, Any]:
@@ -186,6 +252,7 @@ def apply_keep(items: list[Any], keep: torch.Tensor, mode: str) -> None:
 def begin_round(trainer: Any, config: EntropyDiscConfig) -> RoundState:
     """Statistics, mask and metrics for the samples now in ``trainer.replay_buffer`` (see module doc)."""
     started = time.perf_counter()
+    check_training_args(trainer.strategy.args, config)
     items = trainer.replay_buffer.items
     group = dp_group(trainer.strategy)
     sync = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None

@@ -20,6 +20,10 @@ case "$METHOD" in
   clip_v) ED_FLAGS=(--entropy_disc.method clip_v --entropy_disc.mu_low 8.5 --entropy_disc.max_frac 1e-4) ;;
   *) echo "usage: $0 clip_b|clip_v" >&2; exit 2 ;;
 esac
+# The KL loss below (--algo.kl.use_loss) is not multiplied by the advantage, so zeroing a clipped
+# token's advantage (mask_mode zero_pg) would leave it KL gradient: drop_token removes it from
+# action_mask, and so from every term (the launcher refuses zero_pg here).
+ED_FLAGS+=(--entropy_disc.mask_mode drop_token)
 
 MODEL=${MODEL:-Qwen/Qwen2.5-7B-Instruct}
 REWARD_FN=${REWARD_FN:-./reward_func.py}

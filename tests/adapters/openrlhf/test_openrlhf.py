@@ -1,10 +1,21 @@
-"""The OpenRLHF 0.11.2 adapter against the real OpenRLHF modules, on a CPU.
+"""The OpenRLHF adapter (0.10.2 - 0.11.x) against the real OpenRLHF modules, on a CPU.
 
-Modules that cannot be installed on a CPU machine are replaced by empty stand-ins before OpenRLHF
-is imported, and only when absent: ``flash_attn`` (imported at the top of
-``openrlhf/models/ring_attn_utils.py``; its wheel needs CUDA) and ``vllm`` (imported by
-``openrlhf/trainer/ray/__init__.py``; GPU-only). Nothing of either is called by these tests.
-Everything else is real: OpenRLHF 0.11.2, transformers, deepspeed, ray (``nox -s openrlhf``).
+Modules that cannot be installed on a CPU machine are replaced by stand-ins before OpenRLHF is
+imported, and only when absent:
+
+* ``flash_attn`` (its wheel needs CUDA): OpenRLHF's packing code imports four helpers from
+  ``flash_attn.bert_padding`` and ``all_gather`` from ``flash_attn.utils.distributed``. The
+  stand-ins are working functions: transformers' own pure-torch ``_unpad_input`` / ``_pad_input``
+  (the same contract as flash_attn's), ``tensor[indices]`` for ``index_first_axis``,
+  ``einops.rearrange``, and an all-gather along dim 0 through ``torch.distributed``;
+* ``ring_flash_attn`` (needs flash_attn): ``update_ring_flash_attn_params`` does nothing. Each
+  ring rank's eager attention then sees only its own slice, so the ring tests compare the adapter
+  with OpenRLHF's own outputs under that same attention, not with a real ring;
+* ``vllm`` (GPU-only; imported by ``openrlhf/trainer/ray/__init__.py``): empty.
+
+Packed samples run through transformers' eager attention, which keeps packed sequences apart from
+their ``position_ids`` (``masking_utils.find_packed_sequence_indices``), as flash-attention does.
+Everything else is real: OpenRLHF, transformers, deepspeed, ray (``nox -s openrlhf``).
 Set ``ED_REQUIRE_OPENRLHF=1`` (the nox session does) to fail instead of skip without OpenRLHF.
 """
 
@@ -18,6 +29,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 from types import SimpleNamespace
 from unittest.mock import MagicMock
@@ -30,22 +42,61 @@ STUBBED_MODULES = (
     "flash_attn.bert_padding",
     "flash_attn.utils",
     "flash_attn.utils.distributed",
+    "ring_flash_attn",
     "vllm",
     "vllm.inputs",
     "vllm.utils",
 )
 
 
+def _all_gather_dim0(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """flash_attn.utils.distributed.all_gather: concatenate every rank's tensor along dim 0."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def _index_first_axis(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """flash_attn.bert_padding.index_first_axis: ``tensor[indices]`` on an already flattened first axis."""
+    return tensor[indices]
+
+
+def _stand_in(name: str):
+    """A working stand-in where OpenRLHF calls into the module, an empty one elsewhere."""
+    if name == "flash_attn.bert_padding":
+        import einops
+        from transformers import modeling_flash_attention_utils as fa
+
+        module = types.ModuleType(name)
+        module.unpad_input, module.pad_input = fa._unpad_input, fa._pad_input
+        module.index_first_axis = _index_first_axis
+        module.rearrange = einops.rearrange
+    elif name == "flash_attn.utils.distributed":
+        module = types.ModuleType(name)
+        module.all_gather = _all_gather_dim0
+    elif name == "ring_flash_attn":
+        module = types.ModuleType(name)
+        module.update_ring_flash_attn_params = lambda cu_seqlens, group: None
+    else:
+        module = MagicMock(name=name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    return module
+
+
 def install_stubs() -> list[str]:
-    """Empty stand-ins for the CPU-uninstallable modules that are missing; returns their names."""
+    """Stand-ins for the CPU-uninstallable modules that are missing; returns their names."""
+    # transformers records at import time whether flash_attn is installed (5.5 fails on a stand-in
+    # it cannot map to a distribution): let it see the real environment first.
+    import transformers.modeling_utils  # noqa: F401
+
     added = []
     for name in STUBBED_MODULES:
         root = name.split(".")[0]
         if name in sys.modules or (root not in added and importlib.util.find_spec(root) is not None):
             continue
-        stub = MagicMock(name=name)
-        stub.__spec__ = importlib.machinery.ModuleSpec(name, None)
-        sys.modules[name] = stub
+        sys.modules[name] = _stand_in(name)
         added.append(name)
     return added
 
@@ -60,7 +111,6 @@ from openrlhf.models import Actor, PolicyLoss  # noqa: E402
 from openrlhf.trainer.ppo_utils.experience import Experience, make_experience_batch  # noqa: E402
 from openrlhf.trainer.ppo_utils.replay_buffer import NaiveReplayBuffer  # noqa: E402
 from openrlhf.trainer.ray import ppo_actor  # noqa: E402
-from openrlhf.utils.loss_utils import iter_grad_accum_global_norm  # noqa: E402
 
 from entropy_discriminator import EntropyDiscConfig, apply_keep_mask  # noqa: E402
 from entropy_discriminator.adapters import openrlhf as adapter  # noqa: E402
@@ -85,18 +135,18 @@ def _clean_patch():
 # ----------------------------------------------------------------------------------------- helpers
 
 
-def tiny_actor(seed: int = 0) -> Actor:
+def tiny_actor(seed: int = 0, packing: bool = False) -> Actor:
     """OpenRLHF's ``Actor`` around a randomly initialised 2-layer Llama (no hub access)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager",
+        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager", use_cache=False,
     )
     model = LlamaForCausalLM(cfg).float()
     actor = Actor(model, temperature=TEMPERATURE)
-    actor.packing_samples = False  # set by Actor.__init__ only when it loads a checkpoint by name
+    actor.packing_samples = packing  # set by Actor.__init__ only when it loads a checkpoint by name
     return actor
 
 
@@ -206,20 +256,35 @@ class FakeStrategy:
         return 0.0
 
 
-def real_trainer(actor: Actor, buffer: NaiveReplayBuffer, *, epochs: int = 2, mesh=None):
-    """An ``ActorPPOTrainer`` with the attributes its ``__init__`` sets, minus DeepSpeed/vLLM/CUDA."""
+def training_args(*, epochs: int = 2, packing: bool = False, **overrides) -> SimpleNamespace:
+    """OpenRLHF's hierarchical arguments, as far as ``ppo_train``/``training_step`` and the adapter's
+    checks read them; ``overrides`` maps dotted names (``"actor.entropy_coef"``) to values."""
     args = SimpleNamespace(
         train=SimpleNamespace(max_epochs=epochs, dynamic_batch_enable=False),
-        ds=SimpleNamespace(tensor_parallel_size=1, packing_samples=False),
-        actor=SimpleNamespace(entropy_coef=None, aux_loss_coef=0.0),
-        algo=SimpleNamespace(kl=SimpleNamespace(use_loss=False)),
+        ds=SimpleNamespace(tensor_parallel_size=1, packing_samples=packing, ring_attn_size=1, zero_stage=2),
+        actor=SimpleNamespace(entropy_coef=None, aux_loss_coef=0.0, policy_loss_type="ppo"),
+        algo=SimpleNamespace(kl=SimpleNamespace(use_loss=False, init_coef=0.0, estimator="k3", unbiased_gradient=False)),
     )
+    for dotted, value in overrides.items():
+        *path, last = dotted.split(".")
+        node = args
+        for part in path:
+            node = getattr(node, part)
+        setattr(node, last, value)
+    return args
+
+
+def real_trainer(actor: Actor, buffer: NaiveReplayBuffer, *, epochs: int = 2, mesh=None, args=None,
+                 loss_fn=None, micro_batch_size: int = 2):
+    """An ``ActorPPOTrainer`` with the attributes its ``__init__`` sets, minus DeepSpeed/vLLM/CUDA."""
+    args = training_args(epochs=epochs, packing=actor.packing_samples) if args is None else args
     trainer = ppo_actor.ActorPPOTrainer.__new__(ppo_actor.ActorPPOTrainer)
     optim = torch.optim.SGD(actor.parameters(), lr=0.5)
     trainer.__dict__.update(
         strategy=FakeStrategy(args, mesh), args=args, actor=actor, ema_model=None, actor_optim=optim,
-        actor_scheduler=torch.optim.lr_scheduler.LambdaLR(optim, lambda _: 1.0), micro_train_batch_size=2,
-        max_epochs=epochs, replay_buffer=buffer, actor_loss_fn=PolicyLoss(), aux_loss=False,
+        actor_scheduler=torch.optim.lr_scheduler.LambdaLR(optim, lambda _: 1.0),
+        micro_train_batch_size=micro_batch_size, max_epochs=args.train.max_epochs, replay_buffer=buffer,
+        actor_loss_fn=PolicyLoss() if loss_fn is None else loss_fn, aux_loss=False,
         dataloader_pin_memory=False,
     )
     return trainer
@@ -231,7 +296,7 @@ def real_trainer(actor: Actor, buffer: NaiveReplayBuffer, *, epochs: int = 2, me
 def test_stubbed_modules_are_listed_and_openrlhf_is_real():
     import openrlhf
 
-    assert adapter.check_openrlhf_version() == "0.11.2"
+    assert adapter.check_openrlhf_version() == os.environ.get("ED_OPENRLHF_RELEASE", "0.11.2")
     assert openrlhf.__file__ and "site-packages" in openrlhf.__file__
     for name in ("deepspeed", "ray", "transformers"):
         assert not isinstance(sys.modules[name], MagicMock), name
@@ -240,7 +305,7 @@ def test_stubbed_modules_are_listed_and_openrlhf_is_real():
             assert name in STUBBED_MODULES
 
 
-@pytest.mark.parametrize("version", ["0.11.1", "0.10.0", "0.12.0", "1.0.0"])
+@pytest.mark.parametrize("version", ["0.10.1", "0.10.0", "0.10.2rc1", "0.10.2.dev0", "0.12.0", "0.12.0rc1", "1.0.0"])
 def test_version_outside_range_is_refused_with_reason(version):
     with pytest.raises(adapter.UnsupportedVersionError, match=r"openrlhf .* is not supported.*because .*ppo_train"):
         adapter.check_openrlhf_version(version)
@@ -386,7 +451,8 @@ def _ratio_loss_reference(log_probs, old, adv, mask, keep, mode, token_level):
 
 @pytest.mark.parametrize("mode", ["zero_pg", "drop_token"])
 @pytest.mark.parametrize("estimator", ["gae", "group_norm"])
-@pytest.mark.parametrize("token_level", [True, False])
+# sequence-mean aggregation: from 0.10.3 (before, only GSPO uses it, which the adapter refuses there)
+@pytest.mark.parametrize("token_level", [True, False] if importlib.util.find_spec("openrlhf.utils.loss_utils") else [True])
 def test_loss_path_with_mask_equals_core(mode, estimator, token_level):
     """OpenRLHF's PolicyLoss + its global normaliser on the masked buffer == core apply_keep_mask."""
     g = torch.Generator().manual_seed(3)
@@ -401,7 +467,11 @@ def test_loss_path_with_mask_equals_core(mode, estimator, token_level):
     keep = torch.rand(int(mask0.numel()), generator=g) > 0.3
     apply_keep(items, keep, mode)
     batch = make_experience_batch(items)
-    (_, info), = iter_grad_accum_global_norm([batch], None, 1, lambda e: e.action_mask)  # OpenRLHF's normaliser
+    info = {}  # before 0.10.3 PolicyLoss normalises per micro-batch itself
+    if importlib.util.find_spec("openrlhf.utils.loss_utils") is not None:  # OpenRLHF's global normaliser
+        from openrlhf.utils.loss_utils import iter_grad_accum_global_norm
+
+        (_, info), = iter_grad_accum_global_norm([batch], None, 1, lambda e: e.action_mask)
     log_probs = (torch.randn(n, a, generator=g) * 0.3 - 1).requires_grad_()
     old = torch.randn(n, a, generator=g) * 0.3 - 1
     loss_fn = PolicyLoss(token_level_loss=token_level)
@@ -419,9 +489,10 @@ def test_loss_path_with_mask_equals_core(mode, estimator, token_level):
     assert not torch.allclose(plain, ref.detach())
 
 
+@pytest.mark.parametrize("packing", [False, True], ids=["unpacked", "packed"])
 @pytest.mark.parametrize("layout", ["v0.11", "left_padded"])
-def test_replay_buffer_pass_equals_float64_reference(layout, monkeypatch):
-    actor = tiny_actor()
+def test_replay_buffer_pass_equals_float64_reference(layout, packing, monkeypatch):
+    actor = tiny_actor(packing=packing)
     buffer = filled_buffer(rollout_batch(11, layout=layout), micro_batch_size=4, monkeypatch=monkeypatch)
     items = buffer.items
     valids = [it.action_mask.bool() for it in items]
