@@ -108,6 +108,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     assert trainer.accelerator.num_processes == WORLD and torch.distributed.get_backend() == "gloo"
     per = ROWS // WORLD
     torch.save(_run(trainer, slice(rank * per, (rank + 1) * per)), os.path.join(out_dir, f"rank{rank}.pt"))
+    # Leave together and tear the gloo group down before the interpreter exits: a process that exits
+    # with a live group can abort in gloo's threads ("terminate called without an active exception").
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def _free_port() -> int:
