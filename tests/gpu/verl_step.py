@@ -2,7 +2,16 @@
 
 Run by hand (see ``verl_step_README.md``)::
 
-    python tests/gpu/verl_step.py --out DIR
+    python tests/gpu/verl_step.py --out DIR [--variants default,dynbsz,fused,dynbsz+fused] [--dry-run]
+
+Variants (run in sequence in one process, each with all the checks below; padding removal, verl's
+default, is on in all of them): ``default``; ``dynbsz`` (``actor.use_dynamic_bsz=True`` and
+``rollout.log_prob_use_dynamic_bsz=True``, 320 tokens per micro-batch, so verl regroups the
+sequences by token count); ``fused`` (``model.use_fused_kernels=True``: no logits exist, the adapter
+takes ``E_p[S]`` from the final hidden states and the LM-head weight, and the reference is float64
+``hidden @ W.T / T`` from the same hidden states and weight cast to verl's autocast dtype); joined
+with ``+`` they combine.  ``--dry-run`` only composes each variant's config and runs the adapter's
+``check_config`` on it (works on a CPU machine with verl installed).
 
 What runs, all in this one process (rank 0 of a one-rank NCCL/gloo group, no Ray cluster):
 
@@ -16,14 +25,18 @@ What runs, all in this one process (rank 0 of a one-rank NCCL/gloo group, no Ray
    optimizer, LR scheduler).
 4. Old-log-prob pass: ``worker.compute_log_prob`` (-> ``TrainingWorker.infer_batch`` -> engine
    ``infer_batch`` -> ``prepare_model_outputs`` wrapped by the adapter's hook) with the flags the
-   adapter's trainer sets.  The logits verl produced are captured by an outer wrapper and the hook's
-   ``E_p[S]`` (and verl's entropy / log-probs) are compared with float64 arithmetic on them.
+   adapter's trainer sets.  The logits verl produced (fused: the hidden states and LM-head weight)
+   are captured by outer wrappers, put back into the batch's order (dynamic batch regroups the
+   sequences), and the hook's ``E_p[S]`` (and verl's entropy / log-probs) are compared with float64
+   arithmetic on them.
 5. Driver step: verl's GRPO estimator (``compute_grpo_outcome_advantage``), then the adapter's
    ``EntropyDiscTrainerMixin.entropy_disc_step`` (S*, S_c, Clip_V mask, metrics) on the batch.
 6. Update pass: the keep-mask applied exactly as the adapter's ``_update_actor`` does (zero_pg:
    advantages * keep), then ``worker.update_actor`` (-> ``train_mini_batch`` -> engine
    ``train_batch`` with verl's ``ppo_loss`` / vanilla policy loss -> optimizer step).  The first
-   mini-batch's ``pg_loss`` (ratio = 1 there) is checked against ``-sum(A*keep)/n_tokens``.
+   mini-batch's ``pg_loss`` (ratio = 1 there) is checked against ``-sum(A*keep)/n_tokens``; verl
+   divides each micro-batch's sum by the mini-batch's token count and sums them, so the check is the
+   same under dynamic batch.
 7. A second ``compute_log_prob`` gives the realised entropy change.
 
 Not run: rollout (no vLLM/SGLang on the device; their wheels were not carried), Ray workers and
