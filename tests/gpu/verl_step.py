@@ -192,7 +192,7 @@ def _stats64(z, ids):
     p = logq.exp()
     h = -(p * logq).sum(-1)
     e_s = (p * p * (h[:, None] + logq)).sum(-1)
-    lp = logq.gather(-1, torch.roll(ids, -1)[:, None])[:, 0]
+    lp = logq.gather(-1, torch.roll(ids, -1).to(z.device)[:, None])[:, 0]  # fused captures: ids still on CPU
     return h, lp, e_s
 
 
@@ -284,10 +284,11 @@ def main() -> int:
     summary: dict = {"versions": versions, "variants": {}}
     for name in variants:  # a failing variant is recorded and the next one still runs; the exit status is 1
         t0 = time.time()
+        res: dict = {"checks": {}}  # filled as the variant goes, so a failure keeps what ran before it
         try:
-            res = run_variant(name, model_dir, dry_run=args.dry_run)
+            run_variant(name, model_dir, res, dry_run=args.dry_run)
         except Exception as exc:  # noqa: BLE001 (recorded with its traceback, and the run fails at the end)
-            res = {"ok": False, "error": repr(exc), "traceback": traceback.format_exc()}
+            res.update(ok=False, error=repr(exc), traceback=traceback.format_exc())
             log(f"variant {name}: FAILED\n{res['traceback']}")
         res["wall_s"] = round(time.time() - t0, 2)
         summary["variants"][name] = res
@@ -299,8 +300,11 @@ def main() -> int:
     return 0 if summary["ok"] else 1
 
 
-def run_variant(name: str, model_dir: Path, *, dry_run: bool = False) -> dict:
-    """One actor step (old-log-prob pass, driver mask, update, log-prob pass) under variant ``name``; its checks."""
+def run_variant(name: str, model_dir: Path, results: dict, *, dry_run: bool = False) -> dict:
+    """One actor step (old-log-prob pass, driver mask, update, log-prob pass) under variant ``name``.
+
+    Its settings, measurements and checks go into ``results`` as they are made; a failed check raises.
+    """
     import torch
     from entropy_discriminator.adapters.verl import check_config
     from entropy_discriminator.adapters.verl._engine import (
@@ -314,7 +318,6 @@ def run_variant(name: str, model_dir: Path, *, dry_run: bool = False) -> dict:
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
     log(f"=== variant {name} ===")
-    results: dict = {"checks": {}}
     cfg, overrides = compose_config(model_dir, variant_overrides(name))
     results["overrides"] = overrides
     m, a = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.actor
