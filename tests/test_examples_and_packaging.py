@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,3 +66,15 @@ def test_non_editable_install_imports_adapters(tmp_path):
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path, env={"PYTHONPATH": str(target)}
     ).stdout.splitlines()
     assert all(line.startswith(str(target)) for line in out), out
+
+
+@pytest.mark.parametrize("framework", ["verl", "trl"])
+def test_adapter_without_its_framework_names_the_extra(framework):
+    """Importing an adapter whose framework is absent says which extra to install (not a bare ModuleNotFoundError)."""
+    if importlib.util.find_spec(framework) is not None:
+        pytest.skip(f"{framework} is installed in this environment; the check needs an environment without it")
+    code = f"import entropy_discriminator.adapters.{framework}"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert f"ImportError: entropy_discriminator.adapters.{framework} needs" in run.stderr
+    assert f"pip install 'entropy-discriminator[{framework}]'" in run.stderr

@@ -35,6 +35,12 @@ the core are response-aligned ``[B, T_resp]``.
 
 from __future__ import annotations
 
+import importlib.util
+
+# Looked up, not imported: ``import verl`` loads this package's own plugin entry point.
+if importlib.util.find_spec("verl") is None:
+    raise ImportError("entropy_discriminator.adapters.verl needs verl 0.9.0-0.9.1: pip install 'entropy-discriminator[verl]'")
+
 from ._support import (
     LOSS_AGG_MODES,
     LOSS_MODES,
