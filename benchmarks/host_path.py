@@ -13,21 +13,10 @@ from __future__ import annotations
 
 import cProfile
 import pstats
-import time
-from collections.abc import Callable
 
 import torch
 
-
-def host_us(fn: Callable[[], object], calls: int = 300) -> float:
-    """Wall microseconds per call over ``calls`` back-to-back calls (one sync at the end)."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
+from .common import host_us
 
 
 def main() -> None:
@@ -72,7 +61,7 @@ def main() -> None:
     }
     for name, fn in cases.items():
         a, b = (triton.testing.do_bench(fn, warmup=50, rep=100, return_mode="median") for _ in range(2))
-        print(f"{name:28s} do_bench {a * 1e3:7.1f} {b * 1e3:7.1f} us   host {host_us(fn):7.1f} us/call", flush=True)
+        print(f"{name:28s} do_bench {a * 1e3:7.1f} {b * 1e3:7.1f} us   host {host_us(fn, calls=300):7.1f} us/call", flush=True)
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(300):
