@@ -9,27 +9,11 @@ import math
 from pathlib import Path
 
 from .compare import EVAL_KS, dh_correlation
-
-#: Two-sided 95% Student t quantiles t_{0.975, df} for df = 1 .. 30 (beyond: 1.96).
-T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+from .report import mean_ci
 
 METRICS = [("avg", "Avg@K"), *[(f"pass@{k}", f"Pass@{k}") for k in EVAL_KS], ("entropy_final", "final H"),
            ("control_frac", "control frac"), ("ppo_clip_frac", "PPO clip frac"), ("dH_corr", "dH corr"),
            ("seconds", "train s")]
-
-
-def mean_ci(values: list[float]) -> tuple[float, float]:
-    """Mean and the half-width of its 95% t-interval (nan half-width for fewer than 2 finite values)."""
-    v = [x for x in values if math.isfinite(x)]
-    if not v:
-        return math.nan, math.nan
-    m = sum(v) / len(v)
-    if len(v) < 2:
-        return m, math.nan
-    sd = math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1))
-    t = T975[len(v) - 2] if len(v) - 1 <= len(T975) else 1.96
-    return m, t * sd / math.sqrt(len(v))
 
 
 def per_seed(results: dict) -> dict[str, dict[int, dict[str, float]]]:

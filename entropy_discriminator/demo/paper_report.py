@@ -10,13 +10,11 @@ import json
 import math
 from pathlib import Path
 
-from .report import PLOT_HINT, format_table, have_matplotlib, pyplot, smooth
+from .report import PLOT_HINT, format_table, have_matplotlib, mean_ci, pyplot, smooth
 from .train import pearson, sign_agreement
 
 Runs = dict[tuple[str, str, int], list[dict[str, float]]]
 
-_T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
 TABLE1_ARMS = ("GRPO", "GRPO+Clip_B", "GRPO+Clip_V")
 #: Figure 1: Theorem 1's predicted direction of the entropy change, per arm.  ``only`` arms are compared
 #: with their starting entropy, ``mask`` arms with vanilla GRPO (the paper's Figure 1 a-b and c-d).
@@ -24,17 +22,6 @@ FIG1_EXPECTED = {
     "only S*>0 in pos": -1, "only S*<0 in pos": +1, "only S*>0 in neg": +1, "only S*<0 in neg": -1,
     "mask S*>0 in pos": +1, "mask S*<0 in pos": -1, "mask S*>0 in neg": -1, "mask S*<0 in neg": +1,
 }
-
-
-def mean_ci(values: list[float]) -> tuple[float, float]:
-    """Mean and the half-width of its two-sided 95% Student-t interval (nan below 2 finite values)."""
-    v = [x for x in values if math.isfinite(x)]
-    n = len(v)
-    m = sum(v) / n if n else math.nan
-    if n < 2:
-        return m, math.nan
-    sd = math.sqrt(sum((x - m) ** 2 for x in v) / (n - 1))
-    return m, _T975[min(n - 1, len(_T975)) - 1] * sd / math.sqrt(n)
 
 
 def tail_mean(values: list[float], frac: float = 0.1) -> float:
