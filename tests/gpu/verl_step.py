@@ -49,13 +49,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
 from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks/
+from benchmarks.verl_inprocess import base_tensors, compose_ppo_config, nested, one_rank_env  # noqa: E402
 
 N_PROMPTS, N_ROLLOUTS = 8, 4
 VOCAB, HIDDEN, LAYERS = 4096, 128, 2
@@ -118,10 +120,6 @@ def variant_overrides(name: str) -> list[str]:
 
 
 def compose_config(model_dir: Path, extra: list[str]):
-    import verl
-    from hydra import compose, initialize_config_dir
-
-    config_dir = str(Path(verl.__file__).parent / "trainer" / "config")
     mini = N_PROMPTS // 2  # two mini-batches: the second one sees ratio != 1
     overrides = [
         f"actor_rollout_ref.model.path={model_dir}",
@@ -143,8 +141,7 @@ def compose_config(model_dir: Path, extra: list[str]):
         "+entropy_disc.mask_mode=zero_pg",
         *extra,
     ]
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        return compose(config_name="ppo_trainer", overrides=overrides), overrides
+    return compose_ppo_config(overrides), overrides
 
 
 def make_batch(seed: int = 1):
@@ -163,25 +160,6 @@ def make_batch(seed: int = 1):
         r_lens.append(r)
     rewards = torch.randint(0, 2, (b,), generator=g).float()
     return seqs, [p_lens[i // N_ROLLOUTS] for i in range(b)], r_lens, rewards
-
-
-def nested(ts):
-    import torch
-
-    return torch.nested.as_nested_tensor(ts, layout=torch.jagged)
-
-
-def base_tensors(seqs, r_lens):
-    import torch
-
-    return {
-        "prompts": nested([s[: len(s) - r] for s, r in zip(seqs, r_lens)]),
-        "responses": nested([s[len(s) - r :] for s, r in zip(seqs, r_lens)]),
-        "input_ids": nested(seqs),
-        "position_ids": nested([torch.arange(len(s)) for s in seqs]),
-        "response_mask": nested([torch.ones(r, dtype=torch.int64) for r in r_lens]),
-        "loss_mask": nested([torch.ones(r, dtype=torch.int64) for r in r_lens]),
-    }
 
 
 def _stats64(z, ids):
@@ -264,9 +242,7 @@ def main() -> int:
         seen_fused |= fused
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533").items():
-        os.environ.setdefault(k, v)
-    os.environ.setdefault("DIST_INIT_METHOD", "tcp://127.0.0.1:29533")
+    one_rank_env()
 
     import torch
     import transformers
