@@ -198,6 +198,7 @@ def run_arm(arm: str, model_dir: Path, shape: Shape, ns: argparse.Namespace) -> 
     remove_engine_hook()  # a previous arm's worker installed it; only the adapter's worker class reinstalls it
     worker_cls = stats_worker(ActorRolloutRefWorker) if expected else ActorRolloutRefWorker
     free_device()
+    held = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else math.nan  # left by earlier arms
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -246,12 +247,13 @@ def run_arm(arm: str, model_dir: Path, shape: Shape, ns: argparse.Namespace) -> 
                 return mask, metrics, masked
 
             (mask, metrics, advantages), record["driver_s"] = timed(driver_work)
+            assert mask is None or mask.n_valid == metrics["entropy_disc/tokens/valid"], f"{arm}: mask and metrics disagree"
             record.update(
-                n_valid=mask.n_valid if mask else int(response_mask.values().sum()),
-                n_clipped=mask.n_clipped if mask else 0,
-                entropy_mean=metrics.get("entropy_disc/entropy/mean", math.nan),
+                n_valid=metrics["entropy_disc/tokens/valid"], n_clipped=mask.n_clipped if mask else 0,
+                entropy_mean=metrics["entropy_disc/entropy/mean"], s_centered_std=metrics["entropy_disc/s_centered/std"],
                 metrics=len(metrics),
             )
+        record["entropy_verl"] = float(ent.values().float().mean())
         train = base_tensors(seqs, r_lens)
         train.update(old_log_probs=old_lp, advantages=advantages)
         td = tu.get_tensordict(
@@ -278,9 +280,11 @@ def run_arm(arm: str, model_dir: Path, shape: Shape, ns: argparse.Namespace) -> 
     first = steps[0]
     return {
         "arm": arm, "method": method or "stock verl", "fused_kernels": fused, "e_p_s_in_pass": expected,
-        "from_hidden": bool(plan is not None and plan.from_hidden), **med, "peak_gib": peak, "build_s": build_s,
+        "from_hidden": bool(plan is not None and plan.from_hidden), **med, "peak_gib": peak, "allocated_before_gib": held,
+        "build_s": build_s,
         "n_valid": first.get("n_valid", ""), "n_clipped": first.get("n_clipped", ""),
-        "entropy_mean": first.get("entropy_mean", ""), "n_metrics": first.get("metrics", ""),
+        "entropy_verl": first["entropy_verl"], "entropy_mean": first.get("entropy_mean", ""),
+        "s_centered_std": first.get("s_centered_std", ""), "n_metrics": first.get("metrics", ""),
         "pg_loss_step1": first["pg_loss"], "total_s_per_step": " ".join(f"{s['total_s']:.4f}" for s in steps),
     }
 
