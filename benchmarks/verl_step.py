@@ -29,8 +29,11 @@ Arms (each builds its worker, runs ``--steps`` steps, frees it; in this order):
   the model class's forward for the rest of the process.
 
 Per step, CUDA-synchronised wall time of the old-log-prob pass, the driver work (0 for the off
-arms; it runs on the CPU tensors verl's worker returns, as on verl's driver) and the update; per
-arm the peak ``torch.cuda.max_memory_allocated`` (reset after the previous arm's worker is freed).
+arms; it runs on the CPU tensors verl's worker returns, as on verl's driver) and the update; and,
+inside the old-log-prob pass, the engine hook's own time (``HookClock``: a synchronisation around
+each of its calls, one or two per micro-batch); per arm the peak ``torch.cuda.max_memory_allocated``
+(reset after the previous arm's worker is freed; ``allocated_before_gib`` is what was still
+allocated then, ~0 unless an earlier arm leaked).
 Medians of steps 2..N.  Not timed (the same in every arm): building the batch and verl's GRPO
 advantages.  Writes ``benchmarks/results/<card>/verl_step.csv`` (or ``--out DIR``) and prints a
 table; the fused arms are compared with ``off_fused``, the others with ``off``.
@@ -98,6 +101,41 @@ def timed(fn, *args: Any, **kwargs: Any) -> tuple[Any, float]:
     out = fn(*args, **kwargs)
     sync()
     return out, time.perf_counter() - t
+
+
+class HookClock:
+    """CUDA-synchronised time of the engine hook's own work, summed over the calls since the last ``take()``.
+
+    Wraps, in ``adapters/verl/_engine``, ``_fsdp_expected_seq`` (logits path: temperature scaling,
+    ``token_stats``, unpacking; fused path: unpacking) and ``expected_score_from_hidden`` (fused
+    path: ``token_stats_from_hidden`` inside the forward); ``restore()`` puts them back.
+    """
+
+    NAMES = ("_fsdp_expected_seq", "expected_score_from_hidden")
+
+    def __init__(self) -> None:
+        from entropy_discriminator.adapters.verl import _engine
+
+        self.module, self.seconds = _engine, 0.0
+        self.real = {name: getattr(_engine, name) for name in self.NAMES}
+        for name, real in self.real.items():
+            setattr(_engine, name, self._timed(real))
+
+    def _timed(self, real):
+        def call(*args: Any, **kwargs: Any) -> Any:
+            out, seconds = timed(real, *args, **kwargs)
+            self.seconds += seconds
+            return out
+
+        return call
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+    def restore(self) -> None:
+        for name, real in self.real.items():
+            setattr(self.module, name, real)
 
 
 def write_model(path: Path, smoke: bool) -> None:
@@ -213,8 +251,8 @@ def run_arm(arm: str, model_dir: Path, shape: Shape, ns: argparse.Namespace) -> 
         driver = SimpleNamespace(entropy_disc=plan.options, config=cfg, _entropy_disc_monitor=EntropyMonitor())
     mini = a.ppo_mini_batch_size * rollout.n
     vocab = qwen25_05b_shapes(ns.smoke).vocab_size
-    steps: list[dict] = []
-    for step in range(ns.steps):
+
+    def one_step(step: int) -> dict:
         seqs, r_lens, rewards = make_batch(step, shape, vocab)
         adv = grpo_advantages(rewards, shape)
         response_mask = nested([torch.ones(r, dtype=torch.int64) for r in r_lens])
@@ -227,10 +265,11 @@ def run_arm(arm: str, model_dir: Path, shape: Shape, ns: argparse.Namespace) -> 
             out = worker.compute_log_prob(td)
             return out, response_from_nested(out["log_probs"], response_mask), response_from_nested(out["entropy"], response_mask)
 
+        hook_clock.take()
         (out, old_lp, ent), old_s = timed(old_log_prob_pass)
         assert (SEQ_FIELD in out.keys()) == expected, f"{arm}: E_p[S] in the pass's output: {SEQ_FIELD in out.keys()}"  # noqa: SIM118
         advantages = response_to_nested(adv, response_mask)
-        record: dict[str, Any] = {"old_log_prob_s": old_s, "driver_s": 0.0}
+        record: dict[str, Any] = {"old_log_prob_s": old_s, "hook_s": hook_clock.take(), "driver_s": 0.0}
         if driver is not None:
 
             def driver_work():  # _compute_old_log_prob's slice, _compute_advantage's step, _update_actor's mask
@@ -270,13 +309,19 @@ def run_arm(arm: str, model_dir: Path, shape: Shape, ns: argparse.Namespace) -> 
         upd_metrics = tu.get(upd, "metrics")
         record["pg_loss"] = float(torch.as_tensor(upd_metrics.get("actor/pg_loss", upd_metrics.get("pg_loss"))).float().mean())
         record["total_s"] = record["old_log_prob_s"] + record["driver_s"] + record["update_s"]
-        steps.append(record)
+        return record
+
+    hook_clock = HookClock()
+    try:
+        steps = [one_step(step) for step in range(ns.steps)]
+    finally:
+        hook_clock.restore()
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else math.nan
-    del worker, td, out, upd
+    del worker
     remove_engine_hook()
     free_device()
     sel = steps[1:] if len(steps) > 1 else steps  # steps 2..N
-    med = {k: statistics.median(s[k] for s in sel) for k in ("old_log_prob_s", "driver_s", "update_s", "total_s")}
+    med = {k: statistics.median(s[k] for s in sel) for k in ("old_log_prob_s", "hook_s", "driver_s", "update_s", "total_s")}
     first = steps[0]
     return {
         "arm": arm, "method": method or "stock verl", "fused_kernels": fused, "e_p_s_in_pass": expected,
@@ -345,11 +390,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"card {card}; {versions}; medians of steps 2-{ns.steps}; {n_seq} sequences x "
           f"({shape.prompt_len} + {shape.response_len}) tokens; micro-batches {shape.log_prob_micro} (log-prob), "
           f"{shape.update_micro} (update); CSV {out / 'verl_step.csv'}")
-    print("| arm | old-log-prob s | driver s | update s | total s | total vs base | peak GiB | peak vs base | clipped |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| arm | old-log-prob s | of which hook s | driver s | update s | total s | total vs base | peak GiB | "
+          "peak vs base | clipped |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         clipped = f"{r['n_clipped']}/{r['n_valid']}" if r["n_valid"] != "" else "-"
-        print(f"| {r['arm']} | {r['old_log_prob_s']:.4f} | {r['driver_s']:.4f} | {r['update_s']:.4f} | "
+        print(f"| {r['arm']} | {r['old_log_prob_s']:.4f} | {r['hook_s']:.4f} | {r['driver_s']:.4f} | {r['update_s']:.4f} | "
               f"{r['total_s']:.4f} | {r['total_vs_base_pct']:+.1f}% vs {r['baseline']} | {r['peak_gib']:.2f} | "
               f"{r['peak_vs_base_pct']:+.1f}% | {clipped} |")
     return rows
