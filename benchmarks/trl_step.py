@@ -39,8 +39,8 @@ from trl import GRPOConfig, GRPOTrainer
 import entropy_discriminator.adapters.trl._patch as ed_patch
 from entropy_discriminator.adapters.trl import EntropyDiscGRPOConfig, unpatch
 
-if __package__ in (None, ""):  # run as a script: python benchmarks/trl_step.py
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as a script (python benchmarks/trl_step.py): the repository root, for benchmarks/
+    sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks.qwen_shapes import SMOKE_VOCAB, SPECIAL, qwen25_05b_shapes, tokenizer  # noqa: E402
 
 

@@ -8,9 +8,26 @@ tensors of a batch laid out as verl's agent loop hands them to the actor worker.
 from __future__ import annotations
 
 import os
+from importlib.util import find_spec
 from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def checkout_adapters() -> None:
+    """Make ``entropy_discriminator.adapters`` importable where ``entropy_discriminator`` is this checkout's.
+
+    ``python -m benchmarks...`` from the repository root imports ``entropy_discriminator`` from the
+    checkout, whose adapters live in ``adapters/`` (pyproject's ``package-dir`` maps them into the
+    package only in an install); the repository root is then added to the package's search path.
+    Call it before ``import verl``, which loads the adapter's verl plugin.  No-op in an install.
+    """
+    import entropy_discriminator
+
+    if find_spec("entropy_discriminator.adapters") is None:
+        entropy_discriminator.__path__.append(str(ROOT))
 
 
 def one_rank_env(port: int = 29533) -> None:

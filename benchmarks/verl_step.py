@@ -60,7 +60,14 @@ import torch
 
 from benchmarks.common import card_dir
 from benchmarks.qwen_shapes import SPECIAL, qwen25_05b_shapes, tokenizer
-from benchmarks.verl_inprocess import base_tensors, compose_ppo_config, nested, one_rank_env, use_cpu_platform
+from benchmarks.verl_inprocess import (
+    base_tensors,
+    checkout_adapters,
+    compose_ppo_config,
+    nested,
+    one_rank_env,
+    use_cpu_platform,
+)
 
 #: arm -> (entropy_disc.method or None for stock verl, use_fused_kernels)
 ARMS: dict[str, tuple[str | None, bool]] = {
@@ -288,7 +295,7 @@ def run_arm(arm: str, model_dir: Path, shape: Shape, ns: argparse.Namespace) -> 
             (mask, metrics, advantages), record["driver_s"] = timed(driver_work)
             assert mask is None or mask.n_valid == metrics["entropy_disc/tokens/valid"], f"{arm}: mask and metrics disagree"
             record.update(
-                n_valid=metrics["entropy_disc/tokens/valid"], n_clipped=mask.n_clipped if mask else 0,
+                n_valid=int(metrics["entropy_disc/tokens/valid"]), n_clipped=mask.n_clipped if mask else 0,
                 entropy_mean=metrics["entropy_disc/entropy/mean"], s_centered_std=metrics["entropy_disc/s_centered/std"],
                 metrics=len(metrics),
             )
@@ -342,6 +349,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--out", type=Path, default=None, help="folder of verl_step.csv (default benchmarks/results/<card>)")
     parser.add_argument("--smoke", action="store_true", help="tiny model and batch on the CPU: checks the code path only")
     ns = parser.parse_args(argv)
+    checkout_adapters()
     arms = [x.strip() for x in ns.arms.split(",") if x.strip()]
     unknown = [x for x in arms if x not in ARMS]
     if unknown:

@@ -56,7 +56,7 @@ import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks/
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # the repository root, for benchmarks/ (last: an installed entropy_discriminator wins)
 from benchmarks.verl_inprocess import base_tensors, compose_ppo_config, nested, one_rank_env  # noqa: E402
 
 N_PROMPTS, N_ROLLOUTS = 8, 4
