@@ -41,7 +41,7 @@ from entropy_discriminator.adapters.trl import EntropyDiscGRPOConfig, unpatch
 
 if __package__ in (None, ""):  # run as a script (python benchmarks/trl_step.py): the repository root, for benchmarks/
     sys.path.append(str(Path(__file__).resolve().parent.parent))
-from benchmarks.qwen_shapes import SMOKE_VOCAB, SPECIAL, qwen25_05b_shapes, tokenizer  # noqa: E402
+from benchmarks.qwen_shapes import SMOKE_VOCAB, SPECIAL, qwen25_05b_shapes, tokenizer
 
 
 def prompts(n: int, length: int = 32) -> Dataset:

@@ -32,7 +32,7 @@ def checkout_adapters() -> None:
 
 def one_rank_env(port: int = 29533) -> None:
     """Environment variables verl's worker reads for rank 0 of a one-rank group (kept where already set)."""
-    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
         os.environ.setdefault(k, v)
     os.environ.setdefault("DIST_INIT_METHOD", f"tcp://127.0.0.1:{port}")
 

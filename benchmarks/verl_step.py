@@ -11,8 +11,13 @@ embeddings; random weights, written once with ``save_pretrained`` to a temporary
 loaded by every arm, so all start from the same weights).  verl's ``ppo_trainer`` defaults
 otherwise (padding removal on, FSDP with bf16 mixed precision, fp32 parameters and AdamW, lr 1e-6,
 vanilla PPO loss, token-mean, temperature 1, ``torch.compile`` of verl's entropy), except: SDPA
-attention (no flash-attn), ``ppo_mini_batch_size`` = the 8 prompts (one mini-batch per step,
-on-policy), micro-batches of 16 sequences (8704 tokens) for the log-prob pass and 8 for the update.
+attention, ``ppo_mini_batch_size`` = the 8 prompts (one mini-batch per step, on-policy),
+micro-batches of 16 sequences (8704 tokens) for the log-prob pass and 8 for the update.  Without
+flash-attn installed, verl computes log-probs from logits with its row-by-row fallback
+(``logprobs_from_logits_v2``), which makes the logits arms' verl work slower than with flash-attn's
+cross-entropy; the hook's and the driver's seconds do not depend on it.  Not included: Ray and
+TransferQueue transfers (the adapter adds one get/put of ``E_p[S]`` and, for the clip arms, of the
+advantages), the reference model, rollout.
 
 Arms (each builds its worker, runs ``--steps`` steps, frees it; in this order):
 
@@ -40,6 +45,10 @@ table; the fused arms are compared with ``off_fused``, the others with ``off``.
 
     python -m benchmarks.verl_step [--steps 4] [--arms off,monitor,...] [--response-len 512] [--out DIR]
     python -m benchmarks.verl_step --smoke     # tiny model and batch on the CPU: checks the code path only
+
+Run from the repository root (an installed ``entropy_discriminator`` is not needed; the checkout's
+``adapters/`` are used).  The two groups can run in separate processes (``--arms
+off,monitor,clip_b,clip_v`` and ``--arms off_fused,clip_v_fused``, different ``--out``).
 """
 
 from __future__ import annotations
@@ -324,7 +333,7 @@ def run_arm(arm: str, model_dir: Path, shape: Shape, ns: argparse.Namespace) -> 
     finally:
         hook_clock.restore()
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else math.nan
-    del worker
+    worker = None  # frees the engine (the closures above hold the variable, not the worker)
     remove_engine_hook()
     free_device()
     sel = steps[1:] if len(steps) > 1 else steps  # steps 2..N

@@ -57,7 +57,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))  # the repository root, for benchmarks/ (last: an installed entropy_discriminator wins)
-from benchmarks.verl_inprocess import base_tensors, compose_ppo_config, nested, one_rank_env  # noqa: E402
+from benchmarks.verl_inprocess import (
+    base_tensors,
+    compose_ppo_config,
+    nested,
+    one_rank_env,
+)
 
 N_PROMPTS, N_ROLLOUTS = 8, 4
 VOCAB, HIDDEN, LAYERS = 4096, 128, 2
