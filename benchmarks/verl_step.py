@@ -43,7 +43,7 @@ Medians of steps 2..N.  Not timed (the same in every arm): building the batch an
 advantages.  Writes ``benchmarks/results/<card>/verl_step.csv`` (or ``--out DIR``) and prints a
 table; the fused arms are compared with ``off_fused``, the others with ``off``.
 
-    python -m benchmarks.verl_step [--steps 4] [--arms off,monitor,...] [--response-len 512] [--out DIR]
+    python -m benchmarks.verl_step [--steps 4] [--arms off,monitor,...] [--response-len 512] [--no-compile] [--out DIR]
     python -m benchmarks.verl_step --smoke     # tiny model and batch on the CPU: checks the code path only
 
 Run from the repository root (an installed ``entropy_discriminator`` is not needed; the checkout's
@@ -165,7 +165,7 @@ def write_model(path: Path, smoke: bool) -> None:
     tokenizer(cfg.vocab_size).save_pretrained(path)
 
 
-def overrides(model_dir: Path, method: str | None, fused: bool, shape: Shape, smoke: bool) -> list[str]:
+def overrides(model_dir: Path, method: str | None, fused: bool, shape: Shape, smoke: bool, compile_: bool) -> list[str]:
     """Hydra overrides of one arm on verl's ``ppo_trainer`` config."""
     out = [
         f"actor_rollout_ref.model.path={model_dir}",
@@ -176,9 +176,10 @@ def overrides(model_dir: Path, method: str | None, fused: bool, shape: Shape, sm
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={shape.update_micro}",
         "algorithm.adv_estimator=grpo",
     ]
-    if smoke:  # the GPU run keeps verl's defaults: FSDP (1), whose sync_module_states needs an accelerator,
-        # and torch.compile of the entropy, which on a CPU needs a C++ toolchain and minutes
-        out += ["actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.use_torch_compile=False"]
+    if smoke:  # the GPU run keeps verl's default FSDP (1), whose sync_module_states needs an accelerator
+        out.append("actor_rollout_ref.actor.strategy=fsdp2")
+    if smoke or not compile_:  # torch.compile of verl's entropy: on a CPU it needs a C++ toolchain and minutes
+        out.append("actor_rollout_ref.actor.use_torch_compile=False")
     if fused:
         out.append("actor_rollout_ref.model.use_fused_kernels=True")
     if method is not None:
@@ -245,7 +246,7 @@ def run_arm(arm: str, model_dir: Path, shape: Shape, ns: argparse.Namespace) -> 
     from entropy_discriminator.adapters.verl._workers import stats_worker
 
     method, fused = ARMS[arm]
-    cfg = compose_ppo_config(overrides(model_dir, method, fused, shape, ns.smoke))
+    cfg = compose_ppo_config(overrides(model_dir, method, fused, shape, ns.smoke, not ns.no_compile))
     plan = check_config(cfg)
     assert (plan is None) == (method is None), f"{arm}: check_config gave {plan}"
     expected = plan is not None and plan.expected
@@ -357,6 +358,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--response-len", type=int, default=None, help="response tokens per sequence (default 512)")
     parser.add_argument("--out", type=Path, default=None, help="folder of verl_step.csv (default benchmarks/results/<card>)")
     parser.add_argument("--smoke", action="store_true", help="tiny model and batch on the CPU: checks the code path only")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="actor.use_torch_compile=False (verl's default compiles its entropy function)")
     ns = parser.parse_args(argv)
     checkout_adapters()
     arms = [x.strip() for x in ns.arms.split(",") if x.strip()]
@@ -388,6 +391,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     card = "cpu_smoke" if ns.smoke else torch.cuda.get_device_name()
     versions = f"verl {verl.__version__}, torch {torch.__version__}, transformers {transformers.__version__}"
+    if ns.no_compile:
+        versions += "; actor.use_torch_compile=False"
     model_dir = Path(tempfile.mkdtemp(prefix="verl_step_")) / "qwen25_05b_shapes"
     write_model(model_dir, ns.smoke)
     rows = [run_arm(arm, model_dir, shape, ns) for arm in arms]
@@ -404,7 +409,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         writer.writeheader()
         writer.writerows(rows)
     n_seq = shape.prompts * shape.responses
-    print(f"card {card}; {versions}; medians of steps 2-{ns.steps}; {n_seq} sequences x "
+    which = f"medians of steps 2-{ns.steps}" if ns.steps > 1 else "step 1 only (compilation and warm-up included)"
+    print(f"card {card}; {versions}; {which}; {n_seq} sequences x "
           f"({shape.prompt_len} + {shape.response_len}) tokens; micro-batches {shape.log_prob_micro} (log-prob), "
           f"{shape.update_micro} (update); CSV {out / 'verl_step.csv'}")
     print("| arm | old-log-prob s | of which hook s | driver s | update s | total s | total vs base | peak GiB | "
@@ -415,6 +421,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"| {r['arm']} | {r['old_log_prob_s']:.4f} | {r['hook_s']:.4f} | {r['driver_s']:.4f} | {r['update_s']:.4f} | "
               f"{r['total_s']:.4f} | {r['total_vs_base_pct']:+.1f}% vs {r['baseline']} | {r['peak_gib']:.2f} | "
               f"{r['peak_vs_base_pct']:+.1f}% | {clipped} |")
+    for r in rows:
+        print(f"{r['arm']}: build {r['build_s']:.1f} s; per-step totals {r['total_s_per_step']} s; allocated before "
+              f"build {r['allocated_before_gib']:.2f} GiB; step 1: verl entropy {r['entropy_verl']:.6f}, adapter "
+              f"{r['entropy_mean']}, S_c std {r['s_centered_std']}, pg_loss {r['pg_loss_step1']:.3e}")
     return rows
 
 
