@@ -119,8 +119,9 @@ def token_stats(
             ``"auto"`` (Triton for CUDA logits when available, else torch).
         check: validate the data (labels in range, no NaN / ``+inf`` logit and no row of
             ``-inf`` only in a counted row) and raise ``ValueError`` naming the fault. On CUDA
-            the kernel counts bad rows on the device and the call reads them back once: one host
-            synchronisation per call. ``check=False`` skips that read, so the call never blocks
+            the kernel counts bad rows on the device and its last program stores the counts in
+            pinned host memory, which the call polls: one host synchronisation per call (the
+            wait for the kernel; no device-to-host copy). ``check=False`` skips that read, so the call never blocks
             the host; what is given up is the exception: a bad row's five statistics are NaN
             instead (NaN propagates into any mask or monitor built from them, which reject NaN
             scores), and with ``impl="auto"`` logits of magnitude above ``~3.4e38 * T / log2(e)``
@@ -142,12 +143,14 @@ def token_stats(
     if vocab_parallel_group is None and vocab_start_index != 0:
         raise ValueError("vocab_start_index needs vocab_parallel_group")
     if _use_triton(impl, logits, vocab_parallel_group):
+        from .kernels._host_report import host_report
         from .kernels.triton_stats import token_stats_triton
 
-        out = token_stats_triton(logits, labels, float(temperature), int(ignore_index))  # no autograd graph
+        report = host_report() if check else None  # pinned words the kernel writes its counters to
+        out = token_stats_triton(logits, labels, temperature, ignore_index, report=report)  # no autograd graph
         result = TokenStats(out.logp, out.entropy, out.s_star, out.s_expected, out.s_centered, out.valid)
-        if check:
-            errors = out.errors.tolist()  # the one host synchronisation, last: nothing left to do after it
+        if report is not None and out.valid.numel():
+            errors = report.wait()  # the one host synchronisation, last: nothing left to do after it
             if any(errors):
                 if impl == "auto" and not any(errors[:3]):  # only the kernel's fp32 scaling overflowed
                     return _token_stats_torch(logits, labels, float(temperature), ignore_index, chunk_size, check, None, 0)
