@@ -2,13 +2,14 @@
 
 bf16 logits [256, 151936] (78 MB, the issue's small-batch shape).  Each line gives the do_bench
 median (CUDA events around the call, L2 flushed first; a call that synchronises is timed up to its
-return) twice, and the host time per call over 300 back-to-back calls.  Rows: the floors of any
+return) of two runs, and the host time per call over 300 back-to-back calls.  Rows: the floors of any
 call that waits for its result on the host, in the same run: ``torch.sum`` and the pure-read
 kernel of :mod:`.floors`, each alone and followed by ``stream.synchronize()``; the statistics
 kernel alone, followed by a stream synchronisation, by the ``tolist()`` read of its device
 counters (the earlier public call) and by the poll of the host words it writes
-(``HostReport.wait``, what ``token_stats`` does); ``token_stats`` with and without ``check``.
-Then a cProfile of 300 ``token_stats(check=False)`` calls (the host path before the launch).
+(``HostReport.wait``, what ``token_stats`` does); ``token_stats`` with and without ``check``, also
+through Triton's own launch path instead of the direct call of the compiled kernel.  Each row
+gives the median and the 10th-90th percentiles of each do_bench run.  Then a cProfile of 300 ``token_stats(check=False)`` calls (the host path before the launch).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def main() -> None:
     import triton.testing
 
     import entropy_discriminator as ed
+    from entropy_discriminator.kernels import triton_stats
     from entropy_discriminator.kernels._host_report import HostReport
     from entropy_discriminator.kernels.triton_stats import token_stats_triton
 
@@ -52,7 +54,9 @@ def main() -> None:
         token_stats_triton(x, labels, 1.0, -100, report=report)
         return report.wait()
 
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")  # what do_bench zeroes before each call
     cases = {
+        "L2 flush (zero 256 MB)": lambda: flush.zero_(),
         "torch.sum": lambda: torch.sum(x),
         "torch.sum+stream.sync": synced(lambda: torch.sum(x)),
         "read_sum": lambda: read_sum(x, 2112, 2048, 4, 4),
@@ -65,9 +69,25 @@ def main() -> None:
         "token_stats": lambda: ed.token_stats(x, labels),
     }
     print(f"card {card_name()} torch {torch.__version__} triton {triton.__version__}; bf16 [{n}, {v}]", flush=True)
+    def triton_launch_path(fn):  # the same call through Triton's own kernel[grid](...) launch
+        def run():
+            triton_stats._DIRECT_LAUNCH = False
+            try:
+                return fn()
+            finally:
+                triton_stats._DIRECT_LAUNCH = direct
+
+        return run
+
+    direct = triton_stats._DIRECT_LAUNCH
+    cases["token_stats, Triton launch path"] = triton_launch_path(cases["token_stats"])
+    cases["check=False, Triton launch path"] = triton_launch_path(cases["token_stats(check=False)"])
+    print(f"direct launch of the compiled kernel: {direct}")
+    print(f"{'':28s} do_bench median (p10-p90), twice; host time per call over 300 calls")
     for name, fn in cases.items():
-        a, b = (triton.testing.do_bench(fn, warmup=50, rep=100, return_mode="median") for _ in range(2))
-        print(f"{name:28s} do_bench {a * 1e3:7.1f} {b * 1e3:7.1f} us   host {host_us(fn, calls=300):7.1f} us/call", flush=True)
+        runs = [sorted(triton.testing.do_bench(fn, warmup=50, rep=100, return_mode="all")) for _ in range(2)]
+        med = "  ".join(f"{t[len(t) // 2] * 1e3:6.1f} ({t[len(t) // 10] * 1e3:5.1f}-{t[9 * len(t) // 10] * 1e3:5.1f})" for t in runs)
+        print(f"{name:32s} {med} us   host {host_us(fn, calls=300):7.1f} us/call", flush=True)
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(300):

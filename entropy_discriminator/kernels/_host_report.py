@@ -37,13 +37,15 @@ class HostReport:
         self.words = torch.zeros(ERR_WORDS, dtype=torch.int64, pin_memory=pinned)
         self._view = self.words.numpy()  # the same memory; tolist() reads it afresh every time
         self.seq = 0
-        self.stream: torch.cuda.Stream | None = None
+        self.device: torch.device | None = None
         self.busy = False
 
-    def arm(self, stream: torch.cuda.Stream | None) -> int:
-        """The tag the next kernel writes (1 .. 2**31 - 1, never the previous one's)."""
+    def arm(self, device: torch.device | None) -> int:
+        """The tag the next kernel, launched on ``device``'s current stream, writes (1 .. 2**31 - 1,
+        never the previous one's); ``device`` None or not CUDA: the kernel runs on the host
+        (Triton's interpreter) and has written its words when the launch returns."""
         self.seq = self.seq % _SEQ_LIMIT + 1
-        self.stream = stream
+        self.device = device if device is not None and device.type == "cuda" else None
         self.busy = True
         return self.seq
 
@@ -54,7 +56,7 @@ class HostReport:
         every few polls (a CUDA error or a capturing stream raises there); then synchronises the
         stream.  The one host synchronisation of a checked call.
         """
-        tag, view, stream = self.seq, self._view, self.stream
+        tag, view, stream = self.seq, self._view, None
         try:
             polls, deadline = 0, time.perf_counter() + SPIN_SECONDS
             while True:
@@ -62,18 +64,21 @@ class HostReport:
                 if all(w >> 32 == tag for w in words):
                     return [w & 0xFFFFFFFF for w in words]
                 polls += 1
-                if stream is None:  # interpreter: the kernel ran on the host and has returned
+                if self.device is None:  # interpreter: the kernel ran on the host and has returned
                     break
-                if polls % 32 == 0 and (stream.query() or time.perf_counter() > deadline):
-                    stream.synchronize()
-                    break
+                if polls % 32 == 0:
+                    # the stream the kernel was launched on: the call has not left it since
+                    stream = stream or torch.cuda.current_stream(self.device)
+                    if stream.query() or time.perf_counter() > deadline:
+                        stream.synchronize()
+                        break
             words = view.tolist()
             if all(w >> 32 == tag for w in words):
                 return [w & 0xFFFFFFFF for w in words]
             raise RuntimeError("the statistics kernel finished without reporting its error counters")
         except BaseException:
-            if stream is not None:
-                stream.synchronize()  # no kernel may write into this report once the call has left
+            if self.device is not None:  # no kernel may write into this report once the call has left
+                torch.cuda.current_stream(self.device).synchronize()
             raise
         finally:
             self.busy = False

@@ -38,14 +38,15 @@ import triton.language as tl
 
 from . import interpreting
 from . import is_available as _is_available
-from ._host_report import HostReport
+from ._host_report import HostReport, host_report
 from ._reduce import D_FLOOR, ERR_WORDS, ERR_WORDS_C, LOG2E, max_nan, merge_partials, rescale, store_row
 
-__all__ = ["KernelStats", "token_stats_triton", "is_available", "choose_config"]
+__all__ = ["KernelStats", "token_stats_triton", "is_available", "choose_config", "HostReport", "host_report"]
 
 SPLIT_TARGET = 4  # programs per multiprocessor below which rows are split (split-V)
 TAU = 8.0  # lazy-rescale slack in base-2 units: e <= 2^8, e^2 <= 2^16, sums stay far from overflow
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_INTERPRETING = interpreting()
 
 
 def is_available() -> bool:
@@ -88,13 +89,12 @@ def _finish_row(ws_ptr, N, err_ptr, host_ptr, seq, REPORT: tl.constexpr):
     tl.debug_barrier()  # this row's counter increments come before its arrival
     done = tl.atomic_add(ws_ptr + ERR_WORDS_C, 1, sem="acq_rel", scope="gpu")
     if done == N - 1:
-        tag = seq.to(tl.int64) << 32
-        for i in tl.static_range(ERR_WORDS_C):
-            e = tl.atomic_xchg(ws_ptr + i, 0, sem="acq_rel", scope="gpu")
-            tl.store(err_ptr + i, e)
-            if REPORT:
-                tl.store(host_ptr + i, tag | e.to(tl.int64), cache_modifier=".wt")
-        tl.atomic_xchg(ws_ptr + ERR_WORDS_C, 0, sem="relaxed", scope="gpu")
+        w = tl.arange(0, ERR_WORDS_C)
+        e = tl.atomic_xchg(ws_ptr + w, tl.zeros([ERR_WORDS_C], dtype=tl.int32), sem="acq_rel", scope="gpu")
+        tl.store(ws_ptr + ERR_WORDS_C, 0)
+        tl.store(err_ptr + w, e)
+        if REPORT:
+            tl.store(host_ptr + w, (seq.to(tl.int64) << 32) | e.to(tl.int64), cache_modifier=".wt")
 
 
 @triton.jit(do_not_specialize=["seq"])
@@ -315,7 +315,7 @@ def token_stats_triton(
     if logits.dtype not in _DTYPES:
         raise ValueError(f"logits dtype must be bf16, fp16 or fp32, got {logits.dtype}")
     dev = logits.device
-    if dev.type != "cuda" and not interpreting():
+    if dev.type != "cuda" and not _INTERPRETING:
         raise ValueError(f"logits must be a CUDA tensor, got device {dev}")
     if labels.shape != logits.shape[:-1]:
         raise ValueError(f"labels must have shape {tuple(logits.shape[:-1])}, got shape {tuple(labels.shape)}")
@@ -340,10 +340,16 @@ def token_stats_triton(
     # plan, no device switch unless the tensors live on another GPU, no memset, one launch.
     switch = dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device()
     with torch.cuda.device(dev) if switch else contextlib.nullcontext():
-        stream = torch.cuda.current_stream() if dev.type == "cuda" else None
-        ws = _workspace(dev, stream, plan.ws_words)
-        part = _partials(dev, stream, plan.part_words) if plan.split > 1 else ws
-        seq, host = (report.arm(stream), report.words) if report is not None else (0, ws)
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # CUDA graph capture: buffers of the graph's own (captured memset, graph memory pool),
+            # never the per-stream ones, which eager calls on that stream keep using.
+            ws = torch.zeros(plan.ws_words, device=dev, dtype=torch.int32)
+            part = torch.empty(plan.part_words, device=dev) if plan.split > 1 else ws
+        else:
+            stream = (dev.index, torch._C._cuda_getCurrentRawStream(dev.index)) if dev.type == "cuda" else None
+            ws = _workspace(dev, stream, plan.ws_words)
+            part = _partials(dev, stream, plan.part_words) if plan.split > 1 else ws
+        seq, host = (report.arm(dev), report.words) if report is not None else (0, ws)
         args = (LOG2E / float(temperature), int(ignore_index), plan, part, ws, errors, host, seq)
         flat_out, flat_valid = (out, valid) if labels.dim() == 1 else (out.view(5, -1), valid.view(-1))
         try:
@@ -374,7 +380,8 @@ class _Plan(NamedTuple):
     chunk: int
     ws_words: int  # int32 workspace words: errors, finished rows, per-row arrivals (split-V)
     part_words: int  # fp32 split-V partials (6 per row and slice)
-    consts: dict  # the kernel's compile-time arguments
+    num_warps: int
+    consts: tuple  # (name, value) of the kernel's compile-time arguments before REPORT, in signature order
 
 
 @functools.lru_cache(maxsize=1024)
@@ -391,12 +398,11 @@ def _plan(shape: torch.Size, strides: tuple, dtype: torch.dtype, dev: torch.devi
         layout = (n_rows, 0, strides[0])
     else:
         layout = _row_layout(shape, strides)
-    consts = {
-        "SPLIT": split, "SPLIT_P2": 1 << (split - 1).bit_length(), "BLOCK": cfg["block"], "TAU": TAU,
-        "STAGES": cfg["stages"], "num_warps": cfg["num_warps"],
-    }  # fmt: skip
+    consts = (("SPLIT", split), ("SPLIT_P2", 1 << (split - 1).bit_length()), ("BLOCK", cfg["block"]), ("TAU", TAU))
+    consts += (("STAGES", cfg["stages"]),)
     ws_words = ERR_WORDS + 1 + (n_rows if split > 1 else 0)
-    return _Plan(n_rows, vocab, layout, split, chunk, ws_words, 6 * n_rows * split if split > 1 else 0, consts)
+    parts = 6 * n_rows * split if split > 1 else 0
+    return _Plan(n_rows, vocab, layout, split, chunk, ws_words, parts, cfg["num_warps"], consts)
 
 
 # Per (device, stream) buffers: the workspace (zero between launches, see the module docstring)
@@ -407,13 +413,12 @@ _BUFFERS: dict[tuple, torch.Tensor] = {}
 _BUFFERS_LOCK = threading.Lock()
 
 
-def _stream_key(kind: str, dev: torch.device, stream: torch.cuda.Stream | None) -> tuple:
-    if stream is None:
-        return kind, str(dev), 0, threading.get_ident()
-    return kind, stream.device_index, stream.cuda_stream
+def _stream_key(kind: str, dev: torch.device, stream: tuple | None) -> tuple:
+    """``stream``: (device index, raw CUDA stream handle), None in Triton's interpreter."""
+    return (kind, *stream) if stream is not None else (kind, str(dev), threading.get_ident())
 
 
-def _workspace(dev: torch.device, stream: torch.cuda.Stream | None, words: int) -> torch.Tensor:
+def _workspace(dev: torch.device, stream: tuple | None, words: int) -> torch.Tensor:
     key = _stream_key("ws", dev, stream)
     ws = _BUFFERS.get(key)
     if ws is None or ws.numel() < words:
@@ -423,7 +428,7 @@ def _workspace(dev: torch.device, stream: torch.cuda.Stream | None, words: int) 
     return ws
 
 
-def _partials(dev: torch.device, stream: torch.cuda.Stream | None, words: int) -> torch.Tensor:
+def _partials(dev: torch.device, stream: tuple | None, words: int) -> torch.Tensor:
     key = _stream_key("part", dev, stream)
     part = _BUFFERS.get(key)
     if part is None or part.numel() < words:
@@ -441,10 +446,39 @@ def _split_plan(vocab: int, block: int, split: int) -> tuple[int, int]:
     return -(-vocab // chunk), chunk
 
 
+# Triton's own launch path (``kernel[grid](...)``: argument binding, specialisation and cache
+# lookup on every call) costs about as much host time as the kernel takes at N = 256.  Once a
+# configuration has been compiled, the compiled kernel's launcher is called directly, keyed by
+# everything Triton specialises on (the plan, the dtypes, 16-byte alignment of the pointers, the
+# integer arguments' ==1 / %16 classes).  Only for the Triton release whose launcher signature
+# this was written against, and never while a launch hook is installed (profilers).
+_DIRECT_LAUNCH = tuple(int(p) for p in triton.__version__.split(".")[:2]) == (3, 6) and not interpreting()
+_COMPILED: dict[tuple, object] = {}
+
+
 def _launch(x, layout, labels, out, valid, n_out, c, ignore_index, plan, part, ws, errors, host, seq) -> None:
     """One launch of the streaming kernel over the rows of ``x`` (``layout``: see :func:`_row_layout`)."""
     inner, stride_outer, stride_inner = layout
-    _stats_kernel[(labels.shape[0], plan.split)](
+    args = (
         x, inner, stride_outer, stride_inner, labels, plan.vocab, plan.chunk, c, ignore_index,
-        out, valid, part, ws, n_out, errors, host, seq, REPORT=seq != 0, **plan.consts,
+        out, valid, part, ws, n_out, errors, host, seq,
     )  # fmt: skip
+    grid = (labels.shape[0], plan.split)
+    report = seq != 0
+    if _DIRECT_LAUNCH:
+        key = (
+            plan, layout, n_out, x.device, x.data_ptr() % 16, labels.dtype, labels.data_ptr() % 16, out.data_ptr() % 16,
+            valid.data_ptr() % 16, errors.data_ptr() % 16, ignore_index, report,
+        )  # fmt: skip
+        kernel = _COMPILED.get(key)
+        hooks = triton.knobs.runtime
+        if kernel is not None and hooks.launch_enter_hook is None and hooks.launch_exit_hook is None:
+            stream = torch._C._cuda_getCurrentRawStream(x.device.index)
+            kernel.run(
+                grid[0], grid[1], 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
+                *args, *(v for _, v in plan.consts), report,
+            )  # fmt: skip
+            return
+    kernel = _stats_kernel[grid](*args, REPORT=report, **dict(plan.consts), num_warps=plan.num_warps)
+    if _DIRECT_LAUNCH and not hasattr(kernel, "result"):  # a compiled kernel, not a pending compilation
+        _COMPILED[key] = kernel
