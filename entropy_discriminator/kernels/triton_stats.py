@@ -456,6 +456,12 @@ _DIRECT_LAUNCH = tuple(int(p) for p in triton.__version__.split(".")[:2]) == (3,
 _COMPILED: dict[tuple, object] = {}
 
 
+def _no_launch_hooks() -> bool:
+    """No launch hook installed (Triton 3.6 keeps them in always-present, empty ``HookChain`` s)."""
+    rt = triton.knobs.runtime
+    return all(h is None or getattr(h, "calls", True) == [] for h in (rt.launch_enter_hook, rt.launch_exit_hook))
+
+
 def _launch(x, layout, labels, out, valid, n_out, c, ignore_index, plan, part, ws, errors, host, seq) -> None:
     """One launch of the streaming kernel over the rows of ``x`` (``layout``: see :func:`_row_layout`)."""
     inner, stride_outer, stride_inner = layout
@@ -467,12 +473,11 @@ def _launch(x, layout, labels, out, valid, n_out, c, ignore_index, plan, part, w
     report = seq != 0
     if _DIRECT_LAUNCH:
         key = (
-            plan, layout, n_out, x.device, x.data_ptr() % 16, labels.dtype, labels.data_ptr() % 16, out.data_ptr() % 16,
+            plan, layout, n_out, x.get_device(), x.data_ptr() % 16, labels.dtype, labels.data_ptr() % 16, out.data_ptr() % 16,
             valid.data_ptr() % 16, errors.data_ptr() % 16, ignore_index, report,
         )  # fmt: skip
         kernel = _COMPILED.get(key)
-        hooks = triton.knobs.runtime
-        if kernel is not None and hooks.launch_enter_hook is None and hooks.launch_exit_hook is None:
+        if kernel is not None and _no_launch_hooks():
             stream = torch._C._cuda_getCurrentRawStream(x.device.index)
             kernel.run(
                 grid[0], grid[1], 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
