@@ -7,9 +7,10 @@ call that waits for its result on the host, in the same run: ``torch.sum`` and t
 kernel of :mod:`.floors`, each alone and followed by ``stream.synchronize()``; the statistics
 kernel alone, followed by a stream synchronisation, by the ``tolist()`` read of its device
 counters (the earlier public call) and by the poll of the host words it writes
-(``HostReport.wait``, what ``token_stats`` does); ``token_stats`` with and without ``check``, also
-through Triton's own launch path instead of the direct call of the compiled kernel.  Each row
-gives the median and the 10th-90th percentiles of each do_bench run.  Then a cProfile of 300 ``token_stats(check=False)`` calls (the host path before the launch).
+(``HostReport.wait``, what ``token_stats`` does); ``token_stats`` with and without ``check``.
+Each row gives the median and the 10th-90th percentiles of each do_bench run; the first row is
+do_bench's own L2 flush (the host time a call may spend before its launch without being timed).
+Then a cProfile of 300 ``token_stats(check=False)`` calls (the host path before the launch).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ def main() -> None:
     import triton.testing
 
     import entropy_discriminator as ed
-    from entropy_discriminator.kernels import triton_stats
     from entropy_discriminator.kernels._host_report import HostReport
     from entropy_discriminator.kernels.triton_stats import token_stats_triton
 
@@ -69,20 +69,6 @@ def main() -> None:
         "token_stats": lambda: ed.token_stats(x, labels),
     }
     print(f"card {card_name()} torch {torch.__version__} triton {triton.__version__}; bf16 [{n}, {v}]", flush=True)
-    def triton_launch_path(fn):  # the same call through Triton's own kernel[grid](...) launch
-        def run():
-            triton_stats._DIRECT_LAUNCH = False
-            try:
-                return fn()
-            finally:
-                triton_stats._DIRECT_LAUNCH = direct
-
-        return run
-
-    direct = triton_stats._DIRECT_LAUNCH
-    cases["token_stats, Triton launch path"] = triton_launch_path(cases["token_stats"])
-    cases["check=False, Triton launch path"] = triton_launch_path(cases["token_stats(check=False)"])
-    print(f"direct launch of the compiled kernel: {direct}")
     print(f"{'':28s} do_bench median (p10-p90), twice; host time per call over 300 calls")
     for name, fn in cases.items():
         runs = [sorted(triton.testing.do_bench(fn, warmup=50, rep=100, return_mode="all")) for _ in range(2)]

@@ -52,25 +52,28 @@ class HostReport:
     def wait(self) -> list[int]:
         """Block until the armed kernel has written every word; return the ``ERR_WORDS`` counts.
 
-        Polls the host words (no CUDA call: a word is ``(seq << 32) | count``, so all of them carry
-        the tag when the smallest and the largest do) for up to :data:`SPIN_SECONDS`, then
-        synchronises the stream (a CUDA error, or a capturing stream, raises there).  The one
-        host synchronisation of a checked call.
+        Polls the host words (no CUDA call) for up to :data:`SPIN_SECONDS`, checking the stream
+        every few polls (a CUDA error or a capturing stream raises there); then synchronises the
+        stream.  The one host synchronisation of a checked call.
         """
-        tag, view = self.seq, self._view
+        tag, view, stream = self.seq, self._view, None
         try:
             polls, deadline = 0, time.perf_counter() + SPIN_SECONDS
-            while self.device is not None:  # None: the interpreter ran the kernel on the host already
+            while True:
                 words = view.tolist()
-                if min(words) >> 32 == tag and max(words) >> 32 == tag:
+                if all(w >> 32 == tag for w in words):
                     return [w & 0xFFFFFFFF for w in words]
                 polls += 1
-                if polls % 64 == 0 and time.perf_counter() > deadline:
-                    # the stream the kernel was launched on: the call has not left it since
-                    torch.cuda.current_stream(self.device).synchronize()
+                if self.device is None:  # interpreter: the kernel ran on the host and has returned
                     break
+                if polls % 32 == 0:
+                    # the stream the kernel was launched on: the call has not left it since
+                    stream = stream or torch.cuda.current_stream(self.device)
+                    if stream.query() or time.perf_counter() > deadline:
+                        stream.synchronize()
+                        break
             words = view.tolist()
-            if min(words) >> 32 == tag and max(words) >> 32 == tag:
+            if all(w >> 32 == tag for w in words):
                 return [w & 0xFFFFFFFF for w in words]
             raise RuntimeError("the statistics kernel finished without reporting its error counters")
         except BaseException:

@@ -446,44 +446,10 @@ def _split_plan(vocab: int, block: int, split: int) -> tuple[int, int]:
     return -(-vocab // chunk), chunk
 
 
-# Triton's own launch path (``kernel[grid](...)``: argument binding, specialisation and cache
-# lookup on every call) costs about as much host time as the kernel takes at N = 256.  Once a
-# configuration has been compiled, the compiled kernel's launcher is called directly, keyed by
-# everything Triton specialises on (the plan, the dtypes, 16-byte alignment of the pointers, the
-# integer arguments' ==1 / %16 classes).  Only for the Triton release whose launcher signature
-# this was written against, and never while a launch hook is installed (profilers).
-_DIRECT_LAUNCH = tuple(int(p) for p in triton.__version__.split(".")[:2]) == (3, 6) and not interpreting()
-_COMPILED: dict[tuple, object] = {}
-
-
-def _no_launch_hooks() -> bool:
-    """No launch hook installed (Triton 3.6 keeps them in always-present, empty ``HookChain`` s)."""
-    rt = triton.knobs.runtime
-    return all(h is None or getattr(h, "calls", True) == [] for h in (rt.launch_enter_hook, rt.launch_exit_hook))
-
-
 def _launch(x, layout, labels, out, valid, n_out, c, ignore_index, plan, part, ws, errors, host, seq) -> None:
     """One launch of the streaming kernel over the rows of ``x`` (``layout``: see :func:`_row_layout`)."""
     inner, stride_outer, stride_inner = layout
-    args = (
+    _stats_kernel[(labels.shape[0], plan.split)](
         x, inner, stride_outer, stride_inner, labels, plan.vocab, plan.chunk, c, ignore_index,
-        out, valid, part, ws, n_out, errors, host, seq,
+        out, valid, part, ws, n_out, errors, host, seq, REPORT=seq != 0, **dict(plan.consts), num_warps=plan.num_warps,
     )  # fmt: skip
-    grid = (labels.shape[0], plan.split)
-    report = seq != 0
-    if _DIRECT_LAUNCH:
-        key = (
-            plan, layout, n_out, x.get_device(), x.data_ptr() % 16, labels.dtype, labels.data_ptr() % 16, out.data_ptr() % 16,
-            valid.data_ptr() % 16, errors.data_ptr() % 16, ignore_index, report,
-        )  # fmt: skip
-        kernel = _COMPILED.get(key)
-        if kernel is not None and _no_launch_hooks():
-            stream = torch._C._cuda_getCurrentRawStream(x.device.index)
-            kernel.run(
-                grid[0], grid[1], 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
-                *args, *(v for _, v in plan.consts), report,
-            )  # fmt: skip
-            return
-    kernel = _stats_kernel[grid](*args, REPORT=report, **dict(plan.consts), num_warps=plan.num_warps)
-    if _DIRECT_LAUNCH and not hasattr(kernel, "result"):  # a compiled kernel, not a pending compilation
-        _COMPILED[key] = kernel

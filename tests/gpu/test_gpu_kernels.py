@@ -188,40 +188,6 @@ def test_public_call_waits_once_at_the_end_and_check_false_never(monkeypatch):
     assert _first_sync(lambda: token_stats_from_hidden(hidden, weight, labels)).startswith("errors = out.errors.tolist()")
 
 
-@pytest.mark.parametrize("n", [200, 3000])
-def test_direct_launch_gives_the_bits_of_tritons_launch_path(n, monkeypatch):
-    """The direct call of the compiled kernel's launcher (Triton 3.6) against ``kernel[grid](...)``:
-    same bits, same counters, with and without the host report; once compiled, a call runs even
-    with the JIT function gone, so the direct path is the one taken."""
-    import triton
-
-    from entropy_discriminator.kernels import triton_stats
-    from entropy_discriminator.kernels.triton_stats import HostReport, token_stats_triton
-
-    assert triton_stats._DIRECT_LAUNCH == triton.__version__.startswith("3.6.")
-    logits = make_logits(n, n, 9000, torch.bfloat16, "normal")
-    labels = make_labels(n, n, 9000, ignore_frac=0.1)
-    logits[3, 5] = math.nan
-    labels[3], labels[7] = 1, 9000
-    report = HostReport(pinned=True)
-    monkeypatch.setattr(triton_stats, "_DIRECT_LAUNCH", False)
-    want = [token_stats_triton(logits, labels, 0.8, -100, report=r) for r in (None, report)]
-    assert report.wait() == want[1].errors.tolist() == [1, 1, 0, 0]
-    monkeypatch.setattr(triton_stats, "_DIRECT_LAUNCH", True)
-    triton_stats._COMPILED.clear()
-    for r in (None, report):
-        token_stats_triton(logits, labels, 0.8, -100, report=r)
-        if r is not None:
-            r.wait()
-    monkeypatch.setattr(triton_stats, "_stats_kernel", None)  # Triton's launch path would fail now
-    for r, w in zip((None, report), want):
-        got = token_stats_triton(logits, labels, 0.8, -100, report=r)
-        if r is not None:
-            assert r.wait() == [1, 1, 0, 0]
-        for a, b in zip(got, w):
-            assert torch.equal(a, b) if not a.is_floating_point() else torch.equal(a.nan_to_num(), b.nan_to_num())
-
-
 def test_checked_calls_on_other_streams_and_threads_get_their_own_counts():
     """The per-stream workspace and the per-thread host words: checked calls alternating between
     two non-default streams, and four threads each on its own stream, raise exactly for the
