@@ -2,11 +2,15 @@
 
 bf16 logits [256, 151936] (78 MB, the issue's small-batch shape).  Each line gives the do_bench
 median (CUDA events around the call, L2 flushed first; a call that synchronises is timed up to its
-return) twice, and the host time per call over 300 back-to-back calls.  Rows: torch.sum; the kernel
-alone; the kernel followed by three ways of reading its error counters on the host (pageable
-``tolist()``, as ``token_stats`` does; a non-blocking copy to pinned memory and an event; a stream
-synchronisation without a read); ``token_stats`` with and without ``check``; the cost of a small
-``torch.zeros`` and ``torch.empty``.  Then a cProfile of 300 ``token_stats(check=False)`` calls.
+return) of two runs, and the host time per call over 300 back-to-back calls.  Rows: the floors of any
+call that waits for its result on the host, in the same run: ``torch.sum`` and the pure-read
+kernel of :mod:`.floors`, each alone and followed by ``stream.synchronize()``; the statistics
+kernel alone, followed by a stream synchronisation, by the ``tolist()`` read of its device
+counters (the earlier public call) and by the poll of the host words it writes
+(``HostReport.wait``, what ``token_stats`` does); ``token_stats`` with and without ``check``.
+Each row gives the median and the 10th-90th percentiles of each do_bench run; the first row is
+do_bench's own L2 flush (the host time a call may spend before its launch without being timed).
+Then a cProfile of 300 ``token_stats(check=False)`` calls (the host path before the launch).
 """
 
 from __future__ import annotations
@@ -16,52 +20,60 @@ import pstats
 
 import torch
 
-from .common import host_us
+from .common import card_name, host_us
 
 
 def main() -> None:
+    import triton
     import triton.testing
 
     import entropy_discriminator as ed
+    from entropy_discriminator.kernels._host_report import HostReport
     from entropy_discriminator.kernels.triton_stats import token_stats_triton
+
+    from .floors import read_sum
 
     n, v = 256, 151936
     x = (torch.randn(n, v, device="cuda") * 3).bfloat16()
     labels = torch.randint(0, v, (n,), device="cuda")
-    pinned = torch.empty(4, dtype=torch.int32, pin_memory=True)
+    report = HostReport(pinned=True)
+    stream = torch.cuda.current_stream()
 
     def kernel():
         return token_stats_triton(x, labels, 1.0, -100)
 
-    def kernel_tolist():
-        return kernel().errors.tolist()
+    def synced(fn):
+        def run():
+            out = fn()
+            stream.synchronize()
+            return out
 
-    def kernel_pinned_event():
-        pinned.copy_(kernel().errors, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()
-        return pinned.tolist()
+        return run
 
-    def kernel_stream_sync():
-        out = kernel()
-        torch.cuda.current_stream().synchronize()
-        return out
+    def kernel_host_words():
+        token_stats_triton(x, labels, 1.0, -100, report=report)
+        return report.wait()
 
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")  # what do_bench zeroes before each call
     cases = {
+        "L2 flush (zero 256 MB)": lambda: flush.zero_(),
         "torch.sum": lambda: torch.sum(x),
+        "torch.sum+stream.sync": synced(lambda: torch.sum(x)),
+        "read_sum": lambda: read_sum(x, 2112, 2048, 4, 4),
+        "read_sum+stream.sync": synced(lambda: read_sum(x, 2112, 2048, 4, 4)),
         "kernel": kernel,
-        "kernel+tolist": kernel_tolist,
-        "kernel+pinned+event": kernel_pinned_event,
-        "kernel+stream.sync": kernel_stream_sync,
+        "kernel+stream.sync": synced(kernel),
+        "kernel+tolist": lambda: kernel().errors.tolist(),
+        "kernel+host words": kernel_host_words,
         "token_stats(check=False)": lambda: ed.token_stats(x, labels, check=False),
         "token_stats": lambda: ed.token_stats(x, labels),
-        "torch.zeros(260)": lambda: torch.zeros(260, device="cuda", dtype=torch.int32),
-        "torch.empty(5,256)": lambda: torch.empty((5, 256), device="cuda"),
     }
+    print(f"card {card_name()} torch {torch.__version__} triton {triton.__version__}; bf16 [{n}, {v}]", flush=True)
+    print(f"{'':28s} do_bench median (p10-p90), twice; host time per call over 300 calls")
     for name, fn in cases.items():
-        a, b = (triton.testing.do_bench(fn, warmup=50, rep=100, return_mode="median") for _ in range(2))
-        print(f"{name:28s} do_bench {a * 1e3:7.1f} {b * 1e3:7.1f} us   host {host_us(fn, calls=300):7.1f} us/call", flush=True)
+        runs = [sorted(triton.testing.do_bench(fn, warmup=50, rep=100, return_mode="all")) for _ in range(2)]
+        med = "  ".join(f"{t[len(t) // 2] * 1e3:6.1f} ({t[len(t) // 10] * 1e3:5.1f}-{t[9 * len(t) // 10] * 1e3:5.1f})" for t in runs)
+        print(f"{name:32s} {med} us   host {host_us(fn, calls=300):7.1f} us/call", flush=True)
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(300):

@@ -22,6 +22,7 @@ chosen by ``impl="auto"`` when it is available.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,6 +34,11 @@ from ._checks import NO_IGNORE_INDEX, common_shape, ignore_index_value, real_num
 
 #: ``impl=`` names accepted by :func:`token_stats`.
 IMPLS = ("auto", "torch", "triton")
+# Label dtypes: every torch dtype that is neither floating, complex nor bool (a set: one lookup per call).
+_INT_DTYPES = frozenset(
+    d for d in vars(torch).values()
+    if isinstance(d, torch.dtype) and not (d.is_floating_point or d.is_complex or d == torch.bool)
+)  # fmt: skip
 
 # Elements of one [chunk, V] working buffer when ``chunk_size`` is None (the torch path holds three).
 _DEFAULT_CHUNK_ELEMENTS = 1 << 25
@@ -119,8 +125,9 @@ def token_stats(
             ``"auto"`` (Triton for CUDA logits when available, else torch).
         check: validate the data (labels in range, no NaN / ``+inf`` logit and no row of
             ``-inf`` only in a counted row) and raise ``ValueError`` naming the fault. On CUDA
-            the kernel counts bad rows on the device and the call reads them back once: one host
-            synchronisation per call. ``check=False`` skips that read, so the call never blocks
+            the kernel counts bad rows on the device and its last program stores the counts in
+            pinned host memory, which the call polls: one host synchronisation per call (the
+            wait for the kernel; no device-to-host copy). ``check=False`` skips that read, so the call never blocks
             the host; what is given up is the exception: a bad row's five statistics are NaN
             instead (NaN propagates into any mask or monitor built from them, which reject NaN
             scores), and with ``impl="auto"`` logits of magnitude above ``~3.4e38 * T / log2(e)``
@@ -142,12 +149,12 @@ def token_stats(
     if vocab_parallel_group is None and vocab_start_index != 0:
         raise ValueError("vocab_start_index needs vocab_parallel_group")
     if _use_triton(impl, logits, vocab_parallel_group):
-        from .kernels.triton_stats import token_stats_triton
-
-        out = token_stats_triton(logits, labels, float(temperature), int(ignore_index))  # no autograd graph
+        triton_stats = _triton_stats()
+        report = triton_stats.host_report() if check else None  # pinned words the kernel writes its counters to
+        out = triton_stats.token_stats_triton(logits, labels, temperature, ignore_index, report=report)  # no autograd graph
         result = TokenStats(out.logp, out.entropy, out.s_star, out.s_expected, out.s_centered, out.valid)
-        if check:
-            errors = out.errors.tolist()  # the one host synchronisation, last: nothing left to do after it
+        if report is not None and out.valid.numel():
+            errors = report.wait()  # the one host synchronisation, last: nothing left to do after it
             if any(errors):
                 if impl == "auto" and not any(errors[:3]):  # only the kernel's fp32 scaling overflowed
                     return _token_stats_torch(logits, labels, float(temperature), ignore_index, chunk_size, check, None, 0)
@@ -239,7 +246,7 @@ def check_stats_args(
     or None (ignore nothing).  Returns ``(temperature, ignore_index)`` as Python ``float`` / ``int``.
     """
     labels = require_tensor("labels", labels)
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+    if labels.dtype not in _INT_DTYPES:
         raise TypeError(f"labels must be an integer tensor, got dtype {labels.dtype}")
     if labels.shape != source.shape[:-1]:
         raise ValueError(
@@ -247,8 +254,10 @@ def check_stats_args(
         )
     if labels.device != source.device:
         raise ValueError(f"labels are on {labels.device} but {source_name} on {source.device}")
-    temperature = real_number("temperature", temperature, above=0)
-    ignore_index = ignore_index_value(ignore_index)
+    if not (type(temperature) is float and 0.0 < temperature < math.inf):  # the common case, checked cheaply
+        temperature = real_number("temperature", temperature, above=0)
+    if type(ignore_index) is not int:
+        ignore_index = ignore_index_value(ignore_index)
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     if impl not in IMPLS:
@@ -290,10 +299,18 @@ def _triton_unavailable_reason(logits: torch.Tensor) -> str | None:
     if logits.dtype == torch.float64:
         return "the kernel reads bf16/fp16/fp32 logits; float64 runs on impl='torch'"
     try:
-        from .kernels import triton_stats  # noqa: F401  (imports triton)
+        _triton_stats()
     except ImportError as exc:
         return f"triton is not importable ({exc})"
     return None
+
+
+@functools.cache
+def _triton_stats():
+    """The kernel module (imports triton; cached: the import statement costs host time per call)."""
+    from .kernels import triton_stats
+
+    return triton_stats
 
 
 def _row_chunks(x: torch.Tensor, chunk_size: int) -> Iterator[tuple[slice, torch.Tensor]]:

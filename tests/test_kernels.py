@@ -112,6 +112,36 @@ def test_bad_rows_are_counted_once_and_read_nan():
     assert fine.errors.tolist() == [0, 0, 0, 0]
 
 
+def test_host_report_gives_each_call_its_own_counts():
+    """The kernel's last program hands the counters to the host words (tagged with the call's
+    sequence number) and leaves the per-stream workspace zeroed: a bad call followed by good ones
+    (split-V, one program per row, one launch per leading index) reports each call's own counts."""
+    from entropy_discriminator.kernels._host_report import HostReport
+
+    report = HostReport(pinned=False)
+    logits = _logits(3, 6, 300, torch.float32)
+    logits[0, 7] = float("nan")
+    logits[2] = -math.inf
+    labels = torch.tensor([1, 2, 3, 300, 0, -100], device=DEV)
+    good = _logits(4, 6, 300, torch.float32)
+    cfg = {"block": 128, "num_warps": 4, "stages": 2}
+    for split in (1, 3):
+        out = token_stats_triton(logits, labels, 1.0, -100, config={**cfg, "split": split}, report=report)
+        assert report.wait() == out.errors.tolist() == [1, 1, 1, 0]
+        assert not report.busy
+        out = token_stats_triton(good, labels.clamp(max=299), 1.0, -100, config={**cfg, "split": split}, report=report)
+        assert report.wait() == out.errors.tolist() == [0, 0, 0, 0]
+    four = _logits(6, 2 * 3 * 5, 64, torch.float32).view(2, 3, 5, 64)[:, :, 1:-1].transpose(1, 2)  # 2 launches
+    labels4 = _labels(6, 18, 64).view(2, 3, 3)
+    labels4[0, 0, 0], labels4[1, 2, 2] = 64, -1
+    out = token_stats_triton(four, labels4, 1.0, -100, report=report)
+    assert report.wait() == out.errors.tolist() == [2, 0, 0, 0]
+    report.arm(None)  # no kernel writes this call's tag: the last call's words are not taken for it
+    with pytest.raises(RuntimeError, match="without reporting"):
+        report.wait()
+    assert not report.busy
+
+
 def test_leading_dimensions_read_in_place():
     base = _logits(5, 3 * 9, 700, torch.bfloat16).view(3, 9, 700)
     shifted = base[:, :-1]  # the one-token shift: two strided levels, one launch

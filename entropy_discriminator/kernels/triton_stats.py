@@ -17,13 +17,19 @@ two runs give identical bits).  Rows whose label is ``ignore_index`` are not rea
 The kernel also validates: the program that finishes a row writes its five statistics and
 ``valid`` directly and, for a bad row (label outside [0, V), a NaN or +inf logit, every logit
 -inf, or finite logits that overflow fp32 once scaled by log2(e)/T), NaN statistics and one
-increment of the matching error counter, so the caller needs one host read for the whole batch.
+increment of the matching error counter in the stream's workspace.  The program that finishes the
+call's last row (a second arrival counter over rows) moves the counters into the call's own
+``errors`` words, resets the workspace (so no launch needs a zero-filled buffer: it is allocated
+once per stream and device and left zeroed by every launch) and, when asked, stores them into
+pinned host memory for the host to poll (:mod:`._host_report`): a checked call then waits once and
+copies nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from typing import NamedTuple
 
 import torch
@@ -32,13 +38,15 @@ import triton.language as tl
 
 from . import interpreting
 from . import is_available as _is_available
+from ._host_report import HostReport, host_report
 from ._reduce import D_FLOOR, ERR_WORDS, ERR_WORDS_C, LOG2E, max_nan, merge_partials, rescale, store_row
 
-__all__ = ["KernelStats", "token_stats_triton", "is_available", "choose_config"]
+__all__ = ["KernelStats", "token_stats_triton", "is_available", "choose_config", "HostReport", "host_report"]
 
 SPLIT_TARGET = 4  # programs per multiprocessor below which rows are split (split-V)
 TAU = 8.0  # lazy-rescale slack in base-2 units: e <= 2^8, e^2 <= 2^16, sums stay far from overflow
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_INTERPRETING = interpreting()
 
 
 def is_available() -> bool:
@@ -66,7 +74,30 @@ def _update(x, c, m, mx, s0, s1, s2, s3, TAU: tl.constexpr):
     return m, mx, s0, s1, s2, s3
 
 
+# Workspace words (int32, one buffer per device and stream, zero between launches): the error
+# counters, the count of finished rows, then (split-V) one arrival counter per row.
+DONE_WORD = ERR_WORDS
+ROW_WORDS = tl.constexpr(ERR_WORDS + 1)
+
+
 @triton.jit
+def _finish_row(ws_ptr, N, err_ptr, host_ptr, seq, REPORT: tl.constexpr):
+    """Called once per row, after :func:`store_row`.  The program finishing the call's N-th row
+    takes the error counters out of the workspace (read and reset in one exchange), writes them to
+    the call's ``err_ptr`` and, with REPORT, to the host words ``(seq << 32) | count`` (one 64-bit
+    write-through store each), and resets the row count."""
+    tl.debug_barrier()  # this row's counter increments come before its arrival
+    done = tl.atomic_add(ws_ptr + ERR_WORDS_C, 1, sem="acq_rel", scope="gpu")
+    if done == N - 1:
+        w = tl.arange(0, ERR_WORDS_C)
+        e = tl.atomic_xchg(ws_ptr + w, tl.zeros([ERR_WORDS_C], dtype=tl.int32), sem="acq_rel", scope="gpu")
+        tl.store(ws_ptr + ERR_WORDS_C, 0)
+        tl.store(err_ptr + w, e)
+        if REPORT:
+            tl.store(host_ptr + w, (seq.to(tl.int64) << 32) | e.to(tl.int64), cache_modifier=".wt")
+
+
+@triton.jit(do_not_specialize=["seq"])
 def _stats_kernel(
     x_ptr,
     inner,
@@ -82,11 +113,15 @@ def _stats_kernel(
     part_ptr,
     ws_ptr,
     N,
+    err_ptr,
+    host_ptr,
+    seq,
     SPLIT: tl.constexpr,
     SPLIT_P2: tl.constexpr,
     BLOCK: tl.constexpr,
     TAU: tl.constexpr,
     STAGES: tl.constexpr,
+    REPORT: tl.constexpr,
 ):
     row = tl.program_id(0)
     sp = tl.program_id(1)
@@ -122,6 +157,7 @@ def _stats_kernel(
         xk = tl.load(row_ptr + label, mask=valid & in_range, other=float("nan")).to(tl.float32)
         mu = tl.where(m > float("-inf"), m, 0.0)
         store_row(r, N, valid, in_range, mu, t0, t1, t2, t3, xk * c, mx, mx * c, out_ptr, valid_ptr, ws_ptr)
+        _finish_row(ws_ptr, N, err_ptr, host_ptr, seq, REPORT)
     else:
         # Split-V: publish this slice's partials; the last program of the row to arrive (arrival
         # counter after the error words) merges all of them in slice order (deterministic bits).
@@ -134,9 +170,9 @@ def _stats_kernel(
         tl.store(base + 4 * stride_f + sp, t3)
         tl.store(base + 5 * stride_f + sp, mx)
         tl.debug_barrier()
-        arrived = tl.atomic_add(ws_ptr + ERR_WORDS_C + row, 1, sem="acq_rel", scope="gpu")
+        arrived = tl.atomic_add(ws_ptr + ROW_WORDS + row, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT - 1:
-            tl.store(ws_ptr + ERR_WORDS_C + row, 0)  # reset: the next launch on this stream may reuse it
+            tl.store(ws_ptr + ROW_WORDS + row, 0)  # reset: the next launch on this stream reuses it
             j = tl.arange(0, SPLIT_P2)
             msk = j < SPLIT
             mj = tl.load(base + j, mask=msk, other=float("-inf"), cache_modifier=".cg")
@@ -151,6 +187,7 @@ def _stats_kernel(
             mx_row = tl.reduce(mxj, 0, max_nan)
             xk = tl.load(row_ptr + label, mask=valid & in_range, other=float("nan")).to(tl.float32)
             store_row(r, N, valid, in_range, mu, u0, u1, u2, u3, xk * c, mx_row, mx_row * c, out_ptr, valid_ptr, ws_ptr)
+            _finish_row(ws_ptr, N, err_ptr, host_ptr, seq, REPORT)
 
 
 class KernelStats(NamedTuple):
@@ -229,11 +266,11 @@ def _choose(n_rows: int, vocab: int, dtype: torch.dtype, num_sms: int, card: str
     return (("block", block), ("num_warps", num_warps), ("stages", stages), ("split", split))
 
 
-def _row_layout(x: torch.Tensor) -> tuple[int, int, int] | None:
-    """``(inner, stride_outer, stride_inner)`` with row r of ``x[..., V]`` (flat row order) at
-    ``(r // inner) * stride_outer + (r % inner) * stride_inner``, or None when the leading
-    dimensions do not fold into two such levels."""
-    dims = [(n, st) for n, st in zip(x.shape[:-1], x.stride()[:-1]) if n != 1]
+def _row_layout(shape: tuple, strides: tuple) -> tuple[int, int, int] | None:
+    """``(inner, stride_outer, stride_inner)`` with row r of ``x[..., V]`` (``x.shape``,
+    ``x.stride()``; flat row order) at ``(r // inner) * stride_outer + (r % inner) * stride_inner``,
+    or None when the leading dimensions do not fold into two such levels."""
+    dims = [(n, st) for n, st in zip(shape[:-1], strides[:-1]) if n != 1]
     folded: list[list[int]] = []
     for n, st in dims:
         if folded and folded[-1][1] == n * st:
@@ -256,6 +293,7 @@ def token_stats_triton(
     ignore_index: int,
     *,
     config: dict | None = None,
+    report: HostReport | None = None,
 ) -> KernelStats:
     """One-pass statistics of every row of ``logits`` [..., V] (bf16/fp16/fp32, CUDA).
 
@@ -263,58 +301,140 @@ def token_stats_triton(
     :class:`KernelStats`: fp32 log p_k, H = -sum p log p, S* = p_k (H + log p_k),
     E_p[S] = H sum p^2 + sum p^2 log p (centred form, see :mod:`._reduce`), S_c = S* - E_p[S], and
     ``valid = labels != ignore_index``, each of ``labels.shape``, written once by the kernel; and
-    the int32 error counters (no host synchronisation here: the caller reads them).  Rows with
-    label == ignore_index are not read and give 0.  Rows whose leading dimensions fold into two
-    strided levels (any 2-D row stride, the ``[B, T+1, V][:, :-1]`` shift) are read in place;
-    other layouts run one launch per leading index (a leading slice that still does not fold is
-    copied); a last dimension that is not contiguous is copied.  ``config`` overrides :func:`choose_config` (benchmarks).  Deterministic: the same
-    inputs give the same bits (split-V partials are merged in slice order).
+    the int32 error counters (no host synchronisation here: the caller reads them, or passes a
+    :class:`._host_report.HostReport` that the kernel also writes them to, then calls its
+    ``wait()``).  Rows with label == ignore_index are not read and give 0.  Rows whose leading
+    dimensions fold into two strided levels (any 2-D row stride, the ``[B, T+1, V][:, :-1]``
+    shift) are read in place; other layouts run one launch per leading index (a leading slice that
+    still does not fold is copied); a last dimension that is not contiguous is copied.  ``config``
+    overrides :func:`choose_config` (benchmarks).  Deterministic: the same inputs give the same
+    bits (split-V partials are merged in slice order).
     """
     if logits.dim() < 1:
         raise ValueError(f"logits must have shape [..., V], got shape {tuple(logits.shape)}")
     if logits.dtype not in _DTYPES:
         raise ValueError(f"logits dtype must be bf16, fp16 or fp32, got {logits.dtype}")
-    if not interpreting() and logits.device.type != "cuda":
-        raise ValueError(f"logits must be a CUDA tensor, got device {logits.device}")
+    dev = logits.device
+    if dev.type != "cuda" and not _INTERPRETING:
+        raise ValueError(f"logits must be a CUDA tensor, got device {dev}")
     if labels.shape != logits.shape[:-1]:
         raise ValueError(f"labels must have shape {tuple(logits.shape[:-1])}, got shape {tuple(labels.shape)}")
     if not (temperature > 0 and temperature < float("inf")):
         raise ValueError(f"temperature must be a positive finite number, got {temperature}")
-    vocab = logits.shape[-1]
-    if vocab == 0:
-        raise ValueError("logits must have a non-empty vocabulary dimension")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    dev = logits.device
+    plan = _plan(logits.shape, logits.stride(), logits.dtype, dev, tuple(sorted(config.items())) if config else None)
+    n_rows = plan.n_rows
+    buf = torch.empty(5 * n_rows + ERR_WORDS, device=dev, dtype=torch.float32)
+    out = buf[: 5 * n_rows].view(5, *labels.shape)
+    errors = buf[5 * n_rows :].view(torch.int32)
+    valid = torch.empty(labels.shape, device=dev, dtype=torch.bool)
+    result = KernelStats(*out.unbind(0), valid, errors)
+    if n_rows == 0:
+        errors.zero_()
+        return result
     flat_labels = labels.reshape(-1)
     if flat_labels.dtype not in (torch.int32, torch.int64):
         flat_labels = flat_labels.to(torch.int64)
-    n_rows = flat_labels.shape[0]
-    out = torch.empty((5, *labels.shape), device=dev, dtype=torch.float32)
-    valid = torch.empty(labels.shape, device=dev, dtype=torch.bool)
-    cfg = config or choose_config(n_rows, vocab, logits.dtype, _num_sms(dev), card_of(dev))
-    split, chunk = _split_plan(vocab, cfg["block"], cfg["split"])
-    ws = torch.zeros(ERR_WORDS + (n_rows if split > 1 else 0), device=dev, dtype=torch.int32)
-    result = KernelStats(*out.unbind(0), valid, ws if split == 1 else ws[:ERR_WORDS])
-    if n_rows == 0:
-        return result
-    part = torch.empty(6 * n_rows * split, device=dev, dtype=torch.float32) if split > 1 else ws
-    args = (LOG2E / float(temperature), int(ignore_index), cfg, split, chunk, part, ws)
-    layout = (n_rows, 0, logits.stride(0)) if logits.dim() == 2 else _row_layout(logits)
-    flat_out, flat_valid = (out, valid) if labels.dim() == 1 else (out.view(5, -1), valid.view(-1))
-    # Host time matters at small N (the launch path costs more than the kernel): no device switch
-    # unless the tensors live on another GPU, cached configuration, one memset and one launch.
+    # Host time matters at small N (the launch path costs about as much as the kernel): a cached
+    # plan, no device switch unless the tensors live on another GPU, no memset, one launch.
     switch = dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device()
     with torch.cuda.device(dev) if switch else contextlib.nullcontext():
-        if layout is not None:
-            _launch(logits, layout, flat_labels, flat_out, flat_valid, n_rows, *args)
-        else:  # leading dimensions that do not fold: one launch per leading index
-            per = n_rows // logits.shape[0]
-            for i in range(logits.shape[0]):
-                rows = slice(i * per, (i + 1) * per)
-                sub = logits[i] if _row_layout(logits[i]) is not None else logits[i].reshape(-1, vocab)
-                _launch(sub, _row_layout(sub), flat_labels[rows], flat_out[:, rows], flat_valid[rows], n_rows, *args)
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # CUDA graph capture: buffers of the graph's own (captured memset, graph memory pool),
+            # never the per-stream ones, which eager calls on that stream keep using.
+            ws = torch.zeros(plan.ws_words, device=dev, dtype=torch.int32)
+            part = torch.empty(plan.part_words, device=dev) if plan.split > 1 else ws
+        else:
+            stream = (dev.index, torch._C._cuda_getCurrentRawStream(dev.index)) if dev.type == "cuda" else None
+            ws = _workspace(dev, stream, plan.ws_words)
+            part = _partials(dev, stream, plan.part_words) if plan.split > 1 else ws
+        seq, host = (report.arm(dev), report.words) if report is not None else (0, ws)
+        args = (LOG2E / float(temperature), int(ignore_index), plan, part, ws, errors, host, seq)
+        flat_out, flat_valid = (out, valid) if labels.dim() == 1 else (out.view(5, -1), valid.view(-1))
+        try:
+            if plan.layout is not None:
+                _launch(logits, plan.layout, flat_labels, flat_out, flat_valid, n_rows, *args)
+            else:  # leading dimensions that do not fold: one launch per leading index
+                per = n_rows // logits.shape[0]
+                for i in range(logits.shape[0]):
+                    rows = slice(i * per, (i + 1) * per)
+                    sub = logits[i]
+                    if _row_layout(sub.shape, sub.stride()) is None:
+                        sub = sub.reshape(-1, plan.vocab)
+                    _launch(sub, _row_layout(sub.shape, sub.stride()), flat_labels[rows], flat_out[:, rows], flat_valid[rows], n_rows, *args)
+        except BaseException:
+            if report is not None:
+                report.busy = False
+            raise
     return result
+
+
+class _Plan(NamedTuple):
+    """What a launch needs that depends only on the logits' shape, strides, dtype and device."""
+
+    n_rows: int
+    vocab: int
+    layout: tuple[int, int, int] | None  # see _row_layout; None: one launch per leading index
+    split: int
+    chunk: int
+    ws_words: int  # int32 workspace words: errors, finished rows, per-row arrivals (split-V)
+    part_words: int  # fp32 split-V partials (6 per row and slice)
+    num_warps: int
+    consts: tuple  # (name, value) of the kernel's compile-time arguments before REPORT, in signature order
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(shape: torch.Size, strides: tuple, dtype: torch.dtype, dev: torch.device, config: tuple | None) -> _Plan:
+    vocab = shape[-1]
+    if vocab == 0:
+        raise ValueError("logits must have a non-empty vocabulary dimension")
+    n_rows = 1
+    for d in shape[:-1]:
+        n_rows *= d
+    cfg = dict(config) if config else choose_config(n_rows, vocab, dtype, _num_sms(dev), card_of(dev))
+    split, chunk = _split_plan(vocab, cfg["block"], cfg["split"])
+    if len(shape) == 2:
+        layout = (n_rows, 0, strides[0])
+    else:
+        layout = _row_layout(shape, strides)
+    consts = (("SPLIT", split), ("SPLIT_P2", 1 << (split - 1).bit_length()), ("BLOCK", cfg["block"]), ("TAU", TAU))
+    consts += (("STAGES", cfg["stages"]),)
+    ws_words = ERR_WORDS + 1 + (n_rows if split > 1 else 0)
+    parts = 6 * n_rows * split if split > 1 else 0
+    return _Plan(n_rows, vocab, layout, split, chunk, ws_words, parts, cfg["num_warps"], consts)
+
+
+# Per (device, stream) buffers: the workspace (zero between launches, see the module docstring)
+# and the split-V partials (written and read inside one launch).  Launches on one stream are
+# ordered, so a buffer is never used by two launches at once; launches on different streams get
+# different buffers.  A stream's buffer is replaced by a larger one when a call needs more.
+_BUFFERS: dict[tuple, torch.Tensor] = {}
+_BUFFERS_LOCK = threading.Lock()
+
+
+def _stream_key(kind: str, dev: torch.device, stream: tuple | None) -> tuple:
+    """``stream``: (device index, raw CUDA stream handle), None in Triton's interpreter."""
+    return (kind, *stream) if stream is not None else (kind, str(dev), threading.get_ident())
+
+
+def _workspace(dev: torch.device, stream: tuple | None, words: int) -> torch.Tensor:
+    key = _stream_key("ws", dev, stream)
+    ws = _BUFFERS.get(key)
+    if ws is None or ws.numel() < words:
+        with _BUFFERS_LOCK:
+            size = max(words, 2 * ws.numel() if ws is not None else 1024)
+            ws = _BUFFERS[key] = torch.zeros(size, device=dev, dtype=torch.int32)
+    return ws
+
+
+def _partials(dev: torch.device, stream: tuple | None, words: int) -> torch.Tensor:
+    key = _stream_key("part", dev, stream)
+    part = _BUFFERS.get(key)
+    if part is None or part.numel() < words:
+        with _BUFFERS_LOCK:
+            part = _BUFFERS[key] = torch.empty(max(words, 2 * part.numel() if part is not None else 0), device=dev)
+    return part
 
 
 @functools.lru_cache(maxsize=4096)
@@ -326,13 +446,10 @@ def _split_plan(vocab: int, block: int, split: int) -> tuple[int, int]:
     return -(-vocab // chunk), chunk
 
 
-def _launch(x, layout, labels, out, valid, n_out, c, ignore_index, cfg, split, chunk, part, ws) -> None:
+def _launch(x, layout, labels, out, valid, n_out, c, ignore_index, plan, part, ws, errors, host, seq) -> None:
     """One launch of the streaming kernel over the rows of ``x`` (``layout``: see :func:`_row_layout`)."""
     inner, stride_outer, stride_inner = layout
-    n = labels.shape[0]
-    _stats_kernel[(n, split)](
-        x, inner, stride_outer, stride_inner, labels, x.shape[-1], chunk, c, ignore_index,
-        out, valid, part, ws, n_out,
-        SPLIT=split, SPLIT_P2=1 << (split - 1).bit_length(), BLOCK=cfg["block"], TAU=TAU, STAGES=cfg["stages"],
-        num_warps=cfg["num_warps"],
+    _stats_kernel[(labels.shape[0], plan.split)](
+        x, inner, stride_outer, stride_inner, labels, plan.vocab, plan.chunk, c, ignore_index,
+        out, valid, part, ws, n_out, errors, host, seq, REPORT=seq != 0, **dict(plan.consts), num_warps=plan.num_warps,
     )  # fmt: skip

@@ -161,21 +161,72 @@ def _first_sync(fn) -> str | None:
     return None
 
 
-def test_public_call_synchronises_once_at_the_end_and_check_false_never():
-    """The only synchronising operation is the read of the error counters, the last statement
-    before ``return`` when the data are valid: one host synchronisation per call."""
+def test_public_call_waits_once_at_the_end_and_check_false_never(monkeypatch):
+    """check=False: no synchronising operation and no wait.  The default: one wait on the host
+    words the kernel writes (``HostReport.wait``, the last call before ``return`` on valid data);
+    a synchronising torch operation, if any, is that wait's fallback ``stream.synchronize()``.
+    ``token_stats_from_hidden`` reads its counters once with ``tolist()``."""
     from entropy_discriminator.hidden import token_stats_from_hidden
+    from entropy_discriminator.kernels._host_report import HostReport
 
+    waits = []
+    wait = HostReport.wait
+    monkeypatch.setattr(HostReport, "wait", lambda self: waits.append(1) or wait(self))
     for n in (64, 3000):  # split-V and one program per row
         logits = make_logits(n, n, 20000, torch.bfloat16, "normal")
         labels = make_labels(n, n, 20000)
         assert _first_sync(lambda: ed.token_stats(logits, labels, check=False)) is None
-        assert _first_sync(lambda: ed.token_stats(logits, labels)).startswith("errors = out.errors.tolist()")
+        assert waits == []
+        line = _first_sync(lambda: ed.token_stats(logits, labels))
+        assert line is None or line.endswith(".synchronize()"), line  # HostReport.wait's fallback
+        assert len(waits) == 2  # the warm-up call and the checked one
+        waits.clear()
     hidden = torch.randn(100, 256, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(5000, 256, device="cuda", dtype=torch.bfloat16) * 0.1
     labels = make_labels(3, 100, 5000)
     assert _first_sync(lambda: token_stats_from_hidden(hidden, weight, labels, check=False)) is None
     assert _first_sync(lambda: token_stats_from_hidden(hidden, weight, labels)).startswith("errors = out.errors.tolist()")
+
+
+def test_checked_calls_on_other_streams_and_threads_get_their_own_counts():
+    """The per-stream workspace and the per-thread host words: checked calls alternating between
+    two non-default streams, and four threads each on its own stream, raise exactly for the
+    batches with a bad label."""
+    import threading
+
+    logits = make_logits(7, 300, 9000, torch.bfloat16, "normal")
+    labels = make_labels(7, 300, 9000, ignore_frac=0.0)
+    bad = labels.clone()
+    bad[5] = 9000
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    torch.cuda.synchronize()
+    for i in range(12):
+        with torch.cuda.stream(streams[i % 2]):
+            if i % 3 == 0:
+                with pytest.raises(ValueError, match=r"got \[9000\]"):
+                    ed.token_stats(logits, bad)
+            else:
+                assert not torch.isnan(ed.token_stats(logits, labels).logp).any()
+    wrong = []
+
+    def worker(k: int) -> None:
+        with torch.cuda.stream(torch.cuda.Stream()):
+            for i in range(20):
+                is_bad = (i + k) % 3 == 0
+                try:
+                    ed.token_stats(logits, bad if is_bad else labels)
+                    raised = False
+                except ValueError:
+                    raised = True
+                if raised != is_bad:
+                    wrong.append((k, i))
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == []
 
 
 @pytest.mark.parametrize("n", [6, 3000])
