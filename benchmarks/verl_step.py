@@ -14,8 +14,10 @@ vanilla PPO loss, token-mean, temperature 1, ``torch.compile`` of verl's entropy
 attention, ``ppo_mini_batch_size`` = the 8 prompts (one mini-batch per step, on-policy),
 micro-batches of 16 sequences (8704 tokens) for the log-prob pass and 8 for the update.  Without
 flash-attn installed, verl computes log-probs from logits with its row-by-row fallback
-(``logprobs_from_logits_v2``), which makes the logits arms' verl work slower than with flash-attn's
-cross-entropy; the hook's and the driver's seconds do not depend on it.  Not included: Ray and
+(``logprobs_from_logits_v2``), which makes the logits arms' verl work host-bound and several times
+slower than with flash-attn's cross-entropy; ``--logprobs auto`` (the default) then gives every arm
+the one-pass stand-in of :func:`fast_logprobs` instead, so that the adapter's cost is measured
+against a realistic baseline (``--logprobs verl`` keeps the fallback).  Not included: Ray and
 TransferQueue transfers (the adapter adds one get/put of ``E_p[S]`` and, for the clip arms, of the
 advantages), the reference model, rollout.
 
@@ -35,15 +37,17 @@ Arms (each builds its worker, runs ``--steps`` steps, frees it; in this order):
 
 Per step, CUDA-synchronised wall time of the old-log-prob pass, the driver work (0 for the off
 arms; it runs on the CPU tensors verl's worker returns, as on verl's driver) and the update; and,
-inside the old-log-prob pass, the engine hook's own time (``HookClock``: a synchronisation around
-each of its calls, one or two per micro-batch); per arm the peak ``torch.cuda.max_memory_allocated``
-(reset after the previous arm's worker is freed; ``allocated_before_gib`` is what was still
-allocated then, ~0 unless an earlier arm leaked).
+inside the old-log-prob pass, the GPU time of the engine hook's own work (``HookClock``: CUDA
+events, no synchronisation); per arm the peak ``torch.cuda.max_memory_allocated`` above what was
+allocated before the arm's build (``peak_gib``; the peak is reset after the previous arm's worker
+is freed, and ``allocated_before_gib`` is what an earlier arm left allocated: verl keeps about the
+fp32 parameters' size of each freed FSDP worker alive, so later arms start higher).
 Medians of steps 2..N.  Not timed (the same in every arm): building the batch and verl's GRPO
 advantages.  Writes ``benchmarks/results/<card>/verl_step.csv`` (or ``--out DIR``) and prints a
 table; the fused arms are compared with ``off_fused``, the others with ``off``.
 
-    python -m benchmarks.verl_step [--steps 4] [--arms off,monitor,...] [--response-len 512] [--no-compile] [--out DIR]
+    python -m benchmarks.verl_step [--steps 4] [--arms off,monitor,...] [--response-len 512] [--logprobs auto|verl|torch]
+                                   [--no-compile] [--out DIR]
     python -m benchmarks.verl_step --smoke     # tiny model and batch on the CPU: checks the code path only
 
 Run from the repository root (an installed ``entropy_discriminator`` is not needed; the checkout's
@@ -120,11 +124,15 @@ def timed(fn, *args: Any, **kwargs: Any) -> tuple[Any, float]:
 
 
 class HookClock:
-    """CUDA-synchronised time of the engine hook's own work, summed over the calls since the last ``take()``.
+    """Time of the engine hook's own work, summed over the calls since the last ``take()``.
 
     Wraps, in ``adapters/verl/_engine``, ``_fsdp_expected_seq`` (logits path: temperature scaling,
     ``token_stats``, unpacking; fused path: unpacking) and ``expected_score_from_hidden`` (fused
-    path: ``token_stats_from_hidden`` inside the forward); ``restore()`` puts them back.
+    path: ``token_stats_from_hidden`` inside the forward); ``restore()`` puts them back.  On a GPU
+    each call is bracketed by two CUDA events on the current stream and nothing is synchronised
+    (a synchronisation would stall verl's launch queue and itself cost time); ``take()``, called
+    after the step's own synchronisation, sums the events' elapsed times: the stretch of the GPU
+    timeline the hook occupies.  On the CPU (``--smoke``) wall time of the calls.
     """
 
     NAMES = ("_fsdp_expected_seq", "expected_score_from_hidden")
@@ -132,26 +140,63 @@ class HookClock:
     def __init__(self) -> None:
         from entropy_discriminator.adapters.verl import _engine
 
-        self.module, self.seconds = _engine, 0.0
+        self.module, self.seconds, self.events = _engine, 0.0, []
         self.real = {name: getattr(_engine, name) for name in self.NAMES}
         for name, real in self.real.items():
             setattr(_engine, name, self._timed(real))
 
     def _timed(self, real):
         def call(*args: Any, **kwargs: Any) -> Any:
-            out, seconds = timed(real, *args, **kwargs)
-            self.seconds += seconds
+            if not torch.cuda.is_available():
+                t = time.perf_counter()
+                out = real(*args, **kwargs)
+                self.seconds += time.perf_counter() - t
+                return out
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = real(*args, **kwargs)
+            end.record()
+            self.events.append((start, end))
             return out
 
         return call
 
     def take(self) -> float:
-        seconds, self.seconds = self.seconds, 0.0
+        for start, end in self.events:
+            end.synchronize()
+            self.seconds += start.elapsed_time(end) / 1000
+        seconds, self.seconds, self.events = self.seconds, 0.0, []
         return seconds
 
     def restore(self) -> None:
         for name, real in self.real.items():
             setattr(self.module, name, real)
+
+
+def fast_logprobs() -> Any:
+    """Give verl's FSDP engine a one-pass torch ``logprobs_from_logits``; returns the undo function.
+
+    verl uses flash-attn's fused cross-entropy kernel when flash-attn is installed and otherwise a
+    row-by-row ``log_softmax`` loop (``logprobs_from_logits_v2``: one small launch per token, tens
+    of thousands per micro-batch, so the pass is bound by the host).  flash-attn is not installed on
+    the benchmark's device, so ``--logprobs torch`` stands in for its kernel with
+    ``log_softmax(logits.float()).gather(labels)`` (same values; it reads the logits a few times
+    where flash-attn's kernel reads them once, so the stand-in is, if anything, the slower
+    baseline).  Every arm gets the same function.
+    """
+    from verl.workers.engine.fsdp import transformer_impl
+
+    real = transformer_impl.logprobs_from_logits
+
+    def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True) -> torch.Tensor:
+        return torch.log_softmax(logits.float(), dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+    transformer_impl.logprobs_from_logits = logprobs_from_logits
+
+    def undo() -> None:
+        transformer_impl.logprobs_from_logits = real
+
+    return undo
 
 
 def write_model(path: Path, smoke: bool) -> None:
@@ -333,7 +378,7 @@ def run_arm(arm: str, model_dir: Path, shape: Shape, ns: argparse.Namespace) -> 
         steps = [one_step(step) for step in range(ns.steps)]
     finally:
         hook_clock.restore()
-    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else math.nan
+    peak = torch.cuda.max_memory_allocated() / 2**30 - held if torch.cuda.is_available() else math.nan
     worker = None  # frees the engine (the closures above hold the variable, not the worker)
     remove_engine_hook()
     free_device()
@@ -358,6 +403,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--response-len", type=int, default=None, help="response tokens per sequence (default 512)")
     parser.add_argument("--out", type=Path, default=None, help="folder of verl_step.csv (default benchmarks/results/<card>)")
     parser.add_argument("--smoke", action="store_true", help="tiny model and batch on the CPU: checks the code path only")
+    parser.add_argument("--logprobs", choices=("auto", "verl", "torch"), default="auto",
+                        help="verl: verl's own logprobs_from_logits; torch: the one-pass stand-in of fast_logprobs() in "
+                        "every arm; auto (default): torch when flash-attn's cross-entropy is not installed, else verl")
     parser.add_argument("--no-compile", action="store_true",
                         help="actor.use_torch_compile=False (verl's default compiles its entropy function)")
     ns = parser.parse_args(argv)
@@ -393,9 +441,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     versions = f"verl {verl.__version__}, torch {torch.__version__}, transformers {transformers.__version__}"
     if ns.no_compile:
         versions += "; actor.use_torch_compile=False"
+    from verl.utils import torch_functional
+
+    flash_ce = bool(getattr(torch_functional, "FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", False))
+    stand_in = ns.logprobs == "torch" or (ns.logprobs == "auto" and not flash_ce)
+    versions += "; log-probs: " + ("one-pass torch stand-in (fast_logprobs)" if stand_in else
+                                   "verl's own (" + ("flash-attn cross-entropy" if flash_ce else "row-by-row fallback") + ")")
     model_dir = Path(tempfile.mkdtemp(prefix="verl_step_")) / "qwen25_05b_shapes"
     write_model(model_dir, ns.smoke)
-    rows = [run_arm(arm, model_dir, shape, ns) for arm in arms]
+    undo = fast_logprobs() if stand_in else (lambda: None)
+    try:
+        rows = [run_arm(arm, model_dir, shape, ns) for arm in arms]
+    finally:
+        undo()
     for r in rows:
         base = next((b for b in rows if b["arm"] == ("off_fused" if r["fused_kernels"] else "off")), None)
         r["baseline"] = base["arm"] if base else ""

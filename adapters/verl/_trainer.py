@@ -178,13 +178,17 @@ class EntropyDiscTrainerMixin:
         ``S* = exp(old_log_probs) (entropy + old_log_probs)``; ``S_c = S* - s_expected``; the mask
         is ``self.entropy_disc.compute_mask`` over the tokens with ``response_mask != 0``
         (None for ``method=none``).  Metrics: :class:`EntropyMonitor` with ``r = exp(old -
-        rollout)`` when rollout log-probs are given and ``lr = actor.optim.lr``.
+        rollout)`` when rollout log-probs are given and ``lr = actor.optim.lr``.  A NaN or infinite
+        ``s_expected`` at a response token (the workers' hook reports bad policy logits that way)
+        raises ``ValueError``.
         """
         valid = response_mask.bool()
         zero = torch.zeros((), dtype=torch.float32)
         old_lp = torch.where(valid, old_log_probs.float(), zero)
         h = torch.where(valid, entropy.float(), zero)
         s_star = discriminator_score(old_lp, h)
+        if s_expected is not None:
+            _require_finite_expected(s_expected, valid)
         s_centered = None if s_expected is None else torch.where(valid, s_star - s_expected.float(), zero)
         adv = advantages.float()
         mask = None
@@ -223,6 +227,19 @@ class EntropyDiscTrainerMixin:
             return super()._update_actor(batch, metrics)
         finally:
             tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=original.select(*names))
+
+
+def _require_finite_expected(s_expected: torch.Tensor, valid: torch.Tensor) -> None:
+    """Refuse a batch whose ``E_p[S]`` from the old-log-prob pass is NaN/inf at a response token."""
+    bad = valid & ~torch.isfinite(s_expected)
+    if bool(bad.any()):
+        rows = sorted({int(i) for i in bad.nonzero()[:, 0].tolist()})
+        raise ValueError(
+            f"entropy_disc: E_p[S] from the old-log-prob pass (field entropy_disc_s_expected_seq) is NaN or inf at "
+            f"{int(bad.sum())} response token(s) of sequence(s) {rows[:8]}{' ...' if len(rows) > 8 else ''}: the "
+            "policy's logits there contain NaN or +inf, or only -inf (the workers compute E_p[S] without a host "
+            "check and report such rows as NaN)"
+        )
 
 
 def _alias_mode_options(config: DictConfig) -> None:

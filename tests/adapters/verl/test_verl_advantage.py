@@ -242,3 +242,21 @@ def test_update_without_its_mask_is_refused():
     trainer = make_trainer(["+entropy_disc.method=clip_b"])
     with pytest.raises(RuntimeError, match="refusing to update without the mask"):
         trainer._update_actor(SimpleNamespace(keys=["x0_0_0"], partition_id="train"), {})
+
+
+def test_driver_refuses_nan_expected_score_at_response_tokens():
+    """The workers report bad policy logits as NaN E_p[S] (no host check there); the driver names it."""
+    trainer = make_trainer(["+entropy_disc.method=clip_v"])
+    g = torch.Generator().manual_seed(5)
+    shape = (4, 6)
+    old = -torch.rand(shape, generator=g) * 3
+    ent = torch.rand(shape, generator=g) * 2
+    adv = torch.randn(shape, generator=g)
+    valid = torch.ones(shape, dtype=torch.int64)
+    valid[1, 4:] = 0
+    s_exp = torch.randn(shape, generator=g) * 0.1
+    s_exp[1, 5] = float("nan")  # padding: ignored
+    trainer.entropy_disc_step(advantages=adv, response_mask=valid, old_log_probs=old, entropy=ent, s_expected=s_exp)
+    s_exp[2, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"E_p\[S\].*NaN or inf at 1 response token\(s\) of sequence\(s\) \[2\]"):
+        trainer.entropy_disc_step(advantages=adv, response_mask=valid, old_log_probs=old, entropy=ent, s_expected=s_exp)

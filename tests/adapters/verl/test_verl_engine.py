@@ -164,6 +164,37 @@ def test_hook_leaves_verl_outputs_alone(engine):
         assert torch.equal(c[key].values(), b[key].values())
 
 
+def test_bad_logits_give_nan_not_a_worker_exception(engine, model):
+    """The hook runs unchecked (no host sync per micro-batch): a NaN logit or a row of -inf only gives NaN
+    E_p[S] at exactly that position, for the driver to refuse; every other position is unchanged."""
+    data, _ = _batch(True, remove_padding=True, temperature=1.0)
+    clean = engine.infer_batch(data)["model_output"][SEQ_FIELD].values()
+    nan_at, masked_at = 2, 7  # packed positions of the first micro-batch (the first two sequences)
+    calls = []
+
+    def corrupt(module, args, output):
+        calls.append(output.logits.shape)
+        if len(calls) > 1:
+            return output
+        assert output.logits.shape[1] > masked_at
+        logits = output.logits.clone()
+        logits[0, nan_at, 5] = float("nan")
+        logits[0, masked_at, :] = float("-inf")
+        output.logits = logits
+        return output
+
+    handle = model.register_forward_hook(corrupt)
+    try:
+        data, _ = _batch(True, remove_padding=True, temperature=1.0)
+        got = engine.infer_batch(data)["model_output"][SEQ_FIELD].values()
+    finally:
+        handle.remove()
+    bad = torch.zeros_like(got, dtype=torch.bool)
+    bad[[nan_at, masked_at]] = True
+    assert torch.isnan(got[bad]).all()
+    assert torch.equal(got[~bad], clean[~bad])
+
+
 class FusedLlama(LlamaForCausalLM):
     """A subclass, so that verl's fused-kernel forward (patched onto the class) leaves the plain model alone."""
 
