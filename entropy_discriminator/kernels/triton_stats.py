@@ -55,7 +55,21 @@ def is_available() -> bool:
 
 
 @triton.jit
-def _update(x, c, m, mx, s0, s1, s2, s3, TAU: tl.constexpr):
+def _exp2(d, FTZ: tl.constexpr):
+    """2^d in fp32.  FTZ: one ``ex2.approx.ftz.f32`` (results below 2^-126 flush to 0); otherwise
+    ``tl.exp2`` (``ex2.approx.f32``, which ptxas wraps in a denormal range fix-up: about three more
+    instructions per logit).  Here d <= TAU and the row's largest logit has e >= 1, so a flushed
+    e < 2^-126 changes no fp32 sum (see _update)."""
+    if FTZ:
+        return tl.inline_asm_elementwise(
+            "ex2.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return tl.exp2(d)
+
+
+@triton.jit
+def _update(x, c, m, mx, s0, s1, s2, s3, TAU: tl.constexpr, FTZ: tl.constexpr):
     """Fold one block of raw logits x (fp32) into the running state of one row."""
     bm = tl.reduce(x, 0, max_nan)
     mx = max_nan(mx, bm)
@@ -65,7 +79,7 @@ def _update(x, c, m, mx, s0, s1, s2, s3, TAU: tl.constexpr):
         m = bm2
     mu = tl.where(m > float("-inf"), m, 0.0)
     d = tl.maximum(x * c - mu, -D_FLOOR)
-    e = tl.exp2(d)
+    e = _exp2(d, FTZ)
     e2 = e * e
     s0 += e
     s1 += e * d
@@ -121,6 +135,7 @@ def _stats_kernel(
     BLOCK: tl.constexpr,
     TAU: tl.constexpr,
     STAGES: tl.constexpr,
+    FTZ: tl.constexpr,
     REPORT: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -143,11 +158,11 @@ def _stats_kernel(
     s3 = tl.zeros([BLOCK], dtype=tl.float32)
     for i in tl.range(0, n_full, num_stages=STAGES):
         x = tl.load(p + i * BLOCK + offs).to(tl.float32)
-        m, mx, s0, s1, s2, s3 = _update(x, c, m, mx, s0, s1, s2, s3, TAU)
+        m, mx, s0, s1, s2, s3 = _update(x, c, m, mx, s0, s1, s2, s3, TAU, FTZ)
     rem = n - n_full * BLOCK
     if rem > 0:
         x = tl.load(p + n_full * BLOCK + offs, mask=offs < rem, other=float("-inf")).to(tl.float32)
-        m, mx, s0, s1, s2, s3 = _update(x, c, m, mx, s0, s1, s2, s3, TAU)
+        m, mx, s0, s1, s2, s3 = _update(x, c, m, mx, s0, s1, s2, s3, TAU, FTZ)
     t0 = tl.sum(s0, axis=0)
     t1 = tl.sum(s1, axis=0)
     t2 = tl.sum(s2, axis=0)
@@ -399,7 +414,7 @@ def _plan(shape: torch.Size, strides: tuple, dtype: torch.dtype, dev: torch.devi
     else:
         layout = _row_layout(shape, strides)
     consts = (("SPLIT", split), ("SPLIT_P2", 1 << (split - 1).bit_length()), ("BLOCK", cfg["block"]), ("TAU", TAU))
-    consts += (("STAGES", cfg["stages"]),)
+    consts += (("STAGES", cfg["stages"]), ("FTZ", bool(cfg.get("ftz", 1)) and not _INTERPRETING))
     ws_words = ERR_WORDS + 1 + (n_rows if split > 1 else 0)
     parts = 6 * n_rows * split if split > 1 else 0
     return _Plan(n_rows, vocab, layout, split, chunk, ws_words, parts, cfg["num_warps"], consts)
