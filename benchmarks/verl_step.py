@@ -40,8 +40,8 @@ arms; it runs on the CPU tensors verl's worker returns, as on verl's driver) and
 inside the old-log-prob pass, the GPU time of the engine hook's own work (``HookClock``: CUDA
 events, no synchronisation); per arm the peak ``torch.cuda.max_memory_allocated`` above what was
 allocated before the arm's build (``peak_gib``; the peak is reset after the previous arm's worker
-is freed, and ``allocated_before_gib`` is what an earlier arm left allocated: verl keeps about the
-fp32 parameters' size of each freed FSDP worker alive, so later arms start higher).
+is freed, and ``allocated_before_gib`` is what an earlier arm left allocated: about the fp32
+parameters' size stays allocated after each freed worker, so later arms start higher).
 Medians of steps 2..N.  Not timed (the same in every arm): building the batch and verl's GRPO
 advantages.  Writes ``benchmarks/results/<card>/verl_step.csv`` (or ``--out DIR``) and prints a
 table; the fused arms are compared with ``off_fused``, the others with ``off``.
