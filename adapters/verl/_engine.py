@@ -26,14 +26,12 @@ and does nothing unless the micro-batch carries the non-tensor flag ``entropy_di
 dummy labels (0); ``S*`` is formed on the driver from verl's own ``old_log_probs`` and ``entropy``
 of the same pass.
 
-The FSDP hooks call the core with ``check=False``: no host synchronisation per micro-batch (one would
+The hooks call the core with ``check=False``: no host synchronisation per micro-batch (one would
 stall verl's launch queue in the middle of its pass). A NaN or ``+inf`` logit, or a row of ``-inf``
 only, then gives a NaN ``E_p[S]`` at that position instead of an exception on one worker rank (which
 could leave the other ranks waiting in a collective); the driver's
 :meth:`~entropy_discriminator.adapters.verl._trainer.EntropyDiscTrainerMixin.entropy_disc_step`
 refuses the batch with a ``ValueError`` naming ``E_p[S]`` and the positions, on the one driver process.
-The Megatron hook runs the torch path with a tensor-parallel group, whose checks ride its
-all-reduces, so every rank of the group raises together.
 """
 
 from __future__ import annotations
@@ -71,9 +69,8 @@ def expected_score(logits: torch.Tensor, data: Any, vocab_parallel_group: Any = 
     """``E_p[S]`` per row of already temperature-scaled ``logits`` ``[..., V]`` -> float32 ``[...]``.
 
     Runs :func:`token_stats` (no autocast, no grad) with the chunk size and implementation the
-    driver put into ``data``; with ``vocab_parallel_group`` the rows are vocabulary shards (checked
-    data: the group's ranks raise together); without one, ``check=False`` (see the module
-    docstring: bad logits give NaN, which the driver refuses).
+    driver put into ``data``; with ``vocab_parallel_group`` the rows are vocabulary shards.
+    ``check=False`` (see the module docstring: bad logits give NaN, which the driver refuses).
     """
     labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
     with torch.no_grad(), torch.autocast(device_type=logits.device.type, enabled=False):
@@ -82,7 +79,7 @@ def expected_score(logits: torch.Tensor, data: Any, vocab_parallel_group: Any = 
             labels,
             chunk_size=_flag(data, STATS_CHUNK, None),
             impl=_flag(data, STATS_IMPL, "auto"),
-            check=vocab_parallel_group is not None,
+            check=False,
             vocab_parallel_group=vocab_parallel_group,
             vocab_start_index=vocab_start_index,
         )
