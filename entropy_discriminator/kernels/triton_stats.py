@@ -89,8 +89,7 @@ def _update(x, c, m, mx, s0, s1, s2, s3, TAU: tl.constexpr, FTZ: tl.constexpr):
 
 
 # Workspace words (int32, one buffer per device and stream, zero between launches): the error
-# counters, the count of finished rows, then (split-V) one arrival counter per row.
-DONE_WORD = ERR_WORDS
+# counters, the count of finished rows (word ERR_WORDS), then (split-V) one arrival counter per row.
 ROW_WORDS = tl.constexpr(ERR_WORDS + 1)
 
 
@@ -362,8 +361,8 @@ def token_stats_triton(
             part = torch.empty(plan.part_words, device=dev) if plan.split > 1 else ws
         else:
             stream = (dev.index, torch._C._cuda_getCurrentRawStream(dev.index)) if dev.type == "cuda" else None
-            ws = _workspace(dev, stream, plan.ws_words)
-            part = _partials(dev, stream, plan.part_words) if plan.split > 1 else ws
+            ws = _stream_buffer("ws", dev, stream, plan.ws_words, torch.int32)
+            part = _stream_buffer("part", dev, stream, plan.part_words, torch.float32) if plan.split > 1 else ws
         seq, host = (report.arm(dev), report.words) if report is not None else (0, ws)
         args = (LOG2E / float(temperature), int(ignore_index), plan, part, ws, errors, host, seq)
         flat_out, flat_valid = (out, valid) if labels.dim() == 1 else (out.view(5, -1), valid.view(-1))
@@ -375,9 +374,11 @@ def token_stats_triton(
                 for i in range(logits.shape[0]):
                     rows = slice(i * per, (i + 1) * per)
                     sub = logits[i]
-                    if _row_layout(sub.shape, sub.stride()) is None:
+                    layout = _row_layout(sub.shape, sub.stride())
+                    if layout is None:
                         sub = sub.reshape(-1, plan.vocab)
-                    _launch(sub, _row_layout(sub.shape, sub.stride()), flat_labels[rows], flat_out[:, rows], flat_valid[rows], n_rows, *args)
+                        layout = _row_layout(sub.shape, sub.stride())
+                    _launch(sub, layout, flat_labels[rows], flat_out[:, rows], flat_valid[rows], n_rows, *args)
         except BaseException:
             if report is not None:
                 report.busy = False
@@ -409,10 +410,7 @@ def _plan(shape: torch.Size, strides: tuple, dtype: torch.dtype, dev: torch.devi
         n_rows *= d
     cfg = dict(config) if config else choose_config(n_rows, vocab, dtype, _num_sms(dev), card_of(dev))
     split, chunk = _split_plan(vocab, cfg["block"], cfg["split"])
-    if len(shape) == 2:
-        layout = (n_rows, 0, strides[0])
-    else:
-        layout = _row_layout(shape, strides)
+    layout = _row_layout(shape, strides)
     consts = (("SPLIT", split), ("SPLIT_P2", 1 << (split - 1).bit_length()), ("BLOCK", cfg["block"]), ("TAU", TAU))
     consts += (("STAGES", cfg["stages"]), ("FTZ", bool(cfg.get("ftz", 1)) and not _INTERPRETING))
     ws_words = ERR_WORDS + 1 + (n_rows if split > 1 else 0)
@@ -433,23 +431,16 @@ def _stream_key(kind: str, dev: torch.device, stream: tuple | None) -> tuple:
     return (kind, *stream) if stream is not None else (kind, str(dev), threading.get_ident())
 
 
-def _workspace(dev: torch.device, stream: tuple | None, words: int) -> torch.Tensor:
-    key = _stream_key("ws", dev, stream)
-    ws = _BUFFERS.get(key)
-    if ws is None or ws.numel() < words:
+def _stream_buffer(kind: str, dev: torch.device, stream: tuple | None, words: int, dtype: torch.dtype) -> torch.Tensor:
+    """This stream's ``kind`` buffer of at least ``words`` elements: ``"ws"`` int32 zeros (kept zero
+    by every launch), ``"part"`` uninitialised; grown (at least doubled) when a call needs more."""
+    key = _stream_key(kind, dev, stream)
+    buf = _BUFFERS.get(key)
+    if buf is None or buf.numel() < words:
         with _BUFFERS_LOCK:
-            size = max(words, 2 * ws.numel() if ws is not None else 1024)
-            ws = _BUFFERS[key] = torch.zeros(size, device=dev, dtype=torch.int32)
-    return ws
-
-
-def _partials(dev: torch.device, stream: tuple | None, words: int) -> torch.Tensor:
-    key = _stream_key("part", dev, stream)
-    part = _BUFFERS.get(key)
-    if part is None or part.numel() < words:
-        with _BUFFERS_LOCK:
-            part = _BUFFERS[key] = torch.empty(max(words, 2 * part.numel() if part is not None else 0), device=dev)
-    return part
+            size = max(words, 2 * buf.numel() if buf is not None else (1024 if kind == "ws" else 0))
+            buf = _BUFFERS[key] = (torch.zeros if kind == "ws" else torch.empty)(size, device=dev, dtype=dtype)
+    return buf
 
 
 @functools.lru_cache(maxsize=4096)
