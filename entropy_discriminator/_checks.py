@@ -59,6 +59,13 @@ def _scalar(value: object) -> object:
     return value
 
 
+def _real_wanted(finite: bool, minimum: float | None, above: float | None, maximum: float | None) -> str:
+    """What :func:`real_number` asked for, in words (built only for an error message)."""
+    bounds = [f">= {minimum:g}" if minimum is not None else "", f"> {above:g}" if above is not None else ""]
+    bounds.append(f"<= {maximum:g}" if maximum is not None else "")
+    return " ".join(["a finite real number" if finite else "a real number (inf allowed)", *filter(None, bounds)])
+
+
 def real_number(
     name: str,
     value: object,
@@ -74,28 +81,31 @@ def real_number(
     tensors / arrays; refuses ``bool``, strings, NaN, and (``finite=True``) ``±inf``.  Bounds:
     ``minimum <= value``, ``above < value``, ``value <= maximum``.
     """
-    bounds = [f">= {minimum:g}" if minimum is not None else "", f"> {above:g}" if above is not None else ""]
-    bounds.append(f"<= {maximum:g}" if maximum is not None else "")
-    want = " ".join(["a finite real number" if finite else "a real number (inf allowed)", *filter(None, bounds)])
-    x = _scalar(value)
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
-        raise TypeError(f"{name} must be {want}, got {value!r} ({type(value).__name__})")
-    x = float(x)
+    if type(value) is float:  # the common case: no 0-d tensor or array to unwrap
+        x = value
+    else:
+        x = _scalar(value)
+        if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+            raise TypeError(f"{name} must be {_real_wanted(finite, minimum, above, maximum)}, got {value!r} ({type(value).__name__})")
+        x = float(x)
     ok = not math.isnan(x) and (math.isfinite(x) or not finite)
     ok = ok and (minimum is None or x >= minimum) and (above is None or x > above) and (maximum is None or x <= maximum)
     if not ok:
-        raise ValueError(f"{name} must be {want}, got {value!r}")
+        raise ValueError(f"{name} must be {_real_wanted(finite, minimum, above, maximum)}, got {value!r}")
     return x
+
+
+def _int_wanted(minimum: int | None) -> str:
+    return "an integer" + (f" >= {minimum}" if minimum is not None else "")
 
 
 def integer(name: str, value: object, *, minimum: int | None = None) -> int:
     """``value`` as a Python int (ints, numpy integers, 0-d integer tensors), else an error naming ``name``."""
-    x = _scalar(value)
-    want = "an integer" + (f" >= {minimum}" if minimum is not None else "")
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name} must be {want}, got {value!r} ({type(value).__name__})")
+    x = value if type(value) is int else _scalar(value)  # bool is not int's type: it is refused below
+    if type(x) is not int and (isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral)):
+        raise TypeError(f"{name} must be {_int_wanted(minimum)}, got {value!r} ({type(value).__name__})")
     if minimum is not None and x < minimum:
-        raise ValueError(f"{name} must be {want}, got {value!r}")
+        raise ValueError(f"{name} must be {_int_wanted(minimum)}, got {value!r}")
     return int(x)
 
 

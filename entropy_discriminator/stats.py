@@ -254,10 +254,8 @@ def check_stats_args(
         )
     if labels.device != source.device:
         raise ValueError(f"labels are on {labels.device} but {source_name} on {source.device}")
-    if not (type(temperature) is float and 0.0 < temperature < math.inf):  # the common case, checked cheaply
-        temperature = real_number("temperature", temperature, above=0)
-    if type(ignore_index) is not int:
-        ignore_index = ignore_index_value(ignore_index)
+    temperature = real_number("temperature", temperature, above=0)
+    ignore_index = ignore_index_value(ignore_index)
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     if impl not in IMPLS:
