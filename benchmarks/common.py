@@ -1,4 +1,5 @@
-"""Timing, memory and error helpers shared by the benchmark commands (CUDA only)."""
+"""Timing, memory and error helpers shared by the benchmark commands (CUDA; ``sync``, ``timed`` and
+``free_memory`` also work on the CPU)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,23 @@ def host_us(fn: Callable[[], object], calls: int = 200) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / calls * 1e6
+
+
+def sync() -> None:
+    """Wait for the GPU when there is one (the step benchmarks also run on the CPU with ``--smoke``)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[..., object], *args: object, **kwargs: object) -> tuple[object, float]:
+    """``(fn(*args, **kwargs), seconds)``, wall time with the GPU synchronised before and after."""
+    import time
+
+    sync()
+    t = time.perf_counter()
+    out = fn(*args, **kwargs)
+    sync()
+    return out, time.perf_counter() - t
 
 
 def free_memory() -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
-import gc
 import statistics
 import sys
 import time
@@ -41,6 +40,7 @@ from entropy_discriminator.adapters.trl import EntropyDiscGRPOConfig, unpatch
 
 if __package__ in (None, ""):  # run as a script (python benchmarks/trl_step.py): the repository root, for benchmarks/
     sys.path.append(str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import free_memory, sync, timed
 from benchmarks.qwen_shapes import SMOKE_VOCAB, SPECIAL, qwen25_05b_shapes, tokenizer
 
 
@@ -53,11 +53,6 @@ def prompts(n: int, length: int = 32) -> Dataset:
 def reward(completions: list[str], **_: Any) -> list[float]:
     """Varied rewards (so advantages are nonzero): distinct words modulo 7."""
     return [(len(set(text.split())) % 7) / 7 for text in completions]
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 class Clock(TrainerCallback):
@@ -84,15 +79,12 @@ class Timed:
         self.calls: list[float] = []
         real, calls = self.real, self.calls
 
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            sync()
-            t = time.perf_counter()
-            out = real(*args, **kwargs)
-            sync()
-            calls.append(time.perf_counter() - t)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            out, seconds = timed(real, *args, **kwargs)
+            calls.append(seconds)
             return out
 
-        setattr(owner, name, timed)
+        setattr(owner, name, wrapper)
 
     def restore(self) -> None:
         setattr(self.owner, self.name, self.real)
@@ -126,9 +118,8 @@ def run_arm(arm: str, model: Qwen2ForCausalLM, weights: dict, tok, data, ns, rec
     clock = Clock()
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok,
                           callbacks=[clock])
-    gc.collect()
+    free_memory()
     if torch.cuda.is_available():
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     try:
         trainer.train()
@@ -157,9 +148,7 @@ def run_arm(arm: str, model: Qwen2ForCausalLM, weights: dict, tok, data, ns, rec
         "steps_s": " ".join(f"{s:.3f}" for s in clock.steps),
     }
     del trainer
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_memory()
     unpatch()
     if recorded is None:
         row["_recorded"] = store

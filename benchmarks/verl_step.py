@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import gc
 import math
 import statistics
 import tempfile
@@ -71,7 +70,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import card_dir
+from benchmarks.common import card_dir, free_memory, timed
 from benchmarks.qwen_shapes import SPECIAL, qwen25_05b_shapes, tokenizer
 from benchmarks.verl_inprocess import (
     base_tensors,
@@ -107,20 +106,6 @@ class Shape:
 
 FULL = Shape(prompts=8, responses=8, prompt_len=32, response_len=512, log_prob_micro=16, update_micro=8)
 SMOKE = Shape(prompts=2, responses=4, prompt_len=8, response_len=16, log_prob_micro=4, update_micro=4)
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn, *args: Any, **kwargs: Any) -> tuple[Any, float]:
-    """``(fn(*args, **kwargs), seconds)``, CUDA-synchronised before and after."""
-    sync()
-    t = time.perf_counter()
-    out = fn(*args, **kwargs)
-    sync()
-    return out, time.perf_counter() - t
 
 
 class HookClock:
@@ -265,12 +250,6 @@ def padded(values: torch.Tensor) -> torch.Tensor:
     return torch.nested.to_padded_tensor(values, 0)
 
 
-def free_device() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def run_arm(arm: str, model_dir: Path, shape: Shape, ns: argparse.Namespace) -> dict:
     """Build ``arm``'s worker, run ``ns.steps`` steps, free it; the arm's CSV row."""
     from verl.utils import tensordict_utils as tu
@@ -297,7 +276,7 @@ def run_arm(arm: str, model_dir: Path, shape: Shape, ns: argparse.Namespace) -> 
     expected = plan is not None and plan.expected
     remove_engine_hook()  # a previous arm's worker installed it; only the adapter's worker class reinstalls it
     worker_cls = stats_worker(ActorRolloutRefWorker) if expected else ActorRolloutRefWorker
-    free_device()
+    free_memory()
     held = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else math.nan  # left by earlier arms
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -381,7 +360,7 @@ def run_arm(arm: str, model_dir: Path, shape: Shape, ns: argparse.Namespace) -> 
     peak = torch.cuda.max_memory_allocated() / 2**30 - held if torch.cuda.is_available() else math.nan
     worker = None  # frees the engine (the closures above hold the variable, not the worker)
     remove_engine_hook()
-    free_device()
+    free_memory()
     sel = steps[1:] if len(steps) > 1 else steps  # steps 2..N
     med = {k: statistics.median(s[k] for s in sel) for k in ("old_log_prob_s", "hook_s", "driver_s", "update_s", "total_s")}
     first = steps[0]
