@@ -99,11 +99,11 @@ class HostReport:
 _local = threading.local()
 
 
-def host_report(pinned: bool = True) -> HostReport:
-    """This thread's report (a fresh one while it is in use)."""
+def host_report() -> HostReport:
+    """This thread's pinned report (a fresh one while it is in use)."""
     rep = getattr(_local, "report", None)
     if rep is None:
-        rep = _local.report = HostReport(pinned)
+        rep = _local.report = HostReport(pinned=True)
     elif rep.busy:
-        return HostReport(pinned)
+        return HostReport(pinned=True)
     return rep
