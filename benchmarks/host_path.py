@@ -10,7 +10,8 @@ call that waits for its result on the host, in the same run: ``torch.sum`` and t
 kernel of :mod:`.floors`, each alone and followed by ``stream.synchronize()``; the statistics
 kernel alone, followed by a stream synchronisation, by the ``tolist()`` read of its device
 counters (the earlier public call) and by the poll of the host words it writes
-(``HostReport.wait``, what ``token_stats`` does); ``token_stats`` with and without ``check``.
+(``HostReport.wait``, what ``token_stats`` does); ``token_stats`` with and without ``check``, each
+also with the direct launcher off (Triton's own ``kernel[grid](...)`` path, kernels/_launch.py).
 Each row gives the median and the 10th-90th percentiles of each do_bench run; the first row is
 do_bench's own L2 flush (the host time a call may spend before its launch without being timed).
 Then a cProfile of 300 ``token_stats(check=False)`` calls (the host path before the launch).
@@ -51,7 +52,7 @@ def main() -> None:
 
     import entropy_discriminator as ed
     from entropy_discriminator.kernels._host_report import HostReport
-    from entropy_discriminator.kernels.triton_stats import token_stats_triton
+    from entropy_discriminator.kernels.triton_stats import _LAUNCHER, token_stats_triton
 
     from .floors import read_sum
 
@@ -59,6 +60,7 @@ def main() -> None:
     x = (torch.randn(n, v, device="cuda") * 3).bfloat16()
     labels = torch.randint(0, v, (n,), device="cuda")
     report = HostReport(pinned=True)
+    enabled = _LAUNCHER.enabled
     stream = torch.cuda.current_stream()
 
     def kernel():
@@ -69,6 +71,18 @@ def main() -> None:
             out = fn()
             stream.synchronize()
             return out
+
+        return run
+
+    def tritons_launch(fn):
+        """``fn`` with the direct launcher off: every launch takes ``kernel[grid](...)``."""
+
+        def run():
+            _LAUNCHER.enabled = False
+            try:
+                return fn()
+            finally:
+                _LAUNCHER.enabled = enabled
 
         return run
 
@@ -89,6 +103,8 @@ def main() -> None:
         "kernel+host words": kernel_host_words,
         "token_stats(check=False)": lambda: ed.token_stats(x, labels, check=False),
         "token_stats": lambda: ed.token_stats(x, labels),
+        "check=False, Triton's launch": tritons_launch(lambda: ed.token_stats(x, labels, check=False)),
+        "token_stats, Triton's launch": tritons_launch(lambda: ed.token_stats(x, labels)),
     }
     print(f"card {card_name()} torch {torch.__version__} triton {triton.__version__}; bf16 [{n}, {v}]", flush=True)
     print(f"{'':28s} do_bench median (p10-p90), twice; host-hidden median; host time per call over 300 calls")

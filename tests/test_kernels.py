@@ -243,3 +243,100 @@ def test_ignore_index_none_counts_every_row():
     hid, w = torch.randn(24, 32, generator=g).to(DEV), (torch.randn(70, 32, generator=g) * 0.5).to(DEV)
     fused = token_stats_fused_triton(hid, w, labels.clamp(min=0), None, 0.9, NO_IGNORE_INDEX, config={"bm": 16, "bn": 32, "bk": 16, "group_m": 3, "persistent": 0})
     assert bool(fused.valid.all()) and fused.errors.tolist()[0] == 0
+
+
+# --- the direct launcher (kernels/_launch.py) -------------------------------------------------
+# Its cache key must separate every pair of launches that Triton itself would compile apart: a
+# coarser key reuses a kernel compiled for another dtype or alignment (the withdrawn first version
+# missed the logits dtype).  Triton's own per-argument specialisation (native_specialize_impl, the
+# function its binder calls) runs on CPU values, so the classes are checked against it here; the
+# GPU test (tests/gpu) checks the launches themselves.
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from entropy_discriminator.kernels import _launch  # noqa: E402
+
+_BOUNDS = [0, 1, 2, 15, 16, 17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**32, 2**63 - 16, 2**63 - 1, 2**63, 2**64 - 16]
+_INTS = st.one_of(
+    st.sampled_from(_BOUNDS + [-b for b in _BOUNDS if b <= 2**63]),
+    st.integers(-(2**63), 2**64 - 1),
+    st.integers(-(2**40), 2**40).map(lambda v: v * 16),
+    st.integers(-300, 300),
+)
+
+
+def _triton_spec(v, specialize=True, align=True):
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    return native_specialize_impl(BaseBackend, v, False, specialize, align)
+
+
+@settings(max_examples=400, deadline=None)
+@given(a=_INTS, b=_INTS, specialize=st.booleans())
+def test_launcher_int_classes_refine_tritons_specialisation(a, b, specialize):
+    """Two integers of one class get one Triton specialisation (so one compiled kernel)."""
+    classify = _launch.int_class if specialize else _launch.int_width
+    if classify(a) == classify(b):
+        assert _triton_spec(a, specialize) == _triton_spec(b, specialize)
+    for v in (a, b):  # and a class never hides a value Triton compiles in
+        if _triton_spec(v, specialize)[0] == "constexpr":
+            assert classify(v) == 1
+
+
+@pytest.mark.parametrize("align", [True, False])
+def test_launcher_tensor_classes_refine_tritons_specialisation(align):
+    dtypes = [torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64, torch.bool, torch.float64]
+    seen: dict = {}
+    for dtype in dtypes:
+        base = torch.zeros(64, dtype=dtype)
+        for offset in range(0, 17):
+            t = base[offset:]
+            cls = _launch.arg_class(t, align=align)
+            seen.setdefault(cls, set()).add(_triton_spec(t, True, align))
+    assert all(len(specs) == 1 for specs in seen.values()), seen
+    assert len({c for c in seen}) == len(dtypes) * (2 if align else 1)
+
+
+def test_launcher_other_argument_classes_match_triton():
+    for values in ([True, False], [0.5, 1e300, float("inf"), -2.0]):
+        assert len({_launch.arg_class(v) for v in values}) == 1
+        assert len({_triton_spec(v) for v in values}) == 1
+    assert _launch.arg_class(True) != _launch.arg_class(1)  # bools are u1, the int 1 a constant
+
+
+def test_launcher_key_separates_what_the_statistics_kernel_is_compiled_for():
+    """Regression for the withdrawn first version: bf16 and fp16 logits (same plan) must not share a
+    kernel; nor int32 / int64 labels, aligned / unaligned logits, REPORT on / off."""
+    from triton.runtime.jit import JITFunction
+
+    from entropy_discriminator.kernels import triton_stats
+
+    kernel = triton_stats._stats_kernel
+    if not isinstance(kernel, JITFunction):  # Triton's interpreter: the same function, as the compiler sees it
+        kernel = JITFunction(kernel.fn, **kernel.kwargs)
+    launcher = _launch.DirectLauncher(kernel)
+    x = torch.zeros(8, 100, dtype=torch.bfloat16)
+    labels = torch.zeros(8, dtype=torch.int64)
+    out, valid = torch.zeros(5, 8), torch.zeros(8, dtype=torch.bool)
+    ws, errors = torch.zeros(16, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+    plan = triton_stats._plan(x.shape, x.stride(), x.dtype, x.device, None)
+
+    def key(x=x, labels=labels, consts=plan.consts_plain, seq=0, ignore_index=-100):
+        args = (x, 1, 0, 100, labels, 100, plan.chunk, 1.44, ignore_index, out, valid, ws, ws, 8, errors, ws, seq)
+        return launcher.key(args, consts, plan.num_warps, 0)
+
+    variants = [
+        key(),
+        key(x=x.half()),
+        key(x=x.float()),
+        key(labels=labels.int()),
+        key(x=torch.zeros(8 * 100 + 1, dtype=torch.bfloat16)[1:].view(8, 100)),
+        key(consts=plan.consts_report),
+        key(ignore_index=1),
+        key(ignore_index=2**40),
+    ]
+    assert len(set(variants)) == len(variants)
+    assert key(seq=5) == key(seq=7) == key(seq=1)  # seq is do_not_specialize: one kernel for every call
+    assert key(ignore_index=-100) == key(ignore_index=-99)  # same class, same kernel

@@ -39,6 +39,7 @@ import triton.language as tl
 from . import interpreting
 from . import is_available as _is_available
 from ._host_report import HostReport, host_report
+from ._launch import DirectLauncher
 from ._reduce import D_FLOOR, ERR_WORDS, ERR_WORDS_C, LOG2E, max_nan, merge_partials, rescale, store_row
 
 __all__ = ["KernelStats", "token_stats_triton", "is_available", "choose_config", "HostReport", "host_report"]
@@ -142,8 +143,12 @@ def _stats_kernel(
     r = row.to(tl.int64)
     label = tl.load(lab_ptr + row)
     valid = label != ignore_index
+    in_range = (label >= 0) & (label < V)
     outer = r // inner
     row_ptr = x_ptr + outer * stride_outer + (r - outer * inner) * stride_inner
+    # The label's logit, loaded before the loop (every program of a split row loads it) so that its
+    # latency is not on the path from the row's last block to the call's end.
+    xk = tl.load(row_ptr + label, mask=valid & in_range, other=float("nan")).to(tl.float32)
     start = sp * chunk
     n = tl.where(valid, tl.minimum(V - start, chunk), 0)
     n_full = n // BLOCK
@@ -166,9 +171,7 @@ def _stats_kernel(
     t1 = tl.sum(s1, axis=0)
     t2 = tl.sum(s2, axis=0)
     t3 = tl.sum(s3, axis=0)
-    in_range = (label >= 0) & (label < V)
     if SPLIT == 1:
-        xk = tl.load(row_ptr + label, mask=valid & in_range, other=float("nan")).to(tl.float32)
         mu = tl.where(m > float("-inf"), m, 0.0)
         store_row(r, N, valid, in_range, mu, t0, t1, t2, t3, xk * c, mx, mx * c, out_ptr, valid_ptr, ws_ptr)
         _finish_row(ws_ptr, N, err_ptr, host_ptr, seq, REPORT)
@@ -199,7 +202,6 @@ def _stats_kernel(
                 tl.load(base + 4 * stride_f + j, mask=msk, other=0.0, cache_modifier=".cg"),
             )
             mx_row = tl.reduce(mxj, 0, max_nan)
-            xk = tl.load(row_ptr + label, mask=valid & in_range, other=float("nan")).to(tl.float32)
             store_row(r, N, valid, in_range, mu, u0, u1, u2, u3, xk * c, mx_row, mx_row * c, out_ptr, valid_ptr, ws_ptr)
             _finish_row(ws_ptr, N, err_ptr, host_ptr, seq, REPORT)
 
@@ -397,7 +399,8 @@ class _Plan(NamedTuple):
     ws_words: int  # int32 workspace words: errors, finished rows, per-row arrivals (split-V)
     part_words: int  # fp32 split-V partials (6 per row and slice)
     num_warps: int
-    consts: tuple  # (name, value) of the kernel's compile-time arguments before REPORT, in signature order
+    consts_plain: tuple  # (name, value) of the kernel's compile-time arguments in signature order, REPORT False
+    consts_report: tuple  # the same with REPORT True
 
 
 @functools.lru_cache(maxsize=1024)
@@ -415,7 +418,8 @@ def _plan(shape: torch.Size, strides: tuple, dtype: torch.dtype, dev: torch.devi
     consts += (("STAGES", cfg["stages"]), ("FTZ", bool(cfg.get("ftz", 1)) and not _INTERPRETING))
     ws_words = ERR_WORDS + 1 + (n_rows if split > 1 else 0)
     parts = 6 * n_rows * split if split > 1 else 0
-    return _Plan(n_rows, vocab, layout, split, chunk, ws_words, parts, cfg["num_warps"], consts)
+    plain, report = consts + (("REPORT", False),), consts + (("REPORT", True),)
+    return _Plan(n_rows, vocab, layout, split, chunk, ws_words, parts, cfg["num_warps"], plain, report)
 
 
 # Per (device, stream) buffers: the workspace (zero between launches, see the module docstring)
@@ -452,10 +456,17 @@ def _split_plan(vocab: int, block: int, split: int) -> tuple[int, int]:
     return -(-vocab // chunk), chunk
 
 
+_LAUNCHER = DirectLauncher(_stats_kernel)
+
+
 def _launch(x, layout, labels, out, valid, n_out, c, ignore_index, plan, part, ws, errors, host, seq) -> None:
-    """One launch of the streaming kernel over the rows of ``x`` (``layout``: see :func:`_row_layout`)."""
+    """One launch of the streaming kernel over the rows of ``x`` (``layout``: see :func:`_row_layout`)
+    on the current device, through :class:`._launch.DirectLauncher` (Triton's own launch path costs
+    more host time than the kernel takes at N = 256)."""
     inner, stride_outer, stride_inner = layout
-    _stats_kernel[(labels.shape[0], plan.split)](
+    args = (
         x, inner, stride_outer, stride_inner, labels, plan.vocab, plan.chunk, c, ignore_index,
-        out, valid, part, ws, n_out, errors, host, seq, REPORT=seq != 0, **dict(plan.consts), num_warps=plan.num_warps,
+        out, valid, part, ws, n_out, errors, host, seq,
     )  # fmt: skip
+    consts = plan.consts_report if seq != 0 else plan.consts_plain
+    _LAUNCHER.launch((labels.shape[0], plan.split, 1), args, consts, plan.num_warps, x.device.index or 0)

@@ -188,6 +188,75 @@ def test_public_call_waits_once_at_the_end_and_check_false_never(monkeypatch):
     assert _first_sync(lambda: token_stats_from_hidden(hidden, weight, labels)).startswith("errors = out.errors.tolist()")
 
 
+def test_direct_launches_are_the_kernels_triton_would_launch(monkeypatch):
+    """kernels/_launch.py: for calls that differ in logits dtype, label dtype, pointer alignment,
+    split-V or not, ignore_index class and host report, (1) the direct launch gives the bits and
+    counters of Triton's own launch path; (2) once every class is cached, no call reaches Triton's
+    path; (3) each cached kernel is the very object Triton's cache holds under Triton's own key for
+    that call (computed with Triton's binder), so the key is never coarser than Triton's."""
+    import triton
+    from triton.runtime.jit import compute_cache_key
+
+    from entropy_discriminator.kernels import triton_stats
+    from entropy_discriminator.kernels.triton_stats import HostReport, token_stats_triton
+
+    launcher = triton_stats._LAUNCHER
+    assert launcher.enabled == triton.__version__.startswith("3.6.")
+    if not launcher.enabled:
+        pytest.skip(f"direct launches are off for Triton {triton.__version__}")
+    v = 9000
+    cases = []
+    for n in (3, 700):  # split-V, one program per row
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            base = make_logits(n, n * v + 8, 1, dtype, "normal").view(-1)
+            for offset in (0, 1):  # 16-byte aligned rows or not
+                logits = base[offset : offset + n * v].view(n, v)
+                for label_dtype in (torch.int64, torch.int32):
+                    labels = make_labels(n, n, v).to(label_dtype)
+                    labels[1] = v + 3  # a bad label (more where ignore_index leaves -100 counted): counters come back too
+                    for ignore_index in (-100, 16, 1):
+                        cases.append((logits, labels, ignore_index))
+    report = HostReport(pinned=True)
+
+    def run_all(order):
+        results = {}
+        for i in order:
+            logits, labels, ignore_index = cases[i]
+            for use_report in (False, True):
+                out = token_stats_triton(logits, labels, 0.7, ignore_index, report=report if use_report else None)
+                counters = report.wait() if use_report else out.errors.tolist()
+                results[i, use_report] = ([t.clone() for t in out], counters)
+        return results
+
+    monkeypatch.setattr(launcher, "enabled", False)
+    want = run_all(range(len(cases)))
+    monkeypatch.setattr(launcher, "enabled", True)
+    launcher.clear()
+    calls = []
+    launch = launcher.launch
+    monkeypatch.setattr(launcher, "launch", lambda *a: calls.append(a) or launch(*a))
+    run_all(range(len(cases)))  # fills the cache through Triton's path
+    monkeypatch.setattr(launcher, "fn", None)  # Triton's launch path would fail from here on
+    got = run_all(reversed(range(len(cases))))
+    for key, (outs, counters) in want.items():
+        g_outs, g_counters = got[key]
+        assert g_counters == counters and counters[0] >= 1 and counters[1:] == [0, 0, 0], key
+        for a, b in zip(outs, g_outs):
+            assert torch.equal(a.nan_to_num(), b.nan_to_num()), key
+    kernel = triton_stats._stats_kernel
+    kernel_cache, key_cache, _, _, binder = kernel.device_caches[torch.cuda.current_device()]
+    classes = set()
+    for grid, args, consts, num_warps, device in calls:
+        _, spec, options = binder(
+            *args, **dict(consts), num_warps=num_warps, debug=kernel.debug or triton.knobs.runtime.debug,
+            instrumentation_mode=triton.knobs.compilation.instrumentation_mode,
+        )  # fmt: skip
+        ours = launcher._compiled[launcher.key(args, consts, num_warps, device)]
+        assert ours is kernel_cache[compute_cache_key(key_cache, spec, options)]
+        classes.add(launcher.key(args, consts, num_warps, device))
+    assert len(classes) >= 2 * 3 * 2 * 2 * 2  # split x dtype x alignment x label dtype x report, at least
+
+
 def test_checked_calls_on_other_streams_and_threads_get_their_own_counts():
     """The per-stream workspace and the per-thread host words: checked calls alternating between
     two non-default streams, and four threads each on its own stream, raise exactly for the
