@@ -273,37 +273,65 @@ def _triton_spec(v, specialize=True, align=True):
     return native_specialize_impl(BaseBackend, v, False, specialize, align)
 
 
+def _probe_launcher():
+    """A DirectLauncher over a kernel with one parameter of each kind: pointer, int, a
+    ``do_not_specialize`` int, a pointer ``do_not_specialize_on_alignment``, a float."""
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    def probe(p_ptr, i, j, q_ptr, f, K: tl.constexpr):
+        pass
+
+    kernel = JITFunction(probe, do_not_specialize=["j"], do_not_specialize_on_alignment=["q_ptr"])
+    return _launch.DirectLauncher(kernel, kinds="piipf")
+
+
+_PROBE_T = torch.zeros(4)
+
+
+def _probe_key(launcher, p=_PROBE_T, i=0, j=0, q=_PROBE_T, f=1.0):
+    return launcher.key((p, i, j, q, f), (("K", 1),), 4, 0)
+
+
 @settings(max_examples=400, deadline=None)
-@given(a=_INTS, b=_INTS, specialize=st.booleans())
-def test_launcher_int_classes_refine_tritons_specialisation(a, b, specialize):
-    """Two integers of one class get one Triton specialisation (so one compiled kernel)."""
-    classify = _launch.int_class if specialize else _launch.int_width
-    if classify(a) == classify(b):
-        assert _triton_spec(a, specialize) == _triton_spec(b, specialize)
-    for v in (a, b):  # and a class never hides a value Triton compiles in
-        if _triton_spec(v, specialize)[0] == "constexpr":
-            assert classify(v) == 1
+@given(a=_INTS, b=_INTS)
+def test_launcher_int_keys_refine_tritons_specialisation(a, b):
+    """Two integers with one key get one Triton specialisation (so one compiled kernel), for a
+    specialised and a ``do_not_specialize`` parameter; and a value Triton compiles in (1) is never
+    keyed together with another."""
+    launcher = _probe_launcher()
+    if _probe_key(launcher, i=a) == _probe_key(launcher, i=b):
+        assert _triton_spec(a) == _triton_spec(b)
+    if _probe_key(launcher, j=a) == _probe_key(launcher, j=b):
+        assert _triton_spec(a, specialize=False) == _triton_spec(b, specialize=False)
 
 
-@pytest.mark.parametrize("align", [True, False])
-def test_launcher_tensor_classes_refine_tritons_specialisation(align):
+def test_launcher_tensor_keys_refine_tritons_specialisation():
+    launcher = _probe_launcher()
     dtypes = [torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64, torch.bool, torch.float64]
-    seen: dict = {}
-    for dtype in dtypes:
-        base = torch.zeros(64, dtype=dtype)
-        for offset in range(0, 17):
-            t = base[offset:]
-            cls = _launch.arg_class(t, align=align)
-            seen.setdefault(cls, set()).add(_triton_spec(t, True, align))
-    assert all(len(specs) == 1 for specs in seen.values()), seen
-    assert len({c for c in seen}) == len(dtypes) * (2 if align else 1)
+    for param, align in (("p", True), ("q", False)):
+        seen: dict = {}
+        for dtype in dtypes:
+            base = torch.zeros(64, dtype=dtype)
+            for offset in range(17):
+                t = base[offset:]
+                seen.setdefault(_probe_key(launcher, **{param: t}), set()).add(_triton_spec(t, True, align))
+        assert all(len(specs) == 1 for specs in seen.values()), seen
+        assert len(seen) == len(dtypes) * (2 if align else 1)
 
 
-def test_launcher_other_argument_classes_match_triton():
-    for values in ([True, False], [0.5, 1e300, float("inf"), -2.0]):
-        assert len({_launch.arg_class(v) for v in values}) == 1
-        assert len({_triton_spec(v) for v in values}) == 1
-    assert _launch.arg_class(True) != _launch.arg_class(1)  # bools are u1, the int 1 a constant
+def test_launcher_keys_other_kinds_and_switches():
+    launcher = _probe_launcher()
+    assert _probe_key(launcher, f=0.5) == _probe_key(launcher, f=1e300)  # every float is fp32 to Triton
+    assert len({_triton_spec(v) for v in (0.5, 1e300, float("inf"))}) == 1
+    assert _probe_key(launcher, i=True) != _probe_key(launcher, i=1)  # a bool is u1, the int 1 a constant
+    assert _triton_spec(True) != _triton_spec(1)
+    base = _probe_key(launcher)
+    assert launcher.key((_PROBE_T, 0, 0, _PROBE_T, 1.0), (("K", 2),), 4, 0) != base
+    assert launcher.key((_PROBE_T, 0, 0, _PROBE_T, 1.0), (("K", 1),), 8, 0) != base
+    assert launcher.key((_PROBE_T, 0, 0, _PROBE_T, 1.0), (("K", 1),), 4, 1) != base
+    with pytest.raises(ValueError, match="5 runtime parameters but 4 kinds"):
+        _launch.DirectLauncher(launcher.fn, kinds="piip")
 
 
 def test_launcher_key_separates_what_the_statistics_kernel_is_compiled_for():
@@ -316,7 +344,7 @@ def test_launcher_key_separates_what_the_statistics_kernel_is_compiled_for():
     kernel = triton_stats._stats_kernel
     if not isinstance(kernel, JITFunction):  # Triton's interpreter: the same function, as the compiler sees it
         kernel = JITFunction(kernel.fn, **kernel.kwargs)
-    launcher = _launch.DirectLauncher(kernel)
+    launcher = _launch.DirectLauncher(kernel, kinds=triton_stats._KINDS)
     x = torch.zeros(8, 100, dtype=torch.bfloat16)
     labels = torch.zeros(8, dtype=torch.int64)
     out, valid = torch.zeros(5, 8), torch.zeros(8, dtype=torch.bool)

@@ -68,7 +68,8 @@ class HostReport:
             start = time.perf_counter()
             while True:
                 words = view.tolist()
-                if all(w >> 32 == tag for w in words):
+                # every word carries this call's tag: words are (seq << 32) | count, seq in [1, 2**31)
+                if min(words) >> 32 == tag == max(words) >> 32:
                     return [w & 0xFFFFFFFF for w in words]
                 polls += 1
                 if self.device is None:  # interpreter: the kernel ran on the host and has returned
@@ -85,7 +86,7 @@ class HostReport:
                     if waited > SPIN_SECONDS:
                         time.sleep(0)
             words = view.tolist()
-            if all(w >> 32 == tag for w in words):
+            if min(words) >> 32 == tag == max(words) >> 32:
                 return [w & 0xFFFFFFFF for w in words]
             raise RuntimeError("the statistics kernel finished without reporting its error counters")
         except BaseException:

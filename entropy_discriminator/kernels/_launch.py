@@ -21,7 +21,7 @@ launch hook (a profiler) or a pre-run hook is installed: then every call takes T
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -34,98 +34,67 @@ SUPPORTED = ((3, 6),)
 _TRITON = tuple(int(p) for p in triton.__version__.split(".")[:2])
 _MAX_ENTRIES = 4096
 
-_I32 = 2**31
-_I64 = 2**63
 
+def _key_source(kinds: str, params: list) -> str:
+    """Source of ``key(args, consts, num_warps, device, runtime, compilation)``, generated once per
+    kernel (as Triton generates its binder) so that a call costs one function call and no loop.
 
-def int_class(v: int) -> object:
-    """What Triton specialises an integer argument on: 1 (compiled in as a constant), else
-    (divisible by 16, fits int32, fits int64)."""
-    if v == 1:
-        return 1
-    return (v % 16 == 0, -_I32 <= v < _I32, -_I64 <= v < _I64)
+    Per runtime parameter, by its declared kind: a pointer (``"p"``) gives its dtype and whether
+    its address is 16-byte aligned (dtype only under ``do_not_specialize_on_alignment``); an
+    integer (``"i"``) its type (a bool is ``u1`` to Triton), whether it is 1 (compiled in as a
+    constant), divisible by 16, and whether it fits int32 and int64 (width only under
+    ``do_not_specialize``); a float (``"f"``) its type (Triton passes every float as fp32).
+    """
+    names = [f"a{i}" for i in range(len(kinds))]
+    parts = []
+    for a, kind, p in zip(names, kinds, params):
+        fits = f"-2147483648 <= {a} < 2147483648, -9223372036854775808 <= {a} < 9223372036854775808"
+        if kind == "p":
+            parts.append(f"{a}.dtype" if p.do_not_specialize_on_alignment else f"{a}.dtype, {a}.data_ptr() % 16 == 0")
+        elif kind == "i":
+            parts.append(f"type({a}), {fits}" if p.do_not_specialize else f"type({a}), {a} == 1, {a} % 16 == 0, {fits}")
+        elif kind == "f":
+            parts.append(f"type({a})")
+        else:
+            raise ValueError(f"argument kinds are 'p' (pointer), 'i' (int) or 'f' (float), got {kind!r}")
+    unpack = f"    {', '.join(names)}, = args\n" if names else ""
+    return (
+        "def key(args, consts, num_warps, device, runtime, compilation):\n" + unpack +
+        f"    return ({', '.join(parts)}{',' if parts else ''} consts, num_warps, device,"
+        " runtime.debug, compilation.instrumentation_mode)\n"
+    )  # fmt: skip
 
-
-def int_width(v: int) -> object:
-    """A ``do_not_specialize`` integer: only its width (int32, int64 or uint64) matters."""
-    return (-_I32 <= v < _I32, -_I64 <= v < _I64)
-
-
-def tensor_class(t: torch.Tensor) -> object:
-    """A pointer argument: its dtype and whether its address is 16-byte aligned."""
-    return (t.dtype, t.data_ptr() % 16 == 0)
-
-
-def tensor_dtype(t: torch.Tensor) -> object:
-    """A pointer argument marked ``do_not_specialize_on_alignment``: its dtype only."""
-    return t.dtype
-
-
-def arg_class(v: object, specialize: bool = True, align: bool = True) -> object:
-    """The class of one runtime argument (see the module docstring); bool before int (Triton
-    passes bools as ``u1``), floats are always fp32, anything else by type and value."""
-    if isinstance(v, bool):
-        return ("u1",)
-    if isinstance(v, int):
-        return int_class(v) if specialize else int_width(v)
-    if isinstance(v, float):
-        return ("fp32",)
-    if isinstance(v, torch.Tensor):
-        return tensor_class(v) if align else tensor_dtype(v)
-    return (type(v), v)
-
-
-def _hooks_installed() -> bool:
-    """A launch hook is installed (Triton 3.6 keeps them in always-present, possibly empty ``HookChain`` s)."""
-    rt = triton.knobs.runtime
-    for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
-        if hook is not None and getattr(hook, "calls", True):
-            return True
-    return False
 
 
 class DirectLauncher:
     """Launch ``fn`` (a ``triton.jit`` function) with ``launch(grid, args, consts, num_warps, device)``.
 
-    ``args`` are the runtime arguments in parameter order, ``consts`` the ``(name, value)`` of the
-    compile-time arguments that follow them, also in parameter order.  Same effect, bits and
+    ``kinds`` declares the runtime parameters in order: ``"p"`` pointer (a tensor), ``"i"`` integer,
+    ``"f"`` float.  ``args`` are the runtime arguments in parameter order, ``consts`` the
+    ``(name, value)`` of the compile-time arguments that follow them, also in parameter order.  Same effect, bits and
     errors as ``fn[grid](*args, **dict(consts), num_warps=num_warps)``, which it calls on a cache
     miss or whenever a direct launch is not safe (see the module docstring).
     """
 
-    def __init__(self, fn) -> None:
+    def __init__(self, fn, kinds: str) -> None:
         self.fn = fn
-        self._compiled: dict[tuple, object] = {}
+        self._compiled: dict[tuple, tuple] = {}
         self._lock = threading.Lock()
         params = getattr(fn, "params", [])  # Triton's interpreter wraps the function without them
+        runtime = [p for p in params if not p.is_constexpr]
+        if params and len(kinds) != len(runtime):
+            raise ValueError(f"{len(runtime)} runtime parameters but {len(kinds)} kinds")
         self.enabled = bool(params) and _TRITON in SUPPORTED and not interpreting()
         self.enabled = self.enabled and not any(p.annotation_type for p in params)
-        runtime = [p for p in params if not p.is_constexpr]
-        self._n_runtime = len(runtime)
-        self._classify: list[Callable[[object], object]] = [self._classifier(p) for p in runtime]
         self._const_names = tuple(p.name for p in params if p.is_constexpr)
-
-    @staticmethod
-    def _classifier(param) -> Callable[[object], object]:
-        specialize, align = not param.do_not_specialize, not param.do_not_specialize_on_alignment
-        of_int = int_class if specialize else int_width
-        of_tensor = tensor_class if align else tensor_dtype
-
-        def classify(v: object) -> object:  # plain ints and tensors first: the common case, no isinstance chain
-            t = type(v)
-            if t is int:
-                return of_int(v)
-            if t is torch.Tensor:
-                return of_tensor(v)
-            return arg_class(v, specialize, align)
-
-        return classify
+        namespace: dict = {}
+        exec(_key_source(kinds if params else "", runtime), namespace)
+        self._key = namespace["key"]
 
     def key(self, args: Sequence[object], consts: tuple, num_warps: int, device: int) -> tuple:
-        """The cache key of one launch (public for the tests)."""
-        rt, comp = triton.knobs.runtime, triton.knobs.compilation
-        classes = tuple([f(a) for f, a in zip(self._classify, args)])
-        return (classes, consts, num_warps, device, rt.debug, comp.instrumentation_mode)
+        """The cache key of one launch: every argument's class (see :func:`_key_source`), the
+        compile-time arguments, ``num_warps``, the device and Triton's debug / instrumentation switches."""
+        return self._key(args, consts, num_warps, device, triton.knobs.runtime, triton.knobs.compilation)
 
     def launch(
         self, grid: tuple[int, int, int], args: Sequence[object], consts: tuple, num_warps: int, device: int
@@ -133,23 +102,27 @@ class DirectLauncher:
         """One launch on ``device``'s (the current CUDA device's) current stream."""
         direct = self.enabled and not self.fn.pre_run_hooks and not _hooks_installed()
         if direct:
-            if len(args) != self._n_runtime or tuple(n for n, _ in consts) != self._const_names:
-                raise TypeError(f"{self.fn.__name__}: arguments do not match the kernel's parameters")
-            key = self.key(args, consts, num_warps, device)
-            kernel = self._compiled.get(key)
-            if kernel is not None:
+            try:
+                key = self.key(args, consts, num_warps, device)
+            except Exception:  # an argument not of its declared kind: Triton's own path decides
+                key, direct = None, False
+            entry = self._compiled.get(key)
+            if entry is not None:
+                kernel, const_values = entry
                 stream = torch._C._cuda_getCurrentRawStream(device)
                 kernel.run(
                     grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
-                    *args, *(v for _, v in consts),
+                    *args, *const_values,
                 )  # fmt: skip
                 return
         kernel = self.fn[grid](*args, **dict(consts), num_warps=num_warps)
         if direct and kernel is not None and not hasattr(kernel, "result"):  # compiled, not a pending compilation
+            if tuple(n for n, _ in consts) != self._const_names:  # Triton accepted them as keywords: any order
+                return
             with self._lock:
                 if len(self._compiled) >= _MAX_ENTRIES:
                     self._compiled.clear()
-                self._compiled[key] = kernel
+                self._compiled[key] = (kernel, tuple(v for _, v in consts))
 
     def clear(self) -> None:
         """Forget every compiled kernel (the next call of each class goes through Triton again)."""

@@ -341,20 +341,20 @@ def token_stats_triton(
         logits = logits.contiguous()
     plan = _plan(logits.shape, logits.stride(), logits.dtype, dev, tuple(sorted(config.items())) if config else None)
     n_rows = plan.n_rows
-    buf = torch.empty(5 * n_rows + ERR_WORDS, device=dev, dtype=torch.float32)
-    out = buf[: 5 * n_rows].view(5, *labels.shape)
-    errors = buf[5 * n_rows :].view(torch.int32)
+    # Host time matters at small N (the launch path costs about as much as the kernel): a cached
+    # plan, three allocations and no views before the launch, no device switch unless the tensors
+    # live on another GPU, no memset, one direct launch (kernels/_launch.py).
+    out = torch.empty((5, *labels.shape), device=dev, dtype=torch.float32)  # rows of the flat [5, n_rows]
     valid = torch.empty(labels.shape, device=dev, dtype=torch.bool)
+    errors = torch.empty(ERR_WORDS, device=dev, dtype=torch.int32)
     result = KernelStats(*out.unbind(0), valid, errors)
     if n_rows == 0:
         errors.zero_()
         return result
-    flat_labels = labels.reshape(-1)
+    flat_labels = labels if labels.is_contiguous() else labels.reshape(-1)  # read as flat [n_rows]
     if flat_labels.dtype not in (torch.int32, torch.int64):
         flat_labels = flat_labels.to(torch.int64)
-    # Host time matters at small N (the launch path costs about as much as the kernel): a cached
-    # plan, no device switch unless the tensors live on another GPU, no memset, one launch.
-    switch = dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device()
+    switch = dev.type == "cuda" and dev.index != torch.cuda.current_device()
     with torch.cuda.device(dev) if switch else contextlib.nullcontext():
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # CUDA graph capture: buffers of the graph's own (captured memset, graph memory pool),
@@ -367,11 +367,11 @@ def token_stats_triton(
             part = _stream_buffer("part", dev, stream, plan.part_words, torch.float32) if plan.split > 1 else ws
         seq, host = (report.arm(dev), report.words) if report is not None else (0, ws)
         args = (LOG2E / float(temperature), int(ignore_index), plan, part, ws, errors, host, seq)
-        flat_out, flat_valid = (out, valid) if labels.dim() == 1 else (out.view(5, -1), valid.view(-1))
         try:
             if plan.layout is not None:
-                _launch(logits, plan.layout, flat_labels, flat_out, flat_valid, n_rows, *args)
+                _launch(logits, plan.layout, flat_labels, n_rows, out, valid, n_rows, *args)
             else:  # leading dimensions that do not fold: one launch per leading index
+                flat_labels, flat_out, flat_valid = flat_labels.reshape(-1), out.view(5, -1), valid.view(-1)
                 per = n_rows // logits.shape[0]
                 for i in range(logits.shape[0]):
                     rows = slice(i * per, (i + 1) * per)
@@ -380,7 +380,7 @@ def token_stats_triton(
                     if layout is None:
                         sub = sub.reshape(-1, plan.vocab)
                         layout = _row_layout(sub.shape, sub.stride())
-                    _launch(sub, layout, flat_labels[rows], flat_out[:, rows], flat_valid[rows], n_rows, *args)
+                    _launch(sub, layout, flat_labels[rows], per, flat_out[:, rows], flat_valid[rows], n_rows, *args)
         except BaseException:
             if report is not None:
                 report.busy = False
@@ -456,17 +456,20 @@ def _split_plan(vocab: int, block: int, split: int) -> tuple[int, int]:
     return -(-vocab // chunk), chunk
 
 
-_LAUNCHER = DirectLauncher(_stats_kernel)
+# Runtime parameters of _stats_kernel by kind (pointer, int, float), in order.
+_KINDS = "piiipiifippppippi"
+_LAUNCHER = DirectLauncher(_stats_kernel, _KINDS)
 
 
-def _launch(x, layout, labels, out, valid, n_out, c, ignore_index, plan, part, ws, errors, host, seq) -> None:
-    """One launch of the streaming kernel over the rows of ``x`` (``layout``: see :func:`_row_layout`)
-    on the current device, through :class:`._launch.DirectLauncher` (Triton's own launch path costs
-    more host time than the kernel takes at N = 256)."""
+def _launch(x, layout, labels, rows, out, valid, n_out, c, ignore_index, plan, part, ws, errors, host, seq) -> None:
+    """One launch of the streaming kernel over ``rows`` rows of ``x`` (``layout``: see
+    :func:`_row_layout`; ``labels``, ``out`` and ``valid`` start at the first of them) on the
+    current device, through :class:`._launch.DirectLauncher` (Triton's own launch path costs more
+    host time than the kernel takes at N = 256)."""
     inner, stride_outer, stride_inner = layout
     args = (
         x, inner, stride_outer, stride_inner, labels, plan.vocab, plan.chunk, c, ignore_index,
         out, valid, part, ws, n_out, errors, host, seq,
     )  # fmt: skip
     consts = plan.consts_report if seq != 0 else plan.consts_plain
-    _LAUNCHER.launch((labels.shape[0], plan.split, 1), args, consts, plan.num_warps, x.device.index or 0)
+    _LAUNCHER.launch((rows, plan.split, 1), args, consts, plan.num_warps, x.device.index or 0)

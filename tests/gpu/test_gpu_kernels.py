@@ -236,7 +236,14 @@ def test_direct_launches_are_the_kernels_triton_would_launch(monkeypatch):
     launch = launcher.launch
     monkeypatch.setattr(launcher, "launch", lambda *a: calls.append(a) or launch(*a))
     run_all(range(len(cases)))  # fills the cache through Triton's path
-    monkeypatch.setattr(launcher, "fn", None)  # Triton's launch path would fail from here on
+
+    class NoTritonPath:  # Triton's launch path fails from here on
+        pre_run_hooks: list = []
+
+        def __getitem__(self, grid):
+            raise AssertionError("a cached class went through Triton's launch path")
+
+    monkeypatch.setattr(launcher, "fn", NoTritonPath())
     got = run_all(reversed(range(len(cases))))
     for key, (outs, counters) in want.items():
         g_outs, g_counters = got[key]
@@ -251,7 +258,7 @@ def test_direct_launches_are_the_kernels_triton_would_launch(monkeypatch):
             *args, **dict(consts), num_warps=num_warps, debug=kernel.debug or triton.knobs.runtime.debug,
             instrumentation_mode=triton.knobs.compilation.instrumentation_mode,
         )  # fmt: skip
-        ours = launcher._compiled[launcher.key(args, consts, num_warps, device)]
+        ours, _ = launcher._compiled[launcher.key(args, consts, num_warps, device)]
         assert ours is kernel_cache[compute_cache_key(key_cache, spec, options)]
         classes.add(launcher.key(args, consts, num_warps, device))
     assert len(classes) >= 2 * 3 * 2 * 2 * 2  # split x dtype x alignment x label dtype x report, at least
