@@ -368,3 +368,55 @@ def test_launcher_key_separates_what_the_statistics_kernel_is_compiled_for():
     assert len(set(variants)) == len(variants)
     assert key(seq=5) == key(seq=7) == key(seq=1)  # seq is do_not_specialize: one kernel for every call
     assert key(ignore_index=-100) == key(ignore_index=-99)  # same class, same kernel
+
+
+def test_launcher_caches_after_tritons_path_and_steps_aside_for_hooks(monkeypatch):
+    """The launch logic with a stand-in for Triton's launch path and compiled kernel: the first call
+    of a class goes through ``fn[grid](...)`` (keywords), later ones to the compiled kernel's
+    launcher with every argument in parameter order; an installed launch hook, a pre-run hook, or a
+    different class sends the call to Triton's path again."""
+    import triton
+
+    launcher = _probe_launcher()
+    real_fn = launcher.fn
+    triton_calls, direct_calls = [], []
+
+    class Compiled:
+        function, packed_metadata = "fn-handle", "meta"
+
+        def run(self, *a):
+            direct_calls.append(a)
+
+    class TritonPath:
+        params, pre_run_hooks = real_fn.params, []
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: triton_calls.append((grid, args, kw)) or Compiled()
+
+    monkeypatch.setattr(launcher, "fn", TritonPath())
+    monkeypatch.setattr(launcher, "enabled", True)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1000 + device, raising=False)
+    t = torch.zeros(4)
+    args = (t, 3, 5, t, 0.5)
+
+    def launch(args=args, consts=(("K", 7),)):
+        launcher.launch((2, 3, 1), args, consts, 4, 0)
+
+    launch()
+    assert triton_calls == [((2, 3, 1), args, {"K": 7, "num_warps": 4})] and direct_calls == []
+    launch()
+    assert direct_calls == [(2, 3, 1, 1000, "fn-handle", "meta", None, None, None, *args, 7)]
+    launch(args=(t, 16, 5, t, 0.5))  # another class of i: Triton's path, then cached
+    launch(args=(t, 32, 5, t, 0.5))
+    assert len(triton_calls) == 2 and len(direct_calls) == 2
+    hook = lambda metadata: None  # noqa: E731
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert _launch._hooks_installed()
+        launch()
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    assert not _launch._hooks_installed()
+    launcher.fn.pre_run_hooks = [hook]
+    launch()
+    assert len(triton_calls) == 4 and len(direct_calls) == 2
