@@ -1,17 +1,21 @@
 """``python -m benchmarks.host_path``: where the small-batch public call spends its time (CUDA).
 
-bf16 logits [256, 151936] (78 MB, the issue's small-batch shape).  Each line gives the do_bench
+bf16 logits [N, 151936], N = 256 by default (78 MB, the issue's small-batch shape; ``--n`` picks
+another).  Each line gives the do_bench
 median (CUDA events around the call, L2 flushed first; a call that synchronises is timed up to its
 return) of two runs; the "hidden" median, timed the same way but with a ~0.3 ms GPU sleep between
 the flush and the start event, so that the host's work before the launch is never timed (what
-remains is GPU time plus, for a waiting call, its return to the host); and the host time per call
-over 300 back-to-back calls.  Rows: the floors of any
+remains is GPU time plus, for a waiting call, its return to the host); the host time per call
+over 300 back-to-back calls (which a call's GPU time bounds from below); and, for a call that does
+not wait, its host time alone ("host only": the same 300 calls while a GPU sleep keeps the stream
+busy, so no call waits for the GPU).  Rows: the floors of any
 call that waits for its result on the host, in the same run: ``torch.sum`` and the pure-read
 kernel of :mod:`.floors`, each alone and followed by ``stream.synchronize()``; the statistics
 kernel alone, followed by a stream synchronisation, by the ``tolist()`` read of its device
 counters (the earlier public call) and by the poll of the host words it writes
 (``HostReport.wait``, what ``token_stats`` does); ``token_stats`` with and without ``check``, each
-also with the direct launcher off (Triton's own ``kernel[grid](...)`` path, kernels/_launch.py).
+also with the direct launcher off (Triton's own ``kernel[grid](...)`` path, kernels/_launch.py),
+and the checked call with the wait's tight spin cut to 0.5 ms (then ``time.sleep(0)`` polls).
 Each row gives the median and the 10th-90th percentiles of each do_bench run; the first row is
 do_bench's own L2 flush (the host time a call may spend before its launch without being timed).
 Then a cProfile of 300 ``token_stats(check=False)`` calls (the host path before the launch).
@@ -46,21 +50,43 @@ def host_hidden_us(fn, flush: torch.Tensor, reps: int = 100) -> float:
     return times[len(times) // 2]
 
 
+def host_only_us(fn, calls: int = 300) -> float:
+    """Host microseconds per call of a call that does not wait, while a long GPU sleep (~0.1 s)
+    keeps the stream busy: no call can be slowed down by the GPU."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
 def main() -> None:
+    import argparse
+
     import triton
     import triton.testing
 
     import entropy_discriminator as ed
+    from entropy_discriminator.kernels import _host_report
     from entropy_discriminator.kernels._host_report import HostReport
     from entropy_discriminator.kernels.triton_stats import _LAUNCHER, token_stats_triton
 
     from .floors import read_sum
 
-    n, v = 256, 151936
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.host_path")
+    parser.add_argument("--n", type=int, default=256, help="rows of the [N, 151936] bf16 logits")
+    n, v = parser.parse_args().n, 151936
     x = (torch.randn(n, v, device="cuda") * 3).bfloat16()
     labels = torch.randint(0, v, (n,), device="cuda")
     report = HostReport(pinned=True)
     enabled = _LAUNCHER.enabled
+    default_spin = _host_report.SPIN_SECONDS
     stream = torch.cuda.current_stream()
 
     def kernel():
@@ -86,6 +112,18 @@ def main() -> None:
 
         return run
 
+    def spin(fn, seconds):
+        """``fn`` with HostReport.wait's tight spin set to ``seconds``."""
+
+        def run():
+            _host_report.SPIN_SECONDS = seconds
+            try:
+                return fn()
+            finally:
+                _host_report.SPIN_SECONDS = default_spin
+
+        return run
+
     def kernel_host_words():
         token_stats_triton(x, labels, 1.0, -100, report=report)
         return report.wait()
@@ -105,14 +143,19 @@ def main() -> None:
         "token_stats": lambda: ed.token_stats(x, labels),
         "check=False, Triton's launch": tritons_launch(lambda: ed.token_stats(x, labels, check=False)),
         "token_stats, Triton's launch": tritons_launch(lambda: ed.token_stats(x, labels)),
+        "token_stats, spin 0.5 ms": spin(lambda: ed.token_stats(x, labels), 5e-4),
     }
+    waits = {"torch.sum+stream.sync", "read_sum+stream.sync", "kernel+stream.sync", "kernel+tolist"}
+    waits |= {"kernel+host words", "token_stats", "token_stats, Triton's launch", "token_stats, spin 0.5 ms"}
     print(f"card {card_name()} torch {torch.__version__} triton {triton.__version__}; bf16 [{n}, {v}]", flush=True)
-    print(f"{'':28s} do_bench median (p10-p90), twice; host-hidden median; host time per call over 300 calls")
+    print(f"{'':28s} do_bench median (p10-p90), twice; host-hidden median; host time per call over 300 calls, alone")
     for name, fn in cases.items():
         runs = [sorted(triton.testing.do_bench(fn, warmup=50, rep=100, return_mode="all")) for _ in range(2)]
         med = "  ".join(f"{t[len(t) // 2] * 1e3:6.1f} ({t[len(t) // 10] * 1e3:5.1f}-{t[9 * len(t) // 10] * 1e3:5.1f})" for t in runs)
         hidden = host_hidden_us(fn, flush)
-        print(f"{name:32s} {med} us   hidden {hidden:6.1f} us   host {host_us(fn, calls=300):7.1f} us/call", flush=True)
+        only = "      -" if name in waits or name.startswith("L2") else f"{host_only_us(fn):7.1f}"
+        host = f"host {host_us(fn, calls=300):7.1f} us/call, only {only}"
+        print(f"{name:32s} {med} us   hidden {hidden:6.1f} us   {host}", flush=True)
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(300):

@@ -26,11 +26,15 @@ from ._reduce import ERR_WORDS
 
 #: How the host waits for the words: a tight poll for SPIN_SECONDS, then polls with ``time.sleep(0)``
 #: between them (the GIL is released at each, so other Python threads run) until YIELD_SECONDS, then
-#: ``stream.synchronize()``.  The synchronisation is left for very long kernels only: on a loaded
-#: host its wake-up can take 0.1-0.2 ms (H100 machine, ``benchmarks.host_path``: kernel + stream
-#: synchronisation 61-168 us against 58 us for kernel + polled words at N = 256; a 0.5 ms switch to
-#: it cost a 1.7 ms call at N = 16384 about 13%), while a polled word is seen within a microsecond.
-SPIN_SECONDS = 5e-4
+#: ``stream.synchronize()``.  The spin is what CUDA's own synchronisation does by default while
+#: CPU cores outnumber GPUs; a spinning Python thread still hands the GIL to other threads every
+#: ``sys.getswitchinterval()``.  Yielding early is what costs: on a loaded host ``sched_yield`` can
+#: give the core away for a scheduler time slice (H100 machine, N = 16384, a 1.68 ms kernel: a 0.5 ms
+#: spin then yields measured the checked call at 1.13x torch.sum in one run, 1.04x in the next), and
+#: a synchronisation's wake-up can take 0.1-0.2 ms (``benchmarks.host_path``: kernel + stream
+#: synchronisation 61-168 us against 58 us for kernel + polled words at N = 256), while a polled
+#: word is seen within a microsecond.
+SPIN_SECONDS = 5e-3
 YIELD_SECONDS = 5e-2
 _SEQ_LIMIT = 2**31 - 1
 
