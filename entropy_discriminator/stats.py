@@ -153,7 +153,9 @@ def token_stats(
         report = triton_stats.host_report() if check else None  # pinned words the kernel writes its counters to
         out = triton_stats.token_stats_triton(logits, labels, temperature, ignore_index, report=report)  # no autograd graph
         result = TokenStats(out.logp, out.entropy, out.s_star, out.s_expected, out.s_centered, out.valid)
-        if report is not None and out.valid.numel():
+        counted = out.valid.numel()
+        del out  # the device copy of the counters is freed now, while the kernel runs, not after the wait
+        if report is not None and counted:
             errors = report.wait()  # the one host synchronisation, last: nothing left to do after it
             if any(errors):
                 if impl == "auto" and not any(errors[:3]):  # only the kernel's fp32 scaling overflowed
