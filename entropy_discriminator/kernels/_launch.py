@@ -4,13 +4,14 @@
 it binds the arguments, specialises each one (dtype and 16-byte alignment of a pointer; for an
 integer its width, divisibility by 16 and whether it equals 1), looks the compiled kernel up under
 that key, rebuilds launch metadata for the launch hooks and only then calls the launcher.  On the
-H100 machines of ``benchmarks.host_path`` that path costs 60-120 us of host time per call, more
-than the statistics kernel takes at N = 256, and a call that waits for its kernel pays it in full
-whenever it outlasts the GPU's previous work.
+H100 machines of ``benchmarks.host_path`` the public statistics call took 71-136 us of host time
+through that path and 48-93 us through this one (benchmarks/RESULTS.md), more than the kernel
+takes at N = 256; a call that waits for its kernel pays that host time in full whenever it
+outlasts the GPU's previous work.
 
 :class:`DirectLauncher` keys its own cache by the same classes (computed per argument, in the
 order of the kernel's parameters, with each parameter's ``do_not_specialize`` /
-``do_not_specialize_on_alignment`` flags honoured) plus the compile-time arguments, ``num_warps``,
+``do_not_specialize_on_alignment`` flags honoured; see :func:`_key_source`) plus the compile-time arguments, ``num_warps``,
 the device and Triton's debug / instrumentation switches.  The first call of a class goes through
 Triton (compiling if needed) and stores the compiled kernel; later calls pass the same positional
 arguments straight to its launcher.  Used only for the Triton releases whose launcher signature this
