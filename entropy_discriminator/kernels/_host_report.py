@@ -67,8 +67,9 @@ class HostReport:
 
         Polls the last host word (no CUDA call; see :data:`SPIN_SECONDS` for the schedule) and,
         once it carries this call's tag, checks all of them; checks the stream every 256 polls (a
-        CUDA error or a capturing stream raises there, and a finished stream ends the wait); a kernel that outlasts :data:`YIELD_SECONDS` is waited for with
-        ``stream.synchronize()``.  The one host synchronisation of a checked call.
+        CUDA error or a capturing stream raises there, and a finished stream ends the wait); a
+        kernel that outlasts :data:`YIELD_SECONDS` is waited for with ``stream.synchronize()``.
+        The one host synchronisation of a checked call.
         """
         tag, view, last, stream = self.seq, self._view, self._last, None
         try:

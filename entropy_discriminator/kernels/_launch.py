@@ -66,7 +66,6 @@ def _key_source(kinds: str, params: list) -> str:
     )  # fmt: skip
 
 
-
 def _hooks_installed() -> bool:
     """A launch hook is installed (Triton 3.6 keeps them in always-present, possibly empty ``HookChain`` s)."""
     rt = triton.knobs.runtime
@@ -81,9 +80,9 @@ class DirectLauncher:
 
     ``kinds`` declares the runtime parameters in order: ``"p"`` pointer (a tensor), ``"i"`` integer,
     ``"f"`` float.  ``args`` are the runtime arguments in parameter order, ``consts`` the
-    ``(name, value)`` of the compile-time arguments that follow them, also in parameter order.  Same effect, bits and
-    errors as ``fn[grid](*args, **dict(consts), num_warps=num_warps)``, which it calls on a cache
-    miss or whenever a direct launch is not safe (see the module docstring).
+    ``(name, value)`` of the compile-time arguments that follow them, also in parameter order.
+    Same effect, bits and errors as ``fn[grid](*args, **dict(consts), num_warps=num_warps)``, which
+    it calls on a cache miss or whenever a direct launch is not safe (see the module docstring).
     """
 
     def __init__(self, fn, kinds: str) -> None:
