@@ -88,8 +88,6 @@ def main() -> None:
     x = (torch.randn(n, v, device="cuda") * 3).bfloat16()
     labels = torch.randint(0, v, (n,), device="cuda")
     report = HostReport(pinned=True)
-    enabled = _LAUNCHER.enabled
-    default_spin = _host_report.SPIN_SECONDS
     stream = torch.cuda.current_stream()
 
     def kernel():
@@ -103,27 +101,16 @@ def main() -> None:
 
         return run
 
-    def tritons_launch(fn):
-        """``fn`` with the direct launcher off: every launch takes ``kernel[grid](...)``."""
+    def patched(obj, name, value, fn):
+        """``fn`` run with ``obj.<name>`` set to ``value`` (restored after each call)."""
 
         def run():
-            _LAUNCHER.enabled = False
+            old = getattr(obj, name)
+            setattr(obj, name, value)
             try:
                 return fn()
             finally:
-                _LAUNCHER.enabled = enabled
-
-        return run
-
-    def spin(fn, seconds):
-        """``fn`` with HostReport.wait's tight spin set to ``seconds``."""
-
-        def run():
-            _host_report.SPIN_SECONDS = seconds
-            try:
-                return fn()
-            finally:
-                _host_report.SPIN_SECONDS = default_spin
+                setattr(obj, name, old)
 
         return run
 
@@ -145,34 +132,32 @@ def main() -> None:
         return report.wait()
 
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")  # what do_bench zeroes before each call
+    # name: (call, whether it waits for its kernel: then no "host only" time, which needs a busy stream)
     cases = {
-        "L2 flush (zero 256 MB)": lambda: flush.zero_(),
-        "torch.sum": lambda: torch.sum(x),
-        "torch.sum+stream.sync": synced(lambda: torch.sum(x)),
-        "read_sum": lambda: read_sum(x, 2112, 2048, 4, 4),
-        "read_sum+stream.sync": synced(lambda: read_sum(x, 2112, 2048, 4, 4)),
-        "kernel": kernel,
-        "kernel+stream.sync": synced(kernel),
-        "kernel+tolist": lambda: kernel().errors.tolist(),
-        "kernel+host words": kernel_host_words,
-        "token_stats(check=False)": lambda: ed.token_stats(x, labels, check=False),
-        "token_stats": lambda: ed.token_stats(x, labels),
-        "check=False, Triton's launch": tritons_launch(lambda: ed.token_stats(x, labels, check=False)),
-        "token_stats, Triton's launch": tritons_launch(lambda: ed.token_stats(x, labels)),
-        "token_stats, spin 0.5 ms": spin(lambda: ed.token_stats(x, labels), 5e-4),
-        "token_stats, result kept": kept(lambda: ed.token_stats(x, labels)),
-        "torch.sum+sync, result kept": kept(synced(lambda: torch.sum(x))),
+        "L2 flush (zero 256 MB)": (lambda: flush.zero_(), True),  # the timer's own step: no host-only time either
+        "torch.sum": (lambda: torch.sum(x), False),
+        "torch.sum+stream.sync": (synced(lambda: torch.sum(x)), True),
+        "read_sum": (lambda: read_sum(x, 2112, 2048, 4, 4), False),
+        "read_sum+stream.sync": (synced(lambda: read_sum(x, 2112, 2048, 4, 4)), True),
+        "kernel": (kernel, False),
+        "kernel+stream.sync": (synced(kernel), True),
+        "kernel+tolist": (lambda: kernel().errors.tolist(), True),
+        "kernel+host words": (kernel_host_words, True),
+        "token_stats(check=False)": (lambda: ed.token_stats(x, labels, check=False), False),
+        "token_stats": (lambda: ed.token_stats(x, labels), True),
+        "check=False, Triton's launch": (patched(_LAUNCHER, "enabled", False, lambda: ed.token_stats(x, labels, check=False)), False),
+        "token_stats, Triton's launch": (patched(_LAUNCHER, "enabled", False, lambda: ed.token_stats(x, labels)), True),
+        "token_stats, spin 0.5 ms": (patched(_host_report, "SPIN_SECONDS", 5e-4, lambda: ed.token_stats(x, labels)), True),
+        "token_stats, result kept": (kept(lambda: ed.token_stats(x, labels)), True),
+        "torch.sum+sync, result kept": (kept(synced(lambda: torch.sum(x))), True),
     }
-    waits = {"torch.sum+stream.sync", "read_sum+stream.sync", "kernel+stream.sync", "kernel+tolist"}
-    waits |= {"kernel+host words", "token_stats", "token_stats, Triton's launch", "token_stats, spin 0.5 ms"}
-    waits |= {"token_stats, result kept", "torch.sum+sync, result kept"}
     print(f"card {card_name()} torch {torch.__version__} triton {triton.__version__}; bf16 [{n}, {v}]", flush=True)
     print(f"{'':28s} do_bench median (p10-p90), twice; host-hidden median; host time per call over 300 calls, alone")
-    for name, fn in cases.items():
+    for name, (fn, waits) in cases.items():
         runs = [sorted(triton.testing.do_bench(fn, warmup=50, rep=100, return_mode="all")) for _ in range(2)]
         med = "  ".join(f"{t[len(t) // 2] * 1e3:6.1f} ({t[len(t) // 10] * 1e3:5.1f}-{t[9 * len(t) // 10] * 1e3:5.1f})" for t in runs)
         hidden = host_hidden_us(fn, flush)
-        only = "      -" if name in waits or name.startswith("L2") else f"{host_only_us(fn):7.1f}"
+        only = "      -" if waits else f"{host_only_us(fn):7.1f}"
         host = f"host {host_us(fn, calls=300):7.1f} us/call, only {only}"
         print(f"{name:32s} {med} us   hidden {hidden:6.1f} us   {host}", flush=True)
     profile = cProfile.Profile()
