@@ -157,7 +157,7 @@ def token_stats(
         del out  # the device copy of the counters is freed now, while the kernel runs, not after the wait
         if report is not None and counted:
             errors = report.wait()  # the one host synchronisation, last: nothing left to do after it
-            if any(errors):
+            if errors is not triton_stats.NO_FAULTS:
                 if impl == "auto" and not any(errors[:3]):  # only the kernel's fp32 scaling overflowed
                     return _token_stats_torch(logits, labels, float(temperature), ignore_index, chunk_size, check, None, 0)
                 raise_for_errors(errors, labels, logits.shape[-1], ignore_index)

@@ -127,19 +127,41 @@ def test_host_report_gives_each_call_its_own_counts():
     cfg = {"block": 128, "num_warps": 4, "stages": 2}
     for split in (1, 3):
         out = token_stats_triton(logits, labels, 1.0, -100, config={**cfg, "split": split}, report=report)
-        assert report.wait() == out.errors.tolist() == [1, 1, 1, 0]
+        assert list(report.wait()) == out.errors.tolist() == [1, 1, 1, 0]
         assert not report.busy
         out = token_stats_triton(good, labels.clamp(max=299), 1.0, -100, config={**cfg, "split": split}, report=report)
-        assert report.wait() == out.errors.tolist() == [0, 0, 0, 0]
+        assert list(report.wait()) == out.errors.tolist() == [0, 0, 0, 0]
     four = _logits(6, 2 * 3 * 5, 64, torch.float32).view(2, 3, 5, 64)[:, :, 1:-1].transpose(1, 2)  # 2 launches
     labels4 = _labels(6, 18, 64).view(2, 3, 3)
     labels4[0, 0, 0], labels4[1, 2, 2] = 64, -1
     out = token_stats_triton(four, labels4, 1.0, -100, report=report)
-    assert report.wait() == out.errors.tolist() == [2, 0, 0, 0]
+    assert list(report.wait()) == out.errors.tolist() == [2, 0, 0, 0]
     report.arm(None)  # no kernel writes this call's tag: the last call's words are not taken for it
     with pytest.raises(RuntimeError, match="without reporting"):
         report.wait()
     assert not report.busy
+
+
+def test_host_report_reads_counters_only_once_tagged():
+    """The wait's protocol on hand-written words: a clean summary is the answer by itself; a summary
+    that says some row was bad is answered only once every counter word carries the call's tag (a
+    counter still holding the previous call's word is never taken for this call's count)."""
+    from entropy_discriminator.kernels._host_report import NO_FAULTS, HostReport
+
+    report = HostReport(pinned=False)
+    words = report.words
+    seq = report.arm(None)
+    words[:] = seq << 32
+    assert report.wait() is NO_FAULTS and not report.busy
+    old, seq = seq, report.arm(None)
+    words[:4] = torch.tensor([(old << 32) | 7, (seq << 32) | 2, seq << 32, seq << 32])
+    words[4] = (seq << 32) | 1  # "some row was bad", but the first counter is the previous call's
+    with pytest.raises(RuntimeError, match="without reporting"):
+        report.wait()
+    seq = report.arm(None)
+    words[:4] = torch.tensor([(seq << 32) | 3, (seq << 32) | 2, seq << 32, (seq << 32) | 1])
+    words[4] = (seq << 32) | 1
+    assert report.wait() == (3, 2, 0, 1)
 
 
 def test_leading_dimensions_read_in_place():

@@ -4,9 +4,10 @@ A call that must raise on bad data (``token_stats(..., check=True)``) has to wai
 once.  Reading device counters back costs a copy on top of that wait (``tolist()``: a pageable
 device-to-host copy, ~25 us at N = 256 on an H100).  Instead the kernel's last program stores the
 counters straight into pinned host memory (UVA-mapped, so the kernel takes the host tensor as a
-pointer), each as one 64-bit word ``(seq << 32) | count`` written with a single store, and the host
-polls the words until all of them carry its call's ``seq``: no CUDA copy, no fence, and a torn or
-stale word is never taken for the answer.
+pointer), each as one 64-bit word ``(seq << 32) | count`` written with a single store, then a summary
+word ``(seq << 32) | (any count non-zero)``.  The host polls the summary word until it carries its
+call's ``seq``, and reads the counters only when it says some row was bad (then once all of them
+carry the ``seq``): no CUDA copy, no fence, and a torn or stale word is never taken for the answer.
 
 Each thread owns one :class:`HostReport` (``threading.local``): a call waits for its kernel
 before it returns, so nothing else writes a report's words while its owner reads them; a report
@@ -40,16 +41,22 @@ YIELD_SECONDS = 5e-2
 _SEQ_LIMIT = 2**31 - 1
 
 
+#: What :meth:`HostReport.wait` returns for a call without a bad row.
+NO_FAULTS = (0,) * ERR_WORDS
+
+
 class HostReport:
-    """``ERR_WORDS`` int64 words of pinned host memory, written by one kernel per call."""
+    """``ERR_WORDS + 1`` int64 words of pinned host memory, written by one kernel per call: the
+    counters, then a summary word ``(seq << 32) | (any counter non-zero)``."""
 
     def __init__(self, pinned: bool) -> None:
-        self.words = torch.zeros(ERR_WORDS, dtype=torch.int64, pin_memory=pinned)
+        self.words = torch.zeros(ERR_WORDS + 1, dtype=torch.int64, pin_memory=pinned)
         self._view = self.words.numpy()  # the same memory; tolist() reads it afresh every time
-        # The last word alone, read through ctypes (a fresh 8-byte load per ``.value``, ~0.1 us):
-        # what the spin polls before it reads and checks all the words.
-        self._last = ctypes.c_int64.from_address(self.words.data_ptr() + 8 * (ERR_WORDS - 1))
+        # The summary word alone, read through ctypes (a fresh 8-byte load per ``.value``, ~0.1 us):
+        # all that a call without a bad row reads.
+        self._summary = ctypes.c_int64.from_address(self.words.data_ptr() + 8 * ERR_WORDS)
         self.seq = 0
+        self._clean = 0  # the summary word of the armed call if no row is bad
         self.device: torch.device | None = None
         self.busy = False
 
@@ -58,29 +65,40 @@ class HostReport:
         never the previous one's); ``device`` None or not CUDA: the kernel runs on the host
         (Triton's interpreter) and has written its words when the launch returns."""
         self.seq = self.seq % _SEQ_LIMIT + 1
+        self._clean = self.seq << 32
         self.device = device if device is not None and device.type == "cuda" else None
         self.busy = True
         return self.seq
 
-    def wait(self) -> list[int]:
-        """Block until the armed kernel has written every word; return the ``ERR_WORDS`` counts.
+    def wait(self) -> tuple[int, ...]:
+        """Block until the armed kernel has written its words; return the ``ERR_WORDS`` counts
+        (:data:`NO_FAULTS` when no row was bad).
 
-        Polls the last host word (no CUDA call; see :data:`SPIN_SECONDS` for the schedule) and,
-        once it carries this call's tag, checks all of them; checks the stream every 256 polls (a
-        CUDA error or a capturing stream raises there, and a finished stream ends the wait); a
+        Polls the summary word (no CUDA call; see :data:`SPIN_SECONDS` for the schedule): once it
+        carries this call's tag and says no row was bad, that is the answer; if it says some row
+        was, every counter word is read once it carries the tag.  Checks the stream every 256 polls
+        (a CUDA error or a capturing stream raises there, and a finished stream ends the wait); a
         kernel that outlasts :data:`YIELD_SECONDS` is waited for with ``stream.synchronize()``.
         The one host synchronisation of a checked call.
         """
-        tag, view, last, stream = self.seq, self._view, self._last, None
+        if self._summary.value == self._clean:  # the common case, kept to one load and one compare
+            self.busy = False
+            return NO_FAULTS
+        return self._wait()
+
+    def _wait(self) -> tuple[int, ...]:
+        clean, summary, stream = self._clean, self._summary, None
         try:
             polls = 0
             start = time.perf_counter()
             while True:
-                if last.value >> 32 == tag:
-                    words = view.tolist()
-                    # every word carries this call's tag: words are (seq << 32) | count, seq in [1, 2**31)
-                    if min(words) >> 32 == tag == max(words) >> 32:
-                        return [w & 0xFFFFFFFF for w in words]
+                word = summary.value
+                if word == clean:
+                    return NO_FAULTS
+                if word >> 32 == self.seq:
+                    counts = self._counts()
+                    if counts is not None:
+                        return counts
                 polls += 1
                 if self.device is None:  # interpreter: the kernel ran on the host and has returned
                     break
@@ -95,9 +113,11 @@ class HostReport:
                         break
                     if waited > SPIN_SECONDS:
                         time.sleep(0)
-            words = view.tolist()
-            if min(words) >> 32 == tag == max(words) >> 32:
-                return [w & 0xFFFFFFFF for w in words]
+            if summary.value == clean:
+                return NO_FAULTS
+            counts = self._counts()
+            if counts is not None:
+                return counts
             raise RuntimeError("the statistics kernel finished without reporting its error counters")
         except BaseException:
             if self.device is not None:  # no kernel may write into this report once the call has left
@@ -105,6 +125,14 @@ class HostReport:
             raise
         finally:
             self.busy = False
+
+    def _counts(self) -> tuple[int, ...] | None:
+        """The counters if every word carries this call's tag (words are ``(seq << 32) | count``,
+        seq in [1, 2**31)), else None."""
+        words = self._view.tolist()
+        if min(words) >> 32 == self.seq == max(words) >> 32:
+            return tuple(w & 0xFFFFFFFF for w in words[:ERR_WORDS])
+        return None
 
 
 _local = threading.local()

@@ -93,21 +93,33 @@ def merge_partials(mj, s0j, s1j, s2j, s3j):
 
 
 @triton.jit
-def store_row(row, n_out, valid, in_range, mu, s0, s1, s2, s3, yk, mx, mx_scaled, out_ptr, valid_ptr, err_ptr):
-    """Write one row's five statistics and ``valid``; count the row in the error words if it is bad.
-
-    ``out_ptr`` is fp32 [5, n_out] (logp, entropy, s_star, s_expected, s_centered), ``valid_ptr``
-    bool [n_out], ``err_ptr`` int32 [ERR_WORDS] counters of counted rows with: a label outside
-    [0, V); a NaN or +inf logit (``mx``, the NaN-propagating max of the unscaled logits); every
-    logit -inf; finite logits whose scaled max ``mx_scaled`` overflows fp32.  A bad row's
-    statistics are NaN (never a plausible number); ignored rows are 0.
-    """
-    logp, ent, s_star, s_exp = finalize(mu, s0, s1, s2, s3, yk, valid)
+def row_faults(valid, in_range, mx, mx_scaled):
+    """The four ways a counted row can be bad: a label outside [0, V); a NaN or +inf logit (``mx``,
+    the NaN-propagating max of the unscaled logits); every logit -inf; finite logits whose scaled
+    max ``mx_scaled`` overflows fp32.  Returns the four flags (False for an ignored row)."""
     bad_label = valid & (in_range == 0)
     nan_inf = valid & ((mx != mx) | (mx == float("inf")))
     masked = valid & (mx == float("-inf"))
     overflow = valid & (tl.abs(mx) < float("inf")) & (tl.abs(mx_scaled) == float("inf"))
-    bad = bad_label | nan_inf | masked | overflow
+    return bad_label, nan_inf, masked, overflow
+
+
+@triton.jit
+def count_faults(err_ptr, bad_label, nan_inf, masked, overflow):
+    """One increment of each raised flag's counter in ``err_ptr`` (int32 [ERR_WORDS]); relaxed:
+    whoever reads the counters orders itself after them with an acquire (see the callers)."""
+    tl.atomic_add(err_ptr, 1, mask=bad_label, sem="relaxed", scope="gpu")
+    tl.atomic_add(err_ptr + 1, 1, mask=nan_inf, sem="relaxed", scope="gpu")
+    tl.atomic_add(err_ptr + 2, 1, mask=masked, sem="relaxed", scope="gpu")
+    tl.atomic_add(err_ptr + 3, 1, mask=overflow, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def store_stats(row, n_out, valid, bad, mu, s0, s1, s2, s3, yk, out_ptr, valid_ptr):
+    """Write one row's five statistics and ``valid``: ``out_ptr`` is fp32 [5, n_out] (logp,
+    entropy, s_star, s_expected, s_centered), ``valid_ptr`` bool [n_out].  A bad row's statistics
+    are NaN (never a plausible number); ignored rows are 0."""
+    logp, ent, s_star, s_exp = finalize(mu, s0, s1, s2, s3, yk, valid)
     logp = tl.where(bad, float("nan"), logp)
     ent = tl.where(bad, float("nan"), ent)
     s_star = tl.where(bad, float("nan"), s_star)
@@ -119,10 +131,16 @@ def store_row(row, n_out, valid, in_range, mu, s0, s1, s2, s3, yk, mx, mx_scaled
     tl.store(q + 3 * n_out, s_exp)
     tl.store(q + 4 * n_out, s_star - s_exp)
     tl.store(valid_ptr + row, valid)
-    tl.atomic_add(err_ptr, 1, mask=bad_label)
-    tl.atomic_add(err_ptr + 1, 1, mask=nan_inf)
-    tl.atomic_add(err_ptr + 2, 1, mask=masked)
-    tl.atomic_add(err_ptr + 3, 1, mask=overflow)
+
+
+@triton.jit
+def store_row(row, n_out, valid, in_range, mu, s0, s1, s2, s3, yk, mx, mx_scaled, out_ptr, valid_ptr, err_ptr):
+    """:func:`row_faults`, :func:`count_faults` into ``err_ptr`` (int32 [ERR_WORDS]) and
+    :func:`store_stats` of one row."""
+    bad_label, nan_inf, masked, overflow = row_faults(valid, in_range, mx, mx_scaled)
+    count_faults(err_ptr, bad_label, nan_inf, masked, overflow)
+    bad = bad_label | nan_inf | masked | overflow
+    store_stats(row, n_out, valid, bad, mu, s0, s1, s2, s3, yk, out_ptr, valid_ptr)
 
 
 @triton.jit

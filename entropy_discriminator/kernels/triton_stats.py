@@ -14,15 +14,17 @@ split-V, each program writes its six partials (m, s0..s3, max), then takes a tic
 arrival counter; the last program of the row merges the partials in slice order (one launch, and
 two runs give identical bits).  Rows whose label is ``ignore_index`` are not read at all.
 
-The kernel also validates: the program that finishes a row writes its five statistics and
-``valid`` directly and, for a bad row (label outside [0, V), a NaN or +inf logit, every logit
--inf, or finite logits that overflow fp32 once scaled by log2(e)/T), NaN statistics and one
-increment of the matching error counter in the stream's workspace.  The program that finishes the
-call's last row (a second arrival counter over rows) moves the counters into the call's own
-``errors`` words, resets the workspace (so no launch needs a zero-filled buffer: it is allocated
-once per stream and device and left zeroed by every launch) and, when asked, stores them into
-pinned host memory for the host to poll (:mod:`._host_report`): a checked call then waits once and
-copies nothing.
+The kernel also validates: the program that finishes a row counts it, if it is bad (label
+outside [0, V), a NaN or +inf logit, every logit -inf, or finite logits that overflow fp32 once
+scaled by log2(e)/T), in the matching error counter of the stream's workspace, then writes its five
+statistics (NaN for a bad row) and ``valid`` directly.  Between the two it counts the row as
+finished (one 64-bit word over the call: finished rows, and bad rows above bit 32); the program
+that finishes the call's last row moves the counters (only read when some row was bad) into the
+call's own ``errors`` words, resets the workspace (so no launch needs a zero-filled buffer: it is
+allocated once per stream and device and left zeroed by every launch) and, when asked, stores them
+and a summary word into pinned host memory for the host to poll (:mod:`._host_report`): a checked
+call then waits once, copies nothing, and is released before the last rows' statistics are stored
+(stream order still puts them before any later work).
 """
 
 from __future__ import annotations
@@ -38,11 +40,22 @@ import triton.language as tl
 
 from . import interpreting
 from . import is_available as _is_available
-from ._host_report import HostReport, host_report
+from ._host_report import NO_FAULTS, HostReport, host_report
 from ._launch import DirectLauncher
-from ._reduce import D_FLOOR, ERR_WORDS, ERR_WORDS_C, LOG2E, max_nan, merge_partials, rescale, store_row
+from ._reduce import (
+    D_FLOOR,
+    ERR_WORDS,
+    ERR_WORDS_C,
+    LOG2E,
+    count_faults,
+    max_nan,
+    merge_partials,
+    rescale,
+    row_faults,
+    store_stats,
+)
 
-__all__ = ["KernelStats", "token_stats_triton", "is_available", "choose_config", "HostReport", "host_report"]
+__all__ = ["KernelStats", "token_stats_triton", "is_available", "choose_config", "HostReport", "host_report", "NO_FAULTS"]
 
 SPLIT_TARGET = 4  # programs per multiprocessor below which rows are split (split-V)
 TAU = 8.0  # lazy-rescale slack in base-2 units: e <= 2^8, e^2 <= 2^16, sums stay far from overflow
@@ -89,26 +102,40 @@ def _update(x, c, m, mx, s0, s1, s2, s3, TAU: tl.constexpr, FTZ: tl.constexpr):
     return m, mx, s0, s1, s2, s3
 
 
-# Workspace words (int32, one buffer per device and stream, zero between launches): the error
-# counters, the count of finished rows (word ERR_WORDS), then (split-V) one arrival counter per row.
-ROW_WORDS = tl.constexpr(ERR_WORDS + 1)
+# Workspace (int32 words, one buffer per device and stream, zero between launches): words 0-1 are
+# one int64, the call's finished rows plus (<< 32) its bad rows; then the ERR_WORDS error counters;
+# then (split-V) one arrival counter per row.
+WS_ERR = tl.constexpr(2)
+WS_ROWS = tl.constexpr(2 + ERR_WORDS)
 
 
 @triton.jit
-def _finish_row(ws_ptr, N, err_ptr, host_ptr, seq, REPORT: tl.constexpr):
-    """Called once per row, after :func:`store_row`.  The program finishing the call's N-th row
-    takes the error counters out of the workspace (read and reset in one exchange), writes them to
-    the call's ``err_ptr`` and, with REPORT, to the host words ``(seq << 32) | count`` (one 64-bit
-    write-through store each), and resets the row count."""
+def _finish_row(ws_ptr, N, bad, err_ptr, host_ptr, seq, REPORT: tl.constexpr):
+    """Called once per row, after its faults are counted and before its statistics are computed
+    and stored: the host learns the call's outcome as soon as every row's faults are known, and
+    no later work sits between the last row and the host's return.
+
+    One acq_rel 64-bit add counts the row as finished (and bad, if ``bad``).  The program that
+    finishes the call's N-th row resets that word and, only if some row was bad, takes the error
+    counters out of the workspace (read and reset in one exchange); it writes them to the call's
+    ``err_ptr`` and, with REPORT, to the host words ``(seq << 32) | count`` followed by the summary
+    word ``(seq << 32) | (any row bad)`` (64-bit write-through stores)."""
     tl.debug_barrier()  # this row's counter increments come before its arrival
-    done = tl.atomic_add(ws_ptr + ERR_WORDS_C, 1, sem="acq_rel", scope="gpu")
-    if done == N - 1:
+    done_ptr = ws_ptr.to(tl.pointer_type(tl.int64))
+    inc = 1 + (bad.to(tl.int64) << 32)
+    now = tl.atomic_add(done_ptr, inc, sem="acq_rel", scope="gpu") + inc
+    if (now & 0xFFFFFFFF) == N:
+        tl.store(done_ptr, 0)
         w = tl.arange(0, ERR_WORDS_C)
-        e = tl.atomic_xchg(ws_ptr + w, tl.zeros([ERR_WORDS_C], dtype=tl.int32), sem="acq_rel", scope="gpu")
-        tl.store(ws_ptr + ERR_WORDS_C, 0)
+        if (now >> 32) == 0:
+            e = tl.zeros([ERR_WORDS_C], dtype=tl.int32)
+        else:
+            e = tl.atomic_xchg(ws_ptr + WS_ERR + w, tl.zeros([ERR_WORDS_C], dtype=tl.int32), sem="acq_rel", scope="gpu")
         tl.store(err_ptr + w, e)
         if REPORT:
-            tl.store(host_ptr + w, (seq.to(tl.int64) << 32) | e.to(tl.int64), cache_modifier=".wt")
+            tag = seq.to(tl.int64) << 32
+            tl.store(host_ptr + w, tag | e.to(tl.int64), cache_modifier=".wt")
+            tl.store(host_ptr + ERR_WORDS_C, tag | ((now >> 32) != 0).to(tl.int64), cache_modifier=".wt")
 
 
 @triton.jit(do_not_specialize=["seq"])
@@ -172,9 +199,12 @@ def _stats_kernel(
     t2 = tl.sum(s2, axis=0)
     t3 = tl.sum(s3, axis=0)
     if SPLIT == 1:
+        bad_label, nan_inf, masked, overflow = row_faults(valid, in_range, mx, mx * c)
+        count_faults(ws_ptr + WS_ERR, bad_label, nan_inf, masked, overflow)
+        bad = bad_label | nan_inf | masked | overflow
+        _finish_row(ws_ptr, N, bad, err_ptr, host_ptr, seq, REPORT)
         mu = tl.where(m > float("-inf"), m, 0.0)
-        store_row(r, N, valid, in_range, mu, t0, t1, t2, t3, xk * c, mx, mx * c, out_ptr, valid_ptr, ws_ptr)
-        _finish_row(ws_ptr, N, err_ptr, host_ptr, seq, REPORT)
+        store_stats(r, N, valid, bad, mu, t0, t1, t2, t3, xk * c, out_ptr, valid_ptr)
     else:
         # Split-V: publish this slice's partials; the last program of the row to arrive (arrival
         # counter after the error words) merges all of them in slice order (deterministic bits).
@@ -187,23 +217,24 @@ def _stats_kernel(
         tl.store(base + 4 * stride_f + sp, t3)
         tl.store(base + 5 * stride_f + sp, mx)
         tl.debug_barrier()
-        arrived = tl.atomic_add(ws_ptr + ROW_WORDS + row, 1, sem="acq_rel", scope="gpu")
+        arrived = tl.atomic_add(ws_ptr + WS_ROWS + row, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT - 1:
-            tl.store(ws_ptr + ROW_WORDS + row, 0)  # reset: the next launch on this stream reuses it
+            tl.store(ws_ptr + WS_ROWS + row, 0)  # reset: the next launch on this stream reuses it
             j = tl.arange(0, SPLIT_P2)
             msk = j < SPLIT
             mj = tl.load(base + j, mask=msk, other=float("-inf"), cache_modifier=".cg")
+            u0j = tl.load(base + stride_f + j, mask=msk, other=0.0, cache_modifier=".cg")
+            u1j = tl.load(base + 2 * stride_f + j, mask=msk, other=0.0, cache_modifier=".cg")
+            u2j = tl.load(base + 3 * stride_f + j, mask=msk, other=0.0, cache_modifier=".cg")
+            u3j = tl.load(base + 4 * stride_f + j, mask=msk, other=0.0, cache_modifier=".cg")
             mxj = tl.load(base + 5 * stride_f + j, mask=msk, other=float("-inf"), cache_modifier=".cg")
-            mu, u0, u1, u2, u3 = merge_partials(
-                mj,
-                tl.load(base + stride_f + j, mask=msk, other=0.0, cache_modifier=".cg"),
-                tl.load(base + 2 * stride_f + j, mask=msk, other=0.0, cache_modifier=".cg"),
-                tl.load(base + 3 * stride_f + j, mask=msk, other=0.0, cache_modifier=".cg"),
-                tl.load(base + 4 * stride_f + j, mask=msk, other=0.0, cache_modifier=".cg"),
-            )
             mx_row = tl.reduce(mxj, 0, max_nan)
-            store_row(r, N, valid, in_range, mu, u0, u1, u2, u3, xk * c, mx_row, mx_row * c, out_ptr, valid_ptr, ws_ptr)
-            _finish_row(ws_ptr, N, err_ptr, host_ptr, seq, REPORT)
+            bad_label, nan_inf, masked, overflow = row_faults(valid, in_range, mx_row, mx_row * c)
+            count_faults(ws_ptr + WS_ERR, bad_label, nan_inf, masked, overflow)
+            bad = bad_label | nan_inf | masked | overflow
+            _finish_row(ws_ptr, N, bad, err_ptr, host_ptr, seq, REPORT)
+            mu, u0, u1, u2, u3 = merge_partials(mj, u0j, u1j, u2j, u3j)
+            store_stats(r, N, valid, bad, mu, u0, u1, u2, u3, xk * c, out_ptr, valid_ptr)
 
 
 class KernelStats(NamedTuple):
@@ -416,7 +447,7 @@ def _plan(shape: torch.Size, strides: tuple, dtype: torch.dtype, dev: torch.devi
     layout = _row_layout(shape, strides)
     consts = (("SPLIT", split), ("SPLIT_P2", 1 << (split - 1).bit_length()), ("BLOCK", cfg["block"]), ("TAU", TAU))
     consts += (("STAGES", cfg["stages"]), ("FTZ", bool(cfg.get("ftz", 1)) and not _INTERPRETING))
-    ws_words = ERR_WORDS + 1 + (n_rows if split > 1 else 0)
+    ws_words = 2 + ERR_WORDS + (n_rows if split > 1 else 0)
     parts = 6 * n_rows * split if split > 1 else 0
     plain, report = consts + (("REPORT", False),), consts + (("REPORT", True),)
     return _Plan(n_rows, vocab, layout, split, chunk, ws_words, parts, cfg["num_warps"], plain, report)

@@ -224,7 +224,7 @@ def test_direct_launches_are_the_kernels_triton_would_launch(monkeypatch):
             logits, labels, ignore_index = cases[i]
             for use_report in (False, True):
                 out = token_stats_triton(logits, labels, 0.7, ignore_index, report=report if use_report else None)
-                counters = report.wait() if use_report else out.errors.tolist()
+                counters = list(report.wait()) if use_report else out.errors.tolist()
                 results[i, use_report] = ([t.clone() for t in out], counters)
         return results
 
