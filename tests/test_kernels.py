@@ -115,7 +115,9 @@ def test_bad_rows_are_counted_once_and_read_nan():
 def test_host_report_gives_each_call_its_own_counts():
     """The kernel's last program hands the counters to the host words (tagged with the call's
     sequence number) and leaves the per-stream workspace zeroed: a bad call followed by good ones
-    (split-V, one program per row, one launch per leading index) reports each call's own counts."""
+    (split-V, one program per row, one launch per leading index) reports each call's own counts,
+    whether the clean answer comes early (split-V, no slice flagged) or after the rows' merges (a
+    slice of -inf only, in a good row)."""
     from entropy_discriminator.kernels._host_report import HostReport
 
     report = HostReport(pinned=False)
@@ -131,6 +133,12 @@ def test_host_report_gives_each_call_its_own_counts():
         assert not report.busy
         out = token_stats_triton(good, labels.clamp(max=299), 1.0, -100, config={**cfg, "split": split}, report=report)
         assert list(report.wait()) == out.errors.tolist() == [0, 0, 0, 0]
+        # a slice of -inf only in a row with finite logits elsewhere: flagged, yet no row is bad
+        masked = good.clone()
+        masked[1, :128] = -math.inf
+        out = token_stats_triton(masked, labels.clamp(max=299), 1.0, -100, config={**cfg, "split": split}, report=report)
+        assert list(report.wait()) == out.errors.tolist() == [0, 0, 0, 0]
+        assert torch.isfinite(out.entropy).all()
     four = _logits(6, 2 * 3 * 5, 64, torch.float32).view(2, 3, 5, 64)[:, :, 1:-1].transpose(1, 2)  # 2 launches
     labels4 = _labels(6, 18, 64).view(2, 3, 3)
     labels4[0, 0, 0], labels4[1, 2, 2] = 64, -1

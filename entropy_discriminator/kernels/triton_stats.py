@@ -103,23 +103,58 @@ def _update(x, c, m, mx, s0, s1, s2, s3, TAU: tl.constexpr, FTZ: tl.constexpr):
 
 
 # Workspace (int32 words, one buffer per device and stream, zero between launches): words 0-1 are
-# one int64, the call's finished rows plus (<< 32) its bad rows; then the ERR_WORDS error counters;
-# then (split-V) one arrival counter per row.
-WS_ERR = tl.constexpr(2)
-WS_ROWS = tl.constexpr(2 + ERR_WORDS)
+# one int64, the call's finished rows plus (<< 32) its bad rows; words 2-3 (split-V) one int64, the
+# call's finished programs plus (<< 32) those whose slice raised a fault flag (_slice_flag); then
+# the ERR_WORDS error counters; then (split-V) one arrival counter per row.
+WS_PROGS = tl.constexpr(2)
+WS_ERR = tl.constexpr(4)
+WS_ROWS = tl.constexpr(4 + ERR_WORDS)
 
 
 @triton.jit
-def _finish_row(ws_ptr, N, bad, err_ptr, host_ptr, seq, REPORT: tl.constexpr):
+def _publish(host_ptr, seq, counts, any_bad):
+    """The host words: ``(seq << 32) | count`` per counter, then the summary word
+    ``(seq << 32) | any_bad`` (64-bit write-through stores to pinned host memory)."""
+    tag = seq.to(tl.int64) << 32
+    tl.store(host_ptr + tl.arange(0, ERR_WORDS_C), tag | counts.to(tl.int64), cache_modifier=".wt")
+    tl.store(host_ptr + ERR_WORDS_C, tag | any_bad.to(tl.int64), cache_modifier=".wt")
+
+
+@triton.jit
+def _slice_flag(valid, in_range, mx, mx_scaled):
+    """Split-V: whether this program's slice may make its row bad (a bad label, a NaN or +inf, a
+    scaling overflow, or no logit above -inf, which makes the row bad only if its other slices
+    have none either).  No flag in any slice means no bad row."""
+    finite = tl.abs(mx) < float("inf")
+    return valid & ((in_range == 0) | (mx != mx) | (mx == float("inf")) | (mx == float("-inf")) | (finite & (tl.abs(mx_scaled) == float("inf"))))
+
+
+@triton.jit
+def _early_publish(ws_ptr, N, flag, host_ptr, seq, SPLIT: tl.constexpr):
+    """Split-V, right after a program's streaming loop: count the program as finished (and
+    flagged, if ``flag``) with one relaxed 64-bit add.  The program that completes the count of a
+    call in which no slice was flagged publishes the clean answer to the host at once: no row can
+    be bad, so the host need not wait for the rows' merges and :func:`_finish_row`, which then
+    publishes nothing."""
+    progs_ptr = (ws_ptr + WS_PROGS).to(tl.pointer_type(tl.int64))
+    inc = 1 + (flag.to(tl.int64) << 32)
+    now = tl.atomic_add(progs_ptr, inc, sem="relaxed", scope="gpu") + inc
+    if now == N * SPLIT:  # every program in (N * SPLIT < 2**31: split-V is for small N), none flagged
+        _publish(host_ptr, seq, tl.zeros([ERR_WORDS_C], dtype=tl.int32), tl.zeros([], dtype=tl.int1))
+
+
+@triton.jit
+def _finish_row(ws_ptr, N, bad, err_ptr, host_ptr, seq, REPORT: tl.constexpr, SPLIT: tl.constexpr):
     """Called once per row, after its faults are counted and before its statistics are computed
-    and stored: the host learns the call's outcome as soon as every row's faults are known, and
-    no later work sits between the last row and the host's return.
+    and stored, so that no later work sits between the last row and the host's return.
 
     One acq_rel 64-bit add counts the row as finished (and bad, if ``bad``).  The program that
     finishes the call's N-th row resets that word and, only if some row was bad, takes the error
     counters out of the workspace (read and reset in one exchange); it writes them to the call's
-    ``err_ptr`` and, with REPORT, to the host words ``(seq << 32) | count`` followed by the summary
-    word ``(seq << 32) | (any row bad)`` (64-bit write-through stores)."""
+    ``err_ptr`` and, with REPORT, to the host words (:func:`_publish`), unless
+    :func:`_early_publish` already gave the host the clean answer (split-V: no slice flagged).
+    Every program's finished-program count precedes its row's arrival, so here all are in, and this
+    program resets that word too."""
     tl.debug_barrier()  # this row's counter increments come before its arrival
     done_ptr = ws_ptr.to(tl.pointer_type(tl.int64))
     inc = 1 + (bad.to(tl.int64) << 32)
@@ -133,9 +168,13 @@ def _finish_row(ws_ptr, N, bad, err_ptr, host_ptr, seq, REPORT: tl.constexpr):
             e = tl.atomic_xchg(ws_ptr + WS_ERR + w, tl.zeros([ERR_WORDS_C], dtype=tl.int32), sem="acq_rel", scope="gpu")
         tl.store(err_ptr + w, e)
         if REPORT:
-            tag = seq.to(tl.int64) << 32
-            tl.store(host_ptr + w, tag | e.to(tl.int64), cache_modifier=".wt")
-            tl.store(host_ptr + ERR_WORDS_C, tag | ((now >> 32) != 0).to(tl.int64), cache_modifier=".wt")
+            if SPLIT > 1:
+                progs_ptr = (ws_ptr + WS_PROGS).to(tl.pointer_type(tl.int64))
+                flagged = tl.atomic_xchg(progs_ptr, tl.zeros([], dtype=tl.int64), sem="acq_rel", scope="gpu") >> 32
+                if flagged != 0:
+                    _publish(host_ptr, seq, e, (now >> 32) != 0)
+            else:
+                _publish(host_ptr, seq, e, (now >> 32) != 0)
 
 
 @triton.jit(do_not_specialize=["seq"])
@@ -194,6 +233,9 @@ def _stats_kernel(
     if rem > 0:
         x = tl.load(p + n_full * BLOCK + offs, mask=offs < rem, other=float("-inf")).to(tl.float32)
         m, mx, s0, s1, s2, s3 = _update(x, c, m, mx, s0, s1, s2, s3, TAU, FTZ)
+    if SPLIT > 1:
+        if REPORT:  # before the sums are reduced: the host may be released by this program
+            _early_publish(ws_ptr, N, _slice_flag(valid, in_range, mx, mx * c), host_ptr, seq, SPLIT)
     t0 = tl.sum(s0, axis=0)
     t1 = tl.sum(s1, axis=0)
     t2 = tl.sum(s2, axis=0)
@@ -202,7 +244,7 @@ def _stats_kernel(
         bad_label, nan_inf, masked, overflow = row_faults(valid, in_range, mx, mx * c)
         count_faults(ws_ptr + WS_ERR, bad_label, nan_inf, masked, overflow)
         bad = bad_label | nan_inf | masked | overflow
-        _finish_row(ws_ptr, N, bad, err_ptr, host_ptr, seq, REPORT)
+        _finish_row(ws_ptr, N, bad, err_ptr, host_ptr, seq, REPORT, SPLIT)
         mu = tl.where(m > float("-inf"), m, 0.0)
         store_stats(r, N, valid, bad, mu, t0, t1, t2, t3, xk * c, out_ptr, valid_ptr)
     else:
@@ -232,7 +274,7 @@ def _stats_kernel(
             bad_label, nan_inf, masked, overflow = row_faults(valid, in_range, mx_row, mx_row * c)
             count_faults(ws_ptr + WS_ERR, bad_label, nan_inf, masked, overflow)
             bad = bad_label | nan_inf | masked | overflow
-            _finish_row(ws_ptr, N, bad, err_ptr, host_ptr, seq, REPORT)
+            _finish_row(ws_ptr, N, bad, err_ptr, host_ptr, seq, REPORT, SPLIT)
             mu, u0, u1, u2, u3 = merge_partials(mj, u0j, u1j, u2j, u3j)
             store_stats(r, N, valid, bad, mu, u0, u1, u2, u3, xk * c, out_ptr, valid_ptr)
 
@@ -447,7 +489,7 @@ def _plan(shape: torch.Size, strides: tuple, dtype: torch.dtype, dev: torch.devi
     layout = _row_layout(shape, strides)
     consts = (("SPLIT", split), ("SPLIT_P2", 1 << (split - 1).bit_length()), ("BLOCK", cfg["block"]), ("TAU", TAU))
     consts += (("STAGES", cfg["stages"]), ("FTZ", bool(cfg.get("ftz", 1)) and not _INTERPRETING))
-    ws_words = 2 + ERR_WORDS + (n_rows if split > 1 else 0)
+    ws_words = 4 + ERR_WORDS + (n_rows if split > 1 else 0)
     parts = 6 * n_rows * split if split > 1 else 0
     plain, report = consts + (("REPORT", False),), consts + (("REPORT", True),)
     return _Plan(n_rows, vocab, layout, split, chunk, ws_words, parts, cfg["num_warps"], plain, report)
