@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Kernel-configuration sweeps behind the defaults of kernels/triton_stats.choose_config and
 # kernels/triton_fused.DEFAULT_CONFIG (kernels and the torch.sum / cuBLAS floors only).
-# Usage on a GPU machine: bash benchmarks/sweep.sh [stats|fused|all]
+# Usage on a GPU machine: bash benchmarks/sweep.sh [stats|packed|fused|all]
 set -euo pipefail
 what=${1:-all}
 if [[ $what == stats || $what == all ]]; then
@@ -14,6 +14,15 @@ if [[ $what == stats || $what == all ]]; then
   for sp in 4 8 12 16 24 32; do cfgs+=(--kernel-config "block=2048,num_warps=4,stages=3,split=$sp"); done
   cfgs+=(--kernel-config "block=1024,num_warps=4,stages=4,split=32" --kernel-config "block=1024,num_warps=4,stages=4,split=16")
   python3 -m benchmarks stats --kernel-only --n 256 --v 151936 --dtypes bf16 "${cfgs[@]}" --rep-ms 100 --csv sweep_stats
+fi
+if [[ $what == packed || $what == all ]]; then
+  # bf16 loops with and without PACKED (two logits per int32 word, PTX block max), both batch shapes
+  cfgs=()
+  for c in 1024,2,4 512,1,4 1024,1,4 2048,2,4 1024,1,3 2048,2,3 512,1,8; do
+    IFS=, read -r b w s <<<"$c"
+    for p in 0 2; do cfgs+=(--kernel-config "block=$b,num_warps=$w,stages=$s,packed=$p"); done
+  done
+  python3 -m benchmarks stats --kernel-only --n 16384 256 --v 151936 --dtypes bf16 "${cfgs[@]}" --rep-ms 100 --csv sweep_packed
 fi
 if [[ $what == fused || $what == all ]]; then
   python3 -m benchmarks fused --kernel-only --n 16384 --h 3584 --rep-ms 300 --csv sweep_fused \

@@ -70,6 +70,7 @@ def _check(out, logits, labels, temperature, tol=3e-5):
         (5, 3000, torch.float32, 0.7, "masked", {"block": 256, "num_warps": 4, "stages": 2, "split": 3}),
         (9, 2500, torch.float16, 1.3, "peaked", {"block": 512, "num_warps": 4, "stages": 2, "split": 1}),
         (6, 777, torch.bfloat16, 1.0, "flat", {"block": 128, "num_warps": 4, "stages": 2, "split": 4}),
+        (4, 3000, torch.bfloat16, 0.7, "masked", {"block": 256, "num_warps": 4, "stages": 2, "split": 3}),
         (3, 1, torch.float32, 1.0, "normal", None),
     ],
 )
@@ -381,7 +382,7 @@ def test_launcher_key_separates_what_the_statistics_kernel_is_compiled_for():
     ws, errors = torch.zeros(16, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
     plan = triton_stats._plan(x.shape, x.stride(), x.dtype, x.device, None)
 
-    def key(x=x, labels=labels, consts=plan.consts_plain, seq=0, ignore_index=-100):
+    def key(x=x, labels=labels, consts=plan.consts[False, plan.packed], seq=0, ignore_index=-100):
         args = (x, 1, 0, 100, labels, 100, plan.chunk, 1.44, ignore_index, out, valid, ws, ws, 8, errors, ws, seq)
         return launcher.key(args, consts, plan.num_warps, 0)
 
@@ -391,7 +392,8 @@ def test_launcher_key_separates_what_the_statistics_kernel_is_compiled_for():
         key(x=x.float()),
         key(labels=labels.int()),
         key(x=torch.zeros(8 * 100 + 1, dtype=torch.bfloat16)[1:].view(8, 100)),
-        key(consts=plan.consts_report),
+        key(consts=plan.consts[True, plan.packed]),
+        key(consts=plan.consts[False, 0]),
         key(ignore_index=1),
         key(ignore_index=2**40),
     ]

@@ -102,6 +102,50 @@ def _update(x, c, m, mx, s0, s1, s2, s3, TAU: tl.constexpr, FTZ: tl.constexpr):
     return m, mx, s0, s1, s2, s3
 
 
+@triton.jit
+def _max_bf16x2(a, b):
+    """NaN-propagating max of two pairs of bf16 packed in int32 words (one ``max.NaN.bf16x2``)."""
+    return tl.inline_asm_elementwise("max.NaN.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _halves(w):
+    """The two bf16 of each int32 word as fp32 (exact): element 2j is the low half, 2j+1 the high."""
+    return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fold(x, c, mu, s0, s1, s2, s3, FTZ: tl.constexpr):
+    """Add the logits x (fp32) against the reference mu into the four accumulators (see _update)."""
+    d = tl.maximum(x * c - mu, -D_FLOOR)
+    e = _exp2(d, FTZ)
+    e2 = e * e
+    return s0 + e, s1 + e * d, s2 + e2, s3 + e2 * d
+
+
+@triton.jit
+def _update_packed(w, c, m, mx, s0, s1, s2, s3, TAU: tl.constexpr, FTZ: tl.constexpr, ASM: tl.constexpr):
+    """:func:`_update` for a block of bf16 logits read as int32 words of two (``PACKED``): the block
+    max is taken on the packed pairs (half an instruction per logit; ASM False: on the fp32 halves,
+    for Triton's interpreter, which runs no PTX), and each half is widened by one integer
+    instruction.  Accumulators hold BLOCK // 2 lanes, each fed by the two logits of its word."""
+    lo, hi = _halves(w)
+    if ASM:
+        wm_lo, wm_hi = _halves(tl.reduce(w, 0, _max_bf16x2))
+        bm = max_nan(wm_lo, wm_hi)
+    else:
+        bm = max_nan(tl.reduce(lo, 0, max_nan), tl.reduce(hi, 0, max_nan))
+    mx = max_nan(mx, bm)
+    bm2 = bm * c
+    if bm2 > m + TAU:  # lazy rescale, as in _update
+        s0, s1, s2, s3 = rescale(s0, s1, s2, s3, m, bm2)
+        m = bm2
+    mu = tl.where(m > float("-inf"), m, 0.0)
+    s0, s1, s2, s3 = _fold(lo, c, mu, s0, s1, s2, s3, FTZ)
+    s0, s1, s2, s3 = _fold(hi, c, mu, s0, s1, s2, s3, FTZ)
+    return m, mx, s0, s1, s2, s3
+
+
 # Workspace (int32 words, one buffer per device and stream, zero between launches): words 0-1 are
 # one int64, the call's finished rows plus (<< 32) its bad rows; words 2-3 (split-V) one int64, the
 # call's finished programs plus (<< 32) those whose slice raised a fault flag (_slice_flag); then
@@ -203,6 +247,7 @@ def _stats_kernel(
     STAGES: tl.constexpr,
     FTZ: tl.constexpr,
     REPORT: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
     row = tl.program_id(0)
     sp = tl.program_id(1)
@@ -219,20 +264,35 @@ def _stats_kernel(
     n = tl.where(valid, tl.minimum(V - start, chunk), 0)
     n_full = n // BLOCK
     p = row_ptr + start
-    offs = tl.arange(0, BLOCK)
     m = float("-inf")
     mx = float("-inf")
-    s0 = tl.zeros([BLOCK], dtype=tl.float32)
-    s1 = tl.zeros([BLOCK], dtype=tl.float32)
-    s2 = tl.zeros([BLOCK], dtype=tl.float32)
-    s3 = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in tl.range(0, n_full, num_stages=STAGES):
-        x = tl.load(p + i * BLOCK + offs).to(tl.float32)
-        m, mx, s0, s1, s2, s3 = _update(x, c, m, mx, s0, s1, s2, s3, TAU, FTZ)
     rem = n - n_full * BLOCK
-    if rem > 0:
-        x = tl.load(p + n_full * BLOCK + offs, mask=offs < rem, other=float("-inf")).to(tl.float32)
-        m, mx, s0, s1, s2, s3 = _update(x, c, m, mx, s0, s1, s2, s3, TAU, FTZ)
+    if PACKED > 0:  # bf16, V even, rows 4-byte aligned: two logits per int32 word (2: PTX block max)
+        HALF: tl.constexpr = BLOCK // 2
+        wp = p.to(tl.pointer_type(tl.int32))
+        offs = tl.arange(0, HALF)
+        s0 = tl.zeros([HALF], dtype=tl.float32)
+        s1 = tl.zeros([HALF], dtype=tl.float32)
+        s2 = tl.zeros([HALF], dtype=tl.float32)
+        s3 = tl.zeros([HALF], dtype=tl.float32)
+        for i in tl.range(0, n_full, num_stages=STAGES):
+            w = tl.load(wp + i * HALF + offs)
+            m, mx, s0, s1, s2, s3 = _update_packed(w, c, m, mx, s0, s1, s2, s3, TAU, FTZ, PACKED == 2)
+        if rem > 0:  # rem is even; masked words are a pair of -inf (0xFF80FF80)
+            w = tl.load(wp + n_full * HALF + offs, mask=offs < rem // 2, other=-8323200)
+            m, mx, s0, s1, s2, s3 = _update_packed(w, c, m, mx, s0, s1, s2, s3, TAU, FTZ, PACKED == 2)
+    else:
+        offs = tl.arange(0, BLOCK)
+        s0 = tl.zeros([BLOCK], dtype=tl.float32)
+        s1 = tl.zeros([BLOCK], dtype=tl.float32)
+        s2 = tl.zeros([BLOCK], dtype=tl.float32)
+        s3 = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in tl.range(0, n_full, num_stages=STAGES):
+            x = tl.load(p + i * BLOCK + offs).to(tl.float32)
+            m, mx, s0, s1, s2, s3 = _update(x, c, m, mx, s0, s1, s2, s3, TAU, FTZ)
+        if rem > 0:
+            x = tl.load(p + n_full * BLOCK + offs, mask=offs < rem, other=float("-inf")).to(tl.float32)
+            m, mx, s0, s1, s2, s3 = _update(x, c, m, mx, s0, s1, s2, s3, TAU, FTZ)
     if SPLIT > 1:
         if REPORT:  # before the sums are reduced: the host may be released by this program
             _early_publish(ws_ptr, N, _slice_flag(valid, in_range, mx, mx * c), host_ptr, seq, SPLIT)
@@ -472,8 +532,8 @@ class _Plan(NamedTuple):
     ws_words: int  # int32 workspace words: errors, finished rows, per-row arrivals (split-V)
     part_words: int  # fp32 split-V partials (6 per row and slice)
     num_warps: int
-    consts_plain: tuple  # (name, value) of the kernel's compile-time arguments in signature order, REPORT False
-    consts_report: tuple  # the same with REPORT True
+    packed: int  # PACKED of rows that allow it (bf16, V even; the launch checks strides and alignment)
+    consts: dict  # (REPORT, PACKED) -> (name, value) of the kernel's compile-time arguments in signature order
 
 
 @functools.lru_cache(maxsize=1024)
@@ -491,8 +551,9 @@ def _plan(shape: torch.Size, strides: tuple, dtype: torch.dtype, dev: torch.devi
     consts += (("STAGES", cfg["stages"]), ("FTZ", bool(cfg.get("ftz", 1)) and not _INTERPRETING))
     ws_words = 4 + ERR_WORDS + (n_rows if split > 1 else 0)
     parts = 6 * n_rows * split if split > 1 else 0
-    plain, report = consts + (("REPORT", False),), consts + (("REPORT", True),)
-    return _Plan(n_rows, vocab, layout, split, chunk, ws_words, parts, cfg["num_warps"], plain, report)
+    packed = cfg.get("packed", 1 if _INTERPRETING else 2) if dtype == torch.bfloat16 and vocab % 2 == 0 else 0
+    table = {(rep, mode): consts + (("REPORT", rep), ("PACKED", mode)) for rep in (False, True) for mode in {0, packed}}
+    return _Plan(n_rows, vocab, layout, split, chunk, ws_words, parts, cfg["num_warps"], packed, table)
 
 
 # Per (device, stream) buffers: the workspace (zero between launches, see the module docstring)
@@ -544,5 +605,7 @@ def _launch(x, layout, labels, rows, out, valid, n_out, c, ignore_index, plan, p
         x, inner, stride_outer, stride_inner, labels, plan.vocab, plan.chunk, c, ignore_index,
         out, valid, part, ws, n_out, errors, host, seq,
     )  # fmt: skip
-    consts = plan.consts_report if seq != 0 else plan.consts_plain
+    # two bf16 per int32 word: the rows' starts (and so every block) must be 4-byte aligned
+    packed = plan.packed if not (x.data_ptr() & 3 or stride_outer & 1 or stride_inner & 1) else 0
+    consts = plan.consts[seq != 0, packed]
     _LAUNCHER.launch((rows, plan.split, 1), args, consts, plan.num_warps, x.device.index or 0)
