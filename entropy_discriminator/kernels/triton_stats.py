@@ -9,8 +9,11 @@ handful of times per row), and adds into four per-lane accumulators
     e = exp2(x * c - m)   (log2(e)/T folded into the one FMA),   s0 += e, s1 += e d,
     s2 += e*e, s3 += e*e d   (e^(2(z-m)) as the square of e^(z-m)),
 
-see :mod:`._reduce` for the algebra.  The lanes are summed once at the end of the row.  With
-split-V, each program writes its six partials (m, s0..s3, max), then takes a ticket from the row's
+see :mod:`._reduce` for the algebra.  The lanes are summed once at the end of the row.  bf16
+rows with V even and 4-byte aligned starts take the PACKED loop: the block is read as int32 words of
+two logits, the block max taken on the packed pairs (``max.NaN.bf16x2``) and each logit widened to
+fp32 by one integer instruction, on BLOCK/2 lanes that each take both logits of their word (fewer
+instructions per logit, and half the accumulator registers).  With split-V, each program writes its six partials (m, s0..s3, max), then takes a ticket from the row's
 arrival counter; the last program of the row merges the partials in slice order (one launch, and
 two runs give identical bits).  Rows whose label is ``ignore_index`` are not read at all.
 
@@ -378,34 +381,43 @@ def card_of(device: torch.device) -> str:
     return _card(device.index if device.index is not None else torch.cuda.current_device())
 
 
-# (block, num_warps, stages) of the streaming loop per card and logits width (16-bit, fp32).
-# H200, bf16, N=16384, V=151936 (results/h200/sweep_issue11.csv; torch.sum 1.217 ms): 1024/2/4
-# (the H100's choice) 1.562 ms, 1024/1/4 1.522, 512/1/8 1.400-1.463, 512/1/4 1.389, 256/1/16 1.612;
-# fp32 2048/4/3 runs at 2.145 ms, faster than torch.sum (2.44).
+# (block, num_warps, stages) of the streaming loop per card and logits dtype.
+# H100, N=16384, V=151936 (results/h100/sweep_packed.csv; torch.sum 1.681 ms): bf16 through the PACKED
+# loop 2048/2/3 1.624 ms, 2048/2/4 1.623, 1024/2/4 1.642, 1024/1/4 1.648 (the same loops unpacked:
+# 1.802, 1.739, 1.674, 1.685); N=256: 2048/2/3 43.6 us, 1024/2/4 43.9 (torch.sum 42.8).  fp16 takes
+# the unpacked loop, at the floor with 1024/2/4.
+# H200, bf16, N=16384 (results/h200/sweep_issue11.csv; unpacked loops; torch.sum 1.217 ms): 1024/2/4
+# 1.562 ms, 1024/1/4 1.522, 512/1/8 1.400-1.463, 512/1/4 1.389, 256/1/16 1.612; fp32 2048/4/3 runs
+# at 2.145 ms, faster than torch.sum (2.44).  The H200 has not run the PACKED loop (no H200 lent
+# since): 512/1/4 stays its 16-bit default, which PACKED turns from 14.1 to 12.9 instructions per
+# logit and from 96 to 64 registers (SASS of Triton 3.6, sm_90).
 _LOOP_DEFAULTS = {
-    "default": {2: (1024, 2, 4), 4: (2048, 4, 3)},
-    "h200": {2: (512, 1, 4), 4: (2048, 4, 3)},
+    "default": {torch.bfloat16: (2048, 2, 3), torch.float16: (1024, 2, 4), torch.float32: (2048, 4, 3)},
+    "h200": {torch.bfloat16: (512, 1, 4), torch.float16: (512, 1, 4), torch.float32: (2048, 4, 3)},
 }
 
 
 def choose_config(n_rows: int, vocab: int, dtype: torch.dtype, num_sms: int, card: str = "default") -> dict:
     """Block size, warps, pipelining depth and split-V factor for an [n_rows, vocab] problem.
 
-    Measured on an H100 (V=151936; benchmarks/sweep.sh, benchmarks/RESULTS.md): 16-bit logits run
-    best in blocks of 1024 with 2 warps and 4 cp.async stages (N=16384: the torch.sum time), fp32
-    logits at the read floor with 2048 / 4 warps / 3 stages.  ``card="h200"`` selects the H200's
-    table: one warp per 512-logit block, which issues fewer instructions per logit (no cross-warp
-    max reduction) where the H200's faster memory leaves less slack (see _LOOP_DEFAULTS).  Split-V is used when the rows alone give fewer than
-    SPLIT_TARGET programs per multiprocessor: the split is the power of two that reaches it (N=256
-    on the H100: split 4 took 45.5 us, 8 45.8, 3 46.3, 6 52.2; results/h100/tune_stats.csv),
-    capped so that each slice holds >= 2 blocks.
+    Measured on an H100 (V=151936; benchmarks/sweep.sh, benchmarks/RESULTS.md): bf16 logits run
+    fastest through the PACKED loop (two logits per int32 word; on by default wherever V is even and
+    the rows 4-byte aligned) in blocks of 2048 with 2 warps and 3 cp.async stages (N=16384: 3.4%
+    under the torch.sum time), fp16 in blocks of 1024 with 2 warps and 4 stages (the torch.sum
+    time), fp32 at the read floor with 2048 / 4 warps / 3 stages.  ``card="h200"`` selects the
+    H200's table: one warp per 512-logit block for 16-bit logits, which issues fewer instructions
+    per logit (no cross-warp max reduction) where the H200's faster memory leaves less slack (see
+    _LOOP_DEFAULTS).  Split-V is used when the rows alone give fewer than SPLIT_TARGET programs per
+    multiprocessor: the split is the power of two that reaches it (N=256 on the H100: split 4 took
+    45.5 us, 8 45.8, 3 46.3, 6 52.2; results/h100/tune_stats.csv), capped so that each slice holds
+    >= 2 blocks.  ``packed=0`` in a ``config`` turns the PACKED loop off (benchmarks).
     """
     return dict(_choose(n_rows, vocab, dtype, num_sms, card))
 
 
 @functools.lru_cache(maxsize=4096)
 def _choose(n_rows: int, vocab: int, dtype: torch.dtype, num_sms: int, card: str) -> tuple:
-    block, num_warps, stages = _LOOP_DEFAULTS[card][4 if dtype == torch.float32 else 2]
+    block, num_warps, stages = _LOOP_DEFAULTS[card][dtype]
     block = min(block, max(128, triton.next_power_of_2(vocab)))
     split = 1
     target = SPLIT_TARGET * num_sms
