@@ -10,7 +10,7 @@ caller that uses it keeps it: do_bench otherwise frees the result before its end
 logits [N, 151936].  Per line: the do_bench median (L2 flushed) of each round, the median over
 rounds with the median of the per-round ratios to ``torch.sum``, and (``--hidden``) the median time
 with a ~0.3 ms GPU sleep before the start event, which hides the host's work before the launch.
-The versions' outputs are checked to be bit-identical first.
+The versions' outputs are first checked to agree to fp32 rounding (a kernel change may reorder sums).
 """
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ def time_shape(n: int, versions: dict, rounds: int, hidden_too: bool, flush: tor
     x = (torch.randn(n, v, device="cuda") * 3).bfloat16()
     y = torch.randint(0, v, (n,), device="cuda")
     want = versions["tree"].token_stats(x, y)
-    for label, ed in versions.items():
+    for label, ed in versions.items():  # kernels may sum in another order: equal to fp32 rounding
         got = ed.token_stats(x, y)
         for f in FIELDS:
-            assert torch.equal(getattr(got, f), getattr(want, f)), (label, f)
+            torch.testing.assert_close(getattr(got, f), getattr(want, f), rtol=1e-4, atol=1e-5, msg=f"{label}: {f}")
     stream = torch.cuda.current_stream()
     kept: list = []
 
