@@ -4,7 +4,9 @@ ways people compute the statistics today.
 For each shape (bf16/fp32 logits [N, V], fresh random data, every label valid) it times what users
 call, ``ed.token_stats(logits, labels)`` (validation included: one host synchronisation per call)
 and ``ed.token_stats(..., check=False)`` (none), the internal kernel ``token_stats_triton`` alone,
-``torch.sum`` over the same tensor (the measured read floor), and unless ``--methods`` narrows
+``torch.sum`` over the same tensor (the measured read floor), ``torch.sum`` followed by a stream
+synchronisation (the floor of any call that waits for its result, as the checked call does; not
+with ``--kernel-only``), and unless ``--methods`` narrows
 the list: naive eager, token-chunked eager, torch.compile of the naive math, the framework-style
 chunked path and the library's chunked torch path.  Rate is the effective bandwidth
 N*V*bytes / time.  Errors are max |.| over 64 spread rows against the float64 reference of
@@ -42,6 +44,9 @@ PUBLIC = "token_stats"
 PUBLIC_NOCHECK = "token_stats(check=False)"
 KERNEL = "triton_kernel"
 FLOOR = "torch.sum (floor)"
+# torch.sum followed by a stream synchronisation: the floor of any call that waits for its result on
+# the host (as the checked public call does), timed in every run so that a host slower than usual shows.
+FLOOR_SYNC = "torch.sum+sync"
 # The issue's targets for the public call: time / torch.sum by N (V = 151936, bf16).
 TARGETS = {16384: 1.05, 256: 1.3}
 
@@ -122,6 +127,10 @@ def _run_shape(
     results = []
     floor_ms = bench_ms(lambda: torch.sum(logits), rep_ms)
     results.append(Row("stats", card, dtype_name, n, v, 0, FLOOR, floor_ms, gbytes / floor_ms, "TB/s"))
+    if not kernel_only:
+        stream = torch.cuda.current_stream()
+        sync_ms = bench_ms(lambda: (torch.sum(logits), stream.synchronize()), rep_ms)
+        results.append(Row("stats", card, dtype_name, n, v, 0, FLOOR_SYNC, sync_ms, gbytes / sync_ms, "TB/s"))
     for name, fn in methods(kernel_configs, compile_ok, kernel_only, only).items():
         copies = _FP32_COPIES.get(name, 0.0)
         if copies and not fits(copies * n * v * 4):
@@ -174,7 +183,8 @@ def summary(rows: list[Row]) -> None:
     then kernel time, fraction of torch.sum bandwidth and speedups over the baselines."""
     print_ratios(
         rows,
-        [(PUBLIC, FLOOR, TARGETS), (PUBLIC_NOCHECK, FLOOR, None), (KERNEL, FLOOR, None), (PUBLIC, KERNEL, None)],
+        [(PUBLIC, FLOOR, TARGETS), (PUBLIC_NOCHECK, FLOOR, None), (KERNEL, FLOOR, None), (PUBLIC, KERNEL, None),
+         (FLOOR_SYNC, FLOOR, None)],  # fmt: skip
         "ratios (same card, same run; targets for bf16, V=151936: public / torch.sum <= 1.05 at N=16384, <= 1.3 at N=256)",
     )
     by_shape: dict[tuple, dict[str, Row]] = {}
