@@ -9,7 +9,8 @@ in interleaved rounds: ``torch.sum``, ``torch.sum`` + ``stream.synchronize()`` a
 caller that uses it keeps it: do_bench otherwise frees the result before its end event).  bf16
 logits [N, 151936].  Per line: the do_bench median (L2 flushed) of each round, the median over
 rounds with the median of the per-round ratios to ``torch.sum``, and (``--hidden``) the median time
-with a ~0.3 ms GPU sleep before the start event, which hides the host's work before the launch.
+with a ~0.3 ms GPU sleep before the start event, which hides the host's work before the launch;
+(``--host``) the median host time per ``check=False`` call while a GPU sleep keeps the stream busy.
 The versions' outputs are first checked to agree to fp32 rounding (a kernel change may reorder sums).
 """
 
@@ -47,11 +48,11 @@ def stage(revs: list[str], root: Path) -> dict:
     return versions
 
 
-def time_shape(n: int, versions: dict, rounds: int, hidden_too: bool, flush: torch.Tensor) -> None:
+def time_shape(n: int, versions: dict, rounds: int, hidden_too: bool, flush: torch.Tensor, host_too: bool = False) -> None:
     """Print the interleaved rounds of every case at bf16 [n, 151936] (see the module docstring)."""
     import triton.testing
 
-    from .host_path import host_hidden_us
+    from .host_path import host_hidden_us, host_only_us
 
     v = 151936
     x = (torch.randn(n, v, device="cuda") * 3).bfloat16()
@@ -84,17 +85,21 @@ def time_shape(n: int, versions: dict, rounds: int, hidden_too: bool, flush: tor
         cases[f"{label}: token_stats, kept"] = keep(lambda ed=ed: ed.token_stats(x, y))
     times: dict = {k: [] for k in cases}
     hidden: dict = {k: [] for k in cases}
+    host: dict = {k: [] for k in cases if k.endswith("check=False")}
     for _ in range(rounds):
         for k, fn in cases.items():
             times[k].append(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3)
             if hidden_too:
                 hidden[k].append(host_hidden_us(fn, flush))
+            if host_too and k in host:
+                host[k].append(host_only_us(fn))
             kept.clear()
     print(f"bf16 [{n}, {v}]: do_bench median per round (us) | median of rounds, median ratio to torch.sum"
           + (", hidden median" if hidden_too else ""))  # fmt: skip
     for k in cases:
         ratio = statistics.median(t / s for t, s in zip(times[k], times["torch.sum"]))
         tail = f"  hidden {statistics.median(hidden[k]):7.1f}" if hidden_too else ""
+        tail += f"  host only {statistics.median(host[k]):6.1f} us/call" if host.get(k) else ""
         per_round = " ".join(f"{t:7.1f}" for t in times[k])
         print(f"  {k:34s} {per_round} | {statistics.median(times[k]):7.1f}  x{ratio:.3f}{tail}", flush=True)
 
@@ -109,6 +114,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, nargs="+", default=[256, 16384], help="rows of the [N, 151936] bf16 logits")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--hidden", action="store_true", help="also the host-hidden median of each line")
+    parser.add_argument("--host", action="store_true", help="also the host time per check=False call (GPU kept busy)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         sys.path.insert(0, tmp)
@@ -116,7 +122,7 @@ def main() -> None:
         print(f"card {card_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
         flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
         for n in args.n:
-            time_shape(n, versions, args.rounds, args.hidden, flush)
+            time_shape(n, versions, args.rounds, args.hidden, flush, args.host)
             torch.cuda.empty_cache()
 
 

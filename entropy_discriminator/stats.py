@@ -151,11 +151,10 @@ def token_stats(
     if _use_triton(impl, logits, vocab_parallel_group):
         triton_stats = _triton_stats()
         report = triton_stats.host_report() if check else None  # pinned words the kernel writes its counters to
-        out = triton_stats.token_stats_triton(logits, labels, temperature, ignore_index, report=report)  # no autograd graph
+        # no autograd graph; no device counters (the checked call reads them from the host words)
+        out = triton_stats.token_stats_triton(logits, labels, temperature, ignore_index, report=report, counters=False)
         result = TokenStats(out.logp, out.entropy, out.s_star, out.s_expected, out.s_centered, out.valid)
-        counted = out.valid.numel()
-        del out  # the device copy of the counters is freed now, while the kernel runs, not after the wait
-        if report is not None and counted:
+        if report is not None and out.valid.numel():
             errors = report.wait()  # the one host synchronisation, last: nothing left to do after it
             if errors is not triton_stats.NO_FAULTS:
                 if impl == "auto" and not any(errors[:3]):  # only the kernel's fp32 scaling overflowed

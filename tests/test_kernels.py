@@ -145,6 +145,11 @@ def test_host_report_gives_each_call_its_own_counts():
     labels4[0, 0, 0], labels4[1, 2, 2] = 64, -1
     out = token_stats_triton(four, labels4, 1.0, -100, report=report)
     assert list(report.wait()) == out.errors.tolist() == [2, 0, 0, 0]
+    # without device counters (what the public call asks for): the same statistics and host words
+    bare = token_stats_triton(four, labels4, 1.0, -100, report=report, counters=False)
+    assert bare.errors is None and list(report.wait()) == [2, 0, 0, 0]
+    for a, b in zip(out[:6], bare[:6]):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())
     report.arm(None)  # no kernel writes this call's tag: the last call's words are not taken for it
     with pytest.raises(RuntimeError, match="without reporting"):
         report.wait()
@@ -382,7 +387,7 @@ def test_launcher_key_separates_what_the_statistics_kernel_is_compiled_for():
     ws, errors = torch.zeros(16, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
     plan = triton_stats._plan(x.shape, x.stride(), x.dtype, x.device, None)
 
-    def key(x=x, labels=labels, consts=plan.consts[False, plan.packed], seq=0, ignore_index=-100):
+    def key(x=x, labels=labels, consts=plan.consts[False, plan.packed, True], seq=0, ignore_index=-100):
         args = (x, 1, 0, 100, labels, 100, plan.chunk, 1.44, ignore_index, out, valid, ws, ws, 8, errors, ws, seq)
         return launcher.key(args, consts, plan.num_warps, 0)
 
@@ -392,8 +397,9 @@ def test_launcher_key_separates_what_the_statistics_kernel_is_compiled_for():
         key(x=x.float()),
         key(labels=labels.int()),
         key(x=torch.zeros(8 * 100 + 1, dtype=torch.bfloat16)[1:].view(8, 100)),
-        key(consts=plan.consts[True, plan.packed]),
-        key(consts=plan.consts[False, 0]),
+        key(consts=plan.consts[True, plan.packed, True]),
+        key(consts=plan.consts[False, 0, True]),
+        key(consts=plan.consts[False, plan.packed, False]),
         key(ignore_index=1),
         key(ignore_index=2**40),
     ]

@@ -191,14 +191,14 @@ def _early_publish(ws_ptr, N, flag, host_ptr, seq, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _finish_row(ws_ptr, N, bad, err_ptr, host_ptr, seq, REPORT: tl.constexpr, SPLIT: tl.constexpr):
+def _finish_row(ws_ptr, N, bad, err_ptr, host_ptr, seq, REPORT: tl.constexpr, SPLIT: tl.constexpr, COUNTERS: tl.constexpr):
     """Called once per row, after its faults are counted and before its statistics are computed
     and stored, so that no later work sits between the last row and the host's return.
 
     One acq_rel 64-bit add counts the row as finished (and bad, if ``bad``).  The program that
     finishes the call's N-th row resets that word and, only if some row was bad, takes the error
     counters out of the workspace (read and reset in one exchange); it writes them to the call's
-    ``err_ptr`` and, with REPORT, to the host words (:func:`_publish`), unless
+    ``err_ptr`` (with COUNTERS) and, with REPORT, to the host words (:func:`_publish`), unless
     :func:`_early_publish` already gave the host the clean answer (split-V: no slice flagged).
     Every program's finished-program count precedes its row's arrival, so here all are in, and this
     program resets that word too."""
@@ -213,7 +213,8 @@ def _finish_row(ws_ptr, N, bad, err_ptr, host_ptr, seq, REPORT: tl.constexpr, SP
             e = tl.zeros([ERR_WORDS_C], dtype=tl.int32)
         else:
             e = tl.atomic_xchg(ws_ptr + WS_ERR + w, tl.zeros([ERR_WORDS_C], dtype=tl.int32), sem="acq_rel", scope="gpu")
-        tl.store(err_ptr + w, e)
+        if COUNTERS:
+            tl.store(err_ptr + w, e)
         if REPORT:
             if SPLIT > 1:
                 progs_ptr = (ws_ptr + WS_PROGS).to(tl.pointer_type(tl.int64))
@@ -251,6 +252,7 @@ def _stats_kernel(
     FTZ: tl.constexpr,
     REPORT: tl.constexpr,
     PACKED: tl.constexpr,
+    COUNTERS: tl.constexpr,
 ):
     row = tl.program_id(0)
     sp = tl.program_id(1)
@@ -307,7 +309,7 @@ def _stats_kernel(
         bad_label, nan_inf, masked, overflow = row_faults(valid, in_range, mx, mx * c)
         count_faults(ws_ptr + WS_ERR, bad_label, nan_inf, masked, overflow)
         bad = bad_label | nan_inf | masked | overflow
-        _finish_row(ws_ptr, N, bad, err_ptr, host_ptr, seq, REPORT, SPLIT)
+        _finish_row(ws_ptr, N, bad, err_ptr, host_ptr, seq, REPORT, SPLIT, COUNTERS)
         mu = tl.where(m > float("-inf"), m, 0.0)
         store_stats(r, N, valid, bad, mu, t0, t1, t2, t3, xk * c, out_ptr, valid_ptr)
     else:
@@ -337,14 +339,14 @@ def _stats_kernel(
             bad_label, nan_inf, masked, overflow = row_faults(valid, in_range, mx_row, mx_row * c)
             count_faults(ws_ptr + WS_ERR, bad_label, nan_inf, masked, overflow)
             bad = bad_label | nan_inf | masked | overflow
-            _finish_row(ws_ptr, N, bad, err_ptr, host_ptr, seq, REPORT, SPLIT)
+            _finish_row(ws_ptr, N, bad, err_ptr, host_ptr, seq, REPORT, SPLIT, COUNTERS)
             mu, u0, u1, u2, u3 = merge_partials(mj, u0j, u1j, u2j, u3j)
             store_stats(r, N, valid, bad, mu, u0, u1, u2, u3, xk * c, out_ptr, valid_ptr)
 
 
 class KernelStats(NamedTuple):
     """What the kernels return: five fp32 statistics and ``valid`` of the labels' shape, and
-    ``errors``, int32 [ERR_WORDS] device counters of counted rows with a label outside [0, V), a
+    ``errors`` (None when the call asked for no counters), int32 [ERR_WORDS] device counters of counted rows with a label outside [0, V), a
     NaN or +inf logit, every logit -inf, and finite logits whose scaled values overflow fp32 (in
     that order; a bad row's statistics are NaN)."""
 
@@ -354,7 +356,7 @@ class KernelStats(NamedTuple):
     s_expected: torch.Tensor
     s_centered: torch.Tensor
     valid: torch.Tensor
-    errors: torch.Tensor
+    errors: torch.Tensor | None
 
 
 def _num_sms(device: torch.device) -> int:
@@ -455,6 +457,7 @@ def token_stats_triton(
     *,
     config: dict | None = None,
     report: HostReport | None = None,
+    counters: bool = True,
 ) -> KernelStats:
     """One-pass statistics of every row of ``logits`` [..., V] (bf16/fp16/fp32, CUDA).
 
@@ -464,7 +467,8 @@ def token_stats_triton(
     ``valid = labels != ignore_index``, each of ``labels.shape``, written once by the kernel; and
     the int32 error counters (no host synchronisation here: the caller reads them, or passes a
     :class:`._host_report.HostReport` that the kernel also writes them to, then calls its
-    ``wait()``).  Rows with label == ignore_index are not read and give 0.  Rows whose leading
+    ``wait()``; ``counters=False``: no device counters, ``errors`` is None, one allocation less
+    per call).  Rows with label == ignore_index are not read and give 0.  Rows whose leading
     dimensions fold into two strided levels (any 2-D row stride, the ``[B, T+1, V][:, :-1]``
     shift) are read in place; other layouts run one launch per leading index (a leading slice that
     still does not fold is copied); a last dimension that is not contiguous is copied.  ``config``
@@ -487,14 +491,15 @@ def token_stats_triton(
     plan = _plan(logits.shape, logits.stride(), logits.dtype, dev, tuple(sorted(config.items())) if config else None)
     n_rows = plan.n_rows
     # Host time matters at small N (the launch path costs about as much as the kernel): a cached
-    # plan, three allocations and no views before the launch, no device switch unless the tensors
-    # live on another GPU, no memset, one direct launch (kernels/_launch.py).
+    # plan, two or three allocations and no views before the launch, no device switch unless the
+    # tensors live on another GPU, no memset, one direct launch (kernels/_launch.py).
     out = torch.empty((5, *labels.shape), device=dev, dtype=torch.float32)  # rows of the flat [5, n_rows]
     valid = torch.empty(labels.shape, device=dev, dtype=torch.bool)
-    errors = torch.empty(ERR_WORDS, device=dev, dtype=torch.int32)
+    errors = torch.empty(ERR_WORDS, device=dev, dtype=torch.int32) if counters else None
     result = KernelStats(*out.unbind(0), valid, errors)
     if n_rows == 0:
-        errors.zero_()
+        if errors is not None:
+            errors.zero_()
         return result
     flat_labels = labels if labels.is_contiguous() else labels.reshape(-1)  # read as flat [n_rows]
     if flat_labels.dtype not in (torch.int32, torch.int64):
@@ -545,7 +550,7 @@ class _Plan(NamedTuple):
     part_words: int  # fp32 split-V partials (6 per row and slice)
     num_warps: int
     packed: int  # PACKED of rows that allow it (bf16, V even; the launch checks strides and alignment)
-    consts: dict  # (REPORT, PACKED) -> (name, value) of the kernel's compile-time arguments in signature order
+    consts: dict  # (REPORT, PACKED, COUNTERS) -> (name, value) of the compile-time arguments in signature order
 
 
 @functools.lru_cache(maxsize=1024)
@@ -564,7 +569,12 @@ def _plan(shape: torch.Size, strides: tuple, dtype: torch.dtype, dev: torch.devi
     ws_words = 4 + ERR_WORDS + (n_rows if split > 1 else 0)
     parts = 6 * n_rows * split if split > 1 else 0
     packed = cfg.get("packed", 1 if _INTERPRETING else 2) if dtype == torch.bfloat16 and vocab % 2 == 0 else 0
-    table = {(rep, mode): consts + (("REPORT", rep), ("PACKED", mode)) for rep in (False, True) for mode in {0, packed}}
+    table = {
+        (rep, mode, cnt): consts + (("REPORT", rep), ("PACKED", mode), ("COUNTERS", cnt))
+        for rep in (False, True)
+        for mode in {0, packed}
+        for cnt in (False, True)
+    }
     return _Plan(n_rows, vocab, layout, split, chunk, ws_words, parts, cfg["num_warps"], packed, table)
 
 
@@ -615,9 +625,9 @@ def _launch(x, layout, labels, rows, out, valid, n_out, c, ignore_index, plan, p
     inner, stride_outer, stride_inner = layout
     args = (
         x, inner, stride_outer, stride_inner, labels, plan.vocab, plan.chunk, c, ignore_index,
-        out, valid, part, ws, n_out, errors, host, seq,
+        out, valid, part, ws, n_out, errors if errors is not None else ws, host, seq,
     )  # fmt: skip
     # two bf16 per int32 word: the rows' starts (and so every block) must be 4-byte aligned
     packed = plan.packed if not (x.data_ptr() & 3 or stride_outer & 1 or stride_inner & 1) else 0
-    consts = plan.consts[seq != 0, packed]
+    consts = plan.consts[seq != 0, packed, errors is not None]  # COUNTERS: the call wants device counters
     _LAUNCHER.launch((rows, plan.split, 1), args, consts, plan.num_warps, x.device.index or 0)
