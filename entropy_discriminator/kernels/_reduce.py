@@ -115,6 +115,15 @@ def count_faults(err_ptr, bad_label, nan_inf, masked, overflow):
 
 
 @triton.jit
+def count_row(err_ptr, valid, in_range, mx, mx_scaled):
+    """:func:`row_faults` of one row, counted into ``err_ptr`` (:func:`count_faults`); returns
+    whether the row is bad."""
+    bad_label, nan_inf, masked, overflow = row_faults(valid, in_range, mx, mx_scaled)
+    count_faults(err_ptr, bad_label, nan_inf, masked, overflow)
+    return bad_label | nan_inf | masked | overflow
+
+
+@triton.jit
 def store_stats(row, n_out, valid, bad, mu, s0, s1, s2, s3, yk, out_ptr, valid_ptr):
     """Write one row's five statistics and ``valid``: ``out_ptr`` is fp32 [5, n_out] (logp,
     entropy, s_star, s_expected, s_centered), ``valid_ptr`` bool [n_out].  A bad row's statistics
@@ -135,11 +144,8 @@ def store_stats(row, n_out, valid, bad, mu, s0, s1, s2, s3, yk, out_ptr, valid_p
 
 @triton.jit
 def store_row(row, n_out, valid, in_range, mu, s0, s1, s2, s3, yk, mx, mx_scaled, out_ptr, valid_ptr, err_ptr):
-    """:func:`row_faults`, :func:`count_faults` into ``err_ptr`` (int32 [ERR_WORDS]) and
-    :func:`store_stats` of one row."""
-    bad_label, nan_inf, masked, overflow = row_faults(valid, in_range, mx, mx_scaled)
-    count_faults(err_ptr, bad_label, nan_inf, masked, overflow)
-    bad = bad_label | nan_inf | masked | overflow
+    """:func:`count_row` into ``err_ptr`` (int32 [ERR_WORDS]) and :func:`store_stats` of one row."""
+    bad = count_row(err_ptr, valid, in_range, mx, mx_scaled)
     store_stats(row, n_out, valid, bad, mu, s0, s1, s2, s3, yk, out_ptr, valid_ptr)
 
 

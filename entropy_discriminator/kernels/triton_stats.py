@@ -50,7 +50,7 @@ from ._reduce import (
     ERR_WORDS,
     ERR_WORDS_C,
     LOG2E,
-    count_faults,
+    count_row,
     max_nan,
     merge_partials,
     rescale,
@@ -86,22 +86,34 @@ def _exp2(d, FTZ: tl.constexpr):
 
 
 @triton.jit
-def _update(x, c, m, mx, s0, s1, s2, s3, TAU: tl.constexpr, FTZ: tl.constexpr):
-    """Fold one block of raw logits x (fp32) into the running state of one row."""
-    bm = tl.reduce(x, 0, max_nan)
+def _rebase(bm, c, m, mx, s0, s1, s2, s3, TAU: tl.constexpr):
+    """Take a block's NaN-propagating max ``bm`` (raw logits) into the row max ``mx`` and, when it
+    exceeds the reference m by more than TAU (lazy rescale: False for NaN, taken once for the first
+    finite block), move m and the sums to it.  Returns (m, mx, mu, s0..s3), mu the finite reference
+    the block's logits are taken against."""
     mx = max_nan(mx, bm)
     bm2 = bm * c
-    if bm2 > m + TAU:  # lazy rescale; False for NaN, taken once for the first finite block
+    if bm2 > m + TAU:
         s0, s1, s2, s3 = rescale(s0, s1, s2, s3, m, bm2)
         m = bm2
     mu = tl.where(m > float("-inf"), m, 0.0)
+    return m, mx, mu, s0, s1, s2, s3
+
+
+@triton.jit
+def _fold(x, c, mu, s0, s1, s2, s3, FTZ: tl.constexpr):
+    """Add the logits x (fp32) against the reference mu into the four accumulators."""
     d = tl.maximum(x * c - mu, -D_FLOOR)
     e = _exp2(d, FTZ)
     e2 = e * e
-    s0 += e
-    s1 += e * d
-    s2 += e2
-    s3 += e2 * d
+    return s0 + e, s1 + e * d, s2 + e2, s3 + e2 * d
+
+
+@triton.jit
+def _update(x, c, m, mx, s0, s1, s2, s3, TAU: tl.constexpr, FTZ: tl.constexpr):
+    """Fold one block of raw logits x (fp32) into the running state of one row."""
+    m, mx, mu, s0, s1, s2, s3 = _rebase(tl.reduce(x, 0, max_nan), c, m, mx, s0, s1, s2, s3, TAU)
+    s0, s1, s2, s3 = _fold(x, c, mu, s0, s1, s2, s3, FTZ)
     return m, mx, s0, s1, s2, s3
 
 
@@ -118,15 +130,6 @@ def _halves(w):
 
 
 @triton.jit
-def _fold(x, c, mu, s0, s1, s2, s3, FTZ: tl.constexpr):
-    """Add the logits x (fp32) against the reference mu into the four accumulators (see _update)."""
-    d = tl.maximum(x * c - mu, -D_FLOOR)
-    e = _exp2(d, FTZ)
-    e2 = e * e
-    return s0 + e, s1 + e * d, s2 + e2, s3 + e2 * d
-
-
-@triton.jit
 def _update_packed(w, c, m, mx, s0, s1, s2, s3, TAU: tl.constexpr, FTZ: tl.constexpr, ASM: tl.constexpr):
     """:func:`_update` for a block of bf16 logits read as int32 words of two (``PACKED``): the block
     max is taken on the packed pairs (half an instruction per logit; ASM False: on the fp32 halves,
@@ -138,12 +141,7 @@ def _update_packed(w, c, m, mx, s0, s1, s2, s3, TAU: tl.constexpr, FTZ: tl.const
         bm = max_nan(wm_lo, wm_hi)
     else:
         bm = max_nan(tl.reduce(lo, 0, max_nan), tl.reduce(hi, 0, max_nan))
-    mx = max_nan(mx, bm)
-    bm2 = bm * c
-    if bm2 > m + TAU:  # lazy rescale, as in _update
-        s0, s1, s2, s3 = rescale(s0, s1, s2, s3, m, bm2)
-        m = bm2
-    mu = tl.where(m > float("-inf"), m, 0.0)
+    m, mx, mu, s0, s1, s2, s3 = _rebase(bm, c, m, mx, s0, s1, s2, s3, TAU)
     s0, s1, s2, s3 = _fold(lo, c, mu, s0, s1, s2, s3, FTZ)
     s0, s1, s2, s3 = _fold(hi, c, mu, s0, s1, s2, s3, FTZ)
     return m, mx, s0, s1, s2, s3
@@ -172,8 +170,8 @@ def _slice_flag(valid, in_range, mx, mx_scaled):
     """Split-V: whether this program's slice may make its row bad (a bad label, a NaN or +inf, a
     scaling overflow, or no logit above -inf, which makes the row bad only if its other slices
     have none either).  No flag in any slice means no bad row."""
-    finite = tl.abs(mx) < float("inf")
-    return valid & ((in_range == 0) | (mx != mx) | (mx == float("inf")) | (mx == float("-inf")) | (finite & (tl.abs(mx_scaled) == float("inf"))))
+    bad_label, nan_inf, masked, overflow = row_faults(valid, in_range, mx, mx_scaled)
+    return bad_label | nan_inf | masked | overflow
 
 
 @triton.jit
@@ -216,12 +214,11 @@ def _finish_row(ws_ptr, N, bad, err_ptr, host_ptr, seq, REPORT: tl.constexpr, SP
         if COUNTERS:
             tl.store(err_ptr + w, e)
         if REPORT:
-            if SPLIT > 1:
+            late = True  # one program per row: only here is the answer published
+            if SPLIT > 1:  # _early_publish published a call without flags; reset its count
                 progs_ptr = (ws_ptr + WS_PROGS).to(tl.pointer_type(tl.int64))
-                flagged = tl.atomic_xchg(progs_ptr, tl.zeros([], dtype=tl.int64), sem="acq_rel", scope="gpu") >> 32
-                if flagged != 0:
-                    _publish(host_ptr, seq, e, (now >> 32) != 0)
-            else:
+                late = (tl.atomic_xchg(progs_ptr, tl.zeros([], dtype=tl.int64), sem="acq_rel", scope="gpu") >> 32) != 0
+            if late:
                 _publish(host_ptr, seq, e, (now >> 32) != 0)
 
 
@@ -306,9 +303,7 @@ def _stats_kernel(
     t2 = tl.sum(s2, axis=0)
     t3 = tl.sum(s3, axis=0)
     if SPLIT == 1:
-        bad_label, nan_inf, masked, overflow = row_faults(valid, in_range, mx, mx * c)
-        count_faults(ws_ptr + WS_ERR, bad_label, nan_inf, masked, overflow)
-        bad = bad_label | nan_inf | masked | overflow
+        bad = count_row(ws_ptr + WS_ERR, valid, in_range, mx, mx * c)
         _finish_row(ws_ptr, N, bad, err_ptr, host_ptr, seq, REPORT, SPLIT, COUNTERS)
         mu = tl.where(m > float("-inf"), m, 0.0)
         store_stats(r, N, valid, bad, mu, t0, t1, t2, t3, xk * c, out_ptr, valid_ptr)
@@ -336,9 +331,7 @@ def _stats_kernel(
             u3j = tl.load(base + 4 * stride_f + j, mask=msk, other=0.0, cache_modifier=".cg")
             mxj = tl.load(base + 5 * stride_f + j, mask=msk, other=float("-inf"), cache_modifier=".cg")
             mx_row = tl.reduce(mxj, 0, max_nan)
-            bad_label, nan_inf, masked, overflow = row_faults(valid, in_range, mx_row, mx_row * c)
-            count_faults(ws_ptr + WS_ERR, bad_label, nan_inf, masked, overflow)
-            bad = bad_label | nan_inf | masked | overflow
+            bad = count_row(ws_ptr + WS_ERR, valid, in_range, mx_row, mx_row * c)
             _finish_row(ws_ptr, N, bad, err_ptr, host_ptr, seq, REPORT, SPLIT, COUNTERS)
             mu, u0, u1, u2, u3 = merge_partials(mj, u0j, u1j, u2j, u3j)
             store_stats(r, N, valid, bad, mu, u0, u1, u2, u3, xk * c, out_ptr, valid_ptr)
