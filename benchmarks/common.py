@@ -56,6 +56,31 @@ def card_dir(name: str | None = None) -> str:
     return "".join(ch if ch.isalnum() else "_" for ch in name)
 
 
+def synced(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` followed by a synchronisation of the stream current when this is called (CUDA): the
+    floor of any call that waits for its result on the host, when ``fn`` is ``torch.sum``."""
+    stream = torch.cuda.current_stream()
+
+    def run():
+        out = fn()
+        stream.synchronize()
+        return out
+
+    return run
+
+
+def kept(fn: Callable[[], object], results: list) -> Callable[[], None]:
+    """``fn`` whose result stays referenced in ``results`` after the call (as a caller that uses it
+    keeps it), so that freeing its tensors is not timed; the references are dropped every 64 calls."""
+
+    def run():
+        if len(results) >= 64:
+            results.clear()
+        results.append(fn())
+
+    return run
+
+
 def host_us(fn: Callable[[], object], calls: int = 200) -> float:
     """Microseconds of wall time per call over ``calls`` back-to-back calls (one sync at the end):
     the host's cost of a call when the GPU keeps up (a call that synchronises pays its GPU time too)."""

@@ -31,7 +31,7 @@ import pstats
 
 import torch
 
-from .common import card_name, host_us
+from .common import card_name, host_us, kept, synced
 
 
 def host_hidden_us(fn, flush: torch.Tensor, reps: int = 100) -> float:
@@ -88,18 +88,9 @@ def main() -> None:
     x = (torch.randn(n, v, device="cuda") * 3).bfloat16()
     labels = torch.randint(0, v, (n,), device="cuda")
     report = HostReport(pinned=True)
-    stream = torch.cuda.current_stream()
 
     def kernel():
         return token_stats_triton(x, labels, 1.0, -100)
-
-    def synced(fn):
-        def run():
-            out = fn()
-            stream.synchronize()
-            return out
-
-        return run
 
     def patched(obj, name, value, fn):
         """``fn`` run with ``obj.<name>`` set to ``value`` (restored after each call)."""
@@ -115,17 +106,6 @@ def main() -> None:
         return run
 
     kept_results: list = []
-
-    def kept(fn):
-        """``fn`` whose result stays referenced after the call (as a caller that uses it keeps it),
-        so that freeing its tensors is not timed; the references are dropped every 64 calls."""
-
-        def run():
-            if len(kept_results) >= 64:
-                kept_results.clear()
-            kept_results.append(fn())
-
-        return run
 
     def kernel_host_words():
         token_stats_triton(x, labels, 1.0, -100, report=report)
@@ -148,8 +128,8 @@ def main() -> None:
         "check=False, Triton's launch": (patched(_LAUNCHER, "enabled", False, lambda: ed.token_stats(x, labels, check=False)), False),
         "token_stats, Triton's launch": (patched(_LAUNCHER, "enabled", False, lambda: ed.token_stats(x, labels)), True),
         "token_stats, spin 0.5 ms": (patched(_host_report, "SPIN_SECONDS", 5e-4, lambda: ed.token_stats(x, labels)), True),
-        "token_stats, result kept": (kept(lambda: ed.token_stats(x, labels)), True),
-        "torch.sum+sync, result kept": (kept(synced(lambda: torch.sum(x))), True),
+        "token_stats, result kept": (kept(lambda: ed.token_stats(x, labels), kept_results), True),
+        "torch.sum+sync, result kept": (kept(synced(lambda: torch.sum(x)), kept_results), True),
     }
     print(f"card {card_name()} torch {torch.__version__} triton {triton.__version__}; bf16 [{n}, {v}]", flush=True)
     print(f"{'':28s} do_bench median (p10-p90), twice; host-hidden median; host time per call over 300 calls, alone")

@@ -52,6 +52,7 @@ def time_shape(n: int, versions: dict, rounds: int, hidden_too: bool, flush: tor
     """Print the interleaved rounds of every case at bf16 [n, 151936] (see the module docstring)."""
     import triton.testing
 
+    from .common import kept, synced
     from .host_path import host_hidden_us, host_only_us
 
     v = 151936
@@ -62,27 +63,13 @@ def time_shape(n: int, versions: dict, rounds: int, hidden_too: bool, flush: tor
         got = ed.token_stats(x, y)
         for f in FIELDS:
             torch.testing.assert_close(getattr(got, f), getattr(want, f), rtol=1e-4, atol=1e-5, msg=f"{label}: {f}")
-    stream = torch.cuda.current_stream()
-    kept: list = []
-
-    def keep(fn):
-        def run():
-            if len(kept) >= 64:
-                kept.clear()
-            kept.append(fn())
-
-        return run
-
-    def sum_synced():
-        out = torch.sum(x)
-        stream.synchronize()
-        return out
-
-    cases = {"torch.sum": lambda: torch.sum(x), "torch.sum+sync": sum_synced, "torch.sum+sync, kept": keep(sum_synced)}
+    results: list = []
+    sum_synced = synced(lambda: torch.sum(x))
+    cases = {"torch.sum": lambda: torch.sum(x), "torch.sum+sync": sum_synced, "torch.sum+sync, kept": kept(sum_synced, results)}
     for label, ed in versions.items():
         cases[f"{label}: token_stats"] = lambda ed=ed: ed.token_stats(x, y)
         cases[f"{label}: check=False"] = lambda ed=ed: ed.token_stats(x, y, check=False)
-        cases[f"{label}: token_stats, kept"] = keep(lambda ed=ed: ed.token_stats(x, y))
+        cases[f"{label}: token_stats, kept"] = kept(lambda ed=ed: ed.token_stats(x, y), results)
     times: dict = {k: [] for k in cases}
     hidden: dict = {k: [] for k in cases}
     host: dict = {k: [] for k in cases if k.endswith("check=False")}
@@ -93,7 +80,7 @@ def time_shape(n: int, versions: dict, rounds: int, hidden_too: bool, flush: tor
                 hidden[k].append(host_hidden_us(fn, flush))
             if host_too and k in host:
                 host[k].append(host_only_us(fn))
-            kept.clear()
+            results.clear()
     print(f"bf16 [{n}, {v}]: do_bench median per round (us) | median of rounds, median ratio to torch.sum"
           + (", hidden median" if hidden_too else ""))  # fmt: skip
     for k in cases:

@@ -22,7 +22,19 @@ from collections.abc import Callable
 import torch
 
 from . import baselines
-from .common import Row, bench_ms, card_name, extra_peak_mib, fits, free_memory, host_us, print_ratios, print_table, write_csv
+from .common import (
+    Row,
+    bench_ms,
+    card_name,
+    extra_peak_mib,
+    fits,
+    free_memory,
+    host_us,
+    print_ratios,
+    print_table,
+    synced,
+    write_csv,
+)
 
 N_ALL = (256, 4096, 16384, 65536)
 V_ALL = (128256, 151936, 152064, 256000)
@@ -128,8 +140,7 @@ def _run_shape(
     floor_ms = bench_ms(lambda: torch.sum(logits), rep_ms)
     results.append(Row("stats", card, dtype_name, n, v, 0, FLOOR, floor_ms, gbytes / floor_ms, "TB/s"))
     if not kernel_only:
-        stream = torch.cuda.current_stream()
-        sync_ms = bench_ms(lambda: (torch.sum(logits), stream.synchronize()), rep_ms)
+        sync_ms = bench_ms(synced(lambda: torch.sum(logits)), rep_ms)
         results.append(Row("stats", card, dtype_name, n, v, 0, FLOOR_SYNC, sync_ms, gbytes / sync_ms, "TB/s"))
     for name, fn in methods(kernel_configs, compile_ok, kernel_only, only).items():
         copies = _FP32_COPIES.get(name, 0.0)
