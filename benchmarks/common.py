@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import gc
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -42,9 +43,43 @@ class Row:
     extra: dict = field(default_factory=dict)
 
 
+# Multiprocessors the run is restricted to (``fewer_sms``), None for the whole card.
+_SMS: int | None = None
+
+
 def card_name() -> str:
-    """The GPU's marketing name as torch reports it (every CSV row carries it)."""
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    """The GPU's marketing name as torch reports it (every CSV row carries it), with ``" @ K SMs"``
+    appended while :func:`fewer_sms` restricts the run, so that such rows never pass for the card's."""
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return name if _SMS is None else f"{name} @ {_SMS} SMs"
+
+
+@contextlib.contextmanager
+def fewer_sms(sms: int | None) -> Iterator[None]:
+    """Run the block on ``sms`` of the card's multiprocessors (a CUDA green context; None: all).
+
+    With fewer multiprocessors the same memory serves more bytes per SM-cycle: an H100 on 92 of its
+    132 SMs has an H200's ratio of bandwidth to compute (3.35 TB/s / 92 ~ 4.8 TB/s / 132), which
+    shows how a loop that is at the read floor on the whole card fares where it must issue fewer
+    instructions per byte.  A proxy, never an H200 figure: the card name in every row says so.
+    """
+    global _SMS
+    if sms is None:
+        yield
+        return
+    from torch.cuda.green_contexts import GreenContext
+
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    if not 0 < sms <= total:
+        raise ValueError(f"--sms must be in [1, {total}] on this card, got {sms}")
+    ctx = GreenContext.create(num_sms=sms, device_id=torch.cuda.current_device())
+    ctx.set_context()
+    _SMS = sms
+    try:
+        yield
+    finally:
+        _SMS = None
+        ctx.pop_context()
 
 
 def card_dir(name: str | None = None) -> str:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Kernel-configuration sweeps behind the defaults of kernels/triton_stats.choose_config and
 # kernels/triton_fused.DEFAULT_CONFIG (kernels and the torch.sum / cuBLAS floors only).
-# Usage on a GPU machine: bash benchmarks/sweep.sh [stats|packed|fused|all]
+# Usage on a GPU machine: bash benchmarks/sweep.sh [stats|packed|proxy|fused|all]
 set -euo pipefail
 what=${1:-all}
 if [[ $what == stats || $what == all ]]; then
@@ -23,6 +23,17 @@ if [[ $what == packed || $what == all ]]; then
     for p in 0 2; do cfgs+=(--kernel-config "block=$b,num_warps=$w,stages=$s,packed=$p"); done
   done
   python3 -m benchmarks stats --kernel-only --n 16384 256 --v 151936 --dtypes bf16 "${cfgs[@]}" --rep-ms 100 --csv sweep_packed
+fi
+if [[ $what == proxy || $what == all ]]; then
+  # the bf16 loop candidates on fewer multiprocessors (--sms: more bandwidth per SM; an H100 on ~92
+  # SMs has an H200's bandwidth per SM): which loop stays at the read floor as compute gets scarcer
+  cfgs=()
+  for c in 2048,2,3,2 1024,1,4,2 512,1,4,2 1024,2,4,2 1024,1,8,2 512,1,8,2 512,1,4,0 1024,2,4,0; do
+    IFS=, read -r b w s p <<<"$c"; cfgs+=(--kernel-config "block=$b,num_warps=$w,stages=$s,packed=$p")
+  done
+  for sms in ${SWEEP_SMS:-132 112 96 88 80 72}; do
+    python3 -m benchmarks stats --kernel-only --n 16384 --v 151936 --dtypes bf16 "${cfgs[@]}" --rep-ms 100 --sms "$sms" --csv sweep_proxy
+  done
 fi
 if [[ $what == fused || $what == all ]]; then
   python3 -m benchmarks fused --kernel-only --n 16384 --h 3584 --rep-ms 300 --csv sweep_fused \

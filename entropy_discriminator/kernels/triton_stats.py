@@ -377,18 +377,20 @@ def card_of(device: torch.device) -> str:
 
 
 # (block, num_warps, stages) of the streaming loop per card and logits dtype.
-# H100, N=16384, V=151936 (results/h100/sweep_packed.csv; torch.sum 1.681 ms): bf16 through the PACKED
-# loop 2048/2/3 1.624 ms, 2048/2/4 1.623, 1024/2/4 1.642, 1024/1/4 1.648 (the same loops unpacked:
-# 1.802, 1.739, 1.674, 1.685); N=256: 2048/2/3 43.6 us, 1024/2/4 43.9 (torch.sum 42.8).  fp16 takes
-# the unpacked loop, at the floor with 1024/2/4.
-# H200, bf16, N=16384 (results/h200/sweep_issue11.csv; unpacked loops; torch.sum 1.217 ms): 1024/2/4
-# 1.562 ms, 1024/1/4 1.522, 512/1/8 1.400-1.463, 512/1/4 1.389, 256/1/16 1.612; fp32 2048/4/3 runs
-# at 2.145 ms, faster than torch.sum (2.44).  The H200 has not run the PACKED loop (no H200 lent
-# since): 512/1/4 stays its 16-bit default, which PACKED turns from 14.1 to 12.9 instructions per
-# logit and from 96 to 64 registers (SASS of Triton 3.6, sm_90).
+# bf16 runs the PACKED loop in blocks of 1024 with one warp and 4 stages on every card: the rule that
+# stays at the read floor as bandwidth per SM grows.  H100, N=16384, V=151936 (results/h100/
+# sweep_proxy.csv, `bash benchmarks/sweep.sh proxy`; kernel / torch.sum): on all 132 SMs 1024/1/4
+# 0.982, 2048/2/3 0.966, 512/1/4 1.001; on 88 SMs (the H200's bandwidth per SM: an H100 on 88 SMs
+# reproduces the H200's unpacked figures, 512/1/4 1.13 vs 1.14 and 1024/2/4 1.33 vs 1.28-1.30)
+# 1024/1/4 0.938, 512/1/4 0.966, 2048/2/3 0.983; on 72 SMs 1.018, 1.103 and 1.107.  N=256:
+# 1024/1/4 43.8 us, 2048/2/3 43.6 (torch.sum 42.8; results/h100/sweep_packed.csv).
+# fp16 takes the unpacked loop: at the floor on the H100 with 1024/2/4; on the H200 (N=16384,
+# results/h200/sweep_issue11.csv, bf16 through the same unpacked loop; torch.sum 1.217 ms) 512/1/4
+# 1.389 ms, 512/1/8 1.400-1.463, 1024/1/4 1.522, 1024/2/4 1.562.  fp32 2048/4/3 on both (H200
+# 2.145 ms against torch.sum's 2.44).
 _LOOP_DEFAULTS = {
-    "default": {torch.bfloat16: (2048, 2, 3), torch.float16: (1024, 2, 4), torch.float32: (2048, 4, 3)},
-    "h200": {torch.bfloat16: (512, 1, 4), torch.float16: (512, 1, 4), torch.float32: (2048, 4, 3)},
+    "default": {torch.bfloat16: (1024, 1, 4), torch.float16: (1024, 2, 4), torch.float32: (2048, 4, 3)},
+    "h200": {torch.bfloat16: (1024, 1, 4), torch.float16: (512, 1, 4), torch.float32: (2048, 4, 3)},
 }
 
 
@@ -396,13 +398,14 @@ def choose_config(n_rows: int, vocab: int, dtype: torch.dtype, num_sms: int, car
     """Block size, warps, pipelining depth and split-V factor for an [n_rows, vocab] problem.
 
     Measured on an H100 (V=151936; benchmarks/sweep.sh, benchmarks/RESULTS.md): bf16 logits run
-    fastest through the PACKED loop (two logits per int32 word; on by default wherever V is even and
-    the rows 4-byte aligned) in blocks of 2048 with 2 warps and 3 cp.async stages (N=16384: 3.4%
-    under the torch.sum time), fp16 in blocks of 1024 with 2 warps and 4 stages (the torch.sum
-    time), fp32 at the read floor with 2048 / 4 warps / 3 stages.  ``card="h200"`` selects the
-    H200's table: one warp per 512-logit block for 16-bit logits, which issues fewer instructions
-    per logit (no cross-warp max reduction) where the H200's faster memory leaves less slack (see
-    _LOOP_DEFAULTS).  Split-V is used when the rows alone give fewer than SPLIT_TARGET programs per
+    through the PACKED loop (two logits per int32 word; on by default wherever V is even and the
+    rows 4-byte aligned) in blocks of 1024 with one warp and 4 cp.async stages on every card
+    (N=16384: 1.8% under the torch.sum time on the whole H100, 6% under it on 88 of its SMs, which
+    have an H200's bandwidth per SM); fp16 in blocks of 1024 with 2 warps and 4 stages (the
+    torch.sum time), fp32 at the read floor with 2048 / 4 warps / 3 stages.  ``card="h200"``
+    selects the H200's table, which differs for fp16: one warp per 512-logit block, fewer
+    instructions per logit (no cross-warp max reduction) where the H200's faster memory leaves less
+    slack (see _LOOP_DEFAULTS).  Split-V is used when the rows alone give fewer than SPLIT_TARGET programs per
     multiprocessor: the split is the power of two that reaches it (N=256 on the H100: split 4 took
     45.5 us, 8 45.8, 3 46.3, 6 52.2; results/h100/tune_stats.csv), capped so that each slice holds
     >= 2 blocks.  ``packed=0`` in a ``config`` turns the PACKED loop off (benchmarks).
