@@ -23,7 +23,7 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("stats", help="one-pass kernel over materialised logits")
     s.add_argument("--n", type=int, nargs="+", default=[256, 4096, 16384, 65536])
     s.add_argument("--v", type=int, nargs="+", default=[128256, 151936, 152064, 256000])
-    s.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"])
+    s.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp16", "fp32"])
     s.add_argument("--compile-shapes", nargs="*", default=["16384x151936", "256x151936"], help="NxV shapes that also time torch.compile (each compiles anew)")
     f = sub.add_parser("fused", help="fused LM-head kernel from hidden states")
     f.add_argument("--n", type=int, nargs="+", default=[16384])

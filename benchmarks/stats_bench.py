@@ -1,7 +1,7 @@
 """``python -m benchmarks stats``: the public call and its kernel against the read floor and the
 ways people compute the statistics today.
 
-For each shape (bf16/fp32 logits [N, V], fresh random data, every label valid) it times what users
+For each shape (bf16/fp16/fp32 logits [N, V], fresh random data, every label valid) it times what users
 call, ``ed.token_stats(logits, labels)`` (validation included: one host synchronisation per call)
 and ``ed.token_stats(..., check=False)`` (none), the internal kernel ``token_stats_triton`` alone,
 ``torch.sum`` over the same tensor (the measured read floor), ``torch.sum`` followed by a stream
@@ -38,7 +38,7 @@ from .common import (
 
 N_ALL = (256, 4096, 16384, 65536)
 V_ALL = (128256, 151936, 152064, 256000)
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TEMPERATURE = 1.0
 # Methods whose memory grows with N x V in fp32 are skipped when they would not fit.
 _FP32_COPIES = {"naive_eager": 5.0, "torch_compile": 1.5}
@@ -176,10 +176,8 @@ def main(args) -> list[Row]:
     for dtype_name in args.dtypes:
         for n in args.n:
             for v in args.v:
-                base = triton_stats.choose_config(
-                    n, v, DTYPES[dtype_name], torch.cuda.get_device_properties(0).multi_processor_count,
-                    triton_stats.card_of(torch.device("cuda")),
-                )  # fmt: skip
+                sms = torch.cuda.get_device_properties(0).multi_processor_count
+                base = triton_stats.choose_config(n, v, DTYPES[dtype_name], sms)
                 shape_cfgs = {k: ({**base, **c} if c else None) for k, c in configs.items()}
                 compile_ok = (n, v) in {tuple(map(int, s.split("x"))) for s in args.compile_shapes}
                 rs = run_shape(n, v, dtype_name, shape_cfgs, compile_ok, args.rep_ms, args.kernel_only, args.methods)

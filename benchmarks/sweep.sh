@@ -34,6 +34,15 @@ if [[ $what == proxy || $what == all ]]; then
   for sms in ${SWEEP_SMS:-132 112 96 88 80 72}; do
     python3 -m benchmarks stats --kernel-only --n 16384 --v 151936 --dtypes bf16 "${cfgs[@]}" --rep-ms 100 --sms "$sms" --csv sweep_proxy
   done
+  # fp16 (unpacked loop) on the whole card and at the H200's bandwidth per SM, and N = 256
+  cfgs=()
+  for c in 1024,2,4 512,1,4 512,1,8 1024,1,4 1024,1,8 2048,4,3; do
+    IFS=, read -r b w s <<<"$c"; cfgs+=(--kernel-config "block=$b,num_warps=$w,stages=$s")
+  done
+  for sms in 132 96 88; do
+    python3 -m benchmarks stats --kernel-only --n 16384 --v 151936 --dtypes fp16 "${cfgs[@]}" --rep-ms 100 --sms "$sms" --csv sweep_fp16
+  done
+  python3 -m benchmarks stats --kernel-only --n 256 --v 151936 --dtypes fp16 "${cfgs[@]}" --rep-ms 100 --csv sweep_fp16
 fi
 if [[ $what == fused || $what == all ]]; then
   python3 -m benchmarks fused --kernel-only --n 16384 --h 3584 --rep-ms 300 --csv sweep_fused \

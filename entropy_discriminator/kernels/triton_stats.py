@@ -363,59 +363,44 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-@functools.lru_cache(maxsize=None)
-def _card(index: int) -> str:
-    """``"h200"`` for an H200 (same 132 SMs as an H100, ~1.4x its memory bandwidth), else ``"default"``."""
-    return "h200" if "H200" in torch.cuda.get_device_properties(index).name else "default"
+# (block, num_warps, stages) of the streaming loop by logits dtype, one rule for every card: the
+# loops that stay at the read floor as the memory's bandwidth per multiprocessor grows (an H200 has
+# an H100's 132 SMs and clocks with 1.43x its bandwidth).  Chosen on an H100, N=16384, V=151936,
+# kernel / torch.sum on all 132 SMs and on 88 (`python -m benchmarks stats --sms 88`: the H200's
+# bandwidth per SM; an H100 on 88 SMs reproduced the H200's own figures, e.g. the unpacked bf16
+# 512/1/4 1.13 against 1.14 and 1024/2/4 1.33 against 1.28-1.30; benchmarks/RESULTS.md):
+# - bf16, the PACKED loop (results/h100/sweep_proxy.csv): 1024/1/4 0.981 and 0.938, 2048/2/3 0.966
+#   and 0.983, 512/1/4 1.000 and 0.966; on 72 SMs 1.018, 1.107, 1.103.  N=256: 1024/1/4 43.8 us,
+#   2048/2/3 43.6 (torch.sum 42.8; results/h100/sweep_packed.csv).
+# - fp16, the unpacked loop (results/h100/sweep_fp16.csv): 512/1/8 0.986 and 1.000, 1024/2/4 0.985
+#   and 1.249, 512/1/4 0.999 and 1.010, 1024/1/4 0.988 and 1.174; N=256: 512/1/8 45.3 us, 1024/2/4
+#   44.3 (torch.sum 43.6).
+# - fp32 2048/4/3: at the floor on the H100 (3.211 ms against torch.sum's 3.290) and faster than
+#   torch.sum on an H200 (2.145 ms against 2.44; results/h200/sweep_issue11.csv).
+_LOOP_DEFAULTS = {torch.bfloat16: (1024, 1, 4), torch.float16: (512, 1, 8), torch.float32: (2048, 4, 3)}
 
 
-def card_of(device: torch.device) -> str:
-    """The defaults table :func:`choose_config` uses for ``device`` (``"default"`` off CUDA)."""
-    if device.type != "cuda":
-        return "default"
-    return _card(device.index if device.index is not None else torch.cuda.current_device())
-
-
-# (block, num_warps, stages) of the streaming loop per card and logits dtype.
-# bf16 runs the PACKED loop in blocks of 1024 with one warp and 4 stages on every card: the rule that
-# stays at the read floor as bandwidth per SM grows.  H100, N=16384, V=151936 (results/h100/
-# sweep_proxy.csv, `bash benchmarks/sweep.sh proxy`; kernel / torch.sum): on all 132 SMs 1024/1/4
-# 0.982, 2048/2/3 0.966, 512/1/4 1.001; on 88 SMs (the H200's bandwidth per SM: an H100 on 88 SMs
-# reproduces the H200's unpacked figures, 512/1/4 1.13 vs 1.14 and 1024/2/4 1.33 vs 1.28-1.30)
-# 1024/1/4 0.938, 512/1/4 0.966, 2048/2/3 0.983; on 72 SMs 1.018, 1.103 and 1.107.  N=256:
-# 1024/1/4 43.8 us, 2048/2/3 43.6 (torch.sum 42.8; results/h100/sweep_packed.csv).
-# fp16 takes the unpacked loop: at the floor on the H100 with 1024/2/4; on the H200 (N=16384,
-# results/h200/sweep_issue11.csv, bf16 through the same unpacked loop; torch.sum 1.217 ms) 512/1/4
-# 1.389 ms, 512/1/8 1.400-1.463, 1024/1/4 1.522, 1024/2/4 1.562.  fp32 2048/4/3 on both (H200
-# 2.145 ms against torch.sum's 2.44).
-_LOOP_DEFAULTS = {
-    "default": {torch.bfloat16: (1024, 1, 4), torch.float16: (1024, 2, 4), torch.float32: (2048, 4, 3)},
-    "h200": {torch.bfloat16: (1024, 1, 4), torch.float16: (512, 1, 4), torch.float32: (2048, 4, 3)},
-}
-
-
-def choose_config(n_rows: int, vocab: int, dtype: torch.dtype, num_sms: int, card: str = "default") -> dict:
+def choose_config(n_rows: int, vocab: int, dtype: torch.dtype, num_sms: int) -> dict:
     """Block size, warps, pipelining depth and split-V factor for an [n_rows, vocab] problem.
 
-    Measured on an H100 (V=151936; benchmarks/sweep.sh, benchmarks/RESULTS.md): bf16 logits run
-    through the PACKED loop (two logits per int32 word; on by default wherever V is even and the
-    rows 4-byte aligned) in blocks of 1024 with one warp and 4 cp.async stages on every card
-    (N=16384: 1.8% under the torch.sum time on the whole H100, 6% under it on 88 of its SMs, which
-    have an H200's bandwidth per SM); fp16 in blocks of 1024 with 2 warps and 4 stages (the
-    torch.sum time), fp32 at the read floor with 2048 / 4 warps / 3 stages.  ``card="h200"``
-    selects the H200's table, which differs for fp16: one warp per 512-logit block, fewer
-    instructions per logit (no cross-warp max reduction) where the H200's faster memory leaves less
-    slack (see _LOOP_DEFAULTS).  Split-V is used when the rows alone give fewer than SPLIT_TARGET programs per
+    Measured on an H100, on all its 132 SMs and on 88 of them, which have an H200's bandwidth per
+    SM (V=151936; benchmarks/sweep.sh, benchmarks/RESULTS.md): bf16 logits run through the PACKED
+    loop (two logits per int32 word; on by default wherever V is even and the rows 4-byte aligned)
+    in blocks of 1024 with one warp and 4 cp.async stages (N=16384: 1.9% under the torch.sum time
+    on the whole H100, 6% under it on 88 SMs); fp16 in blocks of 512 with one warp and 8 stages; fp32
+    in blocks of 2048 with 4 warps and 3 stages.  One warp per block needs no cross-warp max
+    reduction, which is what keeps the 16-bit loops at the floor where bandwidth per SM is higher.
+    Split-V is used when the rows alone give fewer than SPLIT_TARGET programs per
     multiprocessor: the split is the power of two that reaches it (N=256 on the H100: split 4 took
     45.5 us, 8 45.8, 3 46.3, 6 52.2; results/h100/tune_stats.csv), capped so that each slice holds
     >= 2 blocks.  ``packed=0`` in a ``config`` turns the PACKED loop off (benchmarks).
     """
-    return dict(_choose(n_rows, vocab, dtype, num_sms, card))
+    return dict(_choose(n_rows, vocab, dtype, num_sms))
 
 
 @functools.lru_cache(maxsize=4096)
-def _choose(n_rows: int, vocab: int, dtype: torch.dtype, num_sms: int, card: str) -> tuple:
-    block, num_warps, stages = _LOOP_DEFAULTS[card][dtype]
+def _choose(n_rows: int, vocab: int, dtype: torch.dtype, num_sms: int) -> tuple:
+    block, num_warps, stages = _LOOP_DEFAULTS[dtype]
     block = min(block, max(128, triton.next_power_of_2(vocab)))
     split = 1
     target = SPLIT_TARGET * num_sms
@@ -557,7 +542,7 @@ def _plan(shape: torch.Size, strides: tuple, dtype: torch.dtype, dev: torch.devi
     n_rows = 1
     for d in shape[:-1]:
         n_rows *= d
-    cfg = dict(config) if config else choose_config(n_rows, vocab, dtype, _num_sms(dev), card_of(dev))
+    cfg = dict(config) if config else choose_config(n_rows, vocab, dtype, _num_sms(dev))
     split, chunk = _split_plan(vocab, cfg["block"], cfg["split"])
     layout = _row_layout(shape, strides)
     consts = (("SPLIT", split), ("SPLIT_P2", 1 << (split - 1).bit_length()), ("BLOCK", cfg["block"]), ("TAU", TAU))
