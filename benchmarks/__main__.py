@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
         q.add_argument(
             "--sms", type=int, default=None,
             help="run on this many of the card's multiprocessors (a CUDA green context): more bandwidth per SM, "
-            "e.g. an H100 on 92 SMs as a proxy for an H200; rows name the restriction",
+            "e.g. an H100 on 88-96 SMs as a proxy for an H200; rows name the restriction",
         )  # fmt: skip
     return p
 

@@ -173,10 +173,10 @@ def main(args) -> list[Row]:
         cfg = {k: int(val) for k, val in cfg.items()}
         configs[f"triton[{spec}]"] = cfg
     rows: list[Row] = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for dtype_name in args.dtypes:
         for n in args.n:
             for v in args.v:
-                sms = torch.cuda.get_device_properties(0).multi_processor_count
                 base = triton_stats.choose_config(n, v, DTYPES[dtype_name], sms)
                 shape_cfgs = {k: ({**base, **c} if c else None) for k, c in configs.items()}
                 compile_ok = (n, v) in {tuple(map(int, s.split("x"))) for s in args.compile_shapes}

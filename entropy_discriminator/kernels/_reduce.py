@@ -29,7 +29,7 @@ LOG2E = 1.4426950408889634  # host side only
 # d is clamped at -D_FLOOR before e*d is formed: 2^-256 is 0 in fp32, so the clamp changes no sum
 # and keeps 0 * (-inf) (masked vocabulary entries, the masked tail) out of s1 and s3.
 D_FLOOR = tl.constexpr(256.0)
-# int32 error counters written by :func:`store_row`: bad label, NaN/+inf, all -inf, scaling overflow
+# int32 error counters written by :func:`count_row`: bad label, NaN/+inf, all -inf, scaling overflow
 # (ERR_WORDS on the host, ERR_WORDS_C inside kernels).
 ERR_WORDS = 4
 ERR_WORDS_C = tl.constexpr(ERR_WORDS)
