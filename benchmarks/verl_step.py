@@ -26,14 +26,14 @@ Arms (each builds its worker, runs ``--steps`` steps, frees it; in this order):
 * ``off``: stock verl (``ActorRolloutRefWorker``, no adapter config, the engine hook not installed);
 * ``monitor``, ``clip_b``, ``clip_v``: ``trainer.v1.trainer_mode=entropy_disc`` with
   ``+entropy_disc.method=none|clip_b|clip_v`` (the paper's default bounds): the adapter's worker
-  class (hook installed), the old-log-prob pass flagged to add ``E_p[S]`` (all three: the metrics
-  need ``S_c``), the driver's ``E_p[S]`` slice, mask and metrics
+  class (hook installed), the old-log-prob pass flagged to add ``log p_k``, ``H`` and ``E_p[S]`` of
+  verl's own bf16 logits (all three arms), the driver's slice of them, mask and metrics
   (``EntropyDiscTrainerMixin.entropy_disc_step``) and, for the clip arms, the mask applied to the
   advantages as ``_update_actor`` does (``apply_mask``, zero_pg);
-* ``off_fused``, ``clip_v_fused``: the same as ``off`` / ``clip_v`` with
-  ``actor_rollout_ref.model.use_fused_kernels=True`` (no logits; the adapter takes ``E_p[S]`` from
-  the hidden states with ``token_stats_from_hidden``).  Last, because verl's fused patch replaces
-  the model class's forward for the rest of the process.
+* ``off_fused``, ``monitor_fused``, ``clip_b_fused``, ``clip_v_fused``: the same four with
+  ``actor_rollout_ref.model.use_fused_kernels=True`` (no logits; the hook re-forms verl's torch fused
+  head, bf16 ``(hidden @ W.T) / T`` per 512 rows, in the forward, ``fused_head_stats``).  Last,
+  because verl's fused patch replaces the model class's forward for the rest of the process.
 
 Per step, CUDA-synchronised wall time of the old-log-prob pass, the driver work (0 for the off
 arms; it runs on the CPU tensors verl's worker returns, as on verl's driver) and the update; and,
@@ -88,6 +88,8 @@ ARMS: dict[str, tuple[str | None, bool]] = {
     "clip_b": ("clip_b", False),
     "clip_v": ("clip_v", False),
     "off_fused": (None, True),
+    "monitor_fused": ("none", True),
+    "clip_b_fused": ("clip_b", True),
     "clip_v_fused": ("clip_v", True),
 }
 
@@ -111,16 +113,16 @@ SMOKE = Shape(prompts=2, responses=4, prompt_len=8, response_len=16, log_prob_mi
 class HookClock:
     """Time of the engine hook's own work, summed over the calls since the last ``take()``.
 
-    Wraps, in ``adapters/verl/_engine``, ``_fsdp_expected_seq`` (logits path: temperature scaling,
-    ``token_stats``, unpacking; fused path: unpacking) and ``expected_score_from_hidden`` (fused
-    path: ``token_stats_from_hidden`` inside the forward); ``restore()`` puts them back.  On a GPU
+    Wraps, in ``adapters/verl/_engine``, ``_fsdp_seq_fields`` (logits path: temperature scaling,
+    ``token_stats``, unpacking; fused path: unpacking) and ``fused_head_stats`` (fused path: the
+    chunked bf16 LM-head products and ``token_stats`` inside the forward); ``restore()`` puts them back.  On a GPU
     each call is bracketed by two CUDA events on the current stream and nothing is synchronised
     (a synchronisation would stall verl's launch queue and itself cost time); ``take()``, called
     after the step's own synchronisation, sums the events' elapsed times: the stretch of the GPU
     timeline the hook occupies.  On the CPU (``--smoke``) wall time of the calls.
     """
 
-    NAMES = ("_fsdp_expected_seq", "expected_score_from_hidden")
+    NAMES = ("_fsdp_seq_fields", "fused_head_stats")
 
     def __init__(self) -> None:
         from entropy_discriminator.adapters.verl import _engine
@@ -260,6 +262,7 @@ def run_arm(arm: str, model_dir: Path, shape: Shape, ns: argparse.Namespace) -> 
     from entropy_discriminator.adapters.verl import check_config
     from entropy_discriminator.adapters.verl._engine import (
         SEQ_FIELD,
+        SEQ_FIELDS,
         STATS_CHUNK,
         STATS_FLAG,
         STATS_IMPL,
@@ -314,10 +317,13 @@ def run_arm(arm: str, model_dir: Path, shape: Shape, ns: argparse.Namespace) -> 
         if driver is not None:
 
             def driver_work():  # _compute_old_log_prob's slice, _compute_advantage's step, _update_actor's mask
-                s_exp = padded(response_from_nested(out[SEQ_FIELD], response_mask)) if expected else None
+                if expected:  # the hook's one distribution
+                    hooked = {name: padded(response_from_nested(out[f], response_mask)) for name, f in SEQ_FIELDS.items()}
+                    stats = dict(old_log_probs=hooked["logp"], entropy=hooked["entropy"], s_expected=hooked["s_expected"])
+                else:
+                    stats = dict(old_log_probs=padded(old_lp), entropy=padded(ent), s_expected=None)
                 mask, metrics = EntropyDiscTrainerMixin.entropy_disc_step(
-                    driver, advantages=padded(advantages), response_mask=padded(response_mask),
-                    old_log_probs=padded(old_lp), entropy=padded(ent), s_expected=s_exp,
+                    driver, advantages=padded(advantages), response_mask=padded(response_mask), **stats
                 )
                 masked = advantages
                 if mask is not None:

@@ -1,34 +1,36 @@
-"""Worker side of the verl adapter: ``E_p[S]`` from the old-policy forward of verl's engines.
+"""Worker side of the verl adapter: the statistics of the old-policy forward of verl's engines.
 
 The hook wraps engine methods, only in processes that install it (see :func:`install_engine_hook`),
 and does nothing unless the micro-batch carries the non-tensor flag ``entropy_disc_stats=True``
-(set by the adapter's trainer for the old-log-prob pass only):
+(set by the adapter's trainer for the old-log-prob pass only).  It adds three fields to the pass's
+model output (:data:`SEQ_FIELDS`: ``log p_k``, ``H``, ``E_p[S]``), laid out like verl's ``entropy``
+(jagged over prompt+response positions, position ``i`` holding the statistic of the distribution
+that predicts token ``i+1``), all three from one :func:`~entropy_discriminator.token_stats` call on
+**the logits verl itself takes its log-probs from**: verl's compute dtype and rounding (bf16 under
+bf16 mixed precision, fp32 when ``mixed_precision.param_dtype`` is fp32), verl's temperature
+division in that dtype, fp32 accumulation.  The driver forms ``S*`` and ``S_c`` from these fields
+only, so the five statistics describe one distribution (verl's own ``entropy`` is rounded to bf16
+by its fused kernel, and its ``log_probs`` to bf16 where it falls back to a bf16 ``log_softmax``).
 
 * FSDP, logits materialised (``use_fused_kernels=False``):
   ``FSDPEngineWithLMHead.prepare_model_outputs``. Its own result is returned untouched; the hook
-  scales ``output.logits`` by the same per-token temperatures verl uses (``logits / T``, ``T``
-  clamped at 1e-8, skipped when verl marks the temperature as exactly 1), runs the core's
-  :func:`~entropy_discriminator.token_stats` on them and adds ``entropy_disc_s_expected_seq``, laid
-  out like verl's ``entropy`` (a jagged tensor over prompt+response positions, position ``i``
-  holding the statistic of the distribution that predicts token ``i+1``).
-* FSDP, fused kernels (``use_fused_kernels=True``, no logits exist): ``forward_step`` registers a
-  forward hook on the causal LM's base model for that one forward; the hook reads the final hidden
-  states and, while the LM-head weight is gathered, runs the core's
-  :func:`~entropy_discriminator.token_stats_from_hidden` with verl's scalar temperature
-  (``logits = hidden @ W.T / T``, as verl's fused head forms them, in the autocast dtype when
-  autocast is on); ``prepare_model_outputs`` lays the result out like the logits path.
-* Megatron: ``MegatronEngineWithLMHead._lm_head_logits_processor``. The statistic is computed
-  before verl's in-place ``logits.div_(temperature)`` and its (destructive) entropy, on the local
-  vocabulary shard, reduced across the tensor-parallel group through the core's
-  ``vocab_parallel_group``; verl's post-processing then packs it like ``entropy``.
-
-``E_p[S] = sum_i p_i^2 (log p_i + H)`` does not depend on the sampled token, so the hook passes
-dummy labels (0); ``S*`` is formed on the driver from verl's own ``old_log_probs`` and ``entropy``
-of the same pass.
+  scales ``output.logits`` (bf16 from the autocast LM head, or fp32) exactly as verl does
+  (``logits / T.to(logits.dtype)``, ``T`` clamped at 1e-8, skipped when verl marks it as exactly
+  1) and scores verl's rolled labels.
+* FSDP, fused kernels (``use_fused_kernels=True``, backend ``torch``; no logits exist):
+  ``forward_step`` registers, for that one forward, a pre-hook on the causal LM (the labels and
+  temperature verl passes) and a forward hook on its base model (the final hidden states, while the
+  LM-head weight is gathered).  :func:`fused_head_stats` re-forms verl's
+  ``(hidden @ W.T) / T`` per chunk of 512 rows in the forward's autocast state, so its bf16 rounding
+  is verl's, and never holds ``[N, V]`` logits.
+* Megatron: ``MegatronEngineWithLMHead._lm_head_logits_processor``. The statistics are computed
+  before verl's in-place ``logits.div_(temperature)`` and its (destructive) entropy, with the same
+  division in the logits' dtype, on the local vocabulary shard, reduced across the tensor-parallel
+  group through the core's ``vocab_parallel_group``; verl's post-processing packs them like ``entropy``.
 
 The hooks call the core with ``check=False``: no host synchronisation per micro-batch (one would
 stall verl's launch queue in the middle of its pass). A NaN or ``+inf`` logit, or a row of ``-inf``
-only, then gives a NaN ``E_p[S]`` at that position instead of an exception on one worker rank (which
+only, then gives NaN statistics at that position instead of an exception on one worker rank (which
 could leave the other ranks waiting in a collective); the driver's
 :meth:`~entropy_discriminator.adapters.verl._trainer.EntropyDiscTrainerMixin.entropy_disc_step`
 refuses the batch with a ``ValueError`` naming ``E_p[S]`` and the positions, on the one driver process.
@@ -42,7 +44,7 @@ from typing import Any
 
 import torch
 
-from entropy_discriminator import token_stats, token_stats_from_hidden
+from entropy_discriminator import token_stats
 
 from .._patching import PatchSet
 
@@ -51,8 +53,15 @@ STATS_FLAG = "entropy_disc_stats"
 #: Non-tensor options forwarded to the core (``chunk_size``, ``impl``).
 STATS_CHUNK = "entropy_disc_chunk_size"
 STATS_IMPL = "entropy_disc_impl"
-#: Model-output field written by the hook (prompt+response positions, like ``entropy``).
+#: Model-output fields written by the hook (prompt+response positions, like ``entropy``), one per
+#: statistic of the one distribution: ``log p_k`` of the next token, ``H`` and ``E_p[S]``.
 SEQ_FIELD = "entropy_disc_s_expected_seq"
+LOGP_SEQ_FIELD = "entropy_disc_logp_seq"
+ENTROPY_SEQ_FIELD = "entropy_disc_entropy_seq"
+#: ``TokenStats`` attribute -> model-output field.
+SEQ_FIELDS = {"logp": LOGP_SEQ_FIELD, "entropy": ENTROPY_SEQ_FIELD, "s_expected": SEQ_FIELD}
+#: Rows per LM-head product in verl's torch fused kernel (``FusedLinearForPPO``'s default ``chunk_size``).
+VERL_FUSED_CHUNK = 512
 
 _PATCHES = PatchSet("entropy_disc verl engine hook")
 #: Engine attribute holding the fused path's per-position values between forward and output step.
@@ -65,49 +74,58 @@ def _flag(data: Any, key: str, default: Any) -> Any:
     return tu.get_non_tensor_data(data=data, key=key, default=default)
 
 
-def expected_score(logits: torch.Tensor, data: Any, vocab_parallel_group: Any = None, vocab_start_index: int = 0) -> torch.Tensor:
-    """``E_p[S]`` per row of already temperature-scaled ``logits`` ``[..., V]`` -> float32 ``[...]``.
+def hook_stats(
+    logits: torch.Tensor, labels: torch.Tensor, data: Any, vocab_parallel_group: Any = None, vocab_start_index: int = 0
+) -> dict[str, torch.Tensor]:
+    """``log p_k``, ``H`` and ``E_p[S]`` per row of verl's own temperature-scaled ``logits`` ``[..., V]``.
 
-    Runs :func:`token_stats` (no autocast, no grad) with the chunk size and implementation the
-    driver put into ``data``; with ``vocab_parallel_group`` the rows are vocabulary shards.
-    ``check=False`` (see the module docstring: bad logits give NaN, which the driver refuses).
+    ``logits`` are the tensor verl takes its log-probs from, in verl's dtype and rounding (bf16 under
+    bf16 mixed precision); ``labels`` ``[...]`` (int) the next tokens verl scores, global vocabulary
+    ids also with ``vocab_parallel_group`` (then the rows are vocabulary shards starting at
+    ``vocab_start_index``). :func:`token_stats` accumulates in fp32 (no autocast, no grad) with the
+    chunk size and implementation the driver put into ``data``; ``check=False`` (see the module
+    docstring: bad logits give NaN, which the driver refuses). Returns :data:`SEQ_FIELDS`' keys ->
+    float32 ``[...]``.
     """
-    labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
     with torch.no_grad(), torch.autocast(device_type=logits.device.type, enabled=False):
         stats = token_stats(
             logits,
-            labels,
+            labels.to(device=logits.device, dtype=torch.long),
             chunk_size=_flag(data, STATS_CHUNK, None),
             impl=_flag(data, STATS_IMPL, "auto"),
             check=False,
             vocab_parallel_group=vocab_parallel_group,
             vocab_start_index=vocab_start_index,
         )
-    return stats.s_expected.float()
+    return {name: getattr(stats, name).float() for name in SEQ_FIELDS}
 
 
-def expected_score_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, data: Any) -> torch.Tensor:
-    """``E_p[S]`` of ``softmax(hidden @ weight.T / temperature)`` per row of ``hidden`` ``[..., H]`` -> float32 ``[...]``.
+def fused_head_stats(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float, data: Any
+) -> torch.Tensor:
+    """The :func:`hook_stats` of verl's torch fused head, per row of ``hidden`` ``[..., H]`` -> float32 ``[..., 3]``.
 
-    ``hidden`` and ``weight`` are cast to the autocast dtype when autocast is on for their device
-    (the dtype verl's fused head multiplies in), else to ``hidden``'s dtype; the product is formed
-    with fp32 accumulation by :func:`token_stats_from_hidden`, without ``[N, V]`` logits, and
-    ``check=False`` (see the module docstring: bad values give NaN, which the driver refuses).
+    verl's ``FusedLinearForPPOFunction`` (backend ``torch``) forms, per chunk of
+    :data:`VERL_FUSED_CHUNK` flattened rows, ``z = (hidden @ weight.T) / temperature`` under the
+    engine's autocast (bf16 in, bf16 out under bf16 mixed precision; the division rounds to the
+    product's dtype) and takes its fp32 log-probs and entropy from ``z.float()``.  This function
+    forms the same ``z`` chunk by chunk, in the autocast state it is called in (the model's forward,
+    so verl's), and hands each chunk to :func:`hook_stats` (fp32 accumulation): no ``[N, V]`` logits,
+    one ``[512, V]`` chunk at a time.  ``labels`` ``[...]`` are the rolled next tokens verl scores.
+    Columns of the result: :data:`SEQ_FIELDS` in order.
     """
-    device = hidden.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
-    labels = torch.zeros(hidden.shape[:-1], dtype=torch.long, device=hidden.device)
-    with torch.no_grad(), torch.autocast(device_type=device, enabled=False):
-        stats = token_stats_from_hidden(
-            hidden.detach().to(dtype),
-            weight.detach().to(dtype),
-            labels,
-            temperature=float(temperature),
-            chunk_size=_flag(data, STATS_CHUNK, None),
-            impl=_flag(data, STATS_IMPL, "auto"),
-            check=False,
-        )
-    return stats.s_expected.float()
+    flat = hidden.detach().reshape(-1, hidden.shape[-1])
+    flat_labels = labels.reshape(-1)
+    w = weight.detach()
+    out = torch.empty(flat.shape[0], len(SEQ_FIELDS), dtype=torch.float32, device=flat.device)
+    with torch.no_grad():
+        for start in range(0, flat.shape[0], VERL_FUSED_CHUNK):
+            end = min(start + VERL_FUSED_CHUNK, flat.shape[0])
+            z = (flat[start:end] @ w.t()) / temperature
+            stats = hook_stats(z, flat_labels[start:end], data)
+            out[start:end] = torch.stack([stats[name] for name in SEQ_FIELDS], dim=-1)
+            del z
+    return out.reshape(*hidden.shape[:-1], len(SEQ_FIELDS))
 
 
 def _scaled(logits: torch.Tensor, temperature: torch.Tensor, unit: bool) -> torch.Tensor:
@@ -127,23 +145,36 @@ def _causal_lm(module: torch.nn.Module) -> torch.nn.Module:
     )
 
 
-def _fsdp_expected_seq(engine: Any, output: Any, output_args: dict, micro_batch: Any) -> torch.Tensor:
-    """The FSDP engine's ``E_p[S]`` as a jagged ``[bsz, j1]`` tensor aligned with its ``entropy``."""
+def _padded_labels(micro_batch: Any, shape: torch.Size) -> torch.Tensor:
+    """``[bsz, max_len]`` next-token labels for verl's padded (no padding removal) logits: row ``i``
+    of sequence ``b`` holds token ``i + 1`` (the last position of each sequence holds a token verl
+    never scores)."""
+    input_ids = micro_batch["input_ids"]
+    pad = _flag(micro_batch, "pad_token_id", 0)
+    padded = torch.nested.to_padded_tensor(input_ids, padding=pad, output_size=(shape[0], shape[1]))
+    return torch.roll(padded, shifts=-1, dims=1)
+
+
+def _fsdp_seq_fields(engine: Any, output: Any, output_args: dict, micro_batch: Any) -> dict[str, torch.Tensor]:
+    """The FSDP engine's :data:`SEQ_FIELDS` as jagged ``[bsz, j1]`` tensors aligned with its ``entropy``."""
     from torch.distributed.tensor import DTensor
 
     cu_seqlens = micro_batch["input_ids"].offsets()
     remove_padding = _flag(micro_batch, "use_remove_padding", True)
     values = engine.__dict__.pop(_HIDDEN_STASH, None)
-    if values is None:  # logits materialised
+    if values is None:  # logits materialised: verl's own scaled tensor, same expression, same dtype
         logits = output.logits.squeeze(0) if remove_padding else output.logits
         if isinstance(logits, DTensor):
             logits = logits.full_tensor()
         unit = output_args.get("temperature_is_one", False)
-        if remove_padding:  # (total_nnz [/ sp + pad], V), one temperature per position
+        if remove_padding:  # (total_nnz [/ sp + pad], V), one temperature and label per position
             temperature = output_args["temperature_rmpad"].unsqueeze(-1)
+            labels = output_args["input_ids_rmpad_rolled"]
         else:  # (bsz, max_len, V), one temperature per sequence
             temperature = output_args["temperature"].unsqueeze(-1).unsqueeze(-1)
-        values = expected_score(_scaled(logits, temperature, unit), micro_batch)
+            labels = _padded_labels(micro_batch, logits.shape)
+        stats = hook_stats(_scaled(logits, temperature, unit), labels, micro_batch)
+        values = torch.stack([stats[name] for name in SEQ_FIELDS], dim=-1)
     elif remove_padding:
         values = values.squeeze(0)
     if remove_padding:
@@ -152,7 +183,10 @@ def _fsdp_expected_seq(engine: Any, output: Any, output_args: dict, micro_batch:
         lengths = cu_seqlens.diff()
         keep = torch.arange(values.shape[1], device=values.device) < lengths.unsqueeze(1).to(values.device)
         values = values[keep]
-    return torch.nested.nested_tensor_from_jagged(values, cu_seqlens)
+    return {
+        field: torch.nested.nested_tensor_from_jagged(values[:, k].contiguous(), cu_seqlens)
+        for k, field in enumerate(SEQ_FIELDS.values())
+    }
 
 
 def _wrap_fsdp_outputs(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -160,10 +194,19 @@ def _wrap_fsdp_outputs(original: Callable[..., Any]) -> Callable[..., Any]:
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
         model_output = original(self, output, output_args, micro_batch, logits_processor_func)
         if _flag(micro_batch, STATS_FLAG, False):
-            model_output[SEQ_FIELD] = _fsdp_expected_seq(self, output, output_args, micro_batch)
+            model_output.update(_fsdp_seq_fields(self, output, output_args, micro_batch))
         return model_output
 
     return prepare_model_outputs
+
+
+def _fused_labels(kwargs: dict) -> torch.Tensor:
+    """The labels verl's fused forward scores (``forward_with_torch_backend``): ``shift_labels`` when
+    given, else ``labels`` or ``input_ids`` rolled by one position to the left."""
+    if kwargs.get("shift_labels") is not None:
+        return kwargs["shift_labels"]
+    source = kwargs.get("labels") if kwargs.get("labels") is not None else kwargs["input_ids"]
+    return torch.roll(source, shifts=-1, dims=-1)
 
 
 def _wrap_fsdp_forward_step(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -172,18 +215,28 @@ def _wrap_fsdp_forward_step(original: Callable[..., Any]) -> Callable[..., Any]:
         if not (_flag(micro_batch, STATS_FLAG, False) and _flag(micro_batch, "use_fused_kernels", False)):
             return original(self, micro_batch, loss_function, forward_only)
         causal_lm = _causal_lm(self.module)
-        temperature = _flag(micro_batch, "temperature", 1.0)
+        call: dict[str, Any] = {}
+
+        def inputs(module, args, kwargs):  # the labels and temperature verl hands its fused forward
+            call["labels"] = _fused_labels(kwargs)
+            call["temperature"] = kwargs.get("temperature", 1.0)
 
         def from_hidden(module, args, out):  # the final hidden states, while the LM head is gathered
             hidden = out[0] if isinstance(out, (tuple, list)) else out.last_hidden_state
             weight = causal_lm.get_output_embeddings().weight
-            self.__dict__[_HIDDEN_STASH] = expected_score_from_hidden(hidden, weight, temperature, micro_batch)
+            self.__dict__[_HIDDEN_STASH] = fused_head_stats(
+                hidden, weight, call["labels"], call["temperature"], micro_batch
+            )
 
-        handle = causal_lm.base_model.register_forward_hook(from_hidden)
+        handles = [
+            causal_lm.register_forward_pre_hook(inputs, with_kwargs=True),
+            causal_lm.base_model.register_forward_hook(from_hidden),
+        ]
         try:
             return original(self, micro_batch, loss_function, forward_only)
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
             self.__dict__.pop(_HIDDEN_STASH, None)
 
     return forward_step
@@ -193,7 +246,7 @@ def _wrap_megatron(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _lm_head_logits_processor(self, logits, label, temperature, **kwargs):
         batch = kwargs["batch"]
-        expected = None
+        fields = None
         if _flag(batch, STATS_FLAG, False):
             from megatron.core import parallel_state as mpu
 
@@ -202,11 +255,12 @@ def _wrap_megatron(original: Callable[..., Any]) -> Callable[..., Any]:
             scaled = logits / t.unsqueeze(dim=-1).to(logits.dtype)
             group = mpu.get_tensor_model_parallel_group()
             start = mpu.get_tensor_model_parallel_rank() * logits.shape[-1]
-            expected = expected_score(scaled, batch, vocab_parallel_group=group, vocab_start_index=start)
+            stats = hook_stats(scaled, label, batch, vocab_parallel_group=group, vocab_start_index=start)
+            fields = {SEQ_FIELDS[name]: value for name, value in stats.items()}
             del scaled
         ret = original(self, logits, label, temperature, **kwargs)
-        if expected is not None:
-            ret[SEQ_FIELD] = expected
+        if fields is not None:
+            ret.update(fields)
         return ret
 
     return _lm_head_logits_processor

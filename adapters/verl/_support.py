@@ -117,8 +117,10 @@ class RunPlan:
     Attributes:
         options: the ``entropy_disc`` settings, ``mask_mode`` the one that acts.
         base_mode: the verl V1 mode the selected trainer extends (sync, colocate_async, separate_async).
-        expected: the old-policy pass computes ``E_p[S]`` (needed by Clip_V; for the ``S_c`` metrics otherwise).
-        from_hidden: ``E_p[S]`` comes from the LM head's hidden states (``use_fused_kernels=True``).
+        expected: the old-policy pass's hook computes ``log p_k``, ``H`` and ``E_p[S]`` of verl's own logits
+            (FSDP in every arm; Megatron without fused kernels); otherwise ``S*`` comes from verl's
+            ``old_log_probs`` and ``entropy`` and Clip_V is refused.
+        from_hidden: the hook re-forms verl's fused LM head from the hidden states (``use_fused_kernels=True``).
         mask_mode_reason: why ``mask_mode`` is ``drop_token`` although none was given, else None.
     """
 
@@ -236,7 +238,7 @@ def _mask_mode_for_loss(config: DictConfig, options: EntropyDiscConfig) -> tuple
 
 
 def _statistics_source(config: DictConfig, options: EntropyDiscConfig) -> tuple[bool, bool]:
-    """``(expected, from_hidden)``: whether the old-policy pass computes ``E_p[S]``, and from what."""
+    """``(expected, from_hidden)``: whether the old-policy pass's hook computes the statistics, and from what."""
     strategy = _select(config, "actor_rollout_ref.actor.strategy", "fsdp")
     fused = bool(_select(config, "actor_rollout_ref.model.use_fused_kernels", False))
     if strategy not in HOOKED_STRATEGIES:
@@ -259,6 +261,14 @@ def _statistics_source(config: DictConfig, options: EntropyDiscConfig) -> tuple[
         if refusal is not None:
             raise ValueError(refusal)
         return True, False
-    if fused:  # FSDP: from the final hidden states and the LM-head weight; metrics-only runs skip the extra head pass
-        return options.needs_expected, options.needs_expected
+    if fused:  # FSDP: verl's torch fused head re-formed from the final hidden states, in every arm
+        backend = _select(config, "actor_rollout_ref.model.fused_kernel_options.impl_backend", "torch") or "torch"
+        if backend != "torch":
+            raise ValueError(
+                f"entropy_disc with actor_rollout_ref.model.use_fused_kernels=True follows verl's torch fused head "
+                f"(bf16 logits (hidden @ W.T) / T per 512 rows); actor_rollout_ref.model.fused_kernel_options."
+                f"impl_backend={backend!r} forms and rounds its logits inside its own kernel, so the statistics would "
+                "not be those of verl's log-probs: set impl_backend=torch (or use_fused_kernels=False)"
+            )
+        return True, True
     return True, False

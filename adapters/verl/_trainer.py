@@ -3,11 +3,14 @@
 Per step, on the driver (which sees the batch through TransferQueue):
 
 1. ``_compute_old_log_prob`` (statistics): verl's old-policy pass, with the flag that makes the
-   worker hook (``_engine``) add ``E_p[S]`` next to verl's ``entropy``; the flag is removed
-   afterwards so the reference and update passes never compute it.  ``E_p[S]`` is sliced to the
-   response like ``old_log_probs`` and stored as ``entropy_disc_s_expected``.
+   worker hook (``_engine``) add ``log p_k``, ``H`` and ``E_p[S]`` of the logits verl takes its
+   log-probs from (its dtype, rounding and temperature division); the flag is removed afterwards so
+   the reference and update passes never compute them.  The three are sliced to the response like
+   ``old_log_probs`` and stored as :data:`STATS_FIELDS`.
 2. ``_compute_advantage`` (mask and metrics): verl's advantages (GRPO: per sequence, broadcast over
-   tokens; GAE: per token), then ``S* = exp(old_logp) (H + old_logp)`` (:func:`discriminator_score`),
+   tokens; GAE: per token), then, from the hook's ``log p_k`` and ``H`` (verl's own
+   ``old_log_probs`` and ``entropy`` only where no hook runs: strategies other than FSDP and
+   Megatron, or Megatron with fused kernels), ``S* = exp(logp) (H + logp)`` (:func:`discriminator_score`),
    ``S_c = S* - E_p[S]``, the configured Clip_B / Clip_V mask over every valid token of the batch,
    and the monitor's ``entropy_disc/*`` metrics (``S_c`` weighted by ``r = pi_old / pi_rollout``
    when the rollout's log-probs exist, i.e. off-policy).
@@ -39,12 +42,17 @@ from verl.workers.utils.padding import response_from_nested, response_to_nested
 
 from entropy_discriminator import EntropyMonitor, MaskResult, discriminator_score
 
-from ._engine import SEQ_FIELD, STATS_CHUNK, STATS_FLAG, STATS_IMPL
+from ._engine import SEQ_FIELDS, STATS_CHUNK, STATS_FLAG, STATS_IMPL
 from ._support import BASE_MODES, TRAINER_MODES, check_config
 from ._workers import stats_worker
 
 #: Response-aligned ``E_p[S]`` in TransferQueue (float32, jagged like ``old_log_probs``).
 EXPECTED_FIELD = "entropy_disc_s_expected"
+#: Response-aligned ``log p_k`` and ``H`` of the same distribution (float32, jagged like ``old_log_probs``).
+LOGP_FIELD = "entropy_disc_logp"
+ENTROPY_FIELD = "entropy_disc_entropy"
+#: ``TokenStats`` attribute -> response-aligned TransferQueue field written by ``_compute_old_log_prob``.
+STATS_FIELDS = {"logp": LOGP_FIELD, "entropy": ENTROPY_FIELD, "s_expected": EXPECTED_FIELD}
 #: Fields the mask rewrites for the actor update, per mask mode.
 MASKED_FIELDS = {"zero_pg": ("advantages",), "drop_token": ("response_mask", "loss_mask")}
 
@@ -136,9 +144,12 @@ class EntropyDiscTrainerMixin:
                 batch.extra_info.pop(key, None)
         for key in (STATS_FLAG, STATS_CHUNK, STATS_IMPL):
             out.extra_info.pop(key, None)
-        data = tq.kv_batch_get(keys=out.keys, partition_id=out.partition_id, select_fields=[SEQ_FIELD, "response_mask"])
-        expected = response_from_nested(data[SEQ_FIELD], data["response_mask"])
-        fields = TensorDict({EXPECTED_FIELD: expected}, batch_size=len(out))
+        seq = list(SEQ_FIELDS.values())
+        data = tq.kv_batch_get(keys=out.keys, partition_id=out.partition_id, select_fields=[*seq, "response_mask"])
+        fields = TensorDict(
+            {STATS_FIELDS[name]: response_from_nested(data[SEQ_FIELDS[name]], data["response_mask"]) for name in SEQ_FIELDS},
+            batch_size=len(out),
+        )
         return tq.kv_batch_put(keys=out.keys, partition_id=out.partition_id, fields=fields)
 
     def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
@@ -146,15 +157,16 @@ class EntropyDiscTrainerMixin:
         self._entropy_disc_pending = None
         wanted = ["response_mask", "advantages", "old_log_probs", "entropy", "rollout_log_probs"]
         if self._entropy_disc_expected:
-            wanted.append(EXPECTED_FIELD)
+            wanted.extend(STATS_FIELDS.values())
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=wanted)
         padded = data.to_padded_tensor()
+        hooked = self._entropy_disc_expected  # the hook's one distribution, else verl's own fields
         mask, batch_metrics = self.entropy_disc_step(
             advantages=padded["advantages"],
             response_mask=padded["response_mask"],
-            old_log_probs=padded["old_log_probs"],
-            entropy=padded["entropy"],
-            s_expected=padded.get(EXPECTED_FIELD, None),
+            old_log_probs=padded[LOGP_FIELD] if hooked else padded["old_log_probs"],
+            entropy=padded[ENTROPY_FIELD] if hooked else padded["entropy"],
+            s_expected=padded[EXPECTED_FIELD] if hooked else None,
             rollout_log_probs=padded.get("rollout_log_probs", None),
         )
         if self.entropy_disc.log_metrics:
@@ -175,7 +187,8 @@ class EntropyDiscTrainerMixin:
     ) -> tuple[MaskResult | None, dict[str, float]]:
         """Mask and metrics of one whole training batch (all tensors ``[B, T_resp]``, padded).
 
-        ``S* = exp(old_log_probs) (entropy + old_log_probs)``; ``S_c = S* - s_expected``; the mask
+        ``old_log_probs``, ``entropy`` and ``s_expected`` are one distribution's (the hook's fields,
+        see the module docstring). ``S* = exp(old_log_probs) (entropy + old_log_probs)``; ``S_c = S* - s_expected``; the mask
         is ``self.entropy_disc.compute_mask`` over the tokens with ``response_mask != 0``
         (None for ``method=none``).  Metrics: :class:`EntropyMonitor` with ``r = exp(old -
         rollout)`` when rollout log-probs are given and ``lr = actor.optim.lr``.  A NaN or infinite

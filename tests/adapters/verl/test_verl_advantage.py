@@ -24,8 +24,8 @@ from verl.utils import tensordict_utils as tu  # noqa: E402
 
 import entropy_discriminator.adapters.verl as ed_verl  # noqa: E402
 from entropy_discriminator import clip_b_mask, clip_v_mask, discriminator_score  # noqa: E402
-from entropy_discriminator.adapters.verl._engine import SEQ_FIELD, STATS_FLAG  # noqa: E402
-from entropy_discriminator.adapters.verl._trainer import EXPECTED_FIELD  # noqa: E402
+from entropy_discriminator.adapters.verl._engine import SEQ_FIELDS, STATS_FLAG  # noqa: E402
+from entropy_discriminator.adapters.verl._trainer import ENTROPY_FIELD, EXPECTED_FIELD, LOGP_FIELD, STATS_FIELDS  # noqa: E402
 
 CONFIG_DIR = str(Path(verl.__file__).parent / "trainer" / "config")
 N_PROMPTS, N_ROLLOUTS, PROMPT_LEN = 4, 4, 2
@@ -87,8 +87,11 @@ def put_batch(tag: str, *, seed: int) -> tuple[object, dict]:
         "response_mask": nested([torch.ones(n, dtype=torch.int64) for n in lens]),
         "loss_mask": nested([torch.ones(n, dtype=torch.int64) for n in lens]),
         "rm_scores": nested(rewards),
-        "old_log_probs": nested(logp),
-        "entropy": nested(ent),
+        # verl's own fields rounded to bf16 (as its fused kernel rounds its entropy): the driver must read the hook's
+        "old_log_probs": nested([v.bfloat16().float() for v in logp]),
+        "entropy": nested([v.bfloat16().float() for v in ent]),
+        LOGP_FIELD: nested(logp),
+        ENTROPY_FIELD: nested(ent),
         EXPECTED_FIELD: nested(s_exp),
         "values": nested([torch.randn(n, generator=g) * 0.1 for n in lens]),
     }
@@ -128,7 +131,7 @@ def test_advantage_step_gives_the_core_mask_and_update_sees_it(queue, estimator,
     metrics: dict = {}
     meta = trainer._compute_advantage(meta, metrics)
 
-    got = padded(meta, ["advantages", "response_mask", "old_log_probs", "entropy", EXPECTED_FIELD])
+    got = padded(meta, ["advantages", "response_mask", LOGP_FIELD, ENTROPY_FIELD, EXPECTED_FIELD])
     valid = got["response_mask"].bool()
     adv = got["advantages"]
     if estimator == "grpo":  # sequence advantages, broadcast over the response by verl
@@ -139,7 +142,7 @@ def test_advantage_step_gives_the_core_mask_and_update_sees_it(queue, estimator,
     else:  # token advantages
         assert not torch.equal(adv, adv[:, :1] * valid)
         a_core = adv
-    s_star = discriminator_score(got["old_log_probs"], got["entropy"])
+    s_star = discriminator_score(got[LOGP_FIELD], got[ENTROPY_FIELD])
     mu_low, max_frac = trainer.entropy_disc.resolved()
     kw = dict(mu_low=mu_low, sides=trainer.entropy_disc.sides, max_frac=max_frac)
     if method == "clip_v":
@@ -194,7 +197,8 @@ def test_old_log_prob_pass_asks_for_and_slices_the_statistic(queue):
     class Worker:
         def compute_log_prob(self, batch):  # what verl's worker writes: full prompt+response rows
             seen.update(batch.extra_info)
-            fields = {"log_probs": nested([-v for v in seq_values]), "entropy": nested(seq_values), SEQ_FIELD: nested(seq_values)}
+            fields = {"log_probs": nested([-v for v in seq_values]), "entropy": nested(seq_values)}
+            fields.update({name: nested([v + k for v in seq_values]) for k, name in enumerate(SEQ_FIELDS.values())})
             return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=tu.get_tensordict(fields))
 
     trainer.actor_rollout_wg = Worker()
@@ -202,10 +206,11 @@ def test_old_log_prob_pass_asks_for_and_slices_the_statistic(queue):
     out = trainer._compute_old_log_prob(meta, metrics)
     assert seen[STATS_FLAG] is True and seen["calculate_entropy"] is True
     assert STATS_FLAG not in meta.extra_info and STATS_FLAG not in out.extra_info
-    got = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=[EXPECTED_FIELD, "entropy"])
+    got = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=[*STATS_FIELDS.values(), "entropy"])
     for i, n in enumerate(lens):  # response positions, shifted by one like verl's old_log_probs
-        assert torch.equal(got[EXPECTED_FIELD][i], seq_values[i][prompt - 1 : prompt + n - 1])
-        assert torch.equal(got[EXPECTED_FIELD][i], got["entropy"][i])
+        for k, name in enumerate(SEQ_FIELDS):  # each hook field lands in its own response field
+            assert torch.equal(got[STATS_FIELDS[name]][i], seq_values[i][prompt - 1 : prompt + n - 1] + k)
+        assert torch.equal(got[EXPECTED_FIELD][i] - 2, got["entropy"][i])
 
 
 def test_off_policy_ratio_weights_the_monitor():

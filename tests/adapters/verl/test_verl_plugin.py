@@ -174,13 +174,21 @@ def test_settings_that_rule_out_the_statistics_are_refused():
         _trainer(SELECT + ["algorithm.rollout_correction.bypass_mode=true"])
     with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.strategy='veomni'"):
         ed_verl.check_config(compose_ppo(SELECT + ["actor_rollout_ref.actor.strategy=veomni"]))
-    # fused kernels: Clip_V takes E_p[S] from the hidden states; Clip_B needs only log-probs and entropy
-    fused = _trainer(SELECT + ["actor_rollout_ref.model.use_fused_kernels=true"])
-    assert fused._entropy_disc_expected and fused.entropy_disc_plan.from_hidden
-    trainer = _trainer(
-        ["trainer.v1.trainer_mode=entropy_disc", "+entropy_disc.method=clip_b", "actor_rollout_ref.model.use_fused_kernels=true"]
-    )
-    assert not trainer._entropy_disc_expected
+    # fused kernels: every arm re-forms verl's torch fused head from the hidden states (one distribution for
+    # logp, H and E_p[S]); a backend whose rounding the adapter cannot re-form is refused, naming it
+    for method in ("clip_v", "clip_b", "none"):
+        fused = _trainer(
+            ["trainer.v1.trainer_mode=entropy_disc", f"+entropy_disc.method={method}", "actor_rollout_ref.model.use_fused_kernels=true"]
+        )
+        assert fused._entropy_disc_expected and fused.entropy_disc_plan.from_hidden, method
+    for backend in ("triton", "liger"):
+        with pytest.raises(ValueError, match=rf"fused_kernel_options\.impl_backend='{backend}'"):
+            _trainer(
+                SELECT
+                + ["actor_rollout_ref.model.use_fused_kernels=true", f"actor_rollout_ref.model.fused_kernel_options.impl_backend={backend}"]
+            )
+    plan = ed_verl.check_config(compose_ppo(["trainer.v1.trainer_mode=entropy_disc", "+entropy_disc.method=clip_b", "actor_rollout_ref.actor.strategy=veomni"]))
+    assert not plan.expected  # no hook there: Clip_B from verl's own log-probs and entropy
 
 
 def test_actor_workers_are_swapped_only_when_the_statistic_is_needed():
@@ -196,8 +204,8 @@ def test_actor_workers_are_swapped_only_when_the_statistic_is_needed():
     from verl.workers.engine_workers import TrainingWorker
 
     assert trainer.role_worker_mapping[Role.Critic].__ray_actor_class__ is TrainingWorker  # critic untouched
-    plain = _trainer(
+    fused = _trainer(
         ["trainer.v1.trainer_mode=entropy_disc", "+entropy_disc.method=clip_b", "actor_rollout_ref.model.use_fused_kernels=true"]
     )
-    plain._init_resource_pool_mgr()
-    assert plain.role_worker_mapping[Role.ActorRollout].__ray_actor_class__ is ActorRolloutRefWorker
+    fused._init_resource_pool_mgr()  # the hook runs in every FSDP arm, fused kernels included
+    assert fused.role_worker_mapping[Role.ActorRollout].__ray_actor_class__ is EntropyDiscActorRolloutRefWorker

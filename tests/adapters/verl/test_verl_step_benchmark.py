@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("verl", reason="needs the verl extra: nox -s verl")
 
 ROOT = Path(__file__).resolve().parents[3]
-ARMS = ["off", "monitor", "clip_b", "clip_v", "off_fused", "clip_v_fused"]
+ARMS = ["off", "monitor", "clip_b", "clip_v", "off_fused", "monitor_fused", "clip_b_fused", "clip_v_fused"]
 
 
 def test_smoke_benchmark_runs_every_arm(tmp_path):
@@ -45,15 +45,16 @@ def test_smoke_benchmark_runs_every_arm(tmp_path):
             assert r["e_p_s_in_pass"] == "False" and r["n_valid"] == ""
             assert float(r["driver_s"]) == 0.0 and float(r["hook_s"]) == 0.0
             continue
-        assert r["e_p_s_in_pass"] == "True", arm  # Clip_V needs E_p[S]; monitor and Clip_B use it for S_c metrics
+        assert r["e_p_s_in_pass"] == "True", arm  # every arm takes logp, H and E_p[S] from the hook's one distribution
         assert r["from_hidden"] == str("fused" in arm), arm
         assert float(r["driver_s"]) > 0 and 0 < float(r["hook_s"]) < float(r["old_log_prob_s"]), arm
         assert float(r["n_valid"]) == 8 * 16, arm  # the driver's metrics (and mask) saw every response token
         assert 0 <= int(r["n_clipped"]) <= float(r["n_valid"]), arm
-        if arm == "monitor":
+        if arm.startswith("monitor"):
             assert int(r["n_clipped"]) == 0
-        # the driver read verl's own entropy of the pass, and S_c = S* - E_p[S] from the hook is finite, not all 0
-        assert float(r["entropy_mean"]) == pytest.approx(float(r["entropy_verl"]), rel=1e-5), arm
+        # the driver read the hook's entropy of verl's own logits: verl's entropy to its rounding (its fused kernel
+        # returns it in bf16: half an ulp is 2^-9 relative), and S_c = S* - E_p[S] from the hook is finite, not all 0
+        assert float(r["entropy_mean"]) == pytest.approx(float(r["entropy_verl"]), rel=2**-9), arm
         assert math.isfinite(float(r["s_centered_std"])) and float(r["s_centered_std"]) > 0, arm
         assert int(r["n_metrics"]) > 0, arm
     assert "| clip_v_fused |" in proc.stdout
