@@ -5,9 +5,9 @@ training arguments (:func:`~._checks.check_training_args`), then
 
 1. scores every response token of every buffered sample with the policy as it stands (the policy
    that computed ``action_log_probs`` in ``make_experience``): a no-grad forward of OpenRLHF's own
-   ``Actor`` per micro-batch, whose fp32 logits (padded, packed, or this rank's ring-attention
-   slice) go to the core's :func:`~entropy_discriminator.token_stats` with the actor's sampling
-   temperature (see :func:`replay_buffer_stats`);
+   ``Actor`` per micro-batch, whose logits (padded, packed, or this rank's ring-attention slice) go
+   to the core's :func:`~entropy_discriminator.token_stats` in the one distribution OpenRLHF takes
+   its log-probs from (see :func:`replay_buffer_stats`);
 2. computes the configured Clip_B / Clip_V keep-mask over the whole data-parallel batch (the
    ``dp`` group of OpenRLHF's device mesh, so ring-attention / tensor-parallel replicas of the
    same samples are counted once);
@@ -94,7 +94,9 @@ def replay_buffer_stats(
     ``[A_i]`` (its action mask). Items are batched ``micro_batch_size`` at a time with OpenRLHF's
     ``make_experience_batch`` (right padding to ``[b, T]``, ``A`` action columns) and run through
     ``actor(sequences, None, attention_mask, return_output=True)`` with the actor's temperature
-    switched off, so its ``logits`` are the raw fp32 logits ``z`` in the actor's own layout:
+    switched off, so its ``logits`` are the model's logits upcast by ``Actor.forward``
+    (``.to(torch.float32)``: with DeepSpeed bf16 the module's weights are bf16, so these are the
+    bf16-rounded logits, exactly representable in fp32), in the actor's own layout:
 
     * unpacked: ``[b, T, V]``; row ``t`` scores token ``t + 1``, action column ``j`` is row
       ``T - 1 - A + j`` (``Actor.forward``'s ``log_probs[:, :-1][:, -A:]``);
@@ -104,8 +106,11 @@ def replay_buffer_stats(
       then the per-token results (6 numbers per token, never logits) are all-gathered over the ring
       group and put back in place.
 
-    ``token_stats(z, labels, temperature=actor.temperature)`` counts the positions where the action
-    mask is 1. Returns a :class:`TokenStats` whose fields are the concatenation over items of their
+    Precision: the statistics are those of the distribution OpenRLHF's log-probs come from,
+    ``softmax(z.float() / T)``. The adapter applies the temperature exactly as OpenRLHF does (an
+    in-place fp32 ``z.div_(T)`` after the upcast: ``Actor.forward`` in 0.11, ``log_probs_from_logits``
+    in 0.10), then ``token_stats(z / T, labels)`` (temperature 1, fp32 accumulation) counts the
+    positions where the action mask is 1. Returns a :class:`TokenStats` whose fields are the concatenation over items of their
     ``A_i`` columns (float32 / bool, on the model's device).
 
     ``sync_group``: every rank runs as many forwards as the rank with the most micro-batches
@@ -128,7 +133,7 @@ def replay_buffer_stats(
     was_training = actor.training
     parts: list[torch.Tensor] = []
     actor.eval()
-    actor.temperature = 1.0  # token_stats divides by the temperature after upcasting, as Actor does
+    actor.temperature = 1.0  # the division below is OpenRLHF's own, on the fp32 logits (0.10.2 skips it here)
     try:
         for step in range(n_forward):
             if not chunks:
@@ -149,13 +154,16 @@ def replay_buffer_stats(
             if step >= len(chunks):
                 continue  # a step-keeping forward of a rank that ran out of samples
             labels = _action_labels(sequences, first, [valids[i].to(device) for i in idx])
+            logits = output["logits"]
+            if temperature != 1.0:  # OpenRLHF's scaling: fp32 logits divided in place after the upcast
+                logits.div_(temperature)
             fields = _stats_in_batch_layout(
-                output["logits"], labels, attention_mask if packed else None, ring_attn_group,
-                first=first, temperature=temperature, chunk_size=chunk_size, impl=impl,
+                logits, labels, attention_mask if packed else None, ring_attn_group,
+                first=first, chunk_size=chunk_size, impl=impl,
             )
             for row, i in enumerate(idx):
                 parts.append(fields[row, first : first + valids[i].numel()])
-            del output, fields
+            del output, logits, fields
     finally:
         actor.temperature = temperature
         actor.train(was_training)
@@ -182,19 +190,18 @@ def _stats_in_batch_layout(
     ring_attn_group: Any,
     *,
     first: int,
-    temperature: float,
     chunk_size: int | None,
     impl: str,
 ) -> torch.Tensor:
     """``[b, T, 6]`` float32: the :data:`_FIELDS` of ``token_stats`` at every position of the
-    right-padded batch (``valid`` as 0/1), from the actor's unpacked ``[b, T, V]`` logits
+    right-padded batch (``valid`` as 0/1), from the actor's temperature-scaled fp32 unpacked ``[b, T, V]`` logits
     (``attention_mask`` None; only rows ``first .. T-2``, the action columns, are scored) or packed
     ``[1, L, V]`` logits (``attention_mask [b, T]`` given; every packed row is scored, prompt rows
     as ignored; see :func:`replay_buffer_stats`)."""
     if attention_mask is None:  # only the action rows, read in place (a view, no copy)
         out = torch.zeros(*labels.shape, len(_FIELDS), dtype=torch.float32, device=labels.device)
         rows = slice(first, labels.shape[1] - 1)
-        st = token_stats(logits[:, rows], labels[:, rows], temperature=temperature, chunk_size=chunk_size, impl=impl)
+        st = token_stats(logits[:, rows], labels[:, rows], chunk_size=chunk_size, impl=impl)
         out[:, rows] = torch.stack([getattr(st, name).float() for name in _FIELDS], dim=-1)
         return out
     positions = attention_mask.reshape(-1).nonzero().squeeze(-1)  # the packed order
@@ -211,7 +218,7 @@ def _stats_in_batch_layout(
             f"packed logits have shape {tuple(logits.shape)}, expected (1, {packed_labels.numel()}, V): "
             "Actor.forward's packing layout is not the one this adapter was written for"
         )
-    st = token_stats(logits[0], packed_labels, temperature=temperature, chunk_size=chunk_size, impl=impl)
+    st = token_stats(logits[0], packed_labels, chunk_size=chunk_size, impl=impl)
     local_fields = torch.stack([getattr(st, name).float() for name in _FIELDS], dim=-1)
     if ring_attn_group is not None:
         local_fields = all_gather_cat(local_fields, ring_attn_group)[:n_total]
