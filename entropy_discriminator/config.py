@@ -13,13 +13,14 @@ import torch
 
 from ._checks import exact_fraction, integer, one_of, real_number
 from .distributed import Group
-from .masks import MASK_MODES, SIDES, MaskResult, clip_b_mask, clip_v_mask
+from .masks import CAP_RULES, DEFAULT_MU, MASK_MODES, SIDES, MaskResult, clip_b_mask, clip_v_mask
 from .stats import IMPLS
 
 METHODS = ("none", "clip_b", "clip_v")
-#: The reference implementation's defaults (Trinity-RFT 0.6.0 configs): mu and the clipped-share cap.
-DEFAULT_MU_LOW = {"clip_b": 2.5, "clip_v": 8.5}
-DEFAULT_MAX_FRAC = {"clip_b": None, "clip_v": 1e-4}
+#: The defaults of every entry point (API, CLI, adapters): mu = 2.5 and no cap for both masks (README "Defaults":
+#: the reference's Clip_V setting for 7B models, mu 8.5 with a 1e-4 cap, clips nothing in a batch under 10,000 tokens).
+DEFAULT_MU_LOW = {"clip_b": DEFAULT_MU, "clip_v": DEFAULT_MU}
+DEFAULT_MAX_FRAC: dict[str, float | None] = {"clip_b": None, "clip_v": None}
 
 
 @dataclass
@@ -33,15 +34,17 @@ class EntropyDiscConfig:
 
     Attributes:
         method: ``"none"`` (metrics only), ``"clip_b"`` (mask on S*) or ``"clip_v"`` (mask on S_c).
-        mu_low: lower bound in batch stds (>= 0, ``inf`` disables it); None takes the method's
-            default (2.5 / 8.5).
+        mu_low: lower bound in batch stds (>= 0, ``inf`` disables it); None takes the default
+            (2.5 for both methods).
         mu_high: upper bound in batch stds; ``inf`` (default) clips one side only.
         sides: advantage sign whose tokens may be clipped: negative, positive or both.
         max_frac: cap on the clipped share, in [0, 1]: a batch of ``n`` valid tokens clips at most
             ``floor(max_frac * n)`` (so 0 clips nothing; see
-            :func:`~entropy_discriminator.masks.cap_limit`); ``"auto"`` takes the method's default
-            (none for Clip_B, 1e-4 for Clip_V), None disables the cap.  Stored as the decimal it
-            was written as (``np.float32(1e-4)`` becomes ``0.0001``).
+            :func:`~entropy_discriminator.masks.cap_limit`); ``"auto"`` takes the default (no cap
+            for either method), None disables the cap.  Stored as the decimal it was written as
+            (``np.float32(1e-4)`` becomes ``0.0001``).
+        cap_rule: ``"share"`` (``floor(max_frac * n)``) or ``"reference"`` (at least one token
+            when over the cap, Trinity-RFT's rule).
         mask_mode: ``"zero_pg"`` (clipped tokens lose their policy-gradient term; the loss
             normaliser is unchanged) or ``"drop_token"`` (they leave the loss mask).
         chunk_size, impl: passed to :func:`~entropy_discriminator.token_stats`.
@@ -53,6 +56,7 @@ class EntropyDiscConfig:
     mu_high: float = math.inf
     sides: str = "negative"
     max_frac: float | str | None = "auto"
+    cap_rule: str = "share"
     mask_mode: str = "zero_pg"
     chunk_size: int | None = None
     impl: str = "auto"
@@ -122,7 +126,8 @@ class EntropyDiscConfig:
     ) -> MaskResult:
         """The configured mask: :func:`clip_b_mask` on ``s_star`` or :func:`clip_v_mask` on ``s_centered``."""
         mu_low, max_frac = self.resolved()
-        kwargs = dict(mu_low=mu_low, mu_high=self.mu_high, sides=self.sides, max_frac=max_frac, process_group=process_group)
+        kwargs = dict(mu_low=mu_low, mu_high=self.mu_high, sides=self.sides, max_frac=max_frac, cap_rule=self.cap_rule,
+                      process_group=process_group)
         if self.method == "clip_b":
             if s_star is None:
                 raise ValueError("entropy_disc.method='clip_b' needs s_star")
@@ -165,6 +170,7 @@ _FIELD_CHECKS = {
     "mu_high": lambda name, value: real_number(name, value, finite=False, minimum=0),
     "sides": _choice(SIDES),
     "max_frac": _max_frac,
+    "cap_rule": _choice(CAP_RULES),
     "mask_mode": _choice(MASK_MODES),
     "chunk_size": _chunk_size,
     "impl": _choice(IMPLS),

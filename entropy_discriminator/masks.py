@@ -34,6 +34,10 @@ from .distributed import Group, all_reduce, reduce_or_raise, top_k_mask
 
 SIDES = ("negative", "positive", "both")
 MASK_MODES = ("zero_pg", "drop_token")
+#: How ``max_frac`` turns into a token count (:func:`cap_limit`): ``"share"`` (ours) or ``"reference"`` (Trinity-RFT's).
+CAP_RULES = ("share", "reference")
+#: The default mu of both masks: the paper's Clip_B value, and where Clip_V helped in docs/reproduction/compare.
+DEFAULT_MU = 2.5
 #: A batch standard deviation at or below this counts as zero: every token is kept (as in the reference).
 ZERO_STD = 1e-12
 
@@ -73,10 +77,11 @@ def clip_b_mask(
     advantages: torch.Tensor,
     valid: torch.Tensor,
     *,
-    mu_low: float = 2.5,
+    mu_low: float = DEFAULT_MU,
     mu_high: float = math.inf,
     sides: str = "negative",
     max_frac: float | None = None,
+    cap_rule: str = "share",
     process_group: Group = None,
 ) -> MaskResult:
     """Clip_B: keep token t when ``-mu_low*sigma <= S*_t - mean(S*) <= mu_high*sigma``.
@@ -88,10 +93,12 @@ def clip_b_mask(
         mu_low, mu_high: bounds in units of the batch std; ``math.inf`` disables a side.
         sides: advantage sign whose tokens may be clipped: ``negative`` (A < 0, the paper's and
             the reference's default), ``positive`` (A > 0) or ``both``.
-        max_frac: if set, a cap on the clipped share: at most ``floor(max_frac * n_valid)``
-            tokens are clipped (exact decimal arithmetic, see :func:`cap_limit`; ``0`` clips
-            nothing), the most violating first (distance beyond the bound in units of sigma),
-            ties by position.
+        mu_low, mu_high: (default 2.5 and inf: one-sided, the paper's Clip_B setting.)
+        max_frac: if set, a cap on the clipped share (default None: no cap): at most
+            :func:`cap_limit` tokens are clipped, the most violating first (distance beyond the
+            bound in units of sigma), ties by position.
+        cap_rule: ``"share"`` (default: at most ``floor(max_frac * n_valid)``, so ``0`` clips
+            nothing) or ``"reference"`` (at least one token when over the cap, as Trinity-RFT).
         process_group: statistics and the cap are global over this group.  A bad argument or
             value on one rank raises the same error on every rank (no rank is left waiting).
 
@@ -101,7 +108,7 @@ def clip_b_mask(
         :class:`MaskResult`; ``keep`` has the scores' shape.
     """
     return _outlier_mask(
-        "clip_b", "s_star", s_star, advantages, valid, True, mu_low, mu_high, sides, max_frac, process_group
+        "clip_b", "s_star", s_star, advantages, valid, True, mu_low, mu_high, sides, max_frac, cap_rule, process_group
     )
 
 
@@ -110,21 +117,23 @@ def clip_v_mask(
     advantages: torch.Tensor,
     valid: torch.Tensor,
     *,
-    mu_low: float = 8.5,
+    mu_low: float = DEFAULT_MU,
     mu_high: float = math.inf,
     sides: str = "negative",
-    max_frac: float | None = 1e-4,
+    max_frac: float | None = None,
+    cap_rule: str = "share",
     process_group: Group = None,
 ) -> MaskResult:
     """Clip_V: keep token t when ``-mu_low*sigma' <= S_c,t <= mu_high*sigma'``, sigma' = std(S_c).
 
     ``S_c = S* - E_p[S]`` from :func:`~entropy_discriminator.token_stats`.  Arguments as in
-    :func:`clip_b_mask`; the defaults are the reference's (mu = 8.5, one side, at most 1e-4 of the
-    valid tokens clipped, so a batch of fewer than 10,000 valid tokens clips none: the cap bounds
-    the share, see :func:`cap_limit`).
+    :func:`clip_b_mask`, with the same defaults (mu = 2.5, negative side, no cap).  The
+    reference's settings for 7B models (mu = 8.5, ``max_frac=1e-4``) clip nothing in a batch of a
+    few thousand tokens; pass ``cap_rule="reference"`` to cap as the reference does.
     """
     return _outlier_mask(
-        "clip_v", "s_centered", s_centered, advantages, valid, False, mu_low, mu_high, sides, max_frac, process_group
+        "clip_v", "s_centered", s_centered, advantages, valid, False, mu_low, mu_high, sides, max_frac, cap_rule,
+        process_group,
     )
 
 
@@ -165,10 +174,11 @@ def _outlier_mask(
     mu_high: object,
     sides: str,
     max_frac: object,
+    cap_rule: str,
     group: Group,
 ) -> MaskResult:
     def local() -> tuple[torch.Tensor, tuple]:
-        params = _check_params(mu_low, mu_high, sides, max_frac)
+        params = _check_params(mu_low, mu_high, sides, max_frac, cap_rule)
         require_float(name, scores)
         checks = DataChecks()
         valid_b = valid_mask(valid, scores.shape, checks)
@@ -200,7 +210,7 @@ def _outlier_mask(
         clipped = torch.zeros_like(valid)
 
     n_clip = int(all_reduce(clipped.sum(), group))
-    limit = cap_limit(max_frac, int(n))
+    limit = cap_limit(max_frac, int(n), cap_rule)
     capped = limit is not None and n_clip > limit
     if capped:
         distance = lower - x if above is None else x - upper if below is None else torch.maximum(lower - x, x - upper)
@@ -231,23 +241,30 @@ def _outlier_mask(
 _N_CHECKS = 3
 
 
-def cap_limit(max_frac: object, n_valid: int) -> int | None:
-    """Most tokens a mask may clip: ``floor(max_frac * n_valid)`` in exact decimal arithmetic.
+def cap_limit(max_frac: object, n_valid: int, cap_rule: str = "share") -> int | None:
+    """Most tokens a mask may clip, from ``max_frac`` in exact decimal arithmetic (None: no cap).
 
-    ``max_frac`` caps the clipped *share*: ``n_clipped <= max_frac * n_valid`` always holds, so
-    ``max_frac = 0`` clips nothing and a batch with ``n_valid < 1 / max_frac`` tokens clips none
-    (None: no cap).  ``max_frac`` is read as the decimal it was written as (``0.29`` is 29/100).
+    ``cap_rule="share"`` (default): ``floor(max_frac * n_valid)``, so ``n_clipped <= max_frac *
+    n_valid`` always holds, ``max_frac = 0`` clips nothing and a batch with ``n_valid < 1 /
+    max_frac`` tokens clips none.  ``cap_rule="reference"``: ``max(floor(max_frac * n_valid), 1)``,
+    the rule of Trinity-RFT 0.6.0's ``ClipVAdvantageFn``: a batch over the cap clips at least its
+    one most violating token.  ``max_frac`` is read as the decimal it was written as (``0.29`` is
+    29/100).
     """
     if max_frac is None:
         return None
-    return math.floor(exact_fraction(max_frac) * n_valid)
+    limit = math.floor(exact_fraction(max_frac) * n_valid)
+    return max(limit, 1) if cap_rule == "reference" else limit
 
 
-def _check_params(mu_low: object, mu_high: object, sides: object, max_frac: object) -> tuple[float, float]:
-    """``(mu_low, mu_high)`` as floats, after checking ``sides`` and ``max_frac``; errors name the argument."""
+def _check_params(
+    mu_low: object, mu_high: object, sides: object, max_frac: object, cap_rule: object
+) -> tuple[float, float]:
+    """``(mu_low, mu_high)`` as floats, after checking ``sides``, ``max_frac`` and ``cap_rule``; errors name the argument."""
     low = real_number("mu_low", mu_low, finite=False, minimum=0)
     high = real_number("mu_high", mu_high, finite=False, minimum=0)
     one_of("sides", sides, SIDES)
     if max_frac is not None:
         real_number("max_frac", max_frac, minimum=0, maximum=1)
+    one_of("cap_rule", cap_rule, CAP_RULES)
     return low, high

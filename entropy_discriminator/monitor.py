@@ -30,7 +30,11 @@ class EntropyMonitor:
     statistics (one sort on the device, or a radix select across ranks; no ``torch.quantile``,
     no gather of the values): the nearest-rank percentile ``q`` is the ``ceil(q/100 * n)``-th
     smallest valid entropy, the rank computed in exact arithmetic (:meth:`percentile_ranks`).
-    Keys (``prefix`` = ``entropy_disc/``), each present when its inputs are given:
+    Keys (``prefix`` = ``entropy_disc/``), each present when its inputs are given; the key set
+    depends only on which arguments are given (and on whether the mask's thresholds are finite),
+    never on the batch's values: a statistic undefined on a batch (a mean over no token, e.g.
+    every token masked, or ``entropy/clipped_mean`` when nothing was clipped) is ``NaN``, and
+    counts and fractions of an empty set are 0.
 
     * ``entropy/mean``, ``entropy/p10`` ... ``entropy/p99``, ``entropy/mean_adv_pos``,
       ``entropy/mean_adv_neg``, ``entropy/kept_mean``, ``entropy/clipped_mean``;
@@ -134,30 +138,27 @@ class EntropyMonitor:
         out: dict[str, float] = {}
         n, h_sum = next(total), next(total)
         out["tokens/valid"] = n
-        if n > 0:
-            out["entropy/mean"] = h_sum / n
-            ranks = self.percentile_ranks(int(n))
-            for q, v in zip(self.percentiles, kth_smallest(entropy, ranks, group, where=valid_b)):
-                out[f"entropy/p{q:g}"] = v
+        out["entropy/mean"] = _ratio(h_sum, n)
+        values = kth_smallest(entropy, self.percentile_ranks(int(n)), group, where=valid_b) if n > 0 else None
+        for i, q in enumerate(self.percentiles):
+            out[f"entropy/p{q:g}"] = math.nan if values is None else values[i]
         if has_adv:
             for side in ("pos", "neg"):
                 count, h_side = next(total), next(total)
                 out[f"tokens/adv_{side}"] = count
-                if count > 0:
-                    out[f"entropy/mean_adv_{side}"] = h_side / count
+                out[f"entropy/mean_adv_{side}"] = _ratio(h_side, count)
         for name, t in (("s_star", s_star), ("s_centered", s_centered)):
             if t is not None:
                 s1, s2 = next(total), next(total)
-                if n > 0:
-                    mean = s1 / n
-                    out[f"{name}/mean"] = mean
-                    out[f"{name}/std"] = math.sqrt(max(s2 / n - mean * mean, 0.0))
+                mean = _ratio(s1, n)
+                out[f"{name}/mean"] = mean
+                out[f"{name}/std"] = math.sqrt(max(s2 / n - mean * mean, 0.0)) if n > 0 else math.nan
         if mask is not None:
             h_kept, n_kept = next(total), next(total)
             out.update(self._mask_metrics(mask, n, h_sum, h_kept, n_kept))
-        if has_cov and n > 0:
+        if has_cov:
             s_a, s_y, s_ay = next(total), next(total), next(total)
-            cov = s_ay / n - (s_a / n) * (s_y / n)
+            cov = s_ay / n - (s_a / n) * (s_y / n) if n > 0 else math.nan
             out["cov/adv_s_centered"] = cov
             if lr_value is not None:
                 out["delta_entropy/predicted"] = -lr_value * cov
@@ -186,7 +187,8 @@ class EntropyMonitor:
     def realised(self, entropy_before: torch.Tensor, entropy_after: torch.Tensor, valid: torch.Tensor) -> dict[str, float]:
         """``delta_entropy/realised`` = mean(H after) - mean(H before) over the valid tokens of all ranks.
 
-        Both entropies are of the same tokens (same shape), before and after the update.
+        Both entropies are of the same tokens (same shape), before and after the update; ``NaN``
+        when no token is valid.
         """
 
         def local() -> tuple[torch.Tensor, DataChecks]:
@@ -203,7 +205,7 @@ class EntropyMonitor:
         values, checks = reduce_or_raise(local, 5, self.process_group)
         checks.verdict(values[:3], self.process_group)
         n, s = values[3:]
-        return {self.prefix + "delta_entropy/realised": s / n} if n > 0 else {}
+        return {self.prefix + "delta_entropy/realised": _ratio(s, n)}
 
     @staticmethod
     def _masked(name: str, t: object, shape: torch.Size, valid: torch.Tensor) -> torch.Tensor:
@@ -224,9 +226,11 @@ class EntropyMonitor:
         for key, value in (("clip/threshold_low", mask.lower), ("clip/threshold_high", mask.upper)):
             if math.isfinite(value):
                 out[key] = value
-        n_clipped = n - n_kept
-        if n_kept > 0:
-            out["entropy/kept_mean"] = h_kept / n_kept
-        if n_clipped > 0:
-            out["entropy/clipped_mean"] = (h_sum - h_kept) / n_clipped
+        out["entropy/kept_mean"] = _ratio(h_kept, n_kept)
+        out["entropy/clipped_mean"] = _ratio(h_sum - h_kept, n - n_kept)
         return out
+
+
+def _ratio(total: float, count: float) -> float:
+    """``total / count``, NaN when ``count`` is 0 (a mean over no token is undefined)."""
+    return total / count if count > 0 else math.nan

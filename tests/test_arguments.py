@@ -155,7 +155,7 @@ def test_config_validates_on_assignment():
             setattr(cfg, field, bad)
     cfg.method = "clip_v"
     cfg.mu_low = np.float32(1.5)
-    assert cfg.resolved() == (1.5, 1e-4) and type(cfg.mu_low) is float
+    assert cfg.resolved() == (1.5, None) and type(cfg.mu_low) is float  # default: no cap
 
 
 def test_discriminator_score_shape_mismatch_names_both_arguments():
@@ -240,7 +240,7 @@ def test_max_frac_below_one_token_clips_nothing_and_the_share_never_exceeds_it()
     scores, adv, valid = violators(4)
     assert ed.clip_v_mask(scores, adv, valid, mu_low=1.0, max_frac=0.009).n_clipped == 0  # 0.9 tokens
     assert ed.clip_v_mask(scores, adv, valid, mu_low=1.0, max_frac=0.01).n_clipped == 1
-    assert ed.clip_v_mask(scores, adv, valid, mu_low=1.0).n_clipped == 0  # default 1e-4 of 100 tokens
+    assert ed.clip_v_mask(scores, adv, valid, mu_low=1.0, max_frac=1e-4).n_clipped == 0  # 1e-4 of 100 tokens
 
 
 def test_max_frac_limit_is_exact_decimal_arithmetic():

@@ -182,3 +182,49 @@ def test_apply_keep_mask_two_modes():
         ed.apply_keep_mask(pg, keep, mask, mode="scale")
     with pytest.raises(ValueError, match="keep"):
         ed.apply_keep_mask(pg, keep[:, :2], mask)
+
+
+def test_one_default_mu_and_cap_everywhere():
+    """API, EntropyDiscConfig and the demo CLI share one default: mu = 2.5, no cap, for Clip_B and Clip_V."""
+    import inspect
+
+    from entropy_discriminator.config import DEFAULT_MAX_FRAC, DEFAULT_MU_LOW
+    from entropy_discriminator.demo.runner import DemoOptions
+
+    for fn in (ed.clip_b_mask, ed.clip_v_mask):
+        params = inspect.signature(fn).parameters
+        assert (params["mu_low"].default, params["max_frac"].default, params["cap_rule"].default) == (2.5, None, "share")
+    assert DEFAULT_MU_LOW == {"clip_b": 2.5, "clip_v": 2.5} and DEFAULT_MAX_FRAC == {"clip_b": None, "clip_v": None}
+    assert (DemoOptions.mu_b, DemoOptions.mu_v, DemoOptions.max_frac_v) == (2.5, 2.5, None)
+
+
+def test_default_masks_clip_tokens_in_a_256_token_batch():
+    """README's custom-loop snippet with the defaults does something on a small batch (issue 24: it clipped 0)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 32, 64, generator=g) * torch.rand(8, 32, 1, generator=g) * 6
+    labels = torch.distributions.Categorical(logits=logits).sample()
+    stats = ed.token_stats(logits, labels)
+    adv = torch.tensor([1.0, -1.0] * 4)
+    valid = torch.ones(8, 32, dtype=torch.bool)
+    assert ed.clip_v_mask(stats.s_centered, adv, valid).n_clipped > 0
+    assert ed.EntropyDiscConfig(method="clip_v").compute_mask(
+        advantages=adv, valid=valid, s_centered=stats.s_centered).n_clipped > 0
+    # the reference's 7B setting clips nothing here, which is why it is not the default
+    assert ed.clip_v_mask(stats.s_centered, adv, valid, mu_low=8.5, max_frac=1e-4).n_clipped == 0
+
+
+def test_reference_cap_rule_clips_at_least_one_token_when_over_the_cap():
+    """cap_rule="reference" is Trinity-RFT 0.6.0's max(int(max_frac * n), 1); "share" is floor(max_frac * n)."""
+    scores = torch.tensor([-51.0, -52.0, -53.0, -54.0] + [0.0] * 96)
+    adv, valid = -torch.ones(100), torch.ones(100, dtype=torch.bool)
+    share = ed.clip_v_mask(scores, adv, valid, mu_low=1.0, max_frac=1e-4)
+    reference = ed.clip_v_mask(scores, adv, valid, mu_low=1.0, max_frac=1e-4, cap_rule="reference")
+    assert (share.n_clipped, share.capped) == (0, True)
+    assert (reference.n_clipped, reference.capped) == (1, True) and reference.keep.tolist()[:4] == [True] * 3 + [False]
+    assert ed.clip_v_mask(scores, adv, valid, mu_low=1.0, max_frac=0.5, cap_rule="reference").n_clipped == 4
+    cfg = ed.EntropyDiscConfig(method="clip_v", mu_low=1.0, max_frac=1e-4, cap_rule="reference")
+    assert cfg.compute_mask(advantages=adv, valid=valid, s_centered=scores).n_clipped == 1
+    with pytest.raises(ValueError, match="cap_rule"):
+        ed.clip_b_mask(scores, adv, valid, cap_rule="trinity")
+    with pytest.raises(ValueError, match="entropy_disc.cap_rule"):
+        ed.EntropyDiscConfig(method="clip_v", cap_rule="trinity")

@@ -62,7 +62,29 @@ def test_monitor_metrics_equal_direct_float64_computation(seed):
     if (~kept).any():
         assert m[P + "entropy/clipped_mean"] == pytest.approx(h[~kept].mean(), rel=1e-12)
     assert m[P + "clip/threshold_low"] == mask.lower and P + "clip/threshold_high" not in m
-    assert all(isinstance(x, float) and math.isfinite(x) for x in m.values())
+    undefined = {P + "entropy/clipped_mean": not (~kept).any(), P + "entropy/mean_adv_pos": not (a > 0).any(),
+                 P + "entropy/mean_adv_neg": not (a < 0).any(), P + "entropy/kept_mean": kept.all() and not kept.any()}
+    for key, x in m.items():
+        assert isinstance(x, float) and (math.isnan(x) if undefined.get(key) else math.isfinite(x)), key
+
+
+def test_monitor_keys_do_not_depend_on_the_batch():
+    """An all-masked batch (or one where nothing is clipped) has the keys of any other: NaN means, zero counts."""
+    entropy, s_star, s_c, valid, adv, ratio = batch(3)
+    mon = ed.EntropyMonitor()
+
+    def metrics(v: torch.Tensor, mu: float) -> dict[str, float]:
+        mask = ed.clip_b_mask(s_star, adv, v, mu_low=mu)
+        return mon(entropy=entropy, valid=v, advantages=adv, s_star=s_star, s_centered=s_c, mask=mask, ratio=ratio,
+                   lr=0.1)
+
+    full, none_clipped, empty = metrics(valid, 0.5), metrics(valid, 50.0), metrics(torch.zeros_like(valid), 0.5)
+    assert full.keys() == none_clipped.keys() == empty.keys()
+    assert math.isnan(empty[P + "entropy/mean"]) and math.isnan(empty[P + "entropy/p50"])
+    assert math.isnan(empty[P + "s_centered/std"]) and math.isnan(empty[P + "delta_entropy/predicted"])
+    assert empty[P + "tokens/valid"] == 0 and empty[P + "clip/frac"] == 0 and empty[P + "clip/n_clipped"] == 0
+    assert math.isnan(none_clipped[P + "entropy/clipped_mean"]) and math.isfinite(full[P + "entropy/clipped_mean"])
+    assert math.isnan(mon.realised(entropy, entropy, torch.zeros_like(valid))[P + "delta_entropy/realised"])
 
 
 def test_monitor_from_stats_and_realised():
@@ -77,8 +99,9 @@ def test_monitor_from_stats_and_realised():
     after = stats.entropy + 0.25
     assert mon.realised(stats.entropy, after, stats.valid)["x/delta_entropy/realised"] == pytest.approx(0.25)
     empty = mon(entropy=torch.zeros(0, 5), valid=torch.zeros(0, 5, dtype=torch.bool))
-    assert empty == {"x/tokens/valid": 0.0}
-    assert mon.realised(torch.zeros(3), torch.ones(3), torch.zeros(3, dtype=torch.bool)) == {}
+    assert empty.keys() == {"x/tokens/valid", "x/entropy/mean", "x/entropy/p50"} and empty["x/tokens/valid"] == 0.0
+    assert math.isnan(empty["x/entropy/mean"]) and math.isnan(empty["x/entropy/p50"])
+    assert math.isnan(mon.realised(torch.zeros(3), torch.ones(3), torch.zeros(3, dtype=torch.bool))["x/delta_entropy/realised"])
 
 
 def test_percentiles_beyond_quantile_limit_without_gathering():
@@ -123,7 +146,7 @@ def test_batch_entropy_change_forms_and_errors():
 
 def test_config_defaults_validation_and_dispatch():
     cfg = ed.EntropyDiscConfig.from_mapping({"method": "clip_v"})
-    assert cfg.resolved() == (8.5, 1e-4) and cfg.needs_expected
+    assert cfg.resolved() == (2.5, None) and cfg.needs_expected  # one default for both masks (README "Defaults")
     cfg_b = ed.EntropyDiscConfig(method="clip_b", max_frac=None)
     assert cfg_b.resolved() == (2.5, None) and not cfg_b.needs_expected
     assert ed.EntropyDiscConfig.from_mapping({"method": "clip_b", "mu_high": "inf"}).mu_high == math.inf

@@ -37,7 +37,7 @@ class EntropyDiscGRPOConfig(GRPOConfig):
         default="none", metadata=_help("Token mask: 'none' (monitor only), 'clip_b' (on S*) or 'clip_v' (on S_c).")
     )
     entropy_disc_mu_low: float | None = field(
-        default=None, metadata=_help("Lower threshold in batch std units (None: clip_b 2.5, clip_v 8.5).")
+        default=None, metadata=_help("Lower threshold in batch std units (None: 2.5 for clip_b and clip_v).")
     )
     entropy_disc_mu_high: float = field(
         default=math.inf, metadata=_help("Upper threshold in batch std units (inf: no upper clipping).")
@@ -48,7 +48,12 @@ class EntropyDiscGRPOConfig(GRPOConfig):
     entropy_disc_max_frac: str | None = field(
         default="auto",
         metadata=_help("Cap on the clipped share of valid tokens: a number in [0, 1], 'none' (no cap) or 'auto' "
-                       "(clip_b: no cap, clip_v: 1e-4)."),
+                       "(no cap for clip_b and clip_v)."),
+    )
+    entropy_disc_cap_rule: str = field(
+        default="share",
+        metadata=_help("How max_frac becomes a token count: 'share' (floor(max_frac * n)) or 'reference' (at least "
+                       "one token when over the cap, as Trinity-RFT)."),
     )
     entropy_disc_mask_mode: str = field(
         default="zero_pg",
@@ -84,6 +89,7 @@ class EntropyDiscGRPOConfig(GRPOConfig):
             mu_high=self.entropy_disc_mu_high,
             sides=self.entropy_disc_sides,
             max_frac=_max_frac(self.entropy_disc_max_frac),
+            cap_rule=self.entropy_disc_cap_rule,
             mask_mode=self.entropy_disc_mask_mode,
             chunk_size=self.entropy_disc_chunk_size,
             impl=self.entropy_disc_impl,
