@@ -8,9 +8,9 @@ Variants (run in sequence in one process, each with all the checks below; paddin
 default, is on in all of them): ``default``; ``dynbsz`` (``actor.use_dynamic_bsz=True`` and
 ``rollout.log_prob_use_dynamic_bsz=True``, 320 tokens per micro-batch, so verl regroups the
 sequences by token count); ``fused`` (``model.use_fused_kernels=True``: no logits exist, the adapter
-takes ``E_p[S]`` from the final hidden states and the LM-head weight, and the reference is float64
-``hidden @ W.T / T`` from the same hidden states and weight cast to verl's autocast dtype); joined
-with ``+`` they combine.  ``--dry-run`` only composes each variant's config and runs the adapter's
+re-forms verl's torch fused head from the final hidden states and the LM-head weight, and the
+reference is float64 arithmetic on ``(hidden @ W.T) / T`` formed as verl forms it, per 512 rows in
+verl's autocast dtype, bf16-rounded); joined with ``+`` they combine.  ``--dry-run`` only composes each variant's config and runs the adapter's
 ``check_config`` on it (works on a CPU machine with verl installed).
 
 What runs, all in this one process (rank 0 of a one-rank NCCL/gloo group, no Ray cluster):
@@ -27,10 +27,11 @@ What runs, all in this one process (rank 0 of a one-rank NCCL/gloo group, no Ray
    ``infer_batch`` -> ``prepare_model_outputs`` wrapped by the adapter's hook) with the flags the
    adapter's trainer sets.  The logits verl produced (fused: the hidden states and LM-head weight)
    are captured by outer wrappers, put back into the batch's order (dynamic batch regroups the
-   sequences), and the hook's ``E_p[S]`` (and verl's entropy / log-probs) are compared with float64
-   arithmetic on them.
+   sequences), and the hook's ``log p``, ``H`` and ``E_p[S]`` (and verl's entropy / log-probs) are
+   compared with float64 arithmetic on them.
 5. Driver step: verl's GRPO estimator (``compute_grpo_outcome_advantage``), then the adapter's
-   ``EntropyDiscTrainerMixin.entropy_disc_step`` (S*, S_c, Clip_V mask, metrics) on the batch.
+   ``EntropyDiscTrainerMixin.entropy_disc_step`` (S*, S_c, Clip_V mask, metrics) on the hook's fields,
+   as the adapter's ``_compute_advantage`` does; the mask against the float64 one (0 differences).
 6. Update pass: the keep-mask applied exactly as the adapter's ``_update_actor`` does (zero_pg:
    advantages * keep), then ``worker.update_actor`` (-> ``train_mini_batch`` -> engine
    ``train_batch`` with verl's ``ppo_loss`` / vanilla policy loss -> optimizer step).  The first
@@ -180,29 +181,28 @@ def _stats64(z, ids):
 
 
 def reference_stats(cap):
-    """float64 references per packed position of one captured micro-batch: ``(H, log p, E_p[S], H_v, log p_v)``.
+    """float64 references per packed position of one captured micro-batch: ``(H, log p, E_p[S], H_v)``.
 
-    Logits path: verl's own logits, scaled by its per-token temperatures exactly as verl scales them;
-    ``H_v, log p_v`` are ``H, log p``.  Fused path (no logits exist): ``hidden @ W.T / T`` in float64
-    from the hidden states and LM-head weight cast to the dtype verl's fused head multiplies in (the
-    autocast dtype); this is what the adapter's ``E_p[S]`` is checked against.  verl's torch fused
-    head rounds the product and its division by T to that dtype before its fp32 softmax, and returns
-    the entropy in it (``verl.utils.experimental.torch_functional._fused_linear_for_ppo_fwd``), so
-    verl's own log-probs and entropy are checked against ``H_v, log p_v`` from logits rounded the
-    same way (``H_v`` rounded to the dtype too); they are also what the driver's ``S*`` is made of.
+    The distribution is verl's own: logits path, verl's logits scaled by its per-token temperatures
+    exactly as verl scales them; fused path (no logits exist), ``(hidden @ W.T) / T`` formed as verl's
+    torch fused head forms it (``_fused_linear_for_ppo_fwd``: per 512 flattened rows, in the autocast
+    dtype, the product and the division rounded to it) from the captured hidden states and LM-head
+    weight.  ``H, log p, E_p[S]`` are float64 on those rounded logits: what the adapter's fields are
+    checked against.  ``H_v`` is what verl returns as entropy: ``H`` on the logits path, ``H`` rounded
+    to the autocast dtype on the fused path (verl's fused head returns its entropy in that dtype).
     """
+    import torch
     from verl.workers.engine.fsdp import transformer_impl as impl
 
     n = cap["ids"].numel()
     if "logits" in cap:
         z = impl._scale_logits_by_temperature(cap["logits"], cap["temperature"].unsqueeze(-1), is_unit_temperature=False)
         h, lp, e_s = _stats64(z[:n].double(), cap["ids"])
-        return h, lp, e_s, h, lp
-    hid = cap["hidden"][:n].to(cap["dtype"])
-    w = cap["weight"].to(cap["dtype"])
-    h, lp, e_s = _stats64((hid.double() @ w.double().T) / cap["temperature"], cap["ids"])
-    h_v, lp_v, _ = _stats64(((hid @ w.T) / cap["temperature"]).double(), cap["ids"])
-    return h, lp, e_s, h_v.to(cap["dtype"]).double(), lp_v
+        return h, lp, e_s, h
+    hid, w = cap["hidden"].to(cap["dtype"]), cap["weight"].to(cap["dtype"])
+    z = torch.cat([(hid[i : i + 512] @ w.T) / cap["temperature"] for i in range(0, hid.shape[0], 512)])
+    h, lp, e_s = _stats64(z[:n].double(), cap["ids"])
+    return h, lp, e_s, h.to(cap["dtype"]).double()
 
 
 def rel_err(a, b) -> float:
@@ -402,6 +402,7 @@ def _passes(results, cfg, ed_cfg, worker, captured, micro_batches, fused, dynami
     from entropy_discriminator.adapters.verl import _trainer as trainer_mod
     from entropy_discriminator.adapters.verl._engine import (
         SEQ_FIELD,
+        SEQ_FIELDS,
         STATS_CHUNK,
         STATS_FLAG,
         STATS_IMPL,
@@ -442,39 +443,41 @@ def _passes(results, cfg, ed_cfg, worker, captured, micro_batches, fused, dynami
     response_mask = nested([torch.ones(r, dtype=torch.int64) for r in r_lens])
     old_lp = response_from_nested(old["log_probs"], response_mask)
     ent = response_from_nested(old["entropy"], response_mask)
-    s_exp = response_from_nested(old[SEQ_FIELD], response_mask)
+    hook = {name: response_from_nested(old[field], response_mask) for name, field in SEQ_FIELDS.items()}
 
     # float64 reference per captured micro-batch, back in the batch's order, then response-aligned
-    h_seq, lp_seq, es_seq, hv_seq, lpv_seq = in_batch_order(captured, seqs)
+    h_seq, lp_seq, es_seq, hv_seq = in_batch_order(captured, seqs)
     offsets = torch.tensor([0] + list(torch.cumsum(torch.tensor([len(s) for s in seqs]), 0)))
     as_nested = lambda v: torch.nested.nested_tensor_from_jagged(v, offsets)
     ref_h = response_from_nested(as_nested(h_seq), response_mask)
     ref_lp = response_from_nested(as_nested(lp_seq), response_mask)
     ref_es = response_from_nested(as_nested(es_seq), response_mask)
     ref_hv = response_from_nested(as_nested(hv_seq), response_mask)
-    ref_lpv = response_from_nested(as_nested(lpv_seq), response_mask)
     valid = torch.nested.to_padded_tensor(response_mask, 0).bool()
     hook_all = old[SEQ_FIELD].values().cpu().double()
-    reference = "float64 from hidden @ W.T / T" if fused else "float64 on verl's logits"
-    results["checks"]["old_log_prob"] = {
+    reference = "float64 on verl's fused-head logits (bf16 (hidden @ W.T) / T per 512 rows)" if fused else \
+        "float64 on verl's logits"
+    checks = {
         "reference": reference,
         "logits_dtype": captured[0]["logits_dtype"],
         "E_p[S] all positions: rel_err vs float64": rel_err(hook_all, es_seq),
         "E_p[S] all positions: max_abs_err": float((hook_all - es_seq).abs().max()),
-        "E_p[S] response: rel_err vs float64": rel_err(s_exp[valid], ref_es[valid]),
         "E_p[S] response: max |ref|": float(ref_es[valid].abs().max()),
-        "verl entropy: rel_err vs float64": rel_err(ent[valid], ref_h[valid]),
+        "verl entropy: rel_err vs float64": rel_err(ent[valid], ref_hv[valid]),
         "verl log_probs: rel_err vs float64": rel_err(old_lp[valid], ref_lp[valid]),
-        "verl entropy: rel_err vs float64 of verl-rounded logits": rel_err(ent[valid], ref_hv[valid]),
-        "verl log_probs: rel_err vs float64 of verl-rounded logits": rel_err(old_lp[valid], ref_lpv[valid]),
         "n_positions": int(hook_all.numel()), "n_response_tokens": int(valid.sum()),
     }
-    log(f"old-log-prob checks {results['checks']['old_log_prob']}")
-    assert results["checks"]["old_log_prob"]["E_p[S] all positions: rel_err vs float64"] < 1e-5
-    # the captures are what verl computed from: its own outputs agree with the reference that rounds as it does
-    # (log-probs fp32; entropy returned in bf16 by the fused head, rel. rounding 2^-9 per value)
-    assert results["checks"]["old_log_prob"]["verl log_probs: rel_err vs float64 of verl-rounded logits"] < 5e-4
-    assert results["checks"]["old_log_prob"]["verl entropy: rel_err vs float64 of verl-rounded logits"] < 4e-3
+    for name, want in (("logp", ref_lp), ("entropy", ref_h), ("s_expected", ref_es)):
+        checks[f"hook {name} response: rel_err vs float64"] = rel_err(hook[name][valid], want[valid])
+    results["checks"]["old_log_prob"] = checks
+    log(f"old-log-prob checks {checks}")
+    assert checks["E_p[S] all positions: rel_err vs float64"] < 1e-5
+    for name in ("logp", "entropy", "s_expected"):  # the hook's three fields: one distribution, verl's
+        assert checks[f"hook {name} response: rel_err vs float64"] < 1e-5, name
+    # the captures are what verl computed from: its own outputs agree with the reference (log-probs fp32 with
+    # flash-attn's cross-entropy or the fused head; entropy returned in bf16 by the fused head, 2^-9 per value)
+    assert checks["verl log_probs: rel_err vs float64"] < 5e-4
+    assert checks["verl entropy: rel_err vs float64"] < 4e-3
 
     # --- driver: verl's GRPO advantages, then the adapter's mask step --------------------------
     token_rewards = torch.zeros(valid.shape)
@@ -484,10 +487,11 @@ def _passes(results, cfg, ed_cfg, worker, captured, micro_batches, fused, dynami
     adv, _ = compute_grpo_outcome_advantage(token_level_rewards=token_rewards, response_mask=valid.float(), index=index)
     driver = SimpleNamespace(entropy_disc=ed_cfg, config=cfg, _entropy_disc_monitor=EntropyMonitor())
     mask, metrics = trainer_mod.EntropyDiscTrainerMixin.entropy_disc_step(
-        driver, advantages=adv, response_mask=valid.long(), old_log_probs=old_lp, entropy=ent, s_expected=s_exp,
+        driver, advantages=adv, response_mask=valid.long(), old_log_probs=hook["logp"], entropy=hook["entropy"],
+        s_expected=hook["s_expected"],
     )
-    # S* of verl's log-probs and entropy (rounded as verl rounds them); E_p[S] exact float64
-    ref_s_star = torch.where(valid, ref_lpv.exp() * (ref_hv + ref_lpv), 0.0)
+    # S*, S_c of the float64 reference: verl's own (rounded) distribution
+    ref_s_star = torch.where(valid, ref_lp.exp() * (ref_h + ref_lp), 0.0)
     ref_mask = clip_v_mask(torch.where(valid, ref_s_star - ref_es, 0.0), adv.double(), valid, mu_low=MU_LOW,
                            max_frac=None)
     results["checks"]["driver_mask"] = {
@@ -499,6 +503,7 @@ def _passes(results, cfg, ed_cfg, worker, captured, micro_batches, fused, dynami
     results["entropy_disc_metrics"] = metrics
     log(f"driver mask {results['checks']['driver_mask']}")
     assert mask.n_clipped > 0, "lower mu_low: the update check needs clipped tokens"
+    assert results["checks"]["driver_mask"]["keep_disagreements_vs_float64_mask"] == 0, "mask != float64 mask"
 
     # --- update pass: the mask as _update_actor applies it (zero_pg), then verl's update ---------
     adv_nested = response_to_nested(adv, response_mask)
