@@ -73,7 +73,9 @@ def install_stand_ins() -> None:
     import test_openrlhf  # noqa: F401  (installs the flash_attn / vllm stand-ins of the CPU tests)
 
 
-def training_args(micro: int, total: int) -> SimpleNamespace:
+def training_args(micro: int, total: int, n_per_prompt: int = N_PER_PROMPT, packing: bool = True) -> SimpleNamespace:
+    """OpenRLHF 0.11's hierarchical arguments as ``DeepspeedStrategy``, ``ActorPPOTrainer`` and the
+    experience maker read them: ZeRO-2, bf16, ``micro`` / ``total`` samples per micro-batch / step."""
     ns = SimpleNamespace
     return ns(
         local_rank=-1,
@@ -81,15 +83,16 @@ def training_args(micro: int, total: int) -> SimpleNamespace:
                  batch_size=total, micro_batch_size=micro),
         ds=ns(param_dtype="bf16", zero_stage=2, adam_offload=False, zpg=1, use_universal_ckpt=False,
               grad_accum_dtype=None, overlap_comm=False, deepcompile=False, tensor_parallel_size=1,
-              ring_attn_size=1, packing_samples=True),
+              ring_attn_size=1, packing_samples=packing),
         actor=ns(eps_clip_low_high=(0.2, 0.2), dual_clip=None, loss_agg_mode="token-mean", policy_loss_type="ppo",
                  aux_loss_coef=0.0, entropy_coef=None),
         algo=ns(kl=ns(use_loss=False, init_coef=0.0, estimator="k1", unbiased_gradient=False),
                 advantage=ns(estimator="group_norm", gamma=1.0, lambd=1.0, no_std_norm=False,
-                             is_correction_level="off", is_correction_mode="mask", is_correction_gating="ratio",
+                             is_correction_level="off", is_correction_enable=False, is_correction_mode="mask",
+                             is_correction_gating="ratio", is_correction_type="tis",
                              is_correction_threshold=[0.5, 5.0])),
         vllm=ns(sync_backend="nccl"),
-        rollout=ns(n_samples_per_prompt=N_PER_PROMPT, max_new_tokens=512),
+        rollout=ns(n_samples_per_prompt=n_per_prompt, max_new_tokens=512),
         reward=ns(clip_range=(-10.0, 10.0), overlong_buffer_len=None, stop_properly_penalty_coef=None),
         data=ns(max_len=1024),
     )

@@ -1,0 +1,310 @@
+"""Cost of the OpenRLHF adapter in a real actor update (issue 22 item 4), OpenRLHF 0.10.2-0.11.x, DeepSpeed bf16, one GPU.
+
+OpenRLHF's own training objects, driven in this one process (rank 0 of a one-rank group; no Ray, no
+vLLM, no generation): the model is loaded by OpenRLHF's ``Actor`` (bf16, sdpa attention, packed
+samples, temperature 1), wrapped by OpenRLHF's ``DeepspeedStrategy.prepare`` (``deepspeed.initialize``:
+ZeRO-2, bf16, gradient clipping 1.0, AdamW (``torch_adam``: DeepSpeed's FusedAdam needs a compiled CUDA
+op), constant LR 1e-6) and trained by OpenRLHF's real ``ActorPPOTrainer`` (``PolicyLoss``, packed
+``NaiveReplayBuffer``, one epoch).  Model: Qwen2.5-0.5B's shapes (``benchmarks/qwen_shapes.py``,
+random weights, written once with ``save_pretrained``).  Per step, the same synthetic batch in every
+arm: 8 prompts x 8 responses, 32 prompt + 512 response tokens (``--response-len``), uniform random
+token ids, rewards multiples of 1/7, advantages from OpenRLHF's ``group_norm`` estimator
+(``compute_advantages_and_returns``, not timed).
+
+Timed per step (wall time, GPU synchronised before and after):
+
+* ``old_log_prob_s``: the old-policy forward ``make_experience`` runs (``actor(sequences,
+  action_mask, attention_mask)`` under no-grad, in micro-batches of ``--micro`` sequences);
+* ``update_s``: ``ActorPPOTrainer.ppo_train`` on the replay buffer: with the adapter this includes its
+  statistics pass (one more no-grad forward of the policy over the buffer, ``entropy_disc/timing/
+  stats_pass``), the mask and the metrics;
+* ``total_s``: the two together, the part of an OpenRLHF step outside generation that the actor
+  does (reference model, critic and reward model are the same in every arm and not run).
+
+Arms, interleaved within each step (``off`` first) so that drift of the card's clocks hits every arm
+alike: ``off`` (the adapter not patched), ``monitor`` (``method=none``: statistics and metrics),
+``clip_b``, ``clip_v`` (the paper's default bounds, ``zero_pg``).  Every arm trains the same engine in
+turn (its weights move by one lr-1e-6 step per arm and step).  Peak memory per arm:
+``torch.cuda.max_memory_allocated`` over the arm's old-log-prob pass and update, reset before it
+(``peak_gib``; the engine, its optimizer state and its weights are allocated before and counted).
+Medians of steps 2..N.  Writes ``benchmarks/results/<card>/openrlhf_step.csv`` (or ``--out DIR``) and
+prints a table with the ratios against ``off``.
+
+    python -m benchmarks.openrlhf_step [--steps 4] [--arms off,monitor,clip_b,clip_v] [--response-len 512]
+                                       [--micro 8] [--out DIR]
+    python -m benchmarks.openrlhf_step --smoke   # tiny model on the CPU, CUDA calls redirected: checks the code path only
+
+``--smoke`` redirects CUDA calls to the CPU as ``tests/gpu/openrlhf_step_on_cpu.py`` does (DeepSpeed
+then uses its CPU accelerator and gloo; the statistics take the torch path); nothing it prints is a
+GPU figure.  Stand-ins, as ``tests/gpu/openrlhf_step.py``: ``flash_attn`` (OpenRLHF's packing
+helpers: transformers' pure-torch versions), ``vllm`` and ``ray`` (empty; not called).  Run from the
+repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: arm -> entropy_disc.method (None: the adapter not patched)
+ARMS: dict[str, str | None] = {"off": None, "monitor": "none", "clip_b": "clip_b", "clip_v": "clip_v"}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Batch and micro-batch sizes of one run."""
+
+    prompts: int
+    responses: int  # per prompt
+    prompt_len: int
+    response_len: int
+    micro: int  # sequences per micro-batch, old-log-prob pass and update
+
+
+FULL = Shape(prompts=8, responses=8, prompt_len=32, response_len=512, micro=8)
+SMOKE = Shape(prompts=2, responses=4, prompt_len=8, response_len=16, micro=4)
+
+
+def _gpu_script() -> Any:
+    """``tests/gpu/openrlhf_step.py`` (its stand-ins and OpenRLHF arguments), imported by path."""
+    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+    import openrlhf_step as script
+
+    return script
+
+
+def make_experience(step: int, shape: Shape, vocab: int) -> Any:
+    """Step ``step``'s rollout batch in OpenRLHF 0.11's layout: unpadded prompt + response, right padding,
+    ``action_mask`` over positions ``1..T-1`` (0.10.2 reads the same); no log-probs or advantages yet."""
+    from openrlhf.trainer.ppo_utils.experience import Experience
+
+    g = torch.Generator().manual_seed(1000 + step)
+    seqs, masks = [], []
+    for _ in range(shape.prompts):
+        prompt = torch.randint(2, vocab, (shape.prompt_len,), generator=g)
+        for _ in range(shape.responses):
+            seqs.append(torch.cat([prompt, torch.randint(2, vocab, (shape.response_len,), generator=g)]))
+            masks.append(torch.cat([torch.zeros(shape.prompt_len - 1), torch.ones(shape.response_len)]).bool())
+    n, width = len(seqs), max(len(x) for x in seqs)
+    sequences = torch.zeros(n, width, dtype=torch.long)
+    attention_mask = torch.zeros(n, width, dtype=torch.long)
+    action_mask = torch.zeros(n, width - 1, dtype=torch.bool)
+    for i, (x, m) in enumerate(zip(seqs, masks)):
+        sequences[i, : len(x)], attention_mask[i, : len(x)], action_mask[i, : len(m)] = x, 1, m
+    rewards = torch.randint(0, 7, (n,), generator=g).float() / 7
+    return Experience(
+        sequences=sequences, attention_mask=attention_mask, action_mask=action_mask,
+        kl=torch.zeros(action_mask.shape), rewards=rewards, response_length=action_mask.sum(-1).float(),
+        total_length=attention_mask.sum(-1).float(), index=list(range(n)), info={"reward": rewards.clone()},
+    )
+
+
+def old_log_probs(actor: Any, exp: Any, micro: int) -> torch.Tensor:
+    """``make_experience``'s old-policy pass: ``actor(sequences, action_mask, attention_mask)``, no grad,
+    ``micro`` sequences at a time; float32 ``[n, A]`` on the CPU (as the experience stores them)."""
+    parts = []
+    was_training = actor.training
+    actor.eval()
+    with torch.no_grad():
+        for i in range(0, exp.sequences.shape[0], micro):
+            sl = slice(i, i + micro)
+            lp = actor(exp.sequences[sl].cuda(), exp.action_mask[sl].cuda(), exp.attention_mask[sl].cuda())
+            parts.append(lp.float().cpu())
+    actor.train(was_training)
+    return torch.cat(parts)
+
+
+def build(shape: Shape, smoke: bool, model_dir: Path) -> tuple[Any, Any, Any]:
+    """OpenRLHF's strategy, DeepSpeed-wrapped ``Actor`` and ``ActorPPOTrainer``, and the arguments."""
+    from openrlhf.models import Actor
+    from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+    from openrlhf.utils.deepspeed import DeepspeedStrategy
+
+    n = shape.prompts * shape.responses
+    args = _gpu_script().training_args(micro=shape.micro, total=n, n_per_prompt=shape.responses)
+    strategy = DeepspeedStrategy(seed=0, max_norm=1.0, micro_train_batch_size=shape.micro, train_batch_size=n,
+                                 zero_stage=2, args=args)
+    strategy.setup_distributed()
+    actor = Actor(str(model_dir), attn_implementation="sdpa", param_dtype="bf16", packing_samples=True,
+                  temperature=1.0, ds_config=strategy.get_ds_train_config())
+    original_config = strategy.get_ds_train_config
+
+    def with_torch_adam(*a: Any, **k: Any) -> dict:
+        config = original_config(*a, **k)
+        if "optimizer" in config:
+            config["optimizer"]["params"]["torch_adam"] = True
+        return config
+
+    strategy.get_ds_train_config = with_torch_adam
+    actor_cfg = dict(optim="adam", adam=dict(lr=1e-6, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0),
+                     lr_scheduler="constant", lr_warmup_ratio=0.0, max_norm=1.0, scheduler_steps=100)
+    actor.cuda()
+    actor, optim, scheduler = strategy.prepare((actor, actor_cfg))
+    trainer = ActorPPOTrainer(strategy, actor, None, optim, scheduler, micro_train_batch_size=shape.micro,
+                              dataloader_pin_memory=False)
+    return args, actor, trainer
+
+
+def write_model(path: Path, smoke: bool) -> int:
+    """Random model with Qwen2.5-0.5B's shapes (tiny with ``smoke``), bf16; returns its vocabulary size."""
+    from transformers import Qwen2ForCausalLM
+
+    from benchmarks.qwen_shapes import qwen25_05b_shapes
+
+    torch.manual_seed(0)
+    cfg = qwen25_05b_shapes(smoke)
+    Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    return cfg.vocab_size
+
+
+def run(ns: argparse.Namespace, shape: Shape, arms: list[str]) -> list[dict]:
+    """All steps of all arms; one CSV row per arm."""
+    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+
+    from benchmarks.common import timed
+    from entropy_discriminator import EntropyDiscConfig
+    from entropy_discriminator.adapters import openrlhf as adapter
+
+    model_dir = Path(tempfile.mkdtemp(prefix="openrlhf_step_")) / "qwen25_05b_shapes"
+    vocab = write_model(model_dir, ns.smoke)
+    args, actor, trainer = build(shape, ns.smoke, model_dir)
+    maker = RemoteExperienceMaker.__new__(RemoteExperienceMaker)
+    maker.strategy, maker.args, maker.advantage_estimator = SimpleNamespace(args=args), args, "group_norm"
+    maker.kl_ctl = SimpleNamespace(value=0.0)
+    cuda = torch.cuda.is_available()
+    records: dict[str, list[dict]] = {arm: [] for arm in arms}
+    for step in range(ns.steps):
+        for arm in arms:
+            method = ARMS[arm]
+            exp = make_experience(step, shape, vocab)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            lp, old_s = timed(old_log_probs, actor, exp, shape.micro)
+            exp.action_log_probs = lp * exp.action_mask
+            maker.compute_advantages_and_returns([exp])
+            trainer.replay_buffer.clear()
+            trainer.replay_buffer.append(exp)
+            if method is None:
+                adapter.unpatch()
+            else:
+                adapter.patch(EntropyDiscConfig(method=method, mask_mode="zero_pg"))
+            try:
+                status, update_s = timed(trainer.ppo_train, 0.0)
+            finally:
+                adapter.unpatch()
+            peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else math.nan
+            if method is not None:
+                assert "entropy_disc/entropy/mean" in status, f"{arm}: no entropy_disc metrics in ppo_train's status"
+            if method in ("clip_b", "clip_v"):
+                assert "entropy_disc/clip/frac" in status, f"{arm}: no mask"
+            records[arm].append({
+                "old_log_prob_s": old_s, "update_s": update_s, "total_s": old_s + update_s, "peak_gib": peak,
+                "stats_pass_s": float(status.get("entropy_disc/timing/stats_pass", 0.0)),
+                "clip_frac": float(status.get("entropy_disc/clip/frac", 0.0)),
+                "n_valid": int(status.get("entropy_disc/tokens/valid", 0)),
+                "policy_loss": float(status.get("policy_loss", math.nan)),
+            })
+    rows = []
+    for arm in arms:
+        steps = records[arm]
+        sel = steps[1:] if len(steps) > 1 else steps  # steps 2..N
+        med = {k: statistics.median(s[k] for s in sel) for k in ("old_log_prob_s", "update_s", "total_s", "stats_pass_s")}
+        rows.append({
+            "arm": arm, "method": ARMS[arm] or "stock OpenRLHF", **med,
+            "peak_gib": max(s["peak_gib"] for s in steps) if cuda else math.nan,
+            "clip_frac_step1": steps[0]["clip_frac"], "n_valid_step1": steps[0]["n_valid"],
+            "policy_loss_step1": steps[0]["policy_loss"],
+            "total_s_per_step": " ".join(f"{s['total_s']:.4f}" for s in steps),
+        })
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {list(ARMS)}; off is the baseline")
+    parser.add_argument("--response-len", type=int, default=None, help="response tokens per sequence (default 512)")
+    parser.add_argument("--micro", type=int, default=None, help="sequences per micro-batch (default 8)")
+    parser.add_argument("--out", type=Path, default=None, help="folder of openrlhf_step.csv (default benchmarks/results/<card>)")
+    parser.add_argument("--smoke", action="store_true", help="tiny model and batch on the CPU: checks the code path only")
+    ns = parser.parse_args(argv)
+    arms = [x.strip() for x in ns.arms.split(",") if x.strip()]
+    unknown = [x for x in arms if x not in ARMS]
+    if unknown:
+        parser.error(f"--arms: unknown {unknown}; known: {list(ARMS)}")
+    if ns.steps < 1:
+        parser.error("--steps must be >= 1")
+    shape = SMOKE if ns.smoke else FULL
+    for field, value in (("response_len", ns.response_len), ("micro", ns.micro)):
+        if value is not None:
+            if value < 1:
+                parser.error(f"--{field.replace('_', '-')} must be >= 1")
+            shape = Shape(**{**shape.__dict__, field: value})
+    if ns.smoke:
+        sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+        from openrlhf_step_on_cpu import redirect_cuda_to_cpu
+
+        redirect_cuda_to_cpu()
+    elif not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU; --smoke runs a tiny model on the CPU")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29534"), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0")
+    _gpu_script().install_stand_ins()
+
+    import importlib.metadata
+
+    import deepspeed
+    import transformers
+
+    from benchmarks.common import card_dir
+
+    card = "cpu_smoke" if ns.smoke else torch.cuda.get_device_name()
+    versions = (f"openrlhf {importlib.metadata.version('openrlhf')}, deepspeed {deepspeed.__version__}, "
+                f"torch {torch.__version__}, transformers {transformers.__version__}")
+    started = time.perf_counter()
+    rows = run(ns, shape, arms)
+    base = next((r for r in rows if r["arm"] == "off"), None)
+    for r in rows:
+        r["total_vs_off_pct"] = 100 * (r["total_s"] / base["total_s"] - 1) if base else math.nan
+        r["update_vs_off_pct"] = 100 * (r["update_s"] / base["update_s"] - 1) if base else math.nan
+        r["peak_vs_off_pct"] = 100 * (r["peak_gib"] / base["peak_gib"] - 1) if base else math.nan
+        r["card"], r["versions"] = card, versions
+    out = ns.out or ROOT / "benchmarks" / "results" / ("cpu_smoke" if ns.smoke else card_dir(card))
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "openrlhf_step.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    n_seq = shape.prompts * shape.responses
+    which = f"medians of steps 2-{ns.steps}" if ns.steps > 1 else "step 1 only (warm-up included)"
+    print(f"card {card}; {versions}; {which}; {n_seq} sequences x ({shape.prompt_len} + {shape.response_len}) "
+          f"tokens, packed, micro-batches of {shape.micro}; {time.perf_counter() - started:.0f} s; "
+          f"CSV {out / 'openrlhf_step.csv'}")
+    print("| arm | old-log-prob s | update s | of which stats pass s | total s | total vs off | update vs off | "
+          "peak GiB | peak vs off | clip frac |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['arm']} | {r['old_log_prob_s']:.4f} | {r['update_s']:.4f} | {r['stats_pass_s']:.4f} | "
+              f"{r['total_s']:.4f} | {r['total_vs_off_pct']:+.1f}% | {r['update_vs_off_pct']:+.1f}% | "
+              f"{r['peak_gib']:.2f} | {r['peak_vs_off_pct']:+.1f}% | {r['clip_frac_step1']:.4f} |")
+    for r in rows:
+        print(f"{r['arm']}: per-step totals {r['total_s_per_step']} s; step 1 policy_loss {r['policy_loss_step1']:.4e}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
