@@ -4,6 +4,11 @@ through ``TrlParser``).
 Building one also installs the adapter's wrappers on ``GRPOTrainer``
 (:func:`._patch.ensure_args_patch`): a stock ``GRPOTrainer`` given this config then acts on it
 exactly like ``EntropyDiscGRPOTrainer``, instead of silently training without the mask.
+
+TRL turns on ``bf16`` unless told otherwise, and transformers then stops on a machine without a
+bf16 GPU ("Your setup doesn't support bf16/gpu"); this config leaves ``bf16`` off there when it
+was not given, so ``EntropyDiscGRPOConfig(output_dir="out")`` trains in float32 on a CPU-only
+machine (an explicit ``bf16=True`` still gets transformers' error).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
 from trl import GRPOConfig
 
 from entropy_discriminator import EntropyDiscConfig
@@ -76,6 +82,8 @@ class EntropyDiscGRPOConfig(GRPOConfig):
     )
 
     def __post_init__(self) -> None:
+        if self.bf16 is None and not self.fp16 and not self.use_cpu and not _bf16_accelerator():
+            self.bf16 = False  # TRL's default bf16 needs a bf16 GPU (module docstring)
         super().__post_init__()
         validate_options(self.entropy_disc_config(), self.entropy_disc_mask_source)
         check_trl_version()
@@ -95,6 +103,11 @@ class EntropyDiscGRPOConfig(GRPOConfig):
             impl=self.entropy_disc_impl,
             log_metrics=self.entropy_disc_log_metrics,
         )
+
+
+def _bf16_accelerator() -> bool:
+    """Whether transformers accepts ``bf16=True`` without ``use_cpu`` here (its own test: a bf16 GPU or XLA)."""
+    return is_torch_bf16_gpu_available() or is_torch_xla_available()
 
 
 def _max_frac(value: Any) -> float | str | None:

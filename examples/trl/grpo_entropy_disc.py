@@ -1,25 +1,30 @@
 """GRPO with Clip_B / Clip_V (entropy discriminator) in TRL 1.14-1.16: Qwen2.5-0.5B-Instruct on GSM8K.
 
-Install (GPU machine with hub access)::
+Install, from the repository root of a clone (the package is not on the package index)::
 
-    pip install 'entropy-discriminator[trl]'
+    pip install -e ".[trl]"
 
-Run, one GPU (the ``--entropy_disc_*`` flags are fields of ``EntropyDiscGRPOConfig``; every
+Run, one GPU with hub access (the ``--entropy_disc_*`` flags are fields of ``EntropyDiscGRPOConfig``; every
 ``GRPOConfig`` flag works too)::
 
     python examples/trl/grpo_entropy_disc.py --output_dir out/grpo_none                          # monitor only
     python examples/trl/grpo_entropy_disc.py --output_dir out/grpo_clip_b --entropy_disc_method clip_b
-    python examples/trl/grpo_entropy_disc.py --output_dir out/grpo_clip_v --entropy_disc_method clip_v \\
-        --entropy_disc_mu_low 8.5 --entropy_disc_max_frac 1e-4
+    python examples/trl/grpo_entropy_disc.py --output_dir out/grpo_clip_v --entropy_disc_method clip_v
 
 Several GPUs: ``accelerate launch --num_processes 4 examples/trl/grpo_entropy_disc.py ...`` (the
 mask's statistics are then global over all processes).  ``--use_patch`` trains a stock
 ``GRPOTrainer`` made to behave the same by ``patch()``; ``--entropy_disc_mask_source current``
 recomputes the mask per micro-batch from the current policy.
 
+Both masks default to mu = 2.5 with no cap (README "Defaults"); the reference's 7B-model setting is
+``--entropy_disc_mu_low 8.5 --entropy_disc_max_frac 1e-4 --entropy_disc_cap_rule reference``.
+
 ``--tiny`` runs the same code path without the hub: a randomly initialised Llama
 (``--tiny_hidden``/``--tiny_layers``), an in-memory tokenizer and "what is x plus y" prompts
-(``examples/trl/tiny.py``), for smoke tests on any machine.
+(``examples/trl/tiny.py``), on any machine, CPU included (bf16 is used only where the device has it;
+``--tiny`` also shortens the defaults to 20 steps of 16-token completions)::
+
+    python examples/trl/grpo_entropy_disc.py --tiny --output_dir out/tiny --entropy_disc_method clip_v
 
 The metrics (``entropy_disc/entropy/mean``, ``entropy_disc/clip/frac``, ``reward``, ...) go to
 TRL's logs (``--report_to`` wandb/tensorboard/none); ``--summary_json`` also writes the log history
@@ -142,6 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
         max_completion_length=512, max_steps=200, logging_steps=1, beta=0.0, temperature=1.0,
         disable_dropout=True, report_to="none", save_strategy="no",
     )
+    if "--tiny" in (sys.argv[1:] if argv is None else argv):  # minutes, not hours, on a CPU
+        parser.set_defaults(max_completion_length=16, max_steps=20)
     ex, args = parser.parse_args_and_config(args=argv)
     trainer = build(ex, args)
     trainer.train()
