@@ -5,6 +5,7 @@ the paper's first-order entropy-change predictions and a monitor with stable met
 Pure torch + numpy; training frameworks are reached through ``entropy_discriminator.adapters``.
 """
 
+from .autopilot import AutopilotResult, EntropyAutopilot, autopilot_mask
 from .config import EntropyDiscConfig
 from .dynamics import batch_entropy_change, entropy_change_logit, entropy_change_step
 from .hidden import token_stats_from_hidden
