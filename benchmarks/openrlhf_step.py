@@ -263,6 +263,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error("needs a CUDA GPU; --smoke runs a tiny model on the CPU")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29534"), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0")
+    from benchmarks.verl_inprocess import checkout_adapters  # (imports no verl)
+
+    checkout_adapters()  # the checkout's adapters/ where entropy_discriminator is imported from the checkout
     _gpu_script().install_stand_ins()
 
     import importlib.metadata
