@@ -45,13 +45,14 @@ from ..baselines import (
 )
 from .countdown import VOCAB_SIZE, CountdownTask, pass_at_k
 from .model import ModelConfig, TinyGPT
-from .train import group_advantages, pearson
+from .compare_metrics import EVAL_KS, dh_correlation
+from .compare_report import plots_available, write_report
+from .train import group_advantages
 
 ESTIMATORS = ("grpo", "ppo")
 LOSSES = ("ppo_clip", "clip_cov", "kl_cov")
 CONTROL_MASKS = ("none", "clip_b", "clip_v", "forking")
 SHAPINGS = ("none", "unlikely")
-EVAL_KS = (1, 4, 16, 64)
 
 
 @dataclass(frozen=True)
@@ -169,8 +170,9 @@ PRESETS = {
         d_model=32, warmup_steps=30, warmup_batch=64, rl_steps=3, prompts_per_step=8, group_size=4,
         eval_prompts=16, eval_samples=64, seeds=(0, 1), log_every=1,
     ),
-    # the GPU machine's 16 CPU cores (tiny models run faster on CPU cores than time-sliced on one GPU)
-    "gpu": CompareConfig(),
+    # the comparison of docs/reproduction/compare/: 162 s with --jobs 16 on 16 CPU cores (tiny models run faster on
+    # CPU cores than time-sliced on one GPU)
+    "full": CompareConfig(),
 }
 
 
@@ -460,6 +462,8 @@ def run_compare(opts: CompareOptions, log: Callable[[str], None] = print) -> dic
     Every finished job is written at once (``warm/seed*.json``, ``runs/*.json``, next to ``meta.json``), so a run
     cut off keeps what it finished; ``render_only`` rebuilds ``results.json`` and the report from those files.
     """
+    if not plots_available():
+        log('compare: matplotlib is not installed, so no PNG plots are written (pip install -e ".[plot]")')
     if opts.render_only:
         return render(opts.out, log)
     cfg, arms = opts.config(), opts.arm_list()
@@ -493,14 +497,19 @@ def run_compare(opts: CompareOptions, log: Callable[[str], None] = print) -> dic
     return render(opts.out, log)
 
 
+def check_saved_runs(out: Path) -> None:
+    """Raise ``ValueError`` unless ``out`` holds a comparison to render (``meta.json`` or ``results.json``)."""
+    if not (out / "meta.json").is_file() and not (out / "results.json").is_file():
+        raise ValueError(f"{out} holds no meta.json or results.json to render (run the comparison first)")
+
+
 def render(out: Path, log: Callable[[str], None] = print) -> dict[str, object]:
     """Assemble ``results.json`` from ``meta.json``, ``warm/*.json`` and ``runs/*.json`` under ``out`` (keeping only
     seeds whose warm-up finished; without ``runs/``, read the saved ``results.json``) and write the report."""
     if not (out / "runs").is_dir() and (out / "results.json").is_file():
         results = json.loads((out / "results.json").read_text())
     else:
-        if not (out / "meta.json").is_file():
-            raise ValueError(f"out: no meta.json or results.json in {out} (run the comparison first)")
+        check_saved_runs(out)
         results = json.loads((out / "meta.json").read_text())
         warm = sorted((json.loads(p.read_text()) for p in (out / "warm").glob("seed*.json")), key=lambda r: r["seed"])
         seeds = {w["seed"] for w in warm}
@@ -509,20 +518,14 @@ def render(out: Path, log: Callable[[str], None] = print) -> dict[str, object]:
         runs = sorted((r for r in runs if r["seed"] in seeds), key=lambda r: (r["seed"], names.index(r["arm"])))
         results.update(warmup=warm, runs=runs)
         (out / "results.json").write_text(json.dumps(results))
-    from .compare_report import write_report
-
     write_report(results, out)
     log(f"{len(results['runs'])} runs of {len(results['warmup'])} seeds; report in {out}")
     return results
 
 
-def dh_correlation(pairs: list[tuple[float, float]]) -> float:
-    """Pearson correlation of predicted and realised entropy changes over an arm's mini-batch steps."""
-    return pearson([p for p, _ in pairs], [r for _, r in pairs])
-
-
 __all__ = [
     "PRESETS",
+    "check_saved_runs",
     "CompareArm",
     "CompareConfig",
     "CompareOptions",

@@ -5,10 +5,11 @@ Clip_B / Clip_V and each peer."""
 from __future__ import annotations
 
 import csv
+import importlib.util
 import math
 from pathlib import Path
 
-from .compare import EVAL_KS, dh_correlation
+from .compare_metrics import EVAL_KS, dh_correlation
 from .report import mean_ci
 
 METRICS = [("avg", "Avg@K"), *[(f"pass@{k}", f"Pass@{k}") for k in EVAL_KS], ("entropy_final", "final H"),
@@ -159,15 +160,20 @@ def write_report(results: dict, out: Path) -> str:
     return text
 
 
-def _plots(results: dict, arms: list[str], out: Path) -> None:
-    """``pass_at_k.png`` (Pass@K against K, mean and 95% band per arm, the warm-up dashed) and ``entropy.png``."""
-    try:
-        import matplotlib
+def plots_available() -> bool:
+    """Whether matplotlib can be imported (without it the report has its tables and CSVs but no PNG)."""
+    return importlib.util.find_spec("matplotlib") is not None
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+
+def _plots(results: dict, arms: list[str], out: Path) -> None:
+    """``pass_at_k.png`` (Pass@K against K, mean and 95% band per arm, the warm-up dashed) and ``entropy.png``;
+    nothing without matplotlib (:func:`plots_available`; ``run_compare`` says so)."""
+    if not plots_available():
         return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     baseline = {a["name"]: a["baseline"] for a in results["arms"]}
     n = results["config"]["eval_samples"]
     ks = list(range(1, n + 1))

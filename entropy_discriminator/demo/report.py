@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-PLOT_HINT = 'matplotlib is not installed, so no PNG was written; install it with: pip install "entropy-discriminator[plot]"'
+PLOT_HINT = 'matplotlib is not installed, so no PNG was written; install it from the repository root with: pip install -e ".[plot]"'
 
 
 class TextProgress:

@@ -18,7 +18,7 @@ import entropy_discriminator as ed
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run through the device tool)"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (pytest -m gpu tests/gpu on a CUDA machine)"),
     pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),
 ]
 

@@ -18,7 +18,7 @@ import entropy_discriminator as ed
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run through the device tool)"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (pytest -m gpu tests/gpu on a CUDA machine)"),
 ]
 
 MASK_INTS = ("n_valid", "n_valid_pos", "n_valid_neg", "n_clipped", "n_clipped_pos", "n_clipped_neg", "capped")
