@@ -5,10 +5,16 @@
 a Triton kernel keeps each logits tile on chip (matmul plus the streaming reduction in its
 epilogue); elsewhere a torch path materialises ``[chunk, V]`` fp32 logits for one slice of rows at
 a time.
+
+Logits rounding (``logits_dtype``): a framework that computes its LM head in bf16/fp16 (bf16
+weights, or fp32 master weights under autocast) rounds the fp32-accumulated ``hidden @ W.T + b``
+to that dtype before anything else reads it; passing ``logits_dtype`` reproduces that rounding so
+the statistics are those of the framework's own distribution (docs/precision.md).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
 
 import torch
 
@@ -20,6 +26,24 @@ __all__ = ["token_stats_from_hidden"]
 
 # fp32 logits elements of one [chunk, V] slice on the torch path when chunk_size is None (128 MiB).
 _DEFAULT_CHUNK_ELEMENTS = 1 << 25
+_LOGITS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class _Rounding(NamedTuple):
+    """How fp32-accumulated logits are rounded before the statistics (see ``logits_dtype``)."""
+
+    dtype: torch.dtype | None
+    temperature_in_dtype: bool
+
+    def apply(self, logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, float]:
+        """``(logits', T')`` such that ``token_stats(logits', temperature=T')`` (fp32 upcast, then
+        ``/ T'``) reads the rounded distribution: ``round(L), T`` or ``round(round(L) / T), 1``."""
+        if self.dtype is None:
+            return logits, temperature
+        low = logits.to(self.dtype)
+        if not self.temperature_in_dtype:
+            return low, temperature
+        return (low / temperature).to(self.dtype), 1.0
 
 
 def token_stats_from_hidden(
@@ -33,6 +57,8 @@ def token_stats_from_hidden(
     chunk_size: int | None = None,
     impl: str = "auto",
     check: bool = True,
+    logits_dtype: torch.dtype | None = None,
+    temperature_in_logits_dtype: bool = False,
 ) -> TokenStats:
     """``token_stats(hidden @ weight.T + bias, labels, temperature=...)`` without [N, V] logits.
 
@@ -42,7 +68,8 @@ def token_stats_from_hidden(
         labels: integer ``[N]`` (``hidden.shape[:-1]``): sampled token ids in ``[0, V)`` or
             ``ignore_index``.
         bias: optional ``[V]`` LM-head bias.
-        temperature: z = logits / temperature, logits formed with fp32 accumulation.
+        temperature: z = logits / temperature (see ``logits_dtype`` for the rounding), logits
+            ``L = hidden @ weight.T + bias`` formed with fp32 accumulation.
         ignore_index: label of skipped positions (0 in every statistic, ``valid=False``).
         chunk_size: rows per slice on the torch path (default ``2**25 // V``: the fp32 logits of
             a slice stay under 128 MiB); ignored by the Triton path.
@@ -52,14 +79,24 @@ def token_stats_from_hidden(
         check: as in :func:`token_stats`: validate labels and logits rows with one host
             synchronisation (the kernel counts bad rows on the device); ``False`` never blocks
             the host and gives NaN statistics in bad rows instead of raising.
+        logits_dtype: None (default: ``z = L / T`` in fp32, L unrounded) or ``torch.bfloat16`` /
+            ``torch.float16`` / ``torch.float32``: the fp32-accumulated L is rounded to this dtype
+            (round to nearest even), as a framework computing its head in that dtype does, then
+            upcast: ``z = fp32(round(L)) / T``.  Give the inputs in the framework's compute
+            dtype too (e.g. hidden and weight cast to bf16 under bf16 autocast).
+        temperature_in_logits_dtype: with ``logits_dtype``, the division by the temperature is
+            also rounded to it, ``z = fp32(round(round(L) / T))``, as a framework dividing its
+            low-precision logits by T does (e.g. ``bf16_logits / T`` in torch).  Needs
+            ``logits_dtype``.
 
     Returns:
         :class:`TokenStats` of ``labels.shape``: float32 ``logp, entropy, s_star, s_expected,
         s_centered`` (formulas of :func:`token_stats`) and bool ``valid``.
 
     Raises:
-        ValueError: bad shapes, dtypes, devices, labels outside ``[0, V)``, temperature <= 0, or
-            logits rows holding NaN / +inf.
+        ValueError: bad shapes, dtypes, devices, labels outside ``[0, V)``, temperature <= 0,
+            ``logits_dtype`` not a float16/bfloat16/float32 dtype, ``temperature_in_logits_dtype``
+            without ``logits_dtype``, or logits rows holding NaN / +inf.
     """
     hidden = require_float("hidden", hidden)
     weight = require_float("weight", weight)
@@ -78,6 +115,13 @@ def token_stats_from_hidden(
 
     if not isinstance(check, bool):
         raise TypeError(f"check must be a bool, got {check!r}")
+    if logits_dtype is not None and logits_dtype not in _LOGITS_DTYPES:
+        raise ValueError(f"logits_dtype must be None or one of {_LOGITS_DTYPES}, got {logits_dtype!r}")
+    if not isinstance(temperature_in_logits_dtype, bool):
+        raise ValueError(f"temperature_in_logits_dtype must be a bool, got {temperature_in_logits_dtype!r}")
+    if temperature_in_logits_dtype and logits_dtype is None:
+        raise ValueError("temperature_in_logits_dtype=True needs a logits_dtype to round to")
+    rounding = _Rounding(logits_dtype, temperature_in_logits_dtype)
 
     shape = labels.shape
     h2 = hidden.reshape(-1, hidden.shape[-1])
@@ -86,13 +130,18 @@ def token_stats_from_hidden(
         impl == "auto" and hidden.is_cuda and hidden.dtype != torch.float32 and kernels.is_available()
     )
     if not use_triton:
-        return _from_hidden_torch(h2, weight, k, bias, float(temperature), int(ignore_index), chunk_size, impl, check, shape)
+        return _from_hidden_torch(
+            h2, weight, k, bias, float(temperature), int(ignore_index), chunk_size, impl, check, shape, rounding
+        )
     if not (hidden.is_cuda and kernels.is_available()):
         raise RuntimeError("impl='triton' needs CUDA tensors and an importable triton")
     from .kernels.triton_fused import token_stats_fused_triton
 
     with torch.no_grad():
-        out = token_stats_fused_triton(h2, weight, k, bias, float(temperature), int(ignore_index))
+        out = token_stats_fused_triton(
+            h2, weight, k, bias, float(temperature), int(ignore_index),
+            logits_dtype=logits_dtype, temperature_in_logits_dtype=temperature_in_logits_dtype,
+        )  # fmt: skip
     result = TokenStats(*(t.view(shape) for t in out[:6]))
     if check:
         errors = out.errors.tolist()  # the one host synchronisation
@@ -112,8 +161,10 @@ def _from_hidden_torch(
     impl: str,
     check: bool,
     shape: torch.Size,
+    rounding: _Rounding,
 ) -> TokenStats:
-    """Chunked torch path: fp32 logits of ``chunk_size`` rows at a time, then :func:`token_stats`."""
+    """Chunked torch path: fp32 logits of ``chunk_size`` rows at a time (rounded as ``rounding``
+    says), then :func:`token_stats`."""
     n, vocab = h2.shape[0], weight.shape[0]
     rows = chunk_size or max(1, _DEFAULT_CHUNK_ELEMENTS // vocab)
     w32 = weight.float()
@@ -121,10 +172,10 @@ def _from_hidden_torch(
     parts: list[TokenStats] = []
     with torch.no_grad():
         for lo in range(0, n, rows):
-            logits = torch.nn.functional.linear(h2[lo : lo + rows].float(), w32, b32)
+            logits, temp = rounding.apply(torch.nn.functional.linear(h2[lo : lo + rows].float(), w32, b32), temperature)
             parts.append(
                 token_stats(
-                    logits, labels[lo : lo + rows], temperature=temperature, ignore_index=ignore_index,
+                    logits, labels[lo : lo + rows], temperature=temp, ignore_index=ignore_index,
                     impl="torch" if impl == "torch" else "auto", check=check,
                 )  # fmt: skip
             )

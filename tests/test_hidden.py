@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from reference import reference_token_stats
 
 from entropy_discriminator.hidden import token_stats_from_hidden
@@ -97,3 +99,93 @@ def test_nan_hidden_state_is_rejected():
     hidden[2, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         token_stats_from_hidden(hidden, weight, labels)
+
+
+# ------------------------------------------------------------------------------ logits rounding
+
+
+def exact_problem(seed: int, n: int, h: int, v: int, dtype: torch.dtype, scale: float, neg_inf: bool):
+    """Inputs whose fp32-accumulated ``hidden @ W.T + b`` is exact (multiples of 2^-7 below 2^8, a
+    power-of-two ``scale``), so the float64 reference rounds the very same L the library rounds."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = (torch.randint(-16, 17, (n, h), generator=g) / 8).to(dtype)
+    weight = (torch.randint(-16, 17, (v, h), generator=g) / 16 * scale).to(dtype)
+    bias = (torch.randint(-8, 9, (v,), generator=g) / 8).to(dtype)
+    if neg_inf:
+        bias[torch.rand(v, generator=g) < 0.3] = float("-inf")
+        bias[0] = 0.0  # every row keeps a finite logit
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[torch.rand(n, generator=g) < 0.2] = -100
+    if neg_inf:  # a sampled token has a finite logit
+        labels = torch.where(torch.isinf(bias[labels.clamp(min=0)]) & (labels >= 0), 0, labels)
+    return hidden, weight, bias, labels
+
+
+def rounded_reference(hidden, weight, bias, labels, temperature, logits_dtype, t_low):
+    """float64 statistics of the framework's distribution: L exact, rounded to ``logits_dtype``,
+    divided by T (in ``logits_dtype`` and rounded again when ``t_low``, as ``low / T`` in torch)."""
+    logits = hidden.double() @ weight.double().T + bias.double()
+    low = logits.to(logits_dtype)
+    if t_low:
+        return reference_token_stats((low / temperature).to(logits_dtype), labels, 1.0)
+    return reference_token_stats(low, labels, temperature)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    n=st.integers(1, 40),
+    h=st.integers(1, 48),
+    v=st.integers(2, 300),
+    in_dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    logits_dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    scale=st.sampled_from([2.0**-6, 1.0, 4.0]),  # flat, moderate and peaked rows
+    t_low=st.booleans(),
+    neg_inf=st.booleans(),
+    temperature=st.sampled_from([1.0, 0.7, 1.3]),
+    chunk=st.sampled_from([None, 1, 7]),
+)
+def test_rounded_logits_match_float64_reference(seed, n, h, v, in_dtype, logits_dtype, scale, t_low, neg_inf,
+                                                temperature, chunk):
+    hidden, weight, bias, labels = exact_problem(seed, n, h, v, in_dtype, scale, neg_inf)
+    stats = token_stats_from_hidden(
+        hidden, weight, labels, bias=bias, temperature=temperature, chunk_size=chunk, impl="torch",
+        logits_dtype=logits_dtype, temperature_in_logits_dtype=t_low,
+    )
+    ref = rounded_reference(hidden, weight, bias, labels, temperature, logits_dtype, t_low)
+    for name in FIELDS:
+        err = (getattr(stats, name).double() - ref[name]).abs()
+        assert float(err.max()) <= 3e-5 * max(1.0, float(ref["entropy"].abs().max())), name
+    assert torch.equal(stats.valid, labels != -100)
+
+
+def test_rounding_changes_the_statistics_it_should():
+    """The option is not a no-op: unrounded statistics of peaked bf16 logits miss the reference."""
+    hidden, weight, bias, labels = exact_problem(3, 64, 48, 257, torch.bfloat16, 4.0, False)
+    ref = rounded_reference(hidden, weight, bias, labels, 0.7, torch.bfloat16, False)
+    plain = token_stats_from_hidden(hidden, weight, labels, bias=bias, temperature=0.7, impl="torch")
+    assert float((plain.logp.double() - ref["logp"]).abs().max()) > 1e-3
+
+
+def test_fp32_logits_dtype_is_the_unrounded_path():
+    hidden, weight, bias, labels = _problem(5, 20, 16, 90, torch.float32, True)
+    a = token_stats_from_hidden(hidden, weight, labels, bias=bias, temperature=0.9, impl="torch")
+    b = token_stats_from_hidden(hidden, weight, labels, bias=bias, temperature=0.9, impl="torch",
+                                logits_dtype=torch.float32, temperature_in_logits_dtype=True)
+    for name in FIELDS:
+        torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"logits_dtype": torch.float64}, "logits_dtype"),
+        ({"logits_dtype": "bf16"}, "logits_dtype"),
+        ({"temperature_in_logits_dtype": True}, "temperature_in_logits_dtype"),
+        ({"logits_dtype": torch.bfloat16, "temperature_in_logits_dtype": 1}, "temperature_in_logits_dtype"),
+    ],
+)
+def test_bad_rounding_arguments_name_the_argument(kwargs, match):
+    hidden, weight, _, labels = _problem(0, 4, 8, 10, torch.float32, False)
+    with pytest.raises(ValueError, match=match):
+        token_stats_from_hidden(hidden, weight, labels, **kwargs)

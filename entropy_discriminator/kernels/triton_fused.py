@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -39,6 +40,8 @@ DEFAULT_CONFIG = {
     "persistent": 1, "flatten": 1, "ws": 0,
 }  # fmt: skip
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# logits_dtype -> the epilogue's ROUND code (fp32 logits need no rounding)
+_ROUND_CODES = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Row slices are sized so that the partials ([6, rows, ceil(V/BN)] fp32) stay under this.
 _WORKSPACE_BYTES = 256 * 2**20
 
@@ -66,17 +69,33 @@ def _tile_epilogue(
     N,
     V,
     c,
+    inv_t,
     num_pid_n,
     HAS_BIAS: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     MOMENTS: tl.constexpr,
+    ROUND: tl.constexpr,
+    T_ROUND: tl.constexpr,
 ):
-    """Reduce one [BM, BN] fp32 logits tile to the six partials per row (and the label logit)."""
+    """Reduce one [BM, BN] fp32 logits tile to the six partials per row (and the label logit).
+
+    ROUND (0: none, 1: bf16, 2: fp16) rounds L = acc + bias to that dtype (round to nearest even);
+    with T_ROUND also ``L * inv_t`` (torch's ``low / T``: a multiply by the fp32 reciprocal) is
+    rounded, and ``c`` is then ``log2(e)`` alone; otherwise ``c = log2(e) / T``.
+    """
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn % V).to(tl.float32)[None, :]
+    if ROUND == 1:
+        acc = acc.to(tl.bfloat16).to(tl.float32)
+        if T_ROUND:
+            acc = (acc * inv_t).to(tl.bfloat16).to(tl.float32)
+    elif ROUND == 2:
+        acc = acc.to(tl.float16).to(tl.float32)
+        if T_ROUND:
+            acc = (acc * inv_t).to(tl.float16).to(tl.float32)
     y = tl.where(rn[None, :] < V, acc * c, float("-inf"))
     m = tl.reduce(y, 1, max_nan)
     d = tl.maximum(y - m[:, None], -D_FLOOR)
@@ -119,7 +138,10 @@ def _fused_tile_kernel(
     stride_h,
     stride_w,
     c,
+    inv_t,
     HAS_BIAS: tl.constexpr,
+    ROUND: tl.constexpr,
+    T_ROUND: tl.constexpr,
     EVEN_K: tl.constexpr,
     IEEE: tl.constexpr,
     BM: tl.constexpr,
@@ -154,8 +176,8 @@ def _fused_tile_kernel(
         a_ptrs += BK
         b_ptrs += BK
     _tile_epilogue(
-        acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, num_pid_n,
-        HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS,
+        acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
+        HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND,
     )  # fmt: skip
 
 
@@ -171,7 +193,10 @@ def _fused_persistent_kernel(
     V,
     H,
     c,
+    inv_t,
     HAS_BIAS: tl.constexpr,
+    ROUND: tl.constexpr,
+    T_ROUND: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -202,8 +227,8 @@ def _fused_persistent_kernel(
             b = w_desc.load([pid_n * BN, ki * BK])
             acc = tl.dot(a, b.T, acc)
         _tile_epilogue(
-            acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, num_pid_n,
-            HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS,
+            acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
+            HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND,
         )  # fmt: skip
 
 
@@ -234,6 +259,8 @@ def token_stats_fused_triton(
     *,
     config: dict | None = None,
     rows_per_launch: int | None = None,
+    logits_dtype: torch.dtype | None = None,
+    temperature_in_logits_dtype: bool = False,
 ) -> KernelStats:
     """Statistics of z = (hidden @ weight.T + bias) / T without materialising [N, V] logits.
 
@@ -244,6 +271,11 @@ def token_stats_fused_triton(
     (fp32 inputs: full-precision "ieee" dot, slow).  Rows are processed in slices of
     ``rows_per_launch`` (default: partials <= 256 MiB).  ``config`` overrides DEFAULT_CONFIG
     (benchmarks; ``moments=2`` skips sum p^2 and E_p[S], which then read 0).
+
+    ``logits_dtype`` (None, bf16, fp16 or fp32) rounds the fp32-accumulated L = hidden @ W.T + b
+    to that dtype in the epilogue, z = fp32(round(L)) / T; with ``temperature_in_logits_dtype``
+    z = fp32(round(round(L) * fp32(1/T))), as torch's ``low_logits / T`` computes it (see
+    ``entropy_discriminator.token_stats_from_hidden``).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -270,7 +302,15 @@ def token_stats_fused_triton(
     n_tiles = triton.cdiv(vocab, bn)
     if rows_per_launch is None:
         rows_per_launch = max(bm, (_WORKSPACE_BYTES // (24 * n_tiles)) // bm * bm)
-    c = LOG2E / float(temperature)
+    if logits_dtype not in _ROUND_CODES:
+        raise ValueError(f"logits_dtype must be None or one of {_DTYPES}, got {logits_dtype!r}")
+    if temperature_in_logits_dtype and logits_dtype is None:
+        raise ValueError("temperature_in_logits_dtype=True needs a logits_dtype to round to")
+    round_code = _ROUND_CODES[logits_dtype]
+    t_round = bool(temperature_in_logits_dtype) and round_code != 0  # fp32: round(L / T) = L / T
+    # torch's `low / T` multiplies by the reciprocal computed in fp32 (its CPU and CUDA kernels)
+    inv_t = float(np.float32(1.0) / np.float32(temperature))
+    c = LOG2E if t_round else LOG2E / float(temperature)
     bias_arg = bias.contiguous() if bias is not None else hidden
     persistent = _use_persistent(cfg, hidden, weight)
     w_desc = TensorDescriptor.from_tensor(weight, [bn, bk]) if persistent else None
@@ -286,16 +326,16 @@ def token_stats_fused_triton(
                 n_prog = min(n_all, cfg["persistent"] * _num_sms(dev))
                 _fused_persistent_kernel[(n_prog,)](
                     TensorDescriptor.from_tensor(hidden[r0:r1], [bm, bk]), w_desc, bias_arg, lab, part, yk,
-                    rows, vocab, hdim, c,
-                    HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=cfg["group_m"], STAGES=cfg["stages"],
+                    rows, vocab, hdim, c, inv_t,
+                    HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, BM=bm, BN=bn, BK=bk, GROUP_M=cfg["group_m"], STAGES=cfg["stages"],
                     MOMENTS=cfg["moments"], NUM_PROGRAMS=n_prog, FLATTEN=bool(cfg["flatten"]),
                     WARP_SPECIALIZE=bool(cfg["ws"]), num_warps=cfg["num_warps"],
                 )  # fmt: skip
             else:
                 _fused_tile_kernel[(n_all,)](
                     hidden[r0:r1], weight, bias_arg, lab, part, yk, rows, vocab, hdim,
-                    hidden.stride(0), weight.stride(0), c,
-                    HAS_BIAS=bias is not None, EVEN_K=hdim % bk == 0, IEEE=hidden.dtype == torch.float32,
+                    hidden.stride(0), weight.stride(0), c, inv_t,
+                    HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, EVEN_K=hdim % bk == 0, IEEE=hidden.dtype == torch.float32,
                     BM=bm, BN=bn, BK=bk, GROUP_M=cfg["group_m"], STAGES=cfg["stages"], MOMENTS=cfg["moments"],
                     num_warps=cfg["num_warps"],
                 )  # fmt: skip
