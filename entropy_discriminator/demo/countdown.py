@@ -34,16 +34,24 @@ COEF_OF_TOKEN = {PLUS: 1, MINUS: -1, SKIP: 0}
 
 @dataclass(frozen=True)
 class CountdownTask:
-    """``n_numbers`` numbers in 1..9, coefficients in {+1, -1, 0}; one prompt in ``held_out`` is held out."""
+    """``n_numbers`` numbers in 1..9, coefficients in {+1, -1, 0}; one prompt in ``held_out`` is held out.
+
+    ``targets``: ``"coef"`` draws the target as ``sum_i c_i x_i`` of a uniformly random coefficient vector (targets with
+    many solutions are frequent); ``"uniform"`` draws it uniformly from the distinct achievable sums of the numbers
+    (every achievable target equally likely, so prompts with one or two solutions are common: harder prompts).
+    """
 
     n_numbers: int = 6
     held_out: int = 10
+    targets: str = "coef"
 
     def __post_init__(self) -> None:
         if not 2 <= self.n_numbers <= 11:
             raise ValueError(f"n_numbers must be in [2, 11] (|T| <= 99 fits two digits), got {self.n_numbers}")
         if self.held_out < 2:
             raise ValueError(f"held_out must be >= 2, got {self.held_out}")
+        if self.targets not in ("coef", "uniform"):
+            raise ValueError(f"targets must be 'coef' or 'uniform', got {self.targets!r}")
 
     @property
     def prompt_len(self) -> int:
@@ -69,13 +77,20 @@ class CountdownTask:
         while got < count:
             x = torch.randint(1, 10, (2 * count, self.n_numbers), generator=generator)
             c = torch.randint(-1, 2, (2 * count, self.n_numbers), generator=generator)
-            t = (c * x).sum(1)
+            t = (c * x).sum(1) if self.targets == "coef" else self._uniform_targets(x, generator)
             is_eval = self.is_eval(x, t)
             keep = is_eval if split == "eval" else ~is_eval
             xs.append(x[keep])
             ts.append(t[keep])
             got += int(keep.sum())
         return torch.cat(xs)[:count], torch.cat(ts)[:count]
+
+    def _uniform_targets(self, numbers: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """int64 ``[N]``: per row, a target drawn uniformly from the distinct values of ``numbers @ coefs.T``."""
+        offset = 9 * self.n_numbers
+        sums = numbers @ self.all_coefficients().T + offset  # [N, 3**m], in [0, 2 * offset]
+        present = torch.zeros(len(numbers), 2 * offset + 1).scatter_(1, sums, 1.0)
+        return torch.multinomial(present, 1, generator=generator)[:, 0] - offset
 
     def is_eval(self, numbers: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """bool ``[N]``: whether a problem belongs to the held-out split (a MINSTD hash of its tokens mod ``held_out``)."""
