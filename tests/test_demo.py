@@ -19,7 +19,7 @@ from entropy_discriminator.demo.task import AdditionTask
 from entropy_discriminator.demo.theory import tabular_check
 from entropy_discriminator.demo.report import format_table
 from entropy_discriminator.demo.runner import PRESETS, summary_columns
-from entropy_discriminator.demo.train import ArmSpec, TrainConfig, group_advantages
+from entropy_discriminator.demo.train import ArmSpec, TrainConfig, group_advantages, pearson
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = ("GRPO", "GRPO+Clip_B", "GRPO+Clip_V")
@@ -198,3 +198,25 @@ def test_without_matplotlib_says_how_to_install_and_still_writes_csv(
     assert not (tmp_path / "demo.png").exists() and "png" not in result["files"]
     with (tmp_path / "demo_steps.csv").open() as f:
         assert len(list(csv.DictReader(f))) == 3 * 3
+
+
+def test_demo_plot_tells_the_arms_apart(tmp_path: Path) -> None:
+    """Panels 1-2: one line style per arm; the dH scatter: one panel per arm with its r (issue 24: one cloud of
+    ~600 overlapping dots before)."""
+    pytest.importorskip("matplotlib", reason="the plot extra is installed in the core nox session")
+    from entropy_discriminator.demo.report import plot_demo
+
+    gen = torch.Generator().manual_seed(0)
+    curves = {
+        arm: [{"step": s, "entropy": 1.0 / (s + 1), "reward": s / 20, "pred_dH": float(p), "real_dH": float(p + e)}
+              for s, (p, e) in enumerate(zip(torch.randn(20, generator=gen), 0.1 * torch.randn(20, generator=gen)))]
+        for arm in ("GRPO", "GRPO+Clip_B", "GRPO+Clip_V")
+    }
+    fig = plot_demo(tmp_path / "demo.png", curves, window=3)
+    assert (tmp_path / "demo.png").stat().st_size > 10_000
+    assert len(fig.axes) == 2 + len(curves)
+    for ax in fig.axes[:2]:
+        assert len({line.get_linestyle() for line in ax.lines}) == len(curves)
+    for ax, arm in zip(fig.axes[2:], curves):
+        r = pearson([c["pred_dH"] for c in curves[arm]], [c["real_dH"] for c in curves[arm]])
+        assert ax.get_title() == f"{arm}: dH prediction vs realised, r = {r:.2f}" and len(ax.collections) == 1

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
+from .train import pearson
+
 PLOT_HINT = 'matplotlib is not installed, so no PNG was written; install it from the repository root with: pip install -e ".[plot]"'
 
 
@@ -150,32 +152,46 @@ def pyplot():
     return plt
 
 
-def plot_demo(path: Path, curves: dict[str, list[dict[str, float]]], *, window: int) -> None:
-    """Three panels: token entropy, training reward (moving average over ``window`` steps) and the
-    Corollary 4 prediction vs the realised per-batch ``dH`` (normalised per arm), for every arm."""
+#: Line style per arm (by position), so that the arms differ in more than colour.
+ARM_STYLES = ("-", "--", "-.", ":")
+
+
+def plot_demo(path: Path, curves: dict[str, list[dict[str, float]]], *, window: int):
+    """Write the demo's PNG and return its matplotlib figure.
+
+    Top row: batch token entropy and training reward, both as moving averages over ``window`` steps, one line
+    style per arm.  Bottom row: one panel per arm with the Corollary 4 prediction against the realised per-batch
+    ``dH`` (each scaled to max 1 within the arm) and their Pearson r, so the arms' point clouds do not overlap.
+    """
     plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for arm, recs in curves.items():
+    fig = plt.figure(figsize=(15, 8.4))
+    grid = fig.add_gridspec(2, 2 * len(curves))
+    top = [fig.add_subplot(grid[0, : len(curves)]), fig.add_subplot(grid[0, len(curves) :])]
+    for i, (arm, recs) in enumerate(curves.items()):
         steps = [r["step"] for r in recs]
-        axes[0].plot(steps, [r["entropy"] for r in recs], label=arm)
-        axes[1].plot(steps, smooth([r["reward"] for r in recs], window), label=arm)
+        style = dict(ls=ARM_STYLES[i % len(ARM_STYLES)], lw=1.8, color=f"C{i}", label=arm)
+        top[0].plot(steps, smooth([r["entropy"] for r in recs], window), **style)
+        top[1].plot(steps, smooth([r["reward"] for r in recs], window), **style)
         pred = [r["pred_dH"] for r in recs]
         real = [r["real_dH"] for r in recs]
         scale = max(max(abs(p) for p in pred), 1e-30)
         rscale = max(max(abs(x) for x in real), 1e-30)
-        axes[2].scatter([p / scale for p in pred], [x / rscale for x in real], s=8, alpha=0.6, label=arm)
-    axes[0].set(title="mean token entropy of each training batch", xlabel="GRPO step", ylabel="nats")
-    axes[1].set(title=f"training reward (moving average, {window} steps)", xlabel="GRPO step", ylabel="pass rate")
-    axes[2].set(
-        title="per-batch dH: Cor. 4 prediction vs realised",
-        xlabel="-Cov_B(A*keep, S_c)  (scaled to max 1)",
-        ylabel="realised dH  (scaled to max 1)",
-    )
-    axes[2].axhline(0, color="grey", lw=0.5)
-    axes[2].axvline(0, color="grey", lw=0.5)
-    for ax in axes:
-        ax.legend(fontsize=8)
+        ax = fig.add_subplot(grid[1, 2 * i : 2 * i + 2])
+        ax.scatter([p / scale for p in pred], [x / rscale for x in real], s=9, alpha=0.6, color=f"C{i}")
+        ax.axhline(0, color="grey", lw=0.5)
+        ax.axvline(0, color="grey", lw=0.5)
+        ax.set(title=f"{arm}: dH prediction vs realised, r = {pearson(pred, real):.2f}", xlim=(-1.08, 1.08),
+               ylim=(-1.08, 1.08), xlabel="-Cov_B(A*keep, S_c)  (scaled to max 1)")
+        if i == 0:
+            ax.set_ylabel("realised dH  (scaled to max 1)")
+    top[0].set(title=f"mean token entropy of each training batch (moving average, {window} steps)",
+               xlabel="GRPO step", ylabel="nats")
+    top[1].set(title=f"training reward (moving average, {window} steps)", xlabel="GRPO step", ylabel="pass rate")
+    for ax in top:
+        ax.legend(fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return fig
+

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
+# GPU only (a Ray cluster of CUDA machines, see below).
 # PPO with GAE (actor + critic + reward model) and Clip_B or Clip_V, OpenRLHF 0.11.2, hybrid engine on
 # one node of 8 GPUs.  The flags are OpenRLHF's own (python -m openrlhf.cli.train_ppo_ray --help) plus
 # --entropy_disc.* (python -m entropy_discriminator.adapters.openrlhf --entropy_disc.help).
 #
 #   bash examples/openrlhf/ppo_gae.sh clip_b      # Clip_B: clip A<0 tokens with S* < mean - 2.5 std
-#   bash examples/openrlhf/ppo_gae.sh clip_v      # Clip_V: clip A<0 tokens with S_c < -8.5 std, at most 1e-4
+#   bash examples/openrlhf/ppo_gae.sh clip_v      # Clip_V: clip A<0 tokens with S_c < -2.5 std
 #
-# Needs a running Ray cluster (ray start --head --num-gpus 8) whose nodes all have
-# `pip install "entropy-discriminator[openrlhf]"` (the Ray workers import the adapter).
+# Needs a running Ray cluster of CUDA machines (ray start --head --num-gpus 8) whose nodes all have
+# this package with OpenRLHF: `pip install -e ".[openrlhf]"` from a clone of this repository, run on
+# the CUDA machine (OpenRLHF's flash-attn dependency builds from source; it fails on a CPU-only machine) (the Ray workers import the adapter).
 # Environment: MODEL, REWARD_MODEL, DATA, INPUT_KEY, OUT, RAY_DASHBOARD, WANDB_KEY (optional).
 # ED_PRINT_ARGS=1 prints the argument list (NUL-separated) instead of launching (used by the tests).
 set -euo pipefail
@@ -15,7 +17,7 @@ set -euo pipefail
 METHOD=${1:-clip_b}
 case "$METHOD" in
   clip_b) ED_FLAGS=(--entropy_disc.method clip_b --entropy_disc.mu_low 2.5 --entropy_disc.sides negative) ;;
-  clip_v) ED_FLAGS=(--entropy_disc.method clip_v --entropy_disc.mu_low 8.5 --entropy_disc.max_frac 1e-4) ;;
+  clip_v) ED_FLAGS=(--entropy_disc.method clip_v --entropy_disc.mu_low 2.5 --entropy_disc.sides negative) ;;
   *) echo "usage: $0 clip_b|clip_v" >&2; exit 2 ;;
 esac
 
@@ -50,5 +52,6 @@ ARGS=(
 if [[ -n "${WANDB_KEY:-}" ]]; then ARGS+=(--logger.wandb.key "$WANDB_KEY"); fi
 
 if [[ "${ED_PRINT_ARGS:-0}" == 1 ]]; then printf '%s\0' "${ARGS[@]}"; exit 0; fi
+command -v ray >/dev/null || { echo "$0: needs Ray (pip install -e \".[openrlhf]\" on a CUDA machine) and a running cluster" >&2; exit 1; }
 ray job submit --address="${RAY_DASHBOARD:-http://127.0.0.1:8265}" \
   -- python3 -m entropy_discriminator.adapters.openrlhf "${ARGS[@]}"

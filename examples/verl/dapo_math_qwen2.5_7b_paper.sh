@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
+# GPU only (CUDA GPUs, vLLM and the data; checked before verl starts, see gsm8k_quickstart.sh).
 # The paper's setting (Sec. 5, App.): GRPO on DAPO-Math-17k with Qwen2.5-7B-Instruct, train batch 64,
 # 16 rollouts, Adam lr 4e-7, sampling temperature 1.0 (0.7 for evaluation), Clip_B or Clip_V on the
-# negative-advantage tokens.
+# negative-advantage tokens.  GPU only (8 GPUs, vLLM, the data below; checked before verl starts).
+# Clip_V runs at the paper's setting for this scale, mu 8.5 with the reference's cap (max_frac 1e-4,
+# cap_rule reference), not at the library's default (mu 2.5, no cap; README "Defaults").
 #
 #   METHOD=clip_b|clip_v (default clip_v), MU (default: 2.5 for clip_b, 8.5 for clip_v)
 #   MODEL    default Qwen/Qwen2.5-7B-Instruct
@@ -55,11 +58,15 @@ ARGS=(
     trainer.save_freq=50
     trainer.test_freq=10
     trainer.total_epochs=1
-    # the adapter (needs `pip install entropy-discriminator[verl]`)
+    # the adapter (needs `pip install -e ".[verl]"` from this repository)
     trainer.v1.trainer_mode=entropy_disc
     +entropy_disc.method="$METHOD"
     +entropy_disc.mu_low="$MU"
     +entropy_disc.sides=negative
 )
+if [[ "$METHOD" == clip_v ]]; then ARGS+=(+entropy_disc.max_frac=1e-4 +entropy_disc.cap_rule=reference); fi
+
+"${PYTHON:-python3}" "$(dirname "$0")/_preflight.py" "$N_GPUS" "$TRAIN" "$VAL" \
+    "convert DAPO-Math-17k to verl parquet (e.g. verl's recipe/dapo data preparation) and set TRAIN / VAL" >&2
 
 PYTHONUNBUFFERED=1 exec "${PYTHON:-python3}" -m verl.trainer.main_ppo "${ARGS[@]}" "$@"

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# GPU only (CUDA GPUs, vLLM and the data; checked before verl starts, see gsm8k_quickstart.sh).
 # GRPO on GSM8K (verl's quick-start) with Clip_B (S* outside mean - 2.5 std, negative-advantage tokens).
 # Usage: bash grpo_clip_b.sh [extra Hydra overrides]   (env: MODEL, DATA_DIR, N_GPUS; see gsm8k_quickstart.sh)
 # The quick-start's KL loss (use_kl_loss=True) acts on every token, so the mask acts as drop_token

@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
+# GPU only (CUDA GPUs, vLLM and the data; checked before verl starts, details below).
 # verl's GSM8K quick-start (docs: "Quickstart: PPO training on GSM8K"), parameterised so that the
 # variant scripts beside this file only add their own overrides. Not meant to be run by itself.
+#
+# GPU only: needs N_GPUS CUDA GPUs, vLLM and the GSM8K parquet files, checked before verl starts
+# (it stops at once with what is missing). Prepare the data once, from a clone of verl 0.9.1:
+#     python examples/data_preprocess/gsm8k.py --local_dir ~/data/gsm8k
 #
 #   ESTIMATOR=grpo|gae   advantage estimator (GAE also trains verl's critic)
 #   MODEL                HF id or local path (default Qwen/Qwen2.5-0.5B-Instruct)
@@ -38,7 +43,7 @@ ARGS=(
     trainer.save_freq=10
     trainer.test_freq=10
     trainer.total_epochs=15
-    # the adapter: verl's sync trainer with Clip_B / Clip_V (needs `pip install entropy-discriminator[verl]`)
+    # the adapter: verl's sync trainer with Clip_B / Clip_V (needs `pip install -e ".[verl]"` from this repository)
     trainer.v1.trainer_mode=entropy_disc
 )
 if [[ "$ESTIMATOR" == grpo ]]; then
@@ -57,4 +62,6 @@ else
     )
 fi
 
+"${PYTHON:-python3}" "$(dirname "$0")/_preflight.py" "$N_GPUS" "$DATA_DIR/train.parquet" "$DATA_DIR/test.parquet" \
+    "prepare GSM8K with verl's examples/data_preprocess/gsm8k.py --local_dir $DATA_DIR (or set DATA_DIR)" >&2
 PYTHONUNBUFFERED=1 exec "${PYTHON:-python3}" -m verl.trainer.main_ppo "${ARGS[@]}" "$@"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# PPO with GAE on GSM8K (verl's quick-start) with Clip_V (S_c below -8.5 std, negative-advantage tokens, at most 1e-4 of the tokens).
+# GPU only (CUDA GPUs, vLLM and the data; checked before verl starts, see gsm8k_quickstart.sh).
+# PPO with GAE on GSM8K (verl's quick-start) with Clip_V (S_c below -2.5 std, negative-advantage tokens; the library's default).
 # Usage: bash ppo_gae_clip_v.sh [extra Hydra overrides]   (env: MODEL, DATA_DIR, N_GPUS; see gsm8k_quickstart.sh)
 # Other options: +entropy_disc.mask_mode=drop_token (reference behaviour), +entropy_disc.sides=both.
 set -euo pipefail
-ESTIMATOR=gae exec bash "$(dirname "$0")/gsm8k_quickstart.sh" +entropy_disc.method=clip_v +entropy_disc.mu_low=8.5 +entropy_disc.max_frac=1e-4 "$@"
+ESTIMATOR=gae exec bash "$(dirname "$0")/gsm8k_quickstart.sh" +entropy_disc.method=clip_v +entropy_disc.mu_low=2.5 "$@"

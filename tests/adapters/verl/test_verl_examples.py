@@ -47,9 +47,9 @@ def composed(overrides: list[str]):
     ("script", "estimator", "method", "mu"),
     [
         ("grpo_clip_b.sh", "grpo", "clip_b", 2.5),
-        ("grpo_clip_v.sh", "grpo", "clip_v", 8.5),
+        ("grpo_clip_v.sh", "grpo", "clip_v", 2.5),
         ("ppo_gae_clip_b.sh", "gae", "clip_b", 2.5),
-        ("ppo_gae_clip_v.sh", "gae", "clip_v", 8.5),
+        ("ppo_gae_clip_v.sh", "gae", "clip_v", 2.5),
     ],
 )
 def test_gsm8k_variants(script, estimator, method, mu):
