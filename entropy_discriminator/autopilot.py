@@ -34,9 +34,9 @@ Selection
 Candidates: valid tokens whose advantage has a sign allowed by ``sides`` (zero-advantage tokens
 never) and whose term is entropy-decreasing, ``c_t < 0``.  They are ordered by ``c_t`` ascending
 (most decreasing first), ties by the smaller flat position in the concatenated batch; ``L = min(
-#candidates, cap_limit(max_frac, N))``.  With ``P_j = P_0 + (-c_(1)) + ... + (-c_(j))`` (a
-sequential float64 cumulative sum over the ordered list, the same on every rank), the first
-``j*`` candidates are dropped::
+#candidates, cap_limit(max_frac, N))``.  With ``P_j = P_0 + cumsum(-c_(1), ..., -c_(L))[j]`` (one
+float64 ``torch.cumsum`` over the ordered list, the same array on every rank), the first ``j*``
+candidates are dropped::
 
     j* = 0                                 if P_0 >= target
     j* = min{ j in 1..L : P_j >= target }  if that set is not empty

@@ -211,7 +211,9 @@ ETA = 0.2
 STEPS = 60
 
 
-def tabular_run(ctrl: ed.EntropyAutopilot | None, steps: int, *, seed: int = 0, state: dict | None = None):
+def tabular_run(
+    ctrl: ed.EntropyAutopilot | None, steps: int, *, seed: int = 0, state: dict | None = None, eta: float = ETA
+):
     """GRPO on a logit table (every token owns its logits, ``z += eta A keep (e_k - p)``, i.e. zero_pg with
     normaliser N and ``eta = lambda / N``); the reward is the share of a row's tokens equal to 0, so
     unconstrained training collapses the entropy.  Returns per-step measured entropies and results;
@@ -232,9 +234,9 @@ def tabular_run(ctrl: ed.EntropyAutopilot | None, steps: int, *, seed: int = 0, 
         hs.append(float(stats.entropy.mean()))
         keep = torch.ones_like(k, dtype=torch.bool)
         if ctrl is not None:
-            results.append(ctrl.from_stats(stats, adv, lr=ETA))
+            results.append(ctrl.from_stats(stats, adv, lr=eta))
             keep = results[-1].keep
-        z = z + (ETA * adv[:, None] * keep)[..., None] * (torch.nn.functional.one_hot(k, V).double() - p)
+        z = z + (eta * adv[:, None] * keep)[..., None] * (torch.nn.functional.one_hot(k, V).double() - p)
     state["z"] = z
     return hs, results, state
 
@@ -266,6 +268,16 @@ def test_controller_reaches_and_holds_the_target_on_tabular_dynamics(case, free_
     assert max(r.dropped_frac for r in results) > 0.05  # the controller had to act ...
     free_err = [h - h_star for h, h_star in zip(free_run, targets)]
     assert min(free_err) < -20 * BAND  # ... because unconstrained training leaves the band far behind
+
+
+def test_holding_offset_is_second_order_in_the_step_size():
+    """The steady offset of "hold" is the O(eta^2) remainder of the law divided by the gain: it shrinks
+    ~4x when eta halves (so the band is the law's error, not the controller's)."""
+    offsets = []
+    for eta in (ETA, ETA / 2):
+        hs = tabular_run(ed.EntropyAutopilot("hold", sides="both", max_frac=0.3), 40, eta=eta)[0]
+        offsets.append(sum(hs[20:]) / 20 - hs[0])
+    assert offsets[0] < 0 and 3 < offsets[0] / offsets[1] < 5, offsets
 
 
 def test_default_cap_saturates_on_the_tabular_run_and_says_so():
