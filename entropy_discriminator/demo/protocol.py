@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +26,8 @@ import torch
 from .compare import CompareConfig, _pool_map
 from .headtohead import Arm, HeadConfig, eval_stream, evaluate_at, heldout_sets, run_arm_checkpoints, warm_up_checkpoints
 from .model import TinyGPT
+from .stats_tests import holm, paired_test, value_at_level
+from .tuning import second_lr, select, stage_a, stage_b
 
 #: Evaluation temperatures: the paper's (0.7, primary) and the sampling temperature of training (1.0).
 TEMPERATURES = (0.7, 1.0)
@@ -181,6 +184,144 @@ def run_stage(spec: RunSpec, arms: Sequence[Arm], out: Path, *, jobs: int, log: 
     return out / "runs.jsonl"
 
 
+# ------------------------------------------------------------------------------------------ endpoints and report
+
+#: Pre-registered matched-accuracy levels: Avg@K of the seed's own start plus these (at each temperature).
+DELTAS = (0.02, 0.04)
+ENDPOINT_KS = (16, 64)
+
+
+def load_jsonl(path: Path) -> list[dict]:
+    """Rows of a JSON-lines file."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def endpoints(run: dict) -> dict[str, float]:
+    """Every endpoint of one (arm, seed) run, keyed ``T{T}/{which}/{metric}``: ``which`` = ``d{delta}`` (Pass@K where
+    Avg@K first reaches the run's start Avg@K + delta, :func:`value_at_level`; nan if never), ``final`` (last
+    checkpoint: Avg@K and Pass@K) and ``best`` (the checkpoint of highest Avg@K: Avg@K and Pass@K there)."""
+    out: dict[str, float] = {}
+    for temp in TEMPERATURES:
+        cps = [c[f"T{temp}"] for c in run["checkpoints"]]
+        avgs = [c["avg"] for c in cps]
+        best = max(range(len(cps)), key=avgs.__getitem__)
+        for k in ENDPOINT_KS:
+            passes = [c["pass"][str(k)] for c in cps]
+            for d in DELTAS:
+                out[f"T{temp}/d{d}/pass@{k}"] = value_at_level(avgs, passes, avgs[0] + d)
+            out[f"T{temp}/final/pass@{k}"] = passes[-1]
+            out[f"T{temp}/best/pass@{k}"] = passes[best]
+        out[f"T{temp}/final/avg"] = avgs[-1]
+        out[f"T{temp}/best/avg"] = avgs[best]
+    return out
+
+
+def primary_keys(temperature: float = 0.7) -> list[str]:
+    """The pre-registered primary endpoints: Pass@16 and Pass@64 at both matched levels."""
+    return [f"T{temperature}/d{d}/pass@{k}" for d in DELTAS for k in ENDPOINT_KS]
+
+
+def comparisons(runs: Sequence[dict], pairs: Sequence[tuple[str, str]], keys: Sequence[str]) -> list[dict[str, object]]:
+    """Paired tests (:func:`paired_test`, seeds where both runs have a finite value) of ``arm - vs`` for every pair and
+    key, with Holm's adjustment over exactly these ``len(pairs) * len(keys)`` tests (one family)."""
+    per: dict[str, dict[int, dict[str, float]]] = {}
+    for r in runs:
+        per.setdefault(r["arm"], {})[r["seed"]] = endpoints(r)
+    rows: list[dict[str, object]] = []
+    for arm, vs in pairs:
+        seeds = sorted(set(per.get(arm, {})) & set(per.get(vs, {})))
+        for key in keys:
+            a = [per[arm][s][key] for s in seeds]
+            b = [per[vs][s][key] for s in seeds]
+            res = paired_test(a, b)
+            rows.append({"arm": arm, "vs": vs, "endpoint": key, "diff": res.mean, "ci95": res.ci95, "p": res.p,
+                         "n": res.n, "reached": sum(map(math.isfinite, a)), "seeds": len(seeds)})
+    for row, adj in zip(rows, holm([float(r["p"]) for r in rows])):
+        row["p_holm"] = adj
+    return rows
+
+
+def frontier_figure(runs: Sequence[dict], out: Path, temperature: float = 0.7, k: int = 64) -> Path | None:
+    """``frontier_T{T}_pass{k}.png``: per arm, the mean over seeds of (Avg@K, Pass@k) at each checkpoint joined in
+    training order, with a band of +-1.96 standard errors of Pass@k over seeds; ``None`` without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    by: dict[str, list[dict]] = {}
+    for r in runs:
+        by.setdefault(r["arm"], []).append(r)
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for arm, rs in by.items():
+        n_cp = min(len(r["checkpoints"]) for r in rs)
+        xs, ys, es = [], [], []
+        for i in range(n_cp):
+            a = [r["checkpoints"][i][f"T{temperature}"]["avg"] for r in rs]
+            p = [r["checkpoints"][i][f"T{temperature}"]["pass"][str(k)] for r in rs]
+            m = sum(p) / len(p)
+            sd = math.sqrt(sum((v - m) ** 2 for v in p) / (len(p) - 1)) if len(p) > 1 else 0.0
+            xs.append(sum(a) / len(a))
+            ys.append(m)
+            es.append(1.96 * sd / math.sqrt(len(p)))
+        (line,) = ax.plot(xs, ys, marker="o", ms=3, label=arm, ls="--" if rs[0]["family"] in ("grpo", "ppo") else "-")
+        ax.fill_between(xs, [y - e for y, e in zip(ys, es)], [y + e for y, e in zip(ys, es)], color=line.get_color(), alpha=0.12)
+    ax.set_xlabel(f"Avg@K (T = {temperature})")
+    ax.set_ylabel(f"Pass@{k} (T = {temperature})")
+    ax.set_title("accuracy-diversity frontier over checkpoints (mean over seeds)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / f"frontier_T{temperature}_pass{k}.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def report(run_dir: Path, pairs: Sequence[tuple[str, str]]) -> str:
+    """``report.md`` and ``comparisons.json`` under ``run_dir``: the primary family at T = 0.7 (Holm over it), the
+    same endpoints at T = 1.0 and the secondary endpoints (each its own Holm family), and the frontier figures."""
+    runs = load_jsonl(run_dir / "runs.jsonl")
+    families = {
+        "primary (T = 0.7)": primary_keys(0.7),
+        "primary endpoints at T = 1.0": primary_keys(1.0),
+        "secondary: final checkpoint (T = 0.7)": ["T0.7/final/avg", *[f"T0.7/final/pass@{k}" for k in ENDPOINT_KS]],
+        "secondary: best Avg@K checkpoint (T = 0.7)": ["T0.7/best/avg", *[f"T0.7/best/pass@{k}" for k in ENDPOINT_KS]],
+    }
+    lines, dump = [], {}
+    for title, keys in families.items():
+        rows = comparisons(runs, pairs, keys)
+        dump[title] = rows
+        lines += [f"### {title}: {len(rows)} tests, Holm at 0.05\n", "| arm | vs | endpoint | diff ± 95% CI | p | p (Holm) | seeds reached |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['arm']} | {r['vs']} | {r['endpoint']} | {r['diff']:+.3f} ± {r['ci95']:.3f} | {r['p']:.4f} | "
+                         f"{r['p_holm']:.4f} | {r['reached']}/{r['seeds']} |")
+        lines.append("")
+    for temp in TEMPERATURES:
+        for k in ENDPOINT_KS:
+            frontier_figure(runs, run_dir, temp, k)
+    text = "\n".join(lines)
+    (run_dir / "report.md").write_text(text)
+    (run_dir / "comparisons.json").write_text(json.dumps(dump, indent=1))
+    return text
+
+
+def write_selection(run_dir: Path) -> dict[str, dict[str, object]]:
+    """Apply :func:`entropy_discriminator.demo.tuning.select` to ``run_dir/runs.jsonl``; write ``selection.json`` and
+    ``selection.md`` (every setting's scores and the share of tokens its control acted on)."""
+    sel = select(load_jsonl(run_dir / "runs.jsonl"))
+    (run_dir / "selection.json").write_text(json.dumps(sel, indent=1))
+    lines = ["| family | setting | Pass@64 at start+0.02 | Pass@64 at start+0.04 | control share | chosen |", "|---|---|---|---|---|---|"]
+    for fam, s in sel.items():
+        for name, sc in s["scores"].items():
+            lines.append(f"| {fam} | {name} | {sc['d0.02']:.3f} | {sc['d0.04']:.3f} | {sc['control_frac']:.4f} | "
+                         f"{'**yes** (' + str(s['rule']) + ')' if name == s['chosen'] else ''} |")
+    (run_dir / "selection.md").write_text("\n".join(lines) + "\n")
+    return sel
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line of the protocol (see the module docstring)."""
     ap = argparse.ArgumentParser(prog="python -m entropy_discriminator.demo.protocol", description=__doc__,
@@ -205,7 +346,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     rn.add_argument("--samples", type=int, default=64)
     rn.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     rn.add_argument("--out", type=Path, required=True)
+    for name, hlp in (("tune-a", "stage A: GRPO and PPO learning rates"), ("tune-b", "stage B: every other family")):
+        tp = sub.add_parser(name, help=hlp + " on the tuning seeds and validation prompts")
+        tp.add_argument("--config", default="")
+        tp.add_argument("--seeds", default="100/101/102")
+        tp.add_argument("--checkpoints", default="0/10/20/30/40/60/80/100/125/150/200")
+        tp.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+        tp.add_argument("--out", type=Path, required=True)
+        if name == "tune-b":
+            tp.add_argument("--grpo-lr", type=float, required=True)
+            tp.add_argument("--ppo-lr", type=float, required=True)
+    sp = sub.add_parser("select", help="apply the pre-registered selection rule to a tuning folder")
+    sp.add_argument("dir", type=Path)
+    rp = sub.add_parser("report", help="endpoints, paired tests with Holm, frontier figures of a run folder")
+    rp.add_argument("dir", type=Path)
+    rp.add_argument("--pair", action="append", required=True, metavar="ARM|VS", help="a paired comparison ARM - VS (arm names as in the run)")
     args = ap.parse_args(argv)
+    if args.cmd in ("tune-a", "tune-b"):
+        spec = RunSpec(parse_config(args.config), tuple(int(s) for s in args.seeds.split("/")),
+                       tuple(int(s) for s in args.checkpoints.split("/")), "val")
+        arms = stage_a() if args.cmd == "tune-a" else stage_b(args.grpo_lr, args.ppo_lr)
+        run_stage(spec, arms, args.out, jobs=args.jobs)
+        sel = write_selection(args.out)
+        print(json.dumps({f: s["chosen"] for f, s in sel.items()}))
+        if args.cmd == "tune-a" and sel["grpo"]["chosen"]:
+            lr = next(a.lr for a in stage_a() if a.name == sel["grpo"]["chosen"])
+            print(f"frontier's second GRPO lr: {second_lr(lr):g}")
+    if args.cmd == "select":
+        print(json.dumps({f: s["chosen"] for f, s in write_selection(args.dir).items()}))
+    if args.cmd == "report":
+        print(report(args.dir, [tuple(p.split("|", 1)) for p in args.pair]))
     if args.cmd == "run":
         spec = RunSpec(parse_config(args.config), tuple(int(s) for s in args.seeds.split("/")),
                        tuple(int(s) for s in args.checkpoints.split("/")), args.prompt_set, args.prompts, args.samples)

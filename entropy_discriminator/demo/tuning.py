@@ -1,0 +1,93 @@
+"""Equal-budget tuning grids of the head-to-head (issue 21, item 4) and the pre-registered selection rule.
+
+Every family gets :data:`SETTINGS_PER_FAMILY` settings.  Stage A tunes the learning rate of the two estimators (GRPO,
+PPO); stage B tunes every other family at its estimator's stage-A learning rate.  Tuning runs use the tuning seeds and
+the validation prompts only (:func:`entropy_discriminator.demo.protocol.run_stage` with ``prompt_set="val"``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from .headtohead import Arm
+from .stats_tests import value_at_level
+
+SETTINGS_PER_FAMILY = 4
+LRS = (1e-4, 3e-4, 1e-3, 3e-3)
+
+
+def stage_a() -> list[Arm]:
+    """GRPO and PPO at each learning rate of :data:`LRS`."""
+    return [Arm(f"grpo(lr={lr:g})", "grpo", lr=lr) for lr in LRS] + [
+        Arm(f"ppo(lr={lr:g})", "ppo", estimator="ppo", baseline="ppo", lr=lr) for lr in LRS
+    ]
+
+
+def stage_b(grpo_lr: float, ppo_lr: float) -> list[Arm]:
+    """Every other family, four settings each, at the stage-A learning rate of its estimator.
+
+    Clip-Cov's and KL-Cov's ratios reach the 2-5% token shares that Clip_B (mu 1.5) acted on in the pilot (3.9%);
+    Clip-Cov's 0.02 is also tried with PPO's ratio clip effectively off (``clip_low = 1``: lower bound 0,
+    ``clip_high = 1e9``) next to eps = 0.2."""
+    g = dict(lr=grpo_lr)
+    p = dict(lr=ppo_lr, estimator="ppo", baseline="ppo")
+    arms = [Arm(f"clip_b(mu={m:g})", "clip_b", mask="clip_b", mu=m, **g) for m in (1.0, 1.5, 2.0, 2.5)]
+    arms += [Arm(f"clip_v(mu={m:g},cap={c})", "clip_v", mask="clip_v", mu=m, cap=c, **g)
+             for m in (1.5, 2.5) for c in (None, 0.02)]
+    arms += [Arm(f"clip_cov(ratio={r:g})", "clip_cov", loss="clip_cov", cov_ratio=r, **g) for r in (2e-4, 5e-3, 2e-2)]
+    arms += [Arm("clip_cov(ratio=0.02,eps=off)", "clip_cov", loss="clip_cov", cov_ratio=2e-2, clip_low=1.0,
+                 clip_high=1e9, **g)]
+    arms += [Arm(f"kl_cov(ratio={r:g},coef={c:g})", "kl_cov", loss="kl_cov", cov_ratio=r, kl_coef=c, **g)
+             for r in (2e-3, 2e-2) for c in (1.0, 5.0)]
+    arms += [Arm(f"forking(rho={r:g})", "forking_tokens", mask="forking", rho=r, **g) for r in (0.1, 0.2, 0.5, 0.8)]
+    arms += [Arm(f"entropy_bonus(c={c:g})", "entropy_bonus", entropy_coef=c, **g) for c in (1e-3, 3e-3, 1e-2, 3e-2)]
+    arms += [Arm(f"unlikely(pen={x:g})", "unlikely", shaping="unlikely", rank_penalty=x, **g) for x in (0.1, 0.25, 0.5, 1.0)]
+    arms += [Arm(f"ppo+clip_b(mu={m:g})", "ppo+clip_b", mask="clip_b", mu=m, **p) for m in (1.0, 1.5, 2.0, 2.5)]
+    arms += [Arm(f"ppo+clip_v(mu={m:g},cap={c})", "ppo+clip_v", mask="clip_v", mu=m, cap=c, **p)
+             for m in (1.5, 2.5) for c in (None, 0.02)]
+    return arms
+
+
+def tuning_score(runs: Sequence[dict], temperature: float = 0.7, delta: float = 0.04, k: int = 64) -> float:
+    """Pre-registered tuning endpoint of one setting: mean over its tuning seeds of Pass@``k`` where Avg@K first
+    reaches (start Avg@K + ``delta``) at ``temperature`` (:func:`~entropy_discriminator.demo.stats_tests.value_at_level`);
+    ``nan`` unless every seed reaches that level (a setting that does not train is not eligible)."""
+    vals = []
+    for run in runs:
+        cps = run["checkpoints"]
+        avgs = [c[f"T{temperature}"]["avg"] for c in cps]
+        vals.append(value_at_level(avgs, [c[f"T{temperature}"]["pass"][str(k)] for c in cps], avgs[0] + delta))
+    return sum(vals) / len(vals) if vals and all(math.isfinite(v) for v in vals) else math.nan
+
+
+def select(runs: Sequence[dict]) -> dict[str, dict[str, object]]:
+    """Per family, the setting with the highest :func:`tuning_score` at delta 0.04; if no setting of the family
+    reaches it on every seed, the highest score at delta 0.02; if none reaches that either, ``None``.  Returns
+    ``{family: {"chosen": name or None, "rule": ..., "scores": {name: {"d0.04", "d0.02", "control_frac"}}}}``."""
+    fams: dict[str, dict[str, list[dict]]] = {}
+    for r in runs:
+        fams.setdefault(r["family"], {}).setdefault(r["arm"], []).append(r)
+    out: dict[str, dict[str, object]] = {}
+    for fam, settings in fams.items():
+        scores = {}
+        for name, rs in settings.items():
+            recs = [x for r in rs for x in r["records"]]
+            scores[name] = {"d0.04": tuning_score(rs, delta=0.04), "d0.02": tuning_score(rs, delta=0.02),
+                            "control_frac": sum(x["control_frac"] for x in recs) / max(len(recs), 1)}
+        chosen, rule = None, "no setting reached start + 0.02 on every tuning seed"
+        for key in ("d0.04", "d0.02"):
+            ok = {n: s[key] for n, s in scores.items() if math.isfinite(s[key])}
+            if ok:
+                chosen, rule = max(ok, key=ok.__getitem__), f"best Pass@64 at start + {key[1:]} (T = 0.7)"
+                break
+        out[fam] = {"chosen": chosen, "rule": rule, "scores": scores}
+    return out
+
+
+def second_lr(selected: float) -> float:
+    """The frontier's second GRPO learning rate: the grid neighbour above the selected one (below for the largest)."""
+    i = LRS.index(selected)
+    return LRS[i + 1] if i + 1 < len(LRS) else LRS[i - 1]
+
+
+__all__ = ["LRS", "SETTINGS_PER_FAMILY", "second_lr", "select", "stage_a", "stage_b", "tuning_score"]
