@@ -279,8 +279,8 @@ def frontier_figure(runs: Sequence[dict], out: Path, temperature: float = 0.7, k
     return path
 
 
-def report(run_dir: Path, pairs: Sequence[tuple[str, str]]) -> str:
-    """``report.md`` and ``comparisons.json`` under ``run_dir``: the primary family at T = 0.7 (Holm over it), the
+def report(run_dir: Path, pairs: Sequence[tuple[str, str]], name: str = "report") -> str:
+    """``{name}.md`` and ``{name}.json`` under ``run_dir``: the primary family at T = 0.7 (Holm over it), the
     same endpoints at T = 1.0 and the secondary endpoints (each its own Holm family), and the frontier figures."""
     runs = load_jsonl(run_dir / "runs.jsonl")
     families = {
@@ -303,8 +303,8 @@ def report(run_dir: Path, pairs: Sequence[tuple[str, str]]) -> str:
         for k in ENDPOINT_KS:
             frontier_figure(runs, run_dir, temp, k)
     text = "\n".join(lines)
-    (run_dir / "report.md").write_text(text)
-    (run_dir / "comparisons.json").write_text(json.dumps(dump, indent=1))
+    (run_dir / f"{name}.md").write_text(text)
+    (run_dir / f"{name}.json").write_text(json.dumps(dump, indent=1))
     return text
 
 
@@ -360,6 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sp.add_argument("dir", type=Path)
     rp = sub.add_parser("report", help="endpoints, paired tests with Holm, frontier figures of a run folder")
     rp.add_argument("dir", type=Path)
+    rp.add_argument("--name", default="report", help="file stem of the tables (one per comparison family)")
     rp.add_argument("--pair", action="append", required=True, metavar="ARM|VS", help="a paired comparison ARM - VS (arm names as in the run)")
     args = ap.parse_args(argv)
     if args.cmd in ("tune-a", "tune-b"):
@@ -375,7 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "select":
         print(json.dumps({f: s["chosen"] for f, s in write_selection(args.dir).items()}))
     if args.cmd == "report":
-        print(report(args.dir, [tuple(p.split("|", 1)) for p in args.pair]))
+        print(report(args.dir, [tuple(p.split("|", 1)) for p in args.pair], args.name))
     if args.cmd == "run":
         spec = RunSpec(parse_config(args.config), tuple(int(s) for s in args.seeds.split("/")),
                        tuple(int(s) for s in args.checkpoints.split("/")), args.prompt_set, args.prompts, args.samples)
