@@ -243,7 +243,7 @@ def comparisons(runs: Sequence[dict], pairs: Sequence[tuple[str, str]], keys: Se
 
 def frontier_figure(runs: Sequence[dict], out: Path, temperature: float = 0.7, k: int = 64) -> Path | None:
     """``frontier_T{T}_pass{k}.png``: per arm, the mean over seeds of (Avg@K, Pass@k) at each checkpoint joined in
-    training order, with a band of +-1.96 standard errors of Pass@k over seeds; ``None`` without matplotlib."""
+    training order, with bars of +-1.96 standard errors of Pass@k over seeds; ``None`` without matplotlib."""
     try:
         import matplotlib
 
@@ -266,8 +266,8 @@ def frontier_figure(runs: Sequence[dict], out: Path, temperature: float = 0.7, k
             xs.append(sum(a) / len(a))
             ys.append(m)
             es.append(1.96 * sd / math.sqrt(len(p)))
-        (line,) = ax.plot(xs, ys, marker="o", ms=3, label=arm, ls="--" if rs[0]["family"] in ("grpo", "ppo") else "-")
-        ax.fill_between(xs, [y - e for y, e in zip(ys, es)], [y + e for y, e in zip(ys, es)], color=line.get_color(), alpha=0.12)
+        ax.errorbar(xs, ys, yerr=es, marker="o", ms=3, capsize=2, elinewidth=0.8, label=arm,
+                    ls="--" if rs[0]["family"] in ("grpo", "ppo") else "-")
     ax.set_xlabel(f"Avg@K (T = {temperature})")
     ax.set_ylabel(f"Pass@{k} (T = {temperature})")
     ax.set_title("accuracy-diversity frontier over checkpoints (mean over seeds)")
@@ -356,6 +356,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if name == "tune-b":
             tp.add_argument("--grpo-lr", type=float, required=True)
             tp.add_argument("--ppo-lr", type=float, required=True)
+            tp.add_argument("--families", default=None,
+                            help="comma-separated subset of stage B's families (to split it over several calls)")
     sp = sub.add_parser("select", help="apply the pre-registered selection rule to a tuning folder")
     sp.add_argument("dir", type=Path)
     rp = sub.add_parser("report", help="endpoints, paired tests with Holm, frontier figures of a run folder")
@@ -367,6 +369,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec = RunSpec(parse_config(args.config), tuple(int(s) for s in args.seeds.split("/")),
                        tuple(int(s) for s in args.checkpoints.split("/")), "val")
         arms = stage_a() if args.cmd == "tune-a" else stage_b(args.grpo_lr, args.ppo_lr)
+        if getattr(args, "families", None):
+            wanted = set(args.families.split(","))
+            unknown = wanted - {a.family for a in arms}
+            if unknown:
+                raise SystemExit(f"--families: unknown {sorted(unknown)}")
+            arms = [a for a in arms if a.family in wanted]
         run_stage(spec, arms, args.out, jobs=args.jobs)
         sel = write_selection(args.out)
         print(json.dumps({f: s["chosen"] for f, s in sel.items()}))
