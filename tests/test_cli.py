@@ -173,3 +173,76 @@ def test_bad_argument_in_a_fresh_process_fails_fast_without_traceback(tmp_path: 
         assert proc.returncode == 2 and proc.stderr.startswith(DEMO_USAGE), proc.stderr
         assert "Traceback" not in proc.stderr and proc.stdout == ""
         assert time.perf_counter() - start < 60
+
+
+def test_empty_out_is_refused_not_the_current_folder(no_work: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--out ""`` would write into the current folder: a usage error naming --out (issue 24)."""
+    err = refused(["demo", "--out", ""], capsys)
+    assert "argument --out: must name a folder" in err and not any(no_work.iterdir())
+    assert cli.main(["compare", "--out", " "]) == 2
+    err = capsys.readouterr().err
+    assert "argument --out: must name a folder" in err and "Traceback" not in err
+
+
+def test_mask_errors_name_the_option_as_typed(no_work: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--mu-b -1`` names ``--mu-b``, never the config field behind it."""
+    for option in ("--mu-b", "--mu-v", "--max-frac-v"):
+        err = refused(["demo", option, "-1"], capsys)
+        assert f"argument {option}: must be" in err and "entropy_disc." not in err, err
+
+
+def test_threads_above_the_cores_warn(monkeypatch: pytest.MonkeyPatch, no_work: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    calls: list[runner.DemoOptions] = []
+    monkeypatch.setattr(runner, "run_demo", calls.append)
+    monkeypatch.setattr(cli.os, "cpu_count", lambda: 2)
+    assert cli.main(["demo", "--quick", "--threads", "64", "--out", str(no_work / "o")]) == 0
+    assert "warning: --threads 64 is more than this machine's 2 CPU cores" in capsys.readouterr().err
+    assert cli.main(["demo", "--quick", "--threads", "2", "--out", str(no_work / "o")]) == 0
+    assert "warning" not in capsys.readouterr().err and len(calls) == 2
+
+
+def test_compare_render_only_without_saved_runs_is_a_usage_error(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "missing"
+    assert cli.main(["compare", "--render-only", "--out", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: entropy-discriminator compare") and "Traceback" not in err
+    assert f"argument --out: {missing} holds no meta.json or results.json" in err and not missing.exists()
+
+
+def test_compare_help_shows_its_default_preset_and_no_gpu_preset(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["compare", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "95%%" not in text and "95% CI" in text
+    assert "{smoke,full}" in text and "smoke (the default)" in text and "gpu" not in text.lower()
+
+
+def test_compare_says_when_it_writes_no_png(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Without matplotlib, ``compare`` says up front that it writes no PNG (it used to skip them silently)."""
+    from entropy_discriminator.demo import compare
+
+    monkeypatch.setattr(compare, "plots_available", lambda: False)
+    monkeypatch.setattr(compare, "render", lambda out, log: {})
+    lines: list[str] = []
+    compare.run_compare(compare.CompareOptions(out=tmp_path, render_only=True), log=lines.append)
+    assert lines and "matplotlib is not installed, so no PNG plots are written" in lines[0]
+
+
+def test_one_demo_time_in_cli_readme_and_docs(capsys: pytest.CaptureFixture[str]) -> None:
+    """The demo's run time is stated once, the same way, in the CLI help, README and docs/demo.md."""
+    assert cli.main(["--help"]) == 0
+    top = " ".join(capsys.readouterr().out.split())
+    root = Path(__file__).resolve().parents[1]
+    for text in (top, (root / "README.md").read_text(), (root / "docs" / "demo.md").read_text()):
+        flat = " ".join(text.split())
+        assert "about a minute on 2" in flat
+        assert not any(s in flat for s in ("1-2 minutes", "five minutes", "a few minutes"))
+
+
+def test_default_output_folders_are_git_ignored() -> None:
+    root = Path(__file__).resolve().parents[1]
+    ignored = set((root / ".gitignore").read_text().split())
+    defaults = {*cli.DEMO_DEFAULT_OUT.values(), cli.build_parser()._subparsers._group_actions[0].choices["compare"]
+                .get_default("out")}
+    assert {f"/{Path(d).parts[0]}/" for d in defaults} <= ignored

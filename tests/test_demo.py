@@ -220,3 +220,13 @@ def test_demo_plot_tells_the_arms_apart(tmp_path: Path) -> None:
     for ax, arm in zip(fig.axes[2:], curves):
         r = pearson([c["pred_dH"] for c in curves[arm]], [c["real_dH"] for c in curves[arm]])
         assert ax.get_title() == f"{arm}: dH prediction vs realised, r = {r:.2f}" and len(ax.collections) == 1
+
+
+def test_dh_correlation_range_in_the_text_is_the_tables() -> None:
+    """README and docs/demo.md quote the network's dH corr range as the CPU table has it (issue 24: 0.45 vs 0.444)."""
+    root = Path(__file__).resolve().parents[1]
+    with open(root / "docs" / "demo_cpu" / "demo_summary.csv") as f:
+        corr = [float(r["dH_corr"]) for r in csv.DictReader(f) if r["dH_corr"] not in ("", "nan")]
+    low, high = f"{min(corr):.2f}", f"{max(corr):.2f}"
+    assert f"r = {low}-{high}" in (root / "README.md").read_text()
+    assert f"r = {low}–{high}" in (root / "docs" / "demo.md").read_text()
