@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ._checks import (
     DataChecks,
@@ -96,8 +97,8 @@ class AutopilotResult:
 
     ``entropy``: measured batch-mean token entropy ``H_t`` (nats/token, NaN when not given or no
     valid token); ``target_entropy``: ``H*_t`` of the law (NaN outside the controller);
-    ``target_dh``: the desired change of this step; ``predicted_dh_before`` / ``_after``: ``P_0``
-    and ``P(D)`` of the module docstring.
+    ``target_dh``: the desired change of this step (NaN for an empty batch);
+    ``predicted_dh_before`` / ``_after``: ``P_0`` and ``P(D)`` of the module docstring.
     """
 
     mask: MaskResult
@@ -248,7 +249,7 @@ def _select(
     idx = torch.nonzero(flat).reshape(-1)
     n_local = idx.numel() if limit is None else min(limit, idx.numel())
     sizes = all_gather_cat(torch.tensor([[flat.numel(), n_local, idx.numel()]], device=idx.device), process_group)
-    rank = 0 if process_group is None else torch.distributed.get_rank(process_group)
+    rank = 0 if process_group is None else dist.get_rank(process_group)
     offset = int(sizes[:rank, 0].sum())
     k_pad, n_cand = int(sizes[:, 1].max()), int(sizes[:, 2].sum())
     limit = n_cand if limit is None else min(limit, n_cand)
@@ -256,7 +257,8 @@ def _select(
     position = idx + offset
     score = -c.reshape(-1)[idx]  # > 0: how much dropping the token raises the prediction
     order = _lexsort_desc(score, position)[:n_local]
-    rows = torch.stack([score[order], position[order].to(torch.float64), pos.reshape(-1)[idx[order]].to(torch.float64)], 1)
+    is_pos = pos.reshape(-1)[idx[order]].to(torch.float64)
+    rows = torch.stack([score[order], position[order].to(torch.float64), is_pos], 1)
     if k_pad > n_local:
         filler = torch.tensor([[-math.inf, _NO_POSITION, 0.0]], dtype=torch.float64, device=rows.device)
         rows = torch.cat([rows, filler.expand(k_pad - n_local, 3)])
@@ -272,7 +274,8 @@ def _select(
     n_drop_pos = int(chosen[:, 2].sum())
     capped = not met and n_cand > limit
     after = float(predicted[j - 1]) if j else p0
-    return _result(dropped.reshape(valid_b.shape), n, n_pos, n_neg, j, n_drop_pos, capped, h, h_target, target, p0, after)
+    dropped = dropped.reshape(valid_b.shape)
+    return _result(dropped, n, n_pos, n_neg, j, n_drop_pos, capped, h, h_target, target, p0, after)
 
 
 def _result(
@@ -289,6 +292,7 @@ def _result(
     before: float,
     after: float,
 ) -> AutopilotResult:
+    """An :class:`AutopilotResult` whose ``MaskResult`` keeps every token but ``dropped`` (counts are global)."""
     mask = MaskResult(
         keep=~dropped, method="autopilot", center=0.0, std=0.0, lower=-math.inf, upper=math.inf,
         n_valid=int(n), n_valid_pos=int(n_pos), n_valid_neg=int(n_neg), n_clipped=n_drop,
@@ -371,6 +375,7 @@ class EntropyAutopilot:
         return h_start + (self.target_entropy - h_start) * (min(step, self.decay_steps) / self.decay_steps)
 
     def _law(self, h: float) -> tuple[float, float]:
+        """``(H*_t, target_dh_t)`` of the class docstring for the measured ``H_t = h`` (``H_0 = h`` on the first batch)."""
         h_start = h if self.h_start is None else self.h_start
         now, nxt = self.target_entropy_at(self.step_count, h_start), self.target_entropy_at(self.step_count + 1, h_start)
         desired = (nxt - now) - self.gain * (h - now)

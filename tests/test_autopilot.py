@@ -90,10 +90,10 @@ _KW = dict(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
-    data=st.data(), b=st.integers(1, 4), t=st.integers(1, 5), per_token=st.booleans(), with_ratio=st.booleans(),
-    target=st.integers(-40, 40), **_KW,
+    data=st.data(), b=st.integers(1, 5), t=st.integers(1, 6), per_token=st.booleans(), with_ratio=st.booleans(),
+    target=st.integers(-4, 40), **_KW,
 )  # fmt: skip
 def test_selection_equals_reference_on_dyadic_data(data, b, t, per_token, with_ratio, target, lr, max_frac, sides, form):
     """Dyadic values: every sum is exact, so the reference and the module agree bit for bit, ties included."""
@@ -105,7 +105,8 @@ def test_selection_equals_reference_on_dyadic_data(data, b, t, per_token, with_r
     ratio = None
     if with_ratio:
         ratio = torch.tensor([0.5, 1.0, 1.5, 2.0], dtype=torch.float64)[torch.tensor(ints(0, 3, b * t))].reshape(b, t)
-    kw = dict(lr=lr, target_dh=target / 32, max_frac=max_frac, sides=sides, form=form)
+    p0 = ed.batch_entropy_change(a, s, valid, lr=lr, ratio=ratio, form=form)
+    kw = dict(lr=lr, target_dh=p0 + target / 64, max_frac=max_frac, sides=sides, form=form)  # a target near P_0
     _compare(s, a, valid, ratio, kw, exact=True)
 
 
@@ -202,6 +203,9 @@ def test_law_gives_the_documented_target(kwargs, entropies, want):
         metrics = res.metrics()
         assert metrics[AUTOPILOT_PREFIX + "target_dh"] == res.target_dh
         assert metrics[AUTOPILOT_PREFIX + "dropped_frac"] == res.mask.n_clipped / 24
+        monitored = ed.EntropyMonitor()(entropy=ent, valid=torch.ones(4, 6), mask=res.mask)  # a MaskResult the monitor reads
+        assert monitored["entropy_disc/clip/n_clipped"] == res.mask.n_clipped
+        assert "entropy_disc/clip/threshold_low" not in monitored
 
 
 # ---- tabular softmax dynamics: the first-order law holds to O(eta^2) -----------------------------
