@@ -6,6 +6,8 @@ the engine offers there:
 
 * ``bf16``: bf16 parameters and ``autocast(bf16)`` (what FSDP's ``MixedPrecision(param_dtype=bf16)``
   hands the forward: parameters cast to bf16, verl's ``forward_step`` under autocast);
+* ``fp16``: ``mixed_precision.param_dtype=fp16`` (verl adds its gradient scaler): fp16 parameters and
+  ``autocast(fp16)``;
 * ``fp32_autocast``: fp32 parameters under ``autocast(bf16)`` (the engine's ``_autocast_dtype`` is
   bf16, the weights stay fp32: the matmuls, LM head included, run in bf16, norms in fp32);
 * ``fp32``: ``mixed_precision.param_dtype=fp32`` (verl skips autocast), fp32 parameters;
@@ -33,7 +35,8 @@ Clip_V at mu = 1.0, so that each clips between 3% and 60% of the ~880 response t
 drawn tokens have S* near 0 with a long upper tail).  On the previous adapter (``S*`` from verl's
 bf16 log-probs / entropy, ``E_p[S]`` from unrounded fp32 logits on the fused path) the eight bf16
 cases fail: ``S*`` off by up to 0.27 sigma and ``S_c`` by up to 0.12 sigma, and 1-3 mask
-differences in six of them; the fp32 cases pass on both.
+differences in six of them; the four fp16 cases fail too (``S*`` 0.02 sigma, ``S_c`` 0.015 sigma,
+one mask difference); the fp32 cases pass on both.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ MU = {"clip_b": 0.5, "clip_v": 1.0}
 #: set-up -> (parameter dtype, the engine's autocast dtype)
 SETUPS = {
     "bf16": (torch.bfloat16, torch.bfloat16),
+    "fp16": (torch.float16, torch.float16),
     "fp32_autocast": (torch.float32, torch.bfloat16),
     "fp32": (torch.float32, torch.float32),
 }
@@ -215,8 +219,8 @@ def _padded(nested_values, response_mask):
 def _within_rounding(got: torch.Tensor, framework: torch.Tensor, valid: torch.Tensor) -> None:
     """``got`` (fp32, the adapter's) equals ``framework`` (verl's output) to verl's output rounding."""
     ours, theirs = got.double()[valid], framework.double()[valid]
-    if framework.dtype == torch.bfloat16:  # one bf16 ulp (8 significant bits): <= 2^-7 |x|
-        bound = theirs.abs() * 2.0**-7 + 1e-6
+    if framework.dtype in (torch.bfloat16, torch.float16):  # one ulp: <= eps |x| (bf16 2^-7, fp16 2^-10)
+        bound = theirs.abs() * torch.finfo(framework.dtype).eps + 1e-6
         assert bool(((ours - theirs).abs() <= bound).all()), float(((ours - theirs).abs() / bound).max())
     else:
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
@@ -251,11 +255,11 @@ def test_statistics_are_those_of_verls_own_distribution(gloo, monkeypatch, setup
     outputs = {"logp": (verl_logp_pad, verl_logp.values().dtype, ref[0])}
     if not fused:  # the fused kernel rounds its entropy to the logits' dtype, also where it stores it in fp32
         outputs["entropy"] = (verl_h_pad, verl_h.values().dtype, ref[1])
-    assert any(dtype == torch.float32 for _, dtype, _ in outputs.values()) or (setup != "fp32" and not remove_padding)
+    assert any(dtype == torch.float32 for _, dtype, _ in outputs.values()) or (setup not in ("fp32",) and not remove_padding)
     for name, (value, dtype, want) in outputs.items():
         if dtype == torch.float32:
             torch.testing.assert_close(value.double()[valid], want[valid], rtol=2e-6, atol=2e-6)
-        elif name == "logp":  # verl's bf16 entropy is bf16 arithmetic (softmax, product, sum), not a rounding
+        elif name == "logp":  # verl's half-precision entropy is bf16/fp16 arithmetic (softmax, product, sum)
             _within_rounding(want, value.to(dtype), valid)
 
     # the adapter's logp is verl's own per-token log-prob, to verl's output rounding
