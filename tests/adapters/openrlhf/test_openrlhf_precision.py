@@ -10,7 +10,8 @@ on a CPU-only machine only with every CUDA call redirected process-wide
 (``tests/gpu/openrlhf_step_on_cpu.py``, ``benchmarks/openrlhf_step.py --smoke``), which a pytest
 process shared with other tests cannot take, so this test reproduces exactly the dtype flow the
 bf16 engine gives the forward, bf16 module weights, with the real OpenRLHF ``Actor`` (the engine
-only wraps that module and casts it to bf16); fp32 weights are the control.
+only wraps that module and casts it to bf16); likewise fp16 weights for ``--ds.param_dtype fp16``;
+fp32 weights are the control.
 
 The reference is OpenRLHF's own distribution, captured inside its call: the model's logits (a
 forward hook), then ``.float() / T`` in fp32 as OpenRLHF does, then float64 arithmetic. That the
@@ -92,7 +93,7 @@ def _openrlhf_rows(logits: torch.Tensor, attention_mask: torch.Tensor, packing: 
 
 
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["ds_bf16", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["ds_bf16", "ds_fp16", "fp32"])
 def test_statistics_are_those_of_openrlhfs_own_distribution(monkeypatch, dtype, packing):
     actor = _actor(dtype, packing)
     experience = rollout_batch(11, n=24, prompt_len=6, max_resp=40)
