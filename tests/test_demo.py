@@ -194,7 +194,7 @@ def test_without_matplotlib_says_how_to_install_and_still_writes_csv(
     monkeypatch.setattr(runner, "have_matplotlib", lambda: False)
     buf = io.StringIO()
     result = runner.run_demo(runner.DemoOptions(out=tmp_path, quick=True, steps=3, device="cpu"), stream=buf)
-    assert 'pip install "entropy-discriminator[plot]"' in buf.getvalue()
+    assert 'from the repository root with: pip install -e ".[plot]"' in buf.getvalue()
     assert not (tmp_path / "demo.png").exists() and "png" not in result["files"]
     with (tmp_path / "demo_steps.csv").open() as f:
         assert len(list(csv.DictReader(f))) == 3 * 3
