@@ -322,6 +322,22 @@ def write_selection(run_dir: Path) -> dict[str, dict[str, object]]:
     return sel
 
 
+def main_arms(selections: Sequence[dict[str, dict[str, object]]], grpo_lr: float, ppo_lr: float) -> list[Arm]:
+    """The main run's arms: the chosen setting of every family in ``selections`` (:func:`write_selection` outputs),
+    as defined by :func:`~entropy_discriminator.demo.tuning.stage_a` / ``stage_b(grpo_lr, ppo_lr)``, plus GRPO at
+    :func:`~entropy_discriminator.demo.tuning.second_lr` of the chosen GRPO rate (the frontier's second GRPO line).
+    A family with no chosen setting is left out (and reported as not reached)."""
+    by_name = {a.name: a for a in (*stage_a(), *stage_b(grpo_lr, ppo_lr))}
+    chosen = [str(s["chosen"]) for sel in selections for s in sel.values() if s["chosen"]]
+    arms = [by_name[n] for n in chosen]
+    grpo = next((a for a in arms if a.family == "grpo"), None)
+    if grpo is None or grpo.lr != grpo_lr:
+        raise ValueError(f"the selections must choose GRPO at lr {grpo_lr:g}, got {grpo}")
+    second = second_lr(grpo.lr)
+    arms.append(Arm(f"grpo(lr={second:g})", "grpo_second_lr", lr=second))
+    return arms
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line of the protocol (see the module docstring)."""
     ap = argparse.ArgumentParser(prog="python -m entropy_discriminator.demo.protocol", description=__doc__,
@@ -358,6 +374,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             tp.add_argument("--ppo-lr", type=float, required=True)
             tp.add_argument("--families", default=None,
                             help="comma-separated subset of stage B's families (to split it over several calls)")
+    mp_ = sub.add_parser("main", help="the main run: the selected arms on evaluation seeds and test prompts")
+    mp_.add_argument("--config", default="")
+    mp_.add_argument("--selection", action="append", type=Path, required=True, help="selection.json of a tuning stage")
+    mp_.add_argument("--grpo-lr", type=float, required=True)
+    mp_.add_argument("--ppo-lr", type=float, required=True)
+    mp_.add_argument("--seeds", required=True)
+    mp_.add_argument("--checkpoints", default="0/10/20/30/40/60/80/100/125/150/200")
+    mp_.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    mp_.add_argument("--out", type=Path, required=True)
     sp = sub.add_parser("select", help="apply the pre-registered selection rule to a tuning folder")
     sp.add_argument("dir", type=Path)
     rp = sub.add_parser("report", help="endpoints, paired tests with Holm, frontier figures of a run folder")
@@ -381,6 +406,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "tune-a" and sel["grpo"]["chosen"]:
             lr = next(a.lr for a in stage_a() if a.name == sel["grpo"]["chosen"])
             print(f"frontier's second GRPO lr: {second_lr(lr):g}")
+    if args.cmd == "main":
+        spec = RunSpec(parse_config(args.config), tuple(int(s) for s in args.seeds.split("/")),
+                       tuple(int(s) for s in args.checkpoints.split("/")), "test")
+        sels = [json.loads(p.read_text()) for p in args.selection]
+        run_stage(spec, main_arms(sels, args.grpo_lr, args.ppo_lr), args.out, jobs=args.jobs)
     if args.cmd == "select":
         print(json.dumps({f: s["chosen"] for f, s in write_selection(args.dir).items()}))
     if args.cmd == "report":

@@ -62,15 +62,16 @@ def tuning_score(runs: Sequence[dict], temperature: float = 0.7, delta: float = 
 
 def select(runs: Sequence[dict]) -> dict[str, dict[str, object]]:
     """Per family, the setting with the highest :func:`tuning_score` at delta 0.04; if no setting of the family
-    reaches it on every seed, the highest score at delta 0.02; if none reaches that either, ``None``.  Returns
+    reaches it on every seed, the highest score at delta 0.02; if none reaches that either, ``None``.  Ties go to
+    the lexicographically first setting name.  Returns
     ``{family: {"chosen": name or None, "rule": ..., "scores": {name: {"d0.04", "d0.02", "control_frac"}}}}``."""
     fams: dict[str, dict[str, list[dict]]] = {}
     for r in runs:
         fams.setdefault(r["family"], {}).setdefault(r["arm"], []).append(r)
     out: dict[str, dict[str, object]] = {}
-    for fam, settings in fams.items():
+    for fam, settings in sorted(fams.items()):
         scores = {}
-        for name, rs in settings.items():
+        for name, rs in sorted(settings.items()):
             recs = [x for r in rs for x in r["records"]]
             scores[name] = {"d0.04": tuning_score(rs, delta=0.04), "d0.02": tuning_score(rs, delta=0.02),
                             "control_frac": sum(x["control_frac"] for x in recs) / max(len(recs), 1)}
