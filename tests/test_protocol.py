@@ -1,0 +1,241 @@
+"""The head-to-head protocol of issue 21: matched-Avg interpolation, Holm, paired t, unbiased Pass@K, the task's
+uniform targets, the warm-up identity with the compare harness, and an end-to-end smoke run on a tiny preset."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from entropy_discriminator.demo.compare import CompareConfig, warm_up
+from entropy_discriminator.demo.countdown import CountdownTask, pass_at_k
+from entropy_discriminator.demo.headtohead import Arm, heldout_sets, warm_up_checkpoints
+from entropy_discriminator.demo.protocol import (
+    RunSpec,
+    endpoints,
+    main_arms,
+    parse_arm,
+    parse_config,
+    primary_keys,
+    report,
+    run_stage,
+    write_selection,
+)
+from entropy_discriminator.demo.stats_tests import holm, paired_test, t_quantile_975, t_two_sided_p, value_at_level
+from entropy_discriminator.demo.tuning import SETTINGS_PER_FAMILY, stage_a, stage_b
+
+# ------------------------------------------------------------------------------------------ matched-Avg reading
+
+
+def test_value_at_level_hand_case() -> None:
+    avgs, vals = [0.20, 0.18, 0.25, 0.30], [1.0, 0.9, 0.5, 0.2]
+    # first crossing of 0.22 is between (0.18, 0.9) and (0.25, 0.5): 0.9 + (0.04 / 0.07) * (-0.4)
+    assert value_at_level(avgs, vals, 0.22) == pytest.approx(0.9 - 0.4 * 4 / 7)
+    assert value_at_level(avgs, vals, 0.30) == pytest.approx(0.2)  # reached exactly at the last checkpoint
+    assert value_at_level(avgs, vals, 0.19) == 1.0  # the start is already at the level
+    assert math.isnan(value_at_level(avgs, vals, 0.31))  # never reached
+    with pytest.raises(ValueError):
+        value_at_level([0.1], [0.2, 0.3], 0.1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    steps=st.lists(st.floats(0.001, 1.0), min_size=2, max_size=12),
+    start=st.floats(0.0, 0.5),
+    alpha=st.floats(-1.0, 1.0),
+    beta=st.floats(-2.0, 2.0),
+    frac=st.floats(0.0, 1.0),
+)
+def test_value_at_level_monotone_curves(steps: list[float], start: float, alpha: float, beta: float, frac: float) -> None:
+    """On a strictly increasing Avg curve with values linear in Avg, the reading is exact at any reachable level;
+    and it always lies between the values of the two bracketing checkpoints."""
+    avgs = [start]
+    for s in steps:
+        avgs.append(avgs[-1] + s)
+    vals = [alpha + beta * a for a in avgs]
+    level = avgs[0] + frac * (avgs[-1] - avgs[0])
+    got = value_at_level(avgs, vals, level)
+    assert got == pytest.approx(alpha + beta * level, abs=1e-9)
+    j = next(i for i, a in enumerate(avgs) if a >= level)
+    lo, hi = sorted((vals[max(j - 1, 0)], vals[j]))
+    assert lo - 1e-12 <= got <= hi + 1e-12
+    assert math.isnan(value_at_level(avgs, vals, avgs[-1] + 1e-3))
+
+
+# ------------------------------------------------------------------------------------------------- Holm, t-test
+
+
+def holm_reference(p: list[float]) -> list[float]:
+    """Holm by the textbook definition, one hypothesis at a time: with the m finite p-values sorted ascending, the
+    adjusted value of the i-th smallest is min(1, max over j <= i of (m - j + 1) * p_(j))."""
+    finite = [i for i in range(len(p)) if not math.isnan(p[i])]
+    order = sorted(finite, key=lambda i: (p[i], i))
+    m = len(order)
+    out = [math.nan] * len(p)
+    for rank, i in enumerate(order, start=1):
+        best = 0.0
+        for j in range(1, rank + 1):
+            best = max(best, (m - j + 1) * p[order[j - 1]])
+        out[i] = min(1.0, best)
+    return out
+
+
+def test_holm_hand_case() -> None:
+    # m = 4: sorted 0.01, 0.02, 0.03, 0.04 -> 0.04, 0.06, 0.06, 0.06
+    assert holm([0.03, 0.01, 0.04, 0.02]) == pytest.approx([0.06, 0.04, 0.06, 0.06])
+    got = holm([0.5, math.nan, 0.01])
+    assert got[0] == pytest.approx(0.5) and math.isnan(got[1]) and got[2] == pytest.approx(0.02)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.floats(0.0, 1.0), st.just(math.nan)), min_size=0, max_size=30))
+def test_holm_matches_reference(p: list[float]) -> None:
+    got, ref = holm(p), holm_reference(p)
+    assert len(got) == len(p)
+    for g, r in zip(got, ref):
+        assert (math.isnan(g) and math.isnan(r)) or g == pytest.approx(r, abs=1e-12)
+    # Holm never lowers a p-value and rejects a subset of what the unadjusted test rejects
+    assert all(math.isnan(x) or g >= x - 1e-15 for g, x in zip(got, p))
+
+
+def test_t_distribution_values() -> None:
+    assert t_quantile_975(1) == pytest.approx(12.7062047, abs=1e-6)
+    assert t_quantile_975(9) == pytest.approx(2.2621572, abs=1e-6)
+    assert t_two_sided_p(2.2621572, 9) == pytest.approx(0.05, abs=1e-7)
+    assert t_two_sided_p(0.0, 5) == pytest.approx(1.0)
+    scipy_stats = pytest.importorskip("scipy.stats")
+    for df in (1, 3, 9, 29):
+        for t in (0.3, 1.7, 4.0):
+            assert t_two_sided_p(t, df) == pytest.approx(2 * scipy_stats.t.sf(t, df), abs=1e-10)
+
+
+def test_paired_test_hand_case() -> None:
+    # differences 1, 2, 3: mean 2, sd 1, se 1/sqrt(3), t = 2 sqrt(3) on 2 df
+    res = paired_test([2.0, 4.0, 6.0, math.nan], [1.0, 2.0, 3.0, 0.0])
+    assert res.n == 3 and res.mean == pytest.approx(2.0)
+    assert res.ci95 == pytest.approx(4.30265273 / math.sqrt(3), abs=1e-6)
+    assert res.p == pytest.approx(t_two_sided_p(2 * math.sqrt(3), 2))
+    assert 0.05 < res.p < 0.1
+    assert math.isnan(paired_test([1.0], [0.0]).p)
+
+
+# -------------------------------------------------------------------------------------------------- Pass@K, task
+
+
+def test_unbiased_pass_at_k() -> None:
+    n = 8
+    c = torch.arange(n + 1)
+    for k in (1, 2, 5, 8):
+        ref = [1.0 - math.comb(n - ci, k) / math.comb(n, k) for ci in range(n + 1)]
+        assert pass_at_k(n, c, k).tolist() == pytest.approx(ref, abs=1e-12)
+    assert pass_at_k(4, torch.tensor([1]), 2).item() == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2)
+    assert pass_at_k(n, c, 1).tolist() == pytest.approx([ci / n for ci in range(n + 1)])  # Pass@1 = c / n
+
+
+def test_uniform_targets_cover_every_achievable_sum() -> None:
+    task = CountdownTask(n_numbers=3, targets="uniform")
+    x = torch.tensor([[1, 2, 4]]).repeat(6000, 1)
+    t = task._uniform_targets(x, torch.Generator().manual_seed(0))
+    achievable = set((x[0] @ task.all_coefficients().T).tolist())
+    counts = torch.bincount(t + 21)
+    assert set(t.tolist()) == achievable  # every achievable sum, nothing else (1, 2, 4: all of -7..7)
+    share = counts[counts > 0].double() / len(t)
+    assert float(share.max() - share.min()) < 0.03  # uniform: 15 values, 1/15 each
+    xs, ts = CountdownTask(n_numbers=5, targets="uniform").sample(300, torch.Generator().manual_seed(1), split="train")
+    assert bool((CountdownTask(n_numbers=5).n_solutions(xs, ts) >= 1).all())
+    with pytest.raises(ValueError):
+        CountdownTask(targets="nope")
+
+
+def test_heldout_sets_are_disjoint_and_held_out() -> None:
+    task = CountdownTask(n_numbers=5, targets="uniform")
+    (xt, tt), (xv, tv) = heldout_sets(task, 50, 60)
+    assert len(tt) == 50 and len(tv) == 60
+    assert bool(task.is_eval(xt, tt).all()) and bool(task.is_eval(xv, tv).all())
+    test_keys = {(*a.tolist(), int(b)) for a, b in zip(xt, tt)}
+    val_keys = [(*a.tolist(), int(b)) for a, b in zip(xv, tv)]
+    assert len(set(val_keys)) == 60 and not test_keys & set(val_keys)
+
+
+def test_warm_up_checkpoints_matches_compare_warm_up() -> None:
+    cfg = replace(CompareConfig(d_model=16), warmup_steps=6, warmup_batch=16)
+    seen: list[int] = []
+    mine = warm_up_checkpoints(cfg, 3, (2, 6), lambda step, state: seen.append(step))
+    ref = warm_up(cfg, 3, torch.device("cpu"))
+    assert seen == [2, 6]
+    assert all(torch.equal(mine[k], ref[k]) for k in ref)
+
+
+# --------------------------------------------------------------------------------------------- arms and tuning
+
+
+def test_parse_helpers() -> None:
+    arm = parse_arm("v@clip_v:mask=clip_v,mu=1.5,cap=none,lr=3e-4")
+    assert (arm.family, arm.mask, arm.mu, arm.cap, arm.lr) == ("clip_v", "clip_v", 1.5, None, 3e-4)
+    assert parse_config("d_model=32,targets=uniform,warmup_steps=7").task().targets == "uniform"
+    with pytest.raises(ValueError):
+        parse_config("nope=1")
+    with pytest.raises(ValueError):
+        Arm("x", "x", mask="clip_b", loss="kl_cov")
+
+
+def test_tuning_grids_give_every_family_the_same_budget() -> None:
+    arms = [*stage_a(), *stage_b(3e-4, 1e-3)]
+    fams: dict[str, int] = {}
+    for a in arms:
+        fams[a.family] = fams.get(a.family, 0) + 1
+    assert len(fams) == 11 and set(fams.values()) == {SETTINGS_PER_FAMILY}
+    assert len({a.name for a in arms}) == len(arms)
+    assert all(a.lr == 3e-4 for a in stage_b(3e-4, 1e-3) if a.estimator == "grpo")
+
+
+def test_main_arms_adds_the_second_grpo_lr() -> None:
+    sel = [{"grpo": {"chosen": "grpo(lr=0.0003)"}, "ppo": {"chosen": "ppo(lr=0.001)"}},
+           {"clip_b": {"chosen": "clip_b(mu=1.5)"}, "kl_cov": {"chosen": None}}]
+    arms = main_arms(sel, 3e-4, 1e-3)
+    assert [a.name for a in arms] == ["grpo(lr=0.0003)", "ppo(lr=0.001)", "clip_b(mu=1.5)", "grpo(lr=0.001)"]
+    with pytest.raises(ValueError):
+        main_arms(sel, 1e-3, 1e-3)
+
+
+def test_endpoints_of_a_synthetic_run() -> None:
+    def cp(step: int, avg: float, p64: float) -> dict:
+        ev = {"avg": avg, "pass": {"16": p64 - 0.1, "64": p64}}
+        return {"step": step, "T0.7": ev, "T1.0": ev}
+
+    run = {"checkpoints": [cp(0, 0.20, 1.0), cp(10, 0.21, 0.9), cp(20, 0.23, 0.7), cp(30, 0.22, 0.6)]}
+    e = endpoints(run)
+    assert e["T0.7/d0.02/pass@64"] == pytest.approx(0.9 + 0.5 * (0.7 - 0.9))  # 0.22 halfway from 0.21 to 0.23
+    assert math.isnan(e["T0.7/d0.04/pass@64"])
+    assert e["T0.7/final/pass@64"] == 0.6 and e["T0.7/best/avg"] == 0.23 and e["T0.7/best/pass@64"] == 0.7
+    assert set(primary_keys()) <= set(e)
+
+
+# ---------------------------------------------------------------------------------------------- end-to-end smoke
+
+
+def test_protocol_smoke(tmp_path: Path) -> None:
+    """Warm-up, three arms x two seeds with checkpoints, selection and the report, on a tiny preset (seconds)."""
+    cfg = parse_config("d_model=16,n_heads=2,warmup_steps=20,warmup_batch=32,prompts_per_step=4,group_size=4,targets=uniform")
+    spec = RunSpec(cfg, (100, 101), (0, 1, 3), "val", n_prompts=6, samples=64)
+    arms = [Arm("grpo(lr=0.001)", "grpo"), Arm("clip_b(mu=1)", "clip_b", mask="clip_b", mu=1.0),
+            Arm("ppo(lr=0.001)", "ppo", estimator="ppo", baseline="ppo")]
+    run_stage(spec, arms, tmp_path, jobs=1, log=lambda s: None)
+    runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    starts = [json.loads(line) for line in (tmp_path / "starts.jsonl").read_text().splitlines()]
+    assert len(runs) == 6 and len(starts) == 2
+    for r in runs:
+        assert [c["step"] for c in r["checkpoints"]] == [0, 1, 3] and len(r["records"]) == 3
+        start = next(s["start"] for s in starts if s["seed"] == r["seed"])
+        assert r["checkpoints"][0]["T0.7"] == start["T0.7"]  # checkpoint 0 is the shared start (same stream)
+        assert 0.0 <= r["checkpoints"][-1]["T1.0"]["pass"]["64"] <= 1.0
+    sel = write_selection(tmp_path)
+    assert set(sel) == {"grpo", "clip_b", "ppo"} and (tmp_path / "selection.md").is_file()
+    text = report(tmp_path, [("clip_b(mu=1)", "grpo(lr=0.001)")], name="smoke")
+    assert "primary (T = 0.7): 4 tests" in text and (tmp_path / "smoke.json").is_file()
