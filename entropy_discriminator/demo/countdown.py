@@ -76,7 +76,7 @@ class CountdownTask:
         got = 0
         while got < count:
             x = torch.randint(1, 10, (2 * count, self.n_numbers), generator=generator)
-            c = torch.randint(-1, 2, (2 * count, self.n_numbers), generator=generator)
+            c = torch.randint(-1, 2, (2 * count, self.n_numbers), generator=generator)  # drawn in both modes
             t = (c * x).sum(1) if self.targets == "coef" else self._uniform_targets(x, generator)
             is_eval = self.is_eval(x, t)
             keep = is_eval if split == "eval" else ~is_eval

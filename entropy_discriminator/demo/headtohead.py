@@ -157,7 +157,7 @@ def evaluate_at(
 
     Returns ``avg`` = ``sum_p c_p / (P n)``, ``pass`` = ``{K: mean_p (1 - C(n - c_p, K) / C(n, K))}`` for K in
     :data:`EVAL_KS` up to ``samples``, and ``correct`` = the counts ``c_p``.  ``chunk`` rows are sampled at a time
-    (small chunks run faster on one CPU core; the draws are the same for any chunk size only when it is fixed).
+    (small chunks run faster on one CPU core); the draws depend on ``chunk``, so it is fixed for a whole study.
     """
     x, t = prompts
     gen = torch.Generator().manual_seed(stream)
