@@ -167,12 +167,17 @@ def _from_hidden_torch(
     says), then :func:`token_stats`."""
     n, vocab = h2.shape[0], weight.shape[0]
     rows = chunk_size or max(1, _DEFAULT_CHUNK_ELEMENTS // vocab)
-    w32 = weight.float()
-    b32 = bias.float() if bias is not None else None
+    # Logits rounded to the inputs' own dtype come from the backend's GEMM in that dtype (fp32
+    # accumulation, one rounding): the op a framework computing its head in that dtype calls, so
+    # the rounded logits are bit for bit the framework's on the same device.  Otherwise fp32.
+    native = rounding.dtype is not None and rounding.dtype == h2.dtype
+    w32 = weight if native else weight.float()
+    b32 = None if bias is None else bias.to(w32.dtype)
     parts: list[TokenStats] = []
     with torch.no_grad():
         for lo in range(0, n, rows):
-            logits, temp = rounding.apply(torch.nn.functional.linear(h2[lo : lo + rows].float(), w32, b32), temperature)
+            h_rows = h2[lo : lo + rows] if native else h2[lo : lo + rows].float()
+            logits, temp = rounding.apply(torch.nn.functional.linear(h_rows, w32, b32), temperature)
             parts.append(
                 token_stats(
                     logits, labels[lo : lo + rows], temperature=temp, ignore_index=ignore_index,

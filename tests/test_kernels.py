@@ -457,3 +457,46 @@ def test_launcher_caches_after_tritons_path_and_steps_aside_for_hooks(monkeypatc
     launcher.fn.pre_run_hooks = [hook]
     launch()
     assert len(triton_calls) == 4 and len(direct_calls) == 2
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    n=st.integers(1, 40),
+    v=st.integers(2, 200),
+    logits_dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    scale=st.sampled_from([2.0**-6, 4.0]),  # flat and peaked rows
+    t_low=st.booleans(),
+    neg_inf=st.booleans(),
+    temperature=st.sampled_from([1.0, 0.7]),
+    persistent=st.sampled_from([0, 1]),
+)
+def test_fused_kernel_rounds_logits_as_the_reference(seed, n, v, logits_dtype, scale, t_low, neg_inf, temperature,
+                                                     persistent):
+    """``logits_dtype`` in the epilogue: float64 statistics of the rounded logits (fp16 inputs: the
+    interpreter does not emulate a bf16 tl.dot), at least as accurate as the chunked torch path."""
+    from rounding_reference import exact_problem, rounded_reference
+
+    from entropy_discriminator.hidden import token_stats_from_hidden
+
+    hid, w, b, labels = exact_problem(seed, n, 40, v, torch.float16, scale, neg_inf)
+    cfg = {"bm": 16, "bn": 32, "bk": 16, "group_m": 3, "persistent": persistent}
+    out = token_stats_fused_triton(hid.to(DEV), w.to(DEV), labels, b.to(DEV), temperature, -100, config=cfg,
+                                   logits_dtype=logits_dtype, temperature_in_logits_dtype=t_low)
+    naive = token_stats_from_hidden(hid, w, labels, bias=b, temperature=temperature, impl="torch",
+                                    logits_dtype=logits_dtype, temperature_in_logits_dtype=t_low)
+    ref = rounded_reference(hid, w, b, labels, temperature, logits_dtype, t_low)
+    for name in FIELDS:
+        err = float((getattr(out, name).cpu().double() - ref[name]).abs().max())
+        naive_err = float((getattr(naive, name).double() - ref[name]).abs().max())
+        assert err <= max(3e-5, 2 * naive_err), name
+    assert torch.equal(out.valid.cpu(), labels != -100) and not any(out.errors.tolist())
+
+
+def test_fused_kernel_bad_rounding_arguments():
+    hid = torch.zeros(2, 16, dtype=torch.float16, device=DEV)
+    labels = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="logits_dtype"):
+        token_stats_fused_triton(hid, hid, labels, None, 1.0, -100, logits_dtype=torch.float64)
+    with pytest.raises(ValueError, match="temperature_in_logits_dtype"):
+        token_stats_fused_triton(hid, hid, labels, None, 1.0, -100, temperature_in_logits_dtype=True)

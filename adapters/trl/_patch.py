@@ -185,7 +185,7 @@ def _logps(trainer: Any, state: AdapterState, original: Callable, model: Any, in
         out = original(trainer, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
     stats = stats_from_hidden(trainer, capture.hidden(), input_ids[:, -logits_to_keep:],
                               attention_mask[:, -logits_to_keep:].bool(), chunk_size=state.config.chunk_size,
-                              impl=state.config.impl)
+                              impl=state.config.impl, autocast_dtype=capture.autocast_dtype)
     if parked is None:
         state.captured = stats
     else:

@@ -8,11 +8,18 @@ training forward autograd keeps the tensor anyway), and :func:`stats_from_hidden
 :class:`~entropy_discriminator.TokenStats` with the core's :func:`token_stats_from_hidden`
 (``logits = hidden @ W.T + b`` divided by TRL's temperature, never materialised as [N, V]: a
 fused Triton kernel on CUDA, ``[chunk, V]`` fp32 slices elsewhere).
+
+Precision (docs/precision.md): the statistics are those of the logits TRL itself computes for its
+log-probs.  :func:`head_precision` reads, from the autocast state the capture recorded while the
+backbone ran, TRL's compute dtype, its rounding of the logits and where it divides by the
+temperature; :func:`stats_from_hidden` casts hidden and weight to that dtype (what autocast does)
+and asks the core to round as TRL rounds.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -59,10 +66,15 @@ class HiddenCapture:
     def __init__(self, module: torch.nn.Module, tokens: int) -> None:
         self.module, self.tokens = module, tokens
         self.parts: list[torch.Tensor] = []
+        #: the autocast dtype active while the backbone ran (None: autocast off); TRL's head runs
+        #: in the same autocast region as its backbone
+        self.autocast_dtype: torch.dtype | None = None
         self._handle: Any = None
 
     def _hook(self, _module: torch.nn.Module, _args: Any, output: Any) -> None:
         hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+        device = hidden.device.type
+        self.autocast_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         self.parts.append(hidden[:, -(self.tokens + 1) : -1].detach())
 
     def __enter__(self) -> HiddenCapture:
@@ -79,6 +91,57 @@ class HiddenCapture:
         return self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts, dim=0)
 
 
+class HeadPrecision(NamedTuple):
+    """How TRL forms the logits of its log-probs: ``L = round_{logits}(cast(hidden) @ cast(W).T + b)``
+    with fp32 accumulation, hidden and W cast to ``compute``; ``z = fp32(L) / T``, or
+    ``fp32(round_{logits}(L / T))`` when ``temperature_in_logits_dtype``."""
+
+    compute: torch.dtype
+    logits: torch.dtype | None
+    temperature_in_logits_dtype: bool
+
+
+def head_precision(trainer: Any, hidden_dtype: torch.dtype, weight_dtype: torch.dtype,
+                   autocast_dtype: torch.dtype | None) -> HeadPrecision:
+    """TRL's LM-head precision for one captured pass (docs/precision.md, TRL rows).
+
+    * 1.15+ fused head (``add_fused_lm_head``) and 1.14's ``use_liger_kernel`` chunked head: the
+      product in ``autocast_dtype`` when autocast is on, else in the hidden states' dtype (weight
+      cast to it), rounded to that dtype; fp32 with ``cast_lm_head_to_fp32`` (1.15+: autocast off,
+      hidden upcast).  The temperature multiplies the upcast fp32 logits.
+    * 1.14 full logits (``model(...).logits``): under autocast (accelerate's mixed precision) the
+      head's ``F.linear`` runs in ``autocast_dtype`` even after ``cast_lm_head_to_fp32`` (its fp32
+      forward is autocast too), and accelerate returns the logits upcast to fp32, so T divides in
+      fp32; without autocast the head runs in its weight's dtype and TRL's ``logits / T`` rounds
+      to that dtype again.
+    """
+    fp32_head = bool(getattr(trainer.args, "cast_lm_head_to_fp32", False))
+    if _fused_head():
+        compute = torch.float32 if fp32_head else (autocast_dtype or hidden_dtype)
+        return HeadPrecision(compute, _low(compute), False)
+    if getattr(trainer, "use_liger_kernel", False):
+        compute = autocast_dtype or hidden_dtype
+        return HeadPrecision(compute, _low(compute), False)
+    if autocast_dtype is not None:
+        return HeadPrecision(autocast_dtype, _low(autocast_dtype), False)
+    compute = torch.float32 if fp32_head else weight_dtype
+    low = _low(compute)
+    return HeadPrecision(compute, low, low is not None and float(trainer.temperature) != 1.0)
+
+
+@functools.cache
+def _fused_head() -> bool:
+    """Whether this TRL scores through ``add_fused_lm_head`` (1.15+) rather than full logits."""
+    import trl.trainer.utils as trl_utils
+
+    return hasattr(trl_utils, "add_fused_lm_head")
+
+
+def _low(dtype: torch.dtype) -> torch.dtype | None:
+    """The rounding a head computed in ``dtype`` applies to fp32-accumulated logits (None: fp32)."""
+    return None if dtype == torch.float32 else dtype
+
+
 def stats_from_hidden(
     trainer: Any,
     hidden: torch.Tensor,
@@ -87,22 +150,27 @@ def stats_from_hidden(
     *,
     chunk_size: int | None,
     impl: str,
+    autocast_dtype: torch.dtype | None = None,
 ) -> TokenStats:
-    """Statistics of ``completion_ids`` (B, T) from ``hidden`` (B, T, H), no grad.
+    """Statistics of ``completion_ids`` (B, T) from ``hidden`` (B, T, H), no grad, in TRL's precision.
 
-    ``z = (hidden @ W.T + b) / trainer.temperature`` per token, computed in the promoted dtype of
-    hidden and weight (a bf16 backbone under a float32 head, as with TRL's
-    ``cast_lm_head_to_fp32``, is upcast), with autocast off so that dtype holds; positions outside
-    ``valid`` (B, T) bool are ignored (zero, ``valid=False``).  Returns float32 (B, T) fields.
+    ``z`` as :class:`HeadPrecision` says (:func:`head_precision` from ``autocast_dtype``, the
+    autocast dtype active during TRL's pass or None): hidden, W and b cast to TRL's compute dtype,
+    ``hidden @ W.T + b`` accumulated in fp32 and rounded to it, divided by ``trainer.temperature``
+    as TRL divides.  A bf16 compute dtype takes the fused Triton kernel on CUDA (``impl="auto"``)
+    whatever the master weights' dtype.  Positions outside ``valid`` (B, T) bool are ignored
+    (zero, ``valid=False``).  Returns float32 (B, T) fields.
     """
     weight, bias = lm_head(trainer)
-    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    precision = head_precision(trainer, hidden.dtype, weight.dtype, autocast_dtype)
+    dtype = precision.compute
     hidden = hidden.to(device=weight.device, dtype=dtype)
     labels = completion_ids.to(weight.device).masked_fill(~valid.to(weight.device), -100)
     with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
         return token_stats_from_hidden(
             hidden, weight.to(dtype), labels, bias=None if bias is None else bias.to(dtype),
             temperature=float(trainer.temperature), chunk_size=chunk_size, impl=impl,
+            logits_dtype=precision.logits, temperature_in_logits_dtype=precision.temperature_in_logits_dtype,
         )
 
 

@@ -58,6 +58,16 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _round_bf16(x):
+    """fp32 -> nearest bf16 (ties to even) -> fp32, by integer ops on the bits (Triton's
+    interpreter truncates ``.to(tl.bfloat16)``; the GPU's cvt.rn rounds; this agrees with both the
+    GPU and torch).  inf stays inf, NaN stays NaN, finite values past bf16's range round to inf."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def _tile_epilogue(
     acc,
     pid_m,
@@ -89,9 +99,9 @@ def _tile_epilogue(
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn % V).to(tl.float32)[None, :]
     if ROUND == 1:
-        acc = acc.to(tl.bfloat16).to(tl.float32)
+        acc = _round_bf16(acc)
         if T_ROUND:
-            acc = (acc * inv_t).to(tl.bfloat16).to(tl.float32)
+            acc = _round_bf16(acc * inv_t)
     elif ROUND == 2:
         acc = acc.to(tl.float16).to(tl.float32)
         if T_ROUND:
