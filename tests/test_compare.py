@@ -136,3 +136,12 @@ def test_smoke_preset_end_to_end(tmp_path: Path):
     assert main(["compare", "--render-only", "--out", str(out)]) == 0
     again = json.loads((out / "results.json").read_text())
     assert {r["seed"] for r in again["runs"]} == {0} and len(again["runs"]) == len(arms)
+
+
+def test_report_does_not_import_the_runner_and_presets_are_named_for_what_they_are():
+    """compare_report.py no longer imports compare.py (they imported each other); no CPU preset is called "gpu"."""
+    code = ("import sys, entropy_discriminator.demo.compare_report as r; "
+            "assert 'entropy_discriminator.demo.compare' not in sys.modules, 'circle'; print(r.EVAL_KS)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "(1, 4, 16, 64)", proc.stderr
+    assert set(PRESETS) == {"smoke", "full"}
