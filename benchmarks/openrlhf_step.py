@@ -27,7 +27,9 @@ alike: ``off`` (the adapter not patched), ``monitor`` (``method=none``: statisti
 turn (its weights move by one lr-1e-6 step per arm and step).  Peak memory per arm:
 ``torch.cuda.max_memory_allocated`` over the arm's old-log-prob pass and update, reset before it
 (``peak_gib``; the engine, its optimizer state and its weights are allocated before and counted).
-Medians of steps 2..N.  Writes ``benchmarks/results/<card>/openrlhf_step.csv`` (or ``--out DIR``) and
+Medians of steps 2..N; the adapter's own time is also given against the stock step
+(``stats_pass_vs_off_pct``: its statistics pass, mask and metrics over ``off``'s ``total_s``).  Writes
+``benchmarks/results/<card>/openrlhf_step.csv`` (or ``--out DIR``) and
 prints a table with the ratios against ``off``.
 
     python -m benchmarks.openrlhf_step [--steps 4] [--arms off,monitor,clip_b,clip_v] [--response-len 512]
@@ -284,6 +286,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for r in rows:
         r["total_vs_off_pct"] = 100 * (r["total_s"] / base["total_s"] - 1) if base else math.nan
         r["update_vs_off_pct"] = 100 * (r["update_s"] / base["update_s"] - 1) if base else math.nan
+        r["stats_pass_vs_off_pct"] = 100 * r["stats_pass_s"] / base["total_s"] if base else math.nan
         r["peak_vs_off_pct"] = 100 * (r["peak_gib"] / base["peak_gib"] - 1) if base else math.nan
         r["card"], r["versions"] = card, versions
     out = ns.out or ROOT / "benchmarks" / "results" / ("cpu_smoke" if ns.smoke else card_dir(card))
@@ -298,11 +301,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"tokens, packed, micro-batches of {shape.micro}; {time.perf_counter() - started:.0f} s; "
           f"CSV {out / 'openrlhf_step.csv'}")
     print("| arm | old-log-prob s | update s | of which stats pass s | total s | total vs off | update vs off | "
-          "peak GiB | peak vs off | clip frac |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "stats pass vs off | peak GiB | peak vs off | clip frac |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['arm']} | {r['old_log_prob_s']:.4f} | {r['update_s']:.4f} | {r['stats_pass_s']:.4f} | "
               f"{r['total_s']:.4f} | {r['total_vs_off_pct']:+.1f}% | {r['update_vs_off_pct']:+.1f}% | "
+              f"{r['stats_pass_vs_off_pct']:.1f}% | "
               f"{r['peak_gib']:.2f} | {r['peak_vs_off_pct']:+.1f}% | {r['clip_frac_step1']:.4f} |")
     for r in rows:
         print(f"{r['arm']}: per-step totals {r['total_s_per_step']} s; step 1 policy_loss {r['policy_loss_step1']:.4e}")

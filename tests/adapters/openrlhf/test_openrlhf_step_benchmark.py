@@ -43,8 +43,9 @@ def test_smoke_benchmark_runs_every_arm(tmp_path):
         assert math.isfinite(float(r["policy_loss_step1"])), arm
         if arm == "off":  # stock OpenRLHF: no statistics pass, no metrics
             assert float(r["stats_pass_s"]) == 0.0 and int(r["n_valid_step1"]) == 0
-            assert float(r["total_vs_off_pct"]) == 0.0
+            assert float(r["total_vs_off_pct"]) == 0.0 and float(r["stats_pass_vs_off_pct"]) == 0.0
             continue
+        assert 0 < float(r["stats_pass_vs_off_pct"]) < math.inf, arm
         assert 0 < float(r["stats_pass_s"]) < float(r["update_s"]), arm  # the adapter's pass inside ppo_train
         assert int(r["n_valid_step1"]) == 8 * 16, arm  # every response token of the buffer was scored
         assert math.isfinite(float(r["total_vs_off_pct"])), arm

@@ -43,8 +43,9 @@ def test_smoke_benchmark_runs_every_arm(tmp_path):
         assert (r["fused_kernels"] == "True") == ("fused" in arm)
         if stock:  # stock verl: no statistics in the pass, no driver work
             assert r["e_p_s_in_pass"] == "False" and r["n_valid"] == ""
-            assert float(r["driver_s"]) == 0.0 and float(r["hook_s"]) == 0.0
+            assert float(r["driver_s"]) == 0.0 and float(r["hook_s"]) == 0.0 and float(r["adapter_vs_base_pct"]) == 0.0
             continue
+        assert 0 < float(r["adapter_vs_base_pct"]) < math.inf, arm
         assert r["e_p_s_in_pass"] == "True", arm  # every arm takes logp, H and E_p[S] from the hook's one distribution
         assert r["from_hidden"] == str("fused" in arm), arm
         assert float(r["driver_s"]) > 0 and 0 < float(r["hook_s"]) < float(r["old_log_prob_s"]), arm
