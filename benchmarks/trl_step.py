@@ -1,22 +1,28 @@
-"""Cost of the TRL adapter in a real GRPO step (issue 11 item 6), on one CUDA GPU.
+"""Cost of the TRL adapter in a real GRPO step (issue 11 item 6, issue 22 item 4), one CUDA GPU.
 
 A model with Qwen2.5-0.5B's shapes (Qwen2 config, 24 layers, hidden 896, vocabulary 151936, tied
-embeddings; random weights, bf16) built locally, a word-level tokenizer over the same vocabulary,
-8 prompts x 8 generations x 512 completion tokens per step (HF generation), TRL's defaults otherwise
-(dapo loss, one iteration, one micro-batch of 64 completions = the generation batch, so the adapter
-takes its statistics from the training forward).  Arms, each 4 optimiser steps from the same
-initial weights, in one process:
+embeddings; random weights) saved to a local path and given to ``GRPOTrainer`` BY PATH, a
+word-level tokenizer over the same vocabulary, 8 prompts x 8 generations x 512 completion tokens per
+step (HF generation), TRL's defaults otherwise (dapo, one iteration, one micro-batch of 64
+completions = the generation batch, so the adapter reads TRL's training forward).  Rows:
 
-* ``clip_v_gen``: Clip_V with real generation (the completions of each step are recorded);
-* ``off`` (stock ``GRPOTrainer``), ``monitor``, ``clip_b``, ``clip_v``: the same steps with the
-  recorded completions replayed, so every arm trains on identical batches and only the
-  non-generation part differs.
+* ``fp32_bf16``: fp32 weights on disk, loaded by name with ``bf16=True`` (what TRL does given a
+  model name: fp32 master weights, bf16 autocast);
+* ``bf16``: ``model_init_kwargs={"dtype": torch.bfloat16}`` (bf16 weights), ``bf16=True``;
 
-Per step: wall time (CUDA-synchronised), generation time (``GRPOTrainer._generate``), the rest, and
-the adapter's own time (statistics, mask, metrics); per arm: peak allocated GPU memory.  Medians of
-steps 2-4.  Writes ``benchmarks/results/<card>/trl_step.csv`` (or ``--out``) and prints a table.
+each with gradient checkpointing on and off.  Per row the arms, each ``--steps`` optimiser steps from
+the same initial weights, in one process: ``clip_v_gen`` (Clip_V with real generation, completions
+recorded), then ``off`` (stock ``GRPOTrainer``), ``monitor``, ``clip_b``, ``clip_v`` with the
+recorded completions replayed, so every arm trains on identical batches.
 
-    python -m benchmarks.trl_step [--steps 4] [--completion 512] [--out DIR]
+Per step: wall time (CUDA-synchronised), the time inside the model's ``generate`` only (so any
+adapter work elsewhere counts against the adapter), the rest (= the non-generation part), and the
+adapter functions' own time (statistics, mask and metrics; each synchronised); per arm: peak
+allocated GPU memory.  Medians of steps 2..N.  Writes ``benchmarks/results/<card>/trl_step.csv``
+(or ``--out``) and prints a table with ratios vs ``off`` of the same row.
+
+    python -m benchmarks.trl_step [--steps 4] [--completion 512] [--rows fp32_bf16,bf16] [--gc on,off]
+    python -m benchmarks.trl_step --tiny --device cpu     # the code path on a tiny model, CPU
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from typing import Any
 
 import torch
 from datasets import Dataset
-from transformers import Qwen2ForCausalLM, TrainerCallback
+from transformers import GenerationMixin, Qwen2ForCausalLM, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 import entropy_discriminator.adapters.trl._patch as ed_patch
@@ -90,13 +96,19 @@ class Timed:
         setattr(self.owner, self.name, self.real)
 
 
-def run_arm(arm: str, model: Qwen2ForCausalLM, weights: dict, tok, data, ns, recorded: list | None) -> dict:
+ARMS = ("off", "monitor", "clip_b", "clip_v")
+ROWS = {"fp32_bf16": None, "bf16": torch.bfloat16}  # row -> model_init_kwargs dtype (None: as saved, fp32)
+
+
+def run_arm(arm: str, row: str, gc: bool, path: Path, tok, data, ns, recorded: list | None) -> dict:
     """Train ``ns.steps`` steps in one arm; ``recorded`` None: real generation (recorded), else replayed."""
-    model.load_state_dict(weights)
-    common = dict(output_dir=str(ns.tmp / arm), per_device_train_batch_size=64, num_generations=8,
-                  max_completion_length=ns.completion, max_steps=ns.steps, learning_rate=1e-6,
+    cpu = ns.device == "cpu"
+    dtype = ROWS[row]
+    common = dict(output_dir=str(ns.tmp / f"{row}_{gc}_{arm}"), per_device_train_batch_size=ns.batch,
+                  num_generations=8, max_completion_length=ns.completion, max_steps=ns.steps, learning_rate=1e-6,
                   logging_steps=1, report_to="none", save_strategy="no", seed=0, disable_dropout=True,
-                  use_cpu=ns.smoke, bf16=not ns.smoke)
+                  use_cpu=cpu, bf16=True, gradient_checkpointing=gc,
+                  model_init_kwargs=None if dtype is None else {"dtype": dtype})
     method = {"off": None, "monitor": "none", "clip_b": "clip_b", "clip_v": "clip_v", "clip_v_gen": "clip_v"}[arm]
     unpatch()
     args = GRPOConfig(**common) if method is None else EntropyDiscGRPOConfig(**common, entropy_disc_method=method)
@@ -112,11 +124,10 @@ def run_arm(arm: str, model: Qwen2ForCausalLM, weights: dict, tok, data, ns, rec
         return out
 
     GRPOTrainer._generate = source
-    gen_t = Timed(GRPOTrainer, "_generate")
-    stats_t = Timed(ed_patch, "stats_from_hidden")
-    mask_t = Timed(ed_patch, "_mask_micro_batch")
+    gen_t = Timed(GenerationMixin, "generate")
+    timers = [Timed(ed_patch, name) for name in ("stats_from_hidden", "_mask_micro_batch", "_mask_generation_batch")]
     clock = Clock()
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok,
+    trainer = GRPOTrainer(model=str(path), reward_funcs=reward, args=args, train_dataset=data, processing_class=tok,
                           callbacks=[clock])
     free_memory()
     if torch.cuda.is_available():
@@ -124,16 +135,18 @@ def run_arm(arm: str, model: Qwen2ForCausalLM, weights: dict, tok, data, ns, rec
     try:
         trainer.train()
     finally:
-        for timer in (gen_t, stats_t, mask_t):
+        for timer in (gen_t, *timers):
             timer.restore()
         GRPOTrainer._generate = real_generate
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
     logs = [h for h in trainer.state.log_history if "entropy" in h]
     route = getattr(trainer.__dict__.get(ed_patch._CLASS_STATE_ATTR, (None, None))[1], "plan", None)
-    gen = gen_t.calls
-    adapter = [a + b for a, b in zip(stats_t.calls, mask_t.calls)] if stats_t.calls else [0.0] * len(gen)
+    n = len(clock.steps)
+    gen = (gen_t.calls + [0.0] * n)[:n] if recorded is None else [0.0] * n  # replayed: no generate call
+    adapter = [sum(col) for col in zip(*[(t.calls + [0.0] * n)[:n] for t in timers])]
     sel = slice(1, ns.steps)  # steps 2..N
-    row = {
+    out = {
+        "row": row, "gradient_checkpointing": gc, "weights": str(next(trainer.model.parameters()).dtype),
         "arm": arm,
         "route": route.route if route is not None else "",
         "generation": "real" if recorded is None else "replayed",
@@ -151,33 +164,45 @@ def run_arm(arm: str, model: Qwen2ForCausalLM, weights: dict, tok, data, ns, rec
     free_memory()
     unpatch()
     if recorded is None:
-        row["_recorded"] = store
-    return row
+        out["_recorded"] = store
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--completion", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=64, help="completions per step (8 per prompt)")
+    parser.add_argument("--rows", default="fp32_bf16,bf16", help=f"comma-separated, of {list(ROWS)}")
+    parser.add_argument("--gc", default="off,on", help="gradient checkpointing settings, comma-separated")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--tmp", type=Path, default=Path("/tmp/trl_step"))
-    parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the code path only")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model: checks the code path only")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ns = parser.parse_args(argv)
-    card = "cpu_smoke" if ns.smoke else torch.cuda.get_device_name().replace(" ", "_")
+    rows_asked = [r for r in ns.rows.split(",") if r]
+    if any(r not in ROWS for r in rows_asked):
+        raise ValueError(f"--rows must name rows of {list(ROWS)}, got {ns.rows!r}")
+    gcs = [{"on": True, "off": False}[g] for g in ns.gc.split(",") if g]
+    card = f"cpu_{'tiny' if ns.tiny else 'full'}" if ns.device == "cpu" else torch.cuda.get_device_name().replace(" ", "_")
     torch.manual_seed(0)
-    with torch.device("cpu" if ns.smoke else "cuda"):
-        model = Qwen2ForCausalLM(qwen25_05b_shapes(ns.smoke)).to(torch.float32 if ns.smoke else torch.bfloat16)
-    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    tok, data = tokenizer(model.config.vocab_size), prompts(8 * ns.steps)
-    rows = [run_arm("clip_v_gen", model, weights, tok, data, ns, None)]
-    recorded = rows[0].pop("_recorded")
-    for arm in ("off", "monitor", "clip_b", "clip_v"):
-        rows.append(run_arm(arm, model, weights, tok, data, ns, recorded))
-    base = next(r for r in rows if r["arm"] == "off")
-    for r in rows:
-        r["card"] = card
-        r["rest_vs_off_pct"] = 100 * (r["rest_s"] / base["rest_s"] - 1)
-        r["peak_vs_off_pct"] = 100 * (r["peak_gib"] / base["peak_gib"] - 1)
+    model = Qwen2ForCausalLM(qwen25_05b_shapes(ns.tiny)).to(torch.float32)
+    path = ns.tmp / "model_fp32"
+    model.save_pretrained(path)  # fp32 weights on disk; each arm loads them by path
+    tok, data = tokenizer(model.config.vocab_size), prompts(ns.batch // 8 * ns.steps)
+    del model
+    rows: list[dict] = []
+    for row in rows_asked:
+        for gc in gcs:
+            first = run_arm("clip_v_gen", row, gc, path, tok, data, ns, None)
+            recorded = first.pop("_recorded")
+            group = [first] + [run_arm(arm, row, gc, path, tok, data, ns, recorded) for arm in ARMS]
+            base = next(r for r in group if r["arm"] == "off")
+            for r in group:
+                r["card"] = card
+                r["rest_vs_off_pct"] = 100 * (r["rest_s"] / base["rest_s"] - 1)
+                r["peak_vs_off_pct"] = 100 * (r["peak_gib"] / base["peak_gib"] - 1)
+            rows += group
     folder = next((c for c in ("h100", "h200") if c in card.lower()), card.lower())  # the results/ folder names
     out = ns.out or Path(__file__).resolve().parent / "results" / folder
     out.mkdir(parents=True, exist_ok=True)
@@ -185,16 +210,17 @@ def main(argv: list[str] | None = None) -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    print(f"card {card}; medians of steps 2-{ns.steps}; 64 completions x {ns.completion} tokens")
-    print("| arm | generation | route | step s | generation s | rest s | adapter s | rest vs off | peak GiB | peak vs off |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"card {card}; medians of steps 2-{ns.steps}; {ns.batch} completions x {ns.completion} tokens; CSV {out}")
+    print("| row | GC | arm | generation | route | step s | generate s | rest s | adapter s | rest vs off | peak GiB "
+          "| peak vs off |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['arm']} | {r['generation']} | {r['route']} | {r['step_s']:.3f} | {r['generation_s']:.3f} | "
-              f"{r['rest_s']:.3f} | {r['adapter_s']:.4f} | {r['rest_vs_off_pct']:+.1f}% | {r['peak_gib']:.2f} | "
-              f"{r['peak_vs_off_pct']:+.1f}% |")
+        print(f"| {r['row']} | {'on' if r['gradient_checkpointing'] else 'off'} | {r['arm']} | {r['generation']} | "
+              f"{r['route']} | {r['step_s']:.3f} | {r['generation_s']:.3f} | {r['rest_s']:.3f} | {r['adapter_s']:.4f} | "
+              f"{r['rest_vs_off_pct']:+.1f}% | {r['peak_gib']:.2f} | {r['peak_vs_off_pct']:+.1f}% |")
     for r in rows:
-        print(f"{r['arm']}: first-step entropy TRL {r['entropy_trl']} adapter {r['entropy_disc_mean']} "
-              f"clip_frac {r['clip_frac']}; steps {r['steps_s']}")
+        print(f"{r['row']} gc={r['gradient_checkpointing']} {r['arm']} ({r['weights']}): first-step entropy TRL "
+              f"{r['entropy_trl']} adapter {r['entropy_disc_mean']} clip_frac {r['clip_frac']}; steps {r['steps_s']}")
 
 
 if __name__ == "__main__":
