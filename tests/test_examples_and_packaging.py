@@ -122,4 +122,4 @@ def test_adapter_without_its_framework_names_the_extra(framework):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     assert f"ImportError: entropy_discriminator.adapters.{framework} needs" in run.stderr
-    assert f"pip install 'entropy-discriminator[{framework}]'" in run.stderr
+    assert f"pip install -e '.[{framework}]'" in run.stderr

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from entropy_discriminator import EntropyDiscConfig
 from entropy_discriminator.config import METHODS
-from entropy_discriminator.masks import MASK_MODES, SIDES
+from entropy_discriminator.masks import CAP_RULES, MASK_MODES, SIDES
 from entropy_discriminator.stats import IMPLS
 
 from ._checks import UnsupportedConfigurationError, check_training_args
@@ -64,13 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--entropy_disc.method", dest="method", choices=METHODS, default="none",
                    help="none (metrics only, default), clip_b (mask on S*) or clip_v (mask on S_c)")
     g.add_argument("--entropy_disc.mu_low", dest="mu_low", type=_float_or_inf, default=None,
-                   help="lower bound in batch stds (default: clip_b 2.5, clip_v 8.5)")
+                   help="lower bound in batch stds (default 2.5 for clip_b and clip_v)")
     g.add_argument("--entropy_disc.mu_high", dest="mu_high", type=_float_or_inf, default=math.inf,
                    help="upper bound in batch stds (default inf: one-sided)")
     g.add_argument("--entropy_disc.sides", dest="sides", choices=SIDES, default="negative",
                    help="advantage sign whose tokens may be clipped (default negative)")
     g.add_argument("--entropy_disc.max_frac", dest="max_frac", type=_max_frac, default="auto",
-                   help="cap on the clipped share: auto (clip_b none, clip_v 1e-4), none, or a number in [0, 1]")
+                   help="cap on the clipped share: auto (none, the default for both methods), none, or a number in [0, 1]")
+    g.add_argument("--entropy_disc.cap_rule", dest="cap_rule", choices=CAP_RULES, default="share",
+                   help="share: at most floor(max_frac * n) tokens (default); reference: at least one token "
+                   "when over the bound (Trinity-RFT's max(int(max_frac * n), 1))")
     g.add_argument("--entropy_disc.mask_mode", dest="mask_mode", choices=MASK_MODES, default="zero_pg",
                    help="zero_pg: clipped tokens lose their PPO term, normaliser unchanged (default); "
                    "drop_token: they leave action_mask (normaliser, KL and entropy terms too)")

@@ -5,7 +5,7 @@ point ``_plugin`` on ``import verl``, in every process)::
 
     python -m verl.trainer.main_ppo ... \\
         trainer.v1.trainer_mode=entropy_disc \\
-        +entropy_disc.method=clip_v +entropy_disc.mu_low=8.5
+        +entropy_disc.method=clip_v +entropy_disc.mu_low=2.5
 
 Trainer modes: ``entropy_disc`` (verl's ``sync``), ``entropy_disc_colocate_async``,
 ``entropy_disc_separate_async``.  Options (``+entropy_disc.<name>=...``) are the fields of
@@ -39,7 +39,7 @@ import importlib.util
 
 # Looked up, not imported: ``import verl`` loads this package's own plugin entry point.
 if importlib.util.find_spec("verl") is None:
-    raise ImportError("entropy_discriminator.adapters.verl needs verl 0.9.0-0.9.1: pip install 'entropy-discriminator[verl]'")
+    raise ImportError("entropy_discriminator.adapters.verl needs verl 0.9.0-0.9.1: from the clone: pip install -e '.[verl]'")
 
 from ._support import (
     LOSS_AGG_MODES,

@@ -379,6 +379,17 @@ def test_split_and_parse_flags():
         adapter.parse(["--entropy_disc.unknown", "1"])
 
 
+def test_cap_rule_flag_reaches_the_config(capsys):
+    """--entropy_disc.cap_rule selects the reference's at-least-one-token cap; a bad value is refused by name."""
+    cfg = adapter.parse(["--entropy_disc.method", "clip_v", "--entropy_disc.max_frac", "1e-4",
+                         "--entropy_disc.cap_rule", "reference"])[0]
+    assert (cfg.cap_rule, cfg.max_frac) == ("reference", 1e-4)
+    assert adapter.parse([])[0].cap_rule == "share"
+    with pytest.raises(SystemExit):
+        adapter.parse(["--entropy_disc.cap_rule", "floor"])
+    assert "--entropy_disc.cap_rule" in capsys.readouterr().err
+
+
 class _StopAtRayInit(Exception):
     pass
 
