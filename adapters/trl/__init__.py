@@ -27,7 +27,7 @@ try:
     import trl  # noqa: F401
 except ImportError as exc:  # pragma: no cover - exercised only without TRL
     raise ImportError(
-        "entropy_discriminator.adapters.trl needs TRL 1.14-1.16: pip install 'entropy-discriminator[trl]'"
+        "entropy_discriminator.adapters.trl needs TRL 1.14-1.16: from the clone: pip install -e '.[trl]'"
     ) from exc
 
 from ._config import EntropyDiscGRPOConfig
