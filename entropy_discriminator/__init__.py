@@ -16,11 +16,14 @@ from .stats import TokenStats, discriminator_score, token_stats
 __version__ = "0.1.0"
 
 __all__ = [
+    "AutopilotResult",
+    "EntropyAutopilot",
     "EntropyDiscConfig",
     "EntropyMonitor",
     "MaskResult",
     "TokenStats",
     "apply_keep_mask",
+    "autopilot_mask",
     "batch_entropy_change",
     "clip_b_mask",
     "clip_v_mask",
