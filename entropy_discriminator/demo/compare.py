@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import (
+    TokenStats,
     apply_keep_mask,
     batch_entropy_change,
     clip_b_mask,
@@ -253,6 +254,97 @@ def _gae_advantages(values: torch.Tensor, rewards: torch.Tensor) -> tuple[torch.
     return adv, returns
 
 
+@dataclass(frozen=True)
+class Control:
+    """What one policy update needs of an arm: its policy ``loss`` (``ppo_clip`` | ``clip_cov`` | ``kl_cov``), its
+    keep-``mask`` (``none`` | ``clip_b`` | ``clip_v`` | ``forking``) and their settings: Clip_B / Clip_V bound ``mu`` and
+    Clip_V cap ``cap`` (``max_frac``, None: none), forking tokens' kept share ``rho``, the PPO ratio clip
+    ``[1 - clip_low, 1 + clip_high]``, Clip-Cov's ``cov_ratio`` / ``cov_lb`` / ``cov_ub`` (KL-Cov: ``cov_ratio`` and
+    ``kl_coef``) and the entropy bonus ``entropy_coef``."""
+
+    loss: str = "ppo_clip"
+    mask: str = "none"
+    mu: float = 2.5
+    cap: float | None = None
+    rho: float = 0.2
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    cov_ratio: float = 2e-4
+    cov_lb: float = 1.0
+    cov_ub: float = 5.0
+    kl_coef: float = 1.0
+    entropy_coef: float = 0.0
+
+
+@dataclass
+class Update:
+    """One mini-batch step: the statistics and log-probs of the policy before it (detached), the keep-mask of the
+    arm's control and PPO's clipped positions."""
+
+    stats: TokenStats
+    lp: torch.Tensor
+    keep: torch.Tensor
+    ppo_clipped: torch.Tensor
+
+
+def policy_update(
+    model: TinyGPT,
+    opt: torch.optim.Optimizer,
+    seq: torch.Tensor,
+    resp: torch.Tensor,
+    adv: torch.Tensor,
+    valid: torch.Tensor,
+    old_lp: torch.Tensor,
+    p_len: int,
+    control: Control,
+    generator: torch.Generator,
+) -> Update:
+    """One optimiser step of the policy on a mini-batch (``seq`` [B, P+T], ``resp``/``adv``/``valid``/``old_lp``
+    [B, T]): loss ``mean(pg) (+ entropy bonus)`` with ``pg`` the control's per-token policy-gradient loss (PPO's
+    clipped surrogate with Clip_B / Clip_V / forking tokens' keep-mask applied as ``zero_pg``, or Clip-Cov / KL-Cov),
+    gradient norm clipped to 1.  ``generator`` drives Clip-Cov's random token choice."""
+    logits = model.response_logits(seq, p_len).float()
+    logq = torch.log_softmax(logits, -1)
+    lp = logq.gather(-1, resp[..., None])[..., 0]
+    stats = token_stats(logits.detach(), resp)
+    keep = torch.ones_like(valid)
+    if control.mask == "clip_b":
+        keep = clip_b_mask(stats.s_star, adv, valid, mu_low=control.mu).keep
+    elif control.mask == "clip_v":
+        keep = clip_v_mask(stats.s_centered, adv, valid, mu_low=control.mu, max_frac=control.cap).keep
+    elif control.mask == "forking":
+        keep = high_entropy_mask(stats.entropy, valid, rho=control.rho)
+    if control.loss == "clip_cov":
+        res = clip_cov_losses(lp, old_lp, adv, valid, clip_ratio_low=control.clip_low, clip_ratio_high=control.clip_high,
+                              clip_cov_ratio=control.cov_ratio, clip_cov_lb=control.cov_lb, clip_cov_ub=control.cov_ub,
+                              generator=generator)
+        pg, ppo_clipped, keep = res.pg_losses, res.ppo_clipped, ~res.selected
+    elif control.loss == "kl_cov":
+        res = kl_cov_losses(lp, old_lp, adv, valid, kl_cov_ratio=control.cov_ratio, ppo_kl_coef=control.kl_coef)
+        pg, ppo_clipped, keep = res.pg_losses, res.ppo_clipped, ~res.selected
+    else:
+        pg, ppo_clipped = ppo_clip_losses(lp, old_lp, adv, clip_ratio_low=control.clip_low, clip_ratio_high=control.clip_high)
+        pg, _ = apply_keep_mask(pg, keep, valid.float())
+    loss = pg.mean()
+    if control.entropy_coef:
+        loss = loss + entropy_bonus(-(logq.exp() * logq).sum(-1), valid, coef=control.entropy_coef)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return Update(stats=stats, lp=lp.detach(), keep=keep, ppo_clipped=ppo_clipped)
+
+
+def value_update(critic: ValueModel, vopt: torch.optim.Optimizer, seq: torch.Tensor, p_len: int, returns: torch.Tensor) -> float:
+    """One optimiser step of the critic: ``0.5 · mean((V - returns)²)``, gradient norm clipped to 1; returns the loss."""
+    vloss = 0.5 * ((critic(seq, p_len) - returns) ** 2).mean()
+    vopt.zero_grad(set_to_none=True)
+    vloss.backward()
+    torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0)
+    vopt.step()
+    return float(vloss.detach())
+
+
 @dataclass
 class ArmRun:
     """Per-step records, (predicted, realised) entropy changes per mini-batch step, and the final evaluation."""
@@ -281,6 +373,11 @@ def run_arm(state: dict[str, torch.Tensor], cfg: CompareConfig, arm: CompareArm,
     sample_gen = torch.Generator().manual_seed(seed + 1)
     g, p_len = cfg.group_size, task.prompt_len
     out = ArmRun(arm=arm.name, seed=seed)
+    control = Control(
+        loss=arm.loss, mask=arm.mask, mu=arm.mu, cap=None, rho=PEERS["rho"], clip_low=cfg.clip_eps, clip_high=cfg.clip_eps,
+        cov_ratio=arm.cov_ratio or PEERS["clip_cov_ratio" if arm.loss == "clip_cov" else "kl_cov_ratio"],
+        cov_lb=PEERS["clip_cov_lb"], cov_ub=PEERS["clip_cov_ub"], kl_coef=PEERS["ppo_kl_coef"], entropy_coef=arm.entropy_coef,
+    )
     t0 = time.perf_counter()
     for step in range(cfg.rl_steps):
         x, t = task.sample(cfg.prompts_per_step, prompt_gen, split="train")
@@ -302,52 +399,18 @@ def run_arm(state: dict[str, torch.Tensor], cfg: CompareConfig, arm: CompareArm,
         for idx in torch.randperm(len(seq), generator=sample_gen).chunk(cfg.minibatches):
             idx = idx.to(device)
             s_mb, r_mb, a_mb, v_mb = seq[idx], resp[idx], adv[idx], valid[idx]
-            logits = model.response_logits(s_mb, p_len).float()
-            logq = torch.log_softmax(logits, -1)
-            lp = logq.gather(-1, r_mb[..., None])[..., 0]
-            stats = token_stats(logits.detach(), r_mb)
-            keep = torch.ones_like(v_mb)
-            if arm.mask == "clip_b":
-                keep = clip_b_mask(stats.s_star, a_mb, v_mb, mu_low=arm.mu).keep
-            elif arm.mask == "clip_v":
-                keep = clip_v_mask(stats.s_centered, a_mb, v_mb, mu_low=arm.mu, max_frac=None).keep
-            elif arm.mask == "forking":
-                keep = high_entropy_mask(stats.entropy, v_mb, rho=PEERS["rho"])
-            if arm.loss == "clip_cov":
-                res = clip_cov_losses(lp, old_lp[idx], a_mb, v_mb, clip_ratio_low=cfg.clip_eps, clip_ratio_high=cfg.clip_eps,
-                                      clip_cov_ratio=arm.cov_ratio or PEERS["clip_cov_ratio"], clip_cov_lb=PEERS["clip_cov_lb"],
-                                      clip_cov_ub=PEERS["clip_cov_ub"], generator=sample_gen)
-                pg, ppo_clipped, keep = res.pg_losses, res.ppo_clipped, ~res.selected
-            elif arm.loss == "kl_cov":
-                res = kl_cov_losses(lp, old_lp[idx], a_mb, v_mb, kl_cov_ratio=arm.cov_ratio or PEERS["kl_cov_ratio"],
-                                    ppo_kl_coef=PEERS["ppo_kl_coef"])
-                pg, ppo_clipped, keep = res.pg_losses, res.ppo_clipped, ~res.selected
-            else:
-                pg, ppo_clipped = ppo_clip_losses(lp, old_lp[idx], a_mb, clip_ratio_low=cfg.clip_eps, clip_ratio_high=cfg.clip_eps)
-                pg, _ = apply_keep_mask(pg, keep, v_mb.float())
-            loss = pg.mean()
-            if arm.entropy_coef:
-                loss = loss + entropy_bonus(-(logq.exp() * logq).sum(-1), v_mb, coef=arm.entropy_coef)
-            ratio = torch.exp(lp.detach() - old_lp[idx]).double()
-            a_eff = a_mb.double() * (keep & ~ppo_clipped)
-            pred = batch_entropy_change(a_eff, stats.s_centered, v_mb, lr=1.0, ratio=ratio)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            upd = policy_update(model, opt, s_mb, r_mb, a_mb, v_mb, old_lp[idx], p_len, control, sample_gen)
+            ratio = torch.exp(upd.lp - old_lp[idx]).double()
+            a_eff = a_mb.double() * (upd.keep & ~upd.ppo_clipped)
+            pred = batch_entropy_change(a_eff, upd.stats.s_centered, v_mb, lr=1.0, ratio=ratio)
             with torch.no_grad():
                 after = token_stats(model.response_logits(s_mb, p_len).float(), r_mb)
-            out.dh_pairs.append((pred, float((after.entropy - stats.entropy).double().mean())))
-            sums["entropy"] += float(stats.entropy.double().mean()) / cfg.minibatches
-            sums["control_frac"] += float((~keep & v_mb).double().mean()) / cfg.minibatches
-            sums["ppo_clip_frac"] += float((ppo_clipped & v_mb).double().mean()) / cfg.minibatches
+            out.dh_pairs.append((pred, float((after.entropy - upd.stats.entropy).double().mean())))
+            sums["entropy"] += float(upd.stats.entropy.double().mean()) / cfg.minibatches
+            sums["control_frac"] += float((~upd.keep & v_mb).double().mean()) / cfg.minibatches
+            sums["ppo_clip_frac"] += float((upd.ppo_clipped & v_mb).double().mean()) / cfg.minibatches
             if critic is not None and vopt is not None:
-                vloss = 0.5 * ((critic(s_mb, p_len) - returns[idx]) ** 2).mean()
-                vopt.zero_grad(set_to_none=True)
-                vloss.backward()
-                torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0)
-                vopt.step()
-                sums["value_loss"] += float(vloss.detach()) / cfg.minibatches
+                sums["value_loss"] += value_update(critic, vopt, s_mb, p_len, returns[idx]) / cfg.minibatches
         if step % cfg.log_every == 0 or step == cfg.rl_steps - 1:
             out.records.append({"step": step, "reward": float(rewards.mean()), **sums})
     out.seconds = time.perf_counter() - t0

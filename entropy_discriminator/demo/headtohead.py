@@ -22,16 +22,18 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .. import apply_keep_mask, clip_b_mask, clip_v_mask, token_stats
-from ..baselines import (
-    clip_cov_losses,
-    entropy_bonus,
-    high_entropy_mask,
-    kl_cov_losses,
-    ppo_clip_losses,
-    unlikeliness_scores,
+from ..baselines import unlikeliness_scores
+from .compare import (
+    ESTIMATORS,
+    LOSSES,
+    SHAPINGS,
+    CompareConfig,
+    Control,
+    ValueModel,
+    _gae_advantages,
+    policy_update,
+    value_update,
 )
-from .compare import ESTIMATORS, LOSSES, SHAPINGS, CompareConfig, ValueModel, _gae_advantages
 from .countdown import CountdownTask, pass_at_k
 from .model import TinyGPT
 from .train import group_advantages
@@ -219,6 +221,10 @@ def run_arm_checkpoints(
     sample_gen = torch.Generator().manual_seed(seed + 1)
     g, p_len = cfg.group_size, task.prompt_len
     out = ArmTrace(arm=arm.name, family=arm.family, seed=seed)
+    control = Control(
+        loss=arm.loss, mask=arm.mask, mu=arm.mu, cap=arm.cap, rho=arm.rho, clip_low=arm.clip_low, clip_high=arm.clip_high,
+        cov_ratio=arm.cov_ratio, cov_lb=arm.cov_lb, cov_ub=arm.cov_ub, kl_coef=arm.kl_coef, entropy_coef=arm.entropy_coef,
+    )
     t0 = time.perf_counter()
     if 0 in checkpoints:
         out.checkpoints.append({"step": 0, **on_checkpoint(0, model)})
@@ -240,44 +246,12 @@ def run_arm_checkpoints(
         sums = {"entropy": 0.0, "control_frac": 0.0, "ppo_clip_frac": 0.0}
         for idx in torch.randperm(len(seq), generator=sample_gen).chunk(cfg.minibatches):
             s_mb, r_mb, a_mb, v_mb = seq[idx], resp[idx], adv[idx], valid[idx]
-            logits = model.response_logits(s_mb, p_len).float()
-            logq = torch.log_softmax(logits, -1)
-            lp = logq.gather(-1, r_mb[..., None])[..., 0]
-            stats = token_stats(logits.detach(), r_mb)
-            keep = torch.ones_like(v_mb)
-            if arm.mask == "clip_b":
-                keep = clip_b_mask(stats.s_star, a_mb, v_mb, mu_low=arm.mu).keep
-            elif arm.mask == "clip_v":
-                keep = clip_v_mask(stats.s_centered, a_mb, v_mb, mu_low=arm.mu, max_frac=arm.cap).keep
-            elif arm.mask == "forking":
-                keep = high_entropy_mask(stats.entropy, v_mb, rho=arm.rho)
-            if arm.loss == "clip_cov":
-                res = clip_cov_losses(lp, old_lp[idx], a_mb, v_mb, clip_ratio_low=arm.clip_low, clip_ratio_high=arm.clip_high,
-                                      clip_cov_ratio=arm.cov_ratio, clip_cov_lb=arm.cov_lb, clip_cov_ub=arm.cov_ub,
-                                      generator=sample_gen)
-                pg, ppo_clipped, keep = res.pg_losses, res.ppo_clipped, ~res.selected
-            elif arm.loss == "kl_cov":
-                res = kl_cov_losses(lp, old_lp[idx], a_mb, v_mb, kl_cov_ratio=arm.cov_ratio, ppo_kl_coef=arm.kl_coef)
-                pg, ppo_clipped, keep = res.pg_losses, res.ppo_clipped, ~res.selected
-            else:
-                pg, ppo_clipped = ppo_clip_losses(lp, old_lp[idx], a_mb, clip_ratio_low=arm.clip_low, clip_ratio_high=arm.clip_high)
-                pg, _ = apply_keep_mask(pg, keep, v_mb.float())
-            loss = pg.mean()
-            if arm.entropy_coef:
-                loss = loss + entropy_bonus(-(logq.exp() * logq).sum(-1), v_mb, coef=arm.entropy_coef)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sums["entropy"] += float(stats.entropy.double().mean()) / cfg.minibatches
-            sums["control_frac"] += float((~keep & v_mb).double().mean()) / cfg.minibatches
-            sums["ppo_clip_frac"] += float((ppo_clipped & v_mb).double().mean()) / cfg.minibatches
+            upd = policy_update(model, opt, s_mb, r_mb, a_mb, v_mb, old_lp[idx], p_len, control, sample_gen)
+            sums["entropy"] += float(upd.stats.entropy.double().mean()) / cfg.minibatches
+            sums["control_frac"] += float((~upd.keep & v_mb).double().mean()) / cfg.minibatches
+            sums["ppo_clip_frac"] += float((upd.ppo_clipped & v_mb).double().mean()) / cfg.minibatches
             if critic is not None and vopt is not None:
-                vloss = 0.5 * ((critic(s_mb, p_len) - returns[idx]) ** 2).mean()
-                vopt.zero_grad(set_to_none=True)
-                vloss.backward()
-                torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0)
-                vopt.step()
+                value_update(critic, vopt, s_mb, p_len, returns[idx])
         out.records.append({"step": step, "reward": float(rewards.mean()), **sums})
         if step in checkpoints:
             out.checkpoints.append({"step": step, **on_checkpoint(step, model)})
