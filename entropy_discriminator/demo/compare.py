@@ -254,6 +254,53 @@ def _gae_advantages(values: torch.Tensor, rewards: torch.Tensor) -> tuple[torch.
     return adv, returns
 
 
+@dataclass
+class Rollout:
+    """One step's samples: ``seq`` [B·g, P+T] (prompts and responses), ``resp`` [B·g, T], ``rewards`` [B·g], the
+    sampling policy's ``old_lp`` [B·g, T], the advantages ``adv`` [B·g, T] and, with a critic, the value targets
+    ``returns`` [B·g, T] (None without one)."""
+
+    seq: torch.Tensor
+    resp: torch.Tensor
+    rewards: torch.Tensor
+    old_lp: torch.Tensor
+    adv: torch.Tensor
+    returns: torch.Tensor | None
+
+
+def rollout(
+    model: TinyGPT,
+    critic: ValueModel | None,
+    task: CountdownTask,
+    x: torch.Tensor,
+    t: torch.Tensor,
+    group_size: int,
+    generator: torch.Generator,
+    shaping: str,
+    rank_penalty: float,
+    device: torch.device,
+) -> Rollout:
+    """Samples ``group_size`` responses per prompt ``(x, t)`` at temperature 1 and scores them: with a critic, GAE
+    advantages (:func:`_gae_advantages`); else group-normalised rewards (``shaping="unlikely"``: first reshaped by
+    rewarding the unlikely with ``rank_penalty``), broadcast over the response tokens."""
+    g, p_len = group_size, task.prompt_len
+    seq = model.generate(task.prompts(x, t).repeat_interleave(g, 0).to(device), task.response_len,
+                         temperature=1.0, generator=generator)
+    resp = seq[:, p_len:]
+    rewards = task.rewards(x.repeat_interleave(g, 0), t.repeat_interleave(g), resp).to(device)
+    returns = None
+    with torch.no_grad():
+        old_lp = torch.log_softmax(model.response_logits(seq, p_len).float(), -1).gather(-1, resp[..., None])[..., 0]
+        if critic is not None:
+            adv, returns = _gae_advantages(critic(seq, p_len), rewards)
+        else:
+            scores = rewards
+            if shaping == "unlikely":
+                scores = unlikeliness_scores(rewards, old_lp.mean(1), g, rank_penalty=rank_penalty)
+            adv = group_advantages(scores, g)[:, None].expand_as(old_lp)
+    return Rollout(seq, resp, rewards, old_lp, adv, returns)
+
+
 @dataclass(frozen=True)
 class Control:
     """What one policy update needs of an arm: its policy ``loss`` (``ppo_clip`` | ``clip_cov`` | ``kl_cov``), its
@@ -381,19 +428,8 @@ def run_arm(state: dict[str, torch.Tensor], cfg: CompareConfig, arm: CompareArm,
     t0 = time.perf_counter()
     for step in range(cfg.rl_steps):
         x, t = task.sample(cfg.prompts_per_step, prompt_gen, split="train")
-        seq = model.generate(task.prompts(x, t).repeat_interleave(g, 0).to(device), task.response_len,
-                             temperature=1.0, generator=sample_gen)
-        resp = seq[:, p_len:]
-        rewards = task.rewards(x.repeat_interleave(g, 0), t.repeat_interleave(g), resp).to(device)
-        with torch.no_grad():
-            old_lp = torch.log_softmax(model.response_logits(seq, p_len).float(), -1).gather(-1, resp[..., None])[..., 0]
-            if critic is not None:
-                adv, returns = _gae_advantages(critic(seq, p_len), rewards)
-            else:
-                scores = rewards
-                if arm.shaping == "unlikely":
-                    scores = unlikeliness_scores(rewards, old_lp.mean(1), g, rank_penalty=PEERS["rank_penalty"])
-                adv = group_advantages(scores, g)[:, None].expand_as(old_lp)
+        ro = rollout(model, critic, task, x, t, g, sample_gen, arm.shaping, PEERS["rank_penalty"], device)
+        seq, resp, rewards, old_lp, adv, returns = ro.seq, ro.resp, ro.rewards, ro.old_lp, ro.adv, ro.returns
         valid = torch.ones_like(resp, dtype=torch.bool)
         sums = {"entropy": 0.0, "control_frac": 0.0, "ppo_clip_frac": 0.0, "value_loss": 0.0}
         for idx in torch.randperm(len(seq), generator=sample_gen).chunk(cfg.minibatches):

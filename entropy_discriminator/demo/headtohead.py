@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..baselines import unlikeliness_scores
 from .compare import (
     ESTIMATORS,
     LOSSES,
@@ -30,13 +29,12 @@ from .compare import (
     CompareConfig,
     Control,
     ValueModel,
-    _gae_advantages,
     policy_update,
+    rollout,
     value_update,
 )
 from .countdown import CountdownTask, pass_at_k
 from .model import TinyGPT
-from .train import group_advantages
 
 MASKS = ("none", "clip_b", "clip_v", "forking")
 #: Pass@K reported at every evaluation.
@@ -230,18 +228,8 @@ def run_arm_checkpoints(
         out.checkpoints.append({"step": 0, **on_checkpoint(0, model)})
     for step in range(1, max(checkpoints) + 1):
         x, t = task.sample(cfg.prompts_per_step, prompt_gen, split="train")
-        seq = model.generate(task.prompts(x, t).repeat_interleave(g, 0), task.response_len, temperature=1.0, generator=sample_gen)
-        resp = seq[:, p_len:]
-        rewards = task.rewards(x.repeat_interleave(g, 0), t.repeat_interleave(g), resp)
-        with torch.no_grad():
-            old_lp = torch.log_softmax(model.response_logits(seq, p_len).float(), -1).gather(-1, resp[..., None])[..., 0]
-            if critic is not None:
-                adv, returns = _gae_advantages(critic(seq, p_len), rewards)
-            else:
-                scores = rewards
-                if arm.shaping == "unlikely":
-                    scores = unlikeliness_scores(rewards, old_lp.mean(1), g, rank_penalty=arm.rank_penalty)
-                adv = group_advantages(scores, g)[:, None].expand_as(old_lp)
+        ro = rollout(model, critic, task, x, t, g, sample_gen, arm.shaping, arm.rank_penalty, torch.device("cpu"))
+        seq, resp, rewards, old_lp, adv, returns = ro.seq, ro.resp, ro.rewards, ro.old_lp, ro.adv, ro.returns
         valid = torch.ones_like(resp, dtype=torch.bool)
         sums = {"entropy": 0.0, "control_frac": 0.0, "ppo_clip_frac": 0.0}
         for idx in torch.randperm(len(seq), generator=sample_gen).chunk(cfg.minibatches):
