@@ -168,7 +168,7 @@ def merge_kernel(
     row = tl.program_id(0)
     label = tl.load(lab_ptr + row)
     valid = label != ignore_index
-    stride_f = N.to(tl.int64) * NP
+    stride_f = tl.cast(N, tl.int64) * NP
     base = part_ptr + row.to(tl.int64) * NP
     m = float("-inf")
     mx = float("-inf")

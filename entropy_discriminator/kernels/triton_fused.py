@@ -124,7 +124,7 @@ def _tile_epilogue(
     row_ok = rm < N
     in_tile = row_ok & (labels >= pid_n * BN) & (labels < pid_n * BN + BN)
     tl.store(yk_ptr + rm, yk, mask=in_tile)
-    stride_f = N.to(tl.int64) * num_pid_n
+    stride_f = tl.cast(N, tl.int64) * num_pid_n
     q = part_ptr + rm.to(tl.int64) * num_pid_n + pid_n
     tl.store(q, m, mask=row_ok)
     tl.store(q + stride_f, s0, mask=row_ok)

@@ -310,7 +310,7 @@ def _stats_kernel(
     else:
         # Split-V: publish this slice's partials; the last program of the row to arrive (arrival
         # counter after the error words) merges all of them in slice order (deterministic bits).
-        stride_f = N.to(tl.int64) * SPLIT
+        stride_f = tl.cast(N, tl.int64) * SPLIT
         base = part_ptr + r * SPLIT
         tl.store(base + sp, m)
         tl.store(base + stride_f + sp, t0)
