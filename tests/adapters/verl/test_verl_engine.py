@@ -13,38 +13,24 @@ The reference is float64 arithmetic on the same model's logits.
 
 from __future__ import annotations
 
-import os
-import tempfile
-from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 pytest.importorskip("verl", reason="needs the verl extra: nox -s verl")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from verl.utils import seqlen_balancing  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
-from verl.workers.engine.fsdp import transformer_impl  # noqa: E402
-from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead  # noqa: E402
 from verl.workers.utils.padding import response_from_nested  # noqa: E402
 
 import entropy_discriminator.adapters.verl as ed_verl  # noqa: E402
+from verl_cpu_engine import cpu_engine  # noqa: E402
 from entropy_discriminator import discriminator_score  # noqa: E402
 from entropy_discriminator.adapters.verl._engine import SEQ_FIELD, STATS_FLAG  # noqa: E402
 
 VOCAB = 97
 PROMPT_LENS = [3, 5, 2, 4]
 RESPONSE_LENS = [4, 1, 6, 3]
-
-
-@pytest.fixture(scope="module")
-def gloo():
-    if not dist.is_initialized():
-        path = os.path.join(tempfile.mkdtemp(), "store")
-        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -62,22 +48,8 @@ def model():
 
 @pytest.fixture
 def engine(model, gloo, monkeypatch):
-    monkeypatch.setattr(transformer_impl, "get_device_id", lambda: "cpu")
-    monkeypatch.setattr(transformer_impl, "get_device_name", lambda: "cpu")
     monkeypatch.setattr(seqlen_balancing, "get_device_name", lambda: "cpu")  # dynamic batching's all-reduce tensor
-    eng = object.__new__(FSDPEngineWithLMHead)
-    eng.module = model
-    eng.engine_config = SimpleNamespace(
-        entropy_checkpointing=False, entropy_from_logits_with_chunking=True, entropy_from_logits_chunk_size=5
-    )
-    eng.compute_entropy_from_logits = transformer_impl.verl_F.entropy_from_logits_with_chunking
-    eng.ulysses_sequence_parallel_size = 1
-    eng.ulysses_device_mesh = None
-    eng.use_ulysses_sp = False
-    eng.pad_to_length = False
-    eng.pad_to_length_bucket = 1
-    eng._autocast_dtype = torch.float32
-    eng.scaler = None
+    eng = cpu_engine(model, monkeypatch, autocast_dtype=torch.float32, entropy_chunk=5)
     ed_verl.patch()
     yield eng
     ed_verl.unpatch()

@@ -41,23 +41,19 @@ one mask difference); the fp32 cases pass on both.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 pytest.importorskip("verl", reason="needs the verl extra: nox -s verl")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.utils.experimental import torch_functional as verl_fused  # noqa: E402
-from verl.workers.engine.fsdp import transformer_impl  # noqa: E402
-from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead  # noqa: E402
 from verl.workers.utils.padding import response_from_nested  # noqa: E402
 
 import entropy_discriminator.adapters.verl as ed_verl  # noqa: E402
+from verl_cpu_engine import cpu_engine  # noqa: E402
 from entropy_discriminator import EntropyDiscConfig, EntropyMonitor, clip_b_mask, clip_v_mask  # noqa: E402
 from entropy_discriminator.adapters.verl._engine import SEQ_FIELDS, STATS_FLAG  # noqa: E402
 from entropy_discriminator.adapters.verl._trainer import EntropyDiscTrainerMixin  # noqa: E402
@@ -73,15 +69,6 @@ SETUPS = {
     "fp32_autocast": (torch.float32, torch.bfloat16),
     "fp32": (torch.float32, torch.float32),
 }
-
-
-@pytest.fixture(scope="module")
-def gloo():
-    if not dist.is_initialized():
-        path = os.path.join(tempfile.mkdtemp(), "store")
-        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 class PlainLlama(LlamaForCausalLM):
@@ -106,25 +93,6 @@ def _model(fused: bool, dtype: torch.dtype) -> LlamaForCausalLM:
 
         patch_forward_with_backends(m, use_fused_kernels=True, fused_kernels_backend="torch")
     return m.to(dtype)
-
-
-def _engine(model, autocast_dtype, monkeypatch):
-    monkeypatch.setattr(transformer_impl, "get_device_id", lambda: "cpu")
-    monkeypatch.setattr(transformer_impl, "get_device_name", lambda: "cpu")
-    eng = object.__new__(FSDPEngineWithLMHead)
-    eng.module = model
-    eng.engine_config = SimpleNamespace(
-        entropy_checkpointing=False, entropy_from_logits_with_chunking=True, entropy_from_logits_chunk_size=64
-    )
-    eng.compute_entropy_from_logits = transformer_impl.verl_F.entropy_from_logits_with_chunking
-    eng.ulysses_sequence_parallel_size = 1
-    eng.ulysses_device_mesh = None
-    eng.use_ulysses_sp = False
-    eng.pad_to_length = False
-    eng.pad_to_length_bucket = 1
-    eng._autocast_dtype = autocast_dtype
-    eng.scaler = None
-    return eng
 
 
 def _batch(*, remove_padding: bool, fused: bool):
@@ -233,7 +201,7 @@ def test_statistics_are_those_of_verls_own_distribution(gloo, monkeypatch, setup
     param_dtype, autocast_dtype = SETUPS[setup]
     model = _model(fused, param_dtype)
     capture = Capture(model, fused, monkeypatch)
-    engine = _engine(model, autocast_dtype, monkeypatch)
+    engine = cpu_engine(model, monkeypatch, autocast_dtype=autocast_dtype, entropy_chunk=64)
     ed_verl.patch()
     try:
         data, seqs, responses = _batch(remove_padding=remove_padding, fused=fused)

@@ -1,0 +1,19 @@
+"""Shared by the verl tests: a one-process gloo group (its helper module: verl_cpu_engine.py)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch.distributed as dist
+
+
+@pytest.fixture(scope="module")
+def gloo():
+    """A one-rank gloo process group for the module's tests (verl's engine all-reduces through it)."""
+    if not dist.is_initialized():
+        path = os.path.join(tempfile.mkdtemp(), "store")
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
