@@ -1,10 +1,22 @@
-"""The patch of OpenRLHF's ``ActorPPOTrainer.ppo_train`` and how it reaches Ray workers.
+"""The patch of OpenRLHF's ``ActorPPOTrainer`` / ``Actor`` and how it reaches Ray workers.
 
-``patch(config)`` wraps ``ActorPPOTrainer.ppo_train`` (module ``openrlhf.trainer.ray.ppo_actor``)
-so that each call runs :func:`~._round.begin_round` before the original epochs and adds
-the round's ``entropy_disc/*`` metrics to the status dict it returns (the dict OpenRLHF's driver
-logs to the console, wandb and TensorBoard). ``unpatch()`` restores the original attribute;
-``is_patched()`` tells. The config is read at call time, so patching again only swaps it.
+``patch(config)`` replaces three attributes of module ``openrlhf.trainer.ray.ppo_actor``:
+
+* ``Actor.forward`` (OpenRLHF's ``openrlhf.models.actor.Actor``): the policy's old-log-prob forward
+  of ``make_experience`` (no grad, eval mode, an action mask, no ``return_output``) also scores the
+  micro-batch's action tokens from the logits it computes its log-probs from, and keeps the
+  per-token results for the replay buffer (``_experience.py``); every other call is unchanged;
+* ``ActorPPOTrainer.__init__``: registers the trainer's ``actor`` as the policy whose forwards
+  are scored (the reference model, an EMA copy or a critic are never scored);
+* ``ActorPPOTrainer.ppo_train``: each call runs :func:`~._round.begin_round` before the original
+  epochs (statistics of the buffered samples, mask) and adds the round's ``entropy_disc/*`` metrics
+  to the status dict it returns (the dict OpenRLHF's driver logs to the console, wandb and
+  TensorBoard).
+
+``unpatch()`` restores the three and empties the statistics store; ``is_patched()`` tells. The
+config is read at call time, so patching again only swaps it. Patch before the trainer is built
+(the Ray setup hook does): for a trainer built earlier, the first round falls back to a no-grad
+pass of its own (see ``_round.py``), later rounds read the old-policy forward.
 
 Training runs in Ray actors (``PolicyModelActor``), so the patch must be made inside every
 worker process: :func:`worker_setup_hook` (Ray's ``worker_process_setup_hook``) reads the config
@@ -31,7 +43,8 @@ from .._patching import PatchSet, UnsupportedVersionError, require_version
 #: OpenRLHF releases this adapter is written and tested against.
 SUPPORTED_OPENRLHF = ">=0.10.2,<0.12"
 _WHY = (
-    "the adapter wraps the private ActorPPOTrainer.ppo_train and reads NaiveReplayBuffer.items, the "
+    "the adapter wraps the private ActorPPOTrainer.__init__/ppo_train and Actor.forward (the old-log-prob call "
+    "of PolicyModelActor.forward), reads NaiveReplayBuffer.items (split, right padding removed), the "
     "Experience fields advantages/action_mask, Actor.forward's logits layout (padded, packed, ring-attention "
     "slices) and the hierarchical arguments (--actor.*, --algo.*, --ds.*) as they are in OpenRLHF 0.10.2 to "
     "0.11.2 (0.10.0 and 0.10.1 use flat argument names); other releases may change them without raising an error"
@@ -76,18 +89,27 @@ def decode_settings(payload: str) -> tuple[EntropyDiscConfig, bool]:
         raise ValueError(f"{CONFIG_ENV} does not hold valid entropy_disc settings: {exc}") from exc
 
 
-def _check_seams(module: Any) -> Any:
-    """The ``ActorPPOTrainer`` class, after checking the attributes the adapter relies on."""
+_FORWARD_PARAMS = ("sequences", "action_mask", "attention_mask", "return_output", "ring_attn_group")
+
+
+def _check_seams(module: Any) -> tuple[Any, Any]:
+    """The ``ActorPPOTrainer`` and ``Actor`` classes, after checking the attributes the adapter relies on."""
     trainer = getattr(module, "ActorPPOTrainer", None)
     actor = getattr(module, "Actor", None)
     problems = []
     if trainer is None or not callable(getattr(trainer, "ppo_train", None)):
         problems.append("ActorPPOTrainer.ppo_train is missing")
-    if actor is None or not {"return_output", "ring_attn_group"} <= set(inspect.signature(actor.forward).parameters):
-        problems.append("Actor.forward lacks return_output/ring_attn_group")
+    elif "actor" not in inspect.signature(trainer.__init__).parameters:
+        problems.append("ActorPPOTrainer.__init__ takes no actor")
+    if actor is None or not set(_FORWARD_PARAMS) <= set(inspect.signature(_unwrapped(actor.forward)).parameters):
+        problems.append(f"Actor.forward lacks one of {'/'.join(_FORWARD_PARAMS)}")
     if problems:
         raise UnsupportedVersionError(f"{TRAINER_MODULE} does not look like OpenRLHF 0.10.2-0.11.2: {'; '.join(problems)}")
-    return trainer
+    return trainer, actor
+
+
+def _unwrapped(fn: Any) -> Any:
+    return fn.__wrapped__ if getattr(fn, _WRAPPER_FLAG, False) else fn
 
 
 def _wrap(original: Any) -> Any:
@@ -110,15 +132,38 @@ def _wrap(original: Any) -> Any:
     return ppo_train
 
 
+def _wrap_init(original: Any) -> Any:
+    from ._experience import register_policy
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        register_policy(getattr(self, "actor", None))
+
+    setattr(__init__, _WRAPPER_FLAG, True)
+    return __init__
+
+
+def _wrap_forward(original: Any) -> Any:
+    from ._experience import wrap_actor_forward
+
+    forward = wrap_actor_forward(original, lambda: _STATE.config)
+    setattr(forward, _WRAPPER_FLAG, True)
+    return forward
+
+
 def _patch_module(module: Any, config: EntropyDiscConfig, realised: bool) -> None:
-    trainer = _check_seams(module)
+    trainer, actor = _check_seams(module)
     _STATE.config, _STATE.realised = config, realised
-    if not getattr(trainer.ppo_train, _WRAPPER_FLAG, False):
-        _PATCHES.replace(trainer, "ppo_train", _wrap(trainer.ppo_train))
+    for owner, name, wrap in ((actor, "forward", _wrap_forward), (trainer, "__init__", _wrap_init),
+                              (trainer, "ppo_train", _wrap)):
+        if not getattr(getattr(owner, name), _WRAPPER_FLAG, False):
+            _PATCHES.replace(owner, name, wrap(getattr(owner, name)))
 
 
 def patch(config: EntropyDiscConfig | None = None, *, realised: bool = False) -> None:
-    """Wrap ``ActorPPOTrainer.ppo_train`` in this process (imports OpenRLHF's trainer module).
+    """Patch ``Actor.forward`` and ``ActorPPOTrainer.__init__`` / ``ppo_train`` in this process (imports
+    OpenRLHF's trainer module; see the module doc).
 
     ``config`` defaults to ``EntropyDiscConfig()`` (metrics only); ``realised=True`` adds a second
     no-grad pass after the update for ``entropy_disc/delta_entropy/realised``. Idempotent: a second
@@ -135,17 +180,28 @@ def patch(config: EntropyDiscConfig | None = None, *, realised: bool = False) ->
 
 
 def unpatch() -> None:
-    """Restore ``ActorPPOTrainer.ppo_train`` and remove a pending import hook. Safe to call twice."""
+    """Restore ``Actor.forward`` and ``ActorPPOTrainer.__init__`` / ``ppo_train``, drop the statistics
+    kept from old-policy forwards and remove a pending import hook. Safe to call twice."""
+    from ._experience import STORE
+
     _PATCHES.restore()
+    STORE.clear()
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PatchOnImport)]
     _STATE.config, _STATE.realised = None, False
 
 
 def is_patched() -> bool:
-    """True while ``ActorPPOTrainer.ppo_train`` is the adapter's wrapper."""
+    """True while ``ActorPPOTrainer.ppo_train`` and ``Actor.forward`` are the adapter's wrappers."""
     module = sys.modules.get(TRAINER_MODULE)
     trainer = getattr(module, "ActorPPOTrainer", None)
-    return bool(trainer is not None and getattr(trainer.ppo_train, _WRAPPER_FLAG, False) and _PATCHES.active)
+    actor = getattr(module, "Actor", None)
+    return bool(
+        trainer is not None
+        and actor is not None
+        and getattr(trainer.ppo_train, _WRAPPER_FLAG, False)
+        and getattr(actor.forward, _WRAPPER_FLAG, False)
+        and _PATCHES.active
+    )
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):

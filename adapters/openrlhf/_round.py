@@ -3,11 +3,17 @@
 Before ``ppo_train`` runs its epochs over the replay buffer, :func:`begin_round` checks the
 training arguments (:func:`~._checks.check_training_args`), then
 
-1. scores every response token of every buffered sample with the policy as it stands (the policy
-   that computed ``action_log_probs`` in ``make_experience``): a no-grad forward of OpenRLHF's own
-   ``Actor`` per micro-batch, whose logits (padded, packed, or this rank's ring-attention slice) go
-   to the core's :func:`~entropy_discriminator.token_stats` in the one distribution OpenRLHF takes
-   its log-probs from (see :func:`replay_buffer_stats`);
+1. collects ``logp, H, S*, E_p[S], S_c`` of every response token of every buffered sample, as
+   scored in the old-policy forward of ``make_experience`` (``PolicyModelActor.forward``: the
+   forward whose fp32, temperature-scaled logits give OpenRLHF its old log-probs; see
+   ``_experience.py``): no forward of its own. Samples that dynamic batching moved to another
+   data-parallel rank are fetched from it. **Fallback**: if any buffered sample on any rank has no
+   statistics from that forward (the trainer was built before the patch so its first
+   ``make_experience`` was not scored, the buffer was filled outside ``make_experience``, or a
+   sample's action mask gained tokens after scoring), every rank instead runs the previous no-grad
+   pass of the policy over its buffer (:func:`replay_buffer_stats`), the same policy and the same
+   distribution as long as no update happened in between, at the cost of one more forward; the
+   round's metric ``entropy_disc/stats/from_forward`` is 0 then (1 normally);
 2. computes the configured Clip_B / Clip_V keep-mask over the whole data-parallel batch (the
    ``dp`` group of OpenRLHF's device mesh, so ring-attention / tensor-parallel replicas of the
    same samples are counted once);
@@ -60,6 +66,8 @@ class RoundState:
     stats: TokenStats  # flat over all samples' action columns, on the compute device
     mask: MaskResult | None
     metrics: dict[str, float] = field(default_factory=dict)
+    #: ``"forward"``: taken in make_experience's old-policy forward; ``"pass"``: the fallback pass
+    source: str = "forward"
 
 
 def dp_group(strategy: Any) -> Group:
@@ -157,7 +165,7 @@ def replay_buffer_stats(
             logits = output["logits"]
             if temperature != 1.0:  # OpenRLHF's scaling: fp32 logits divided in place after the upcast
                 logits.div_(temperature)
-            fields = _stats_in_batch_layout(
+            fields = stats_in_batch_layout(
                 logits, labels, attention_mask if packed else None, ring_attn_group,
                 first=first, chunk_size=chunk_size, impl=impl,
             )
@@ -183,7 +191,7 @@ def _action_labels(sequences: torch.Tensor, first: int, valids: list[torch.Tenso
     return labels
 
 
-def _stats_in_batch_layout(
+def stats_in_batch_layout(
     logits: torch.Tensor,
     labels: torch.Tensor,
     attention_mask: torch.Tensor | None,
@@ -256,24 +264,59 @@ def apply_keep(items: list[Any], keep: torch.Tensor, mode: str) -> None:
         item.advantages, item.action_mask = adv, mask
 
 
+def collect_stats(trainer: Any, items: list[Any], valids: list[torch.Tensor], config: EntropyDiscConfig) -> tuple[TokenStats, str]:
+    """The round's :class:`TokenStats` (flat over the items' action columns, on the model's device)
+    and where they came from: ``"forward"`` (``make_experience``'s old-policy forward, via
+    ``_experience.STORE`` and, across ranks, :func:`~._experience.exchange`) or ``"pass"`` (the
+    fallback :func:`replay_buffer_stats`, run by every rank as soon as one rank lacks a sample)."""
+    from ._experience import STORE, exchange, sample_key
+
+    device = _model_device(trainer.actor)
+    world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    keys = [sample_key(item.sequences) for item in items]
+    found = [STORE.find(k, item.sequences, v, pop=True) for k, item, v in zip(keys, items, valids)]
+    missing = [i for i, f in enumerate(found) if f is None]
+    n_missing = int(all_reduce(torch.tensor([len(missing)], device=device), world).item())
+    if n_missing and world is not None:
+        fetched = exchange([(keys[i], items[i].sequences, valids[i]) for i in missing])
+        for i, fields in zip(missing, fetched):
+            found[i] = fields
+        missing = [i for i, f in enumerate(found) if f is None]
+        n_missing = int(all_reduce(torch.tensor([len(missing)], device=device), world).item())
+    STORE.end_round()
+    if n_missing:
+        stats = replay_buffer_stats(
+            trainer.actor,
+            items,
+            valids,
+            micro_batch_size=int(trainer.micro_train_batch_size),
+            chunk_size=config.chunk_size,
+            impl=config.impl,
+            ring_attn_group=getattr(trainer.strategy, "ring_attn_group", None),
+            sync_group=world,
+        )
+        return stats, "pass"
+    if not items:
+        flat = torch.zeros(0, len(_FIELDS), device=device)
+    else:
+        # a token the action mask dropped since scoring (valid False now) counts as ignored: zeros
+        flat = torch.cat([f * v.to(f.dtype)[:, None] for f, v in zip(found, (v.reshape(-1).cpu() for v in valids))])
+        flat = flat.to(device)
+    values = {name: flat[:, k].contiguous() for k, name in enumerate(_FIELDS[:-1])}
+    return TokenStats(**values, valid=flat[:, -1] > 0.5), "forward"
+
+
 def begin_round(trainer: Any, config: EntropyDiscConfig) -> RoundState:
     """Statistics, mask and metrics for the samples now in ``trainer.replay_buffer`` (see module doc)."""
+    from ._experience import STORE, register_policy
+
     started = time.perf_counter()
     check_training_args(trainer.strategy.args, config)
+    register_policy(trainer.actor)  # a trainer built before the patch: its later forwards are scored
     items = trainer.replay_buffer.items
     group = dp_group(trainer.strategy)
-    sync = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
     valids = [item.action_mask.reshape(-1).bool().clone() for item in items]
-    stats = replay_buffer_stats(
-        trainer.actor,
-        items,
-        valids,
-        micro_batch_size=int(trainer.micro_train_batch_size),
-        chunk_size=config.chunk_size,
-        impl=config.impl,
-        ring_attn_group=getattr(trainer.strategy, "ring_attn_group", None),
-        sync_group=sync,
-    )
+    stats, source = collect_stats(trainer, items, valids, config)
     advantages = _flat_advantages(items, stats.valid.device) if items else torch.zeros(0, device=stats.valid.device)
     mask = None
     if config.enabled:
@@ -285,12 +328,15 @@ def begin_round(trainer: Any, config: EntropyDiscConfig) -> RoundState:
             process_group=group,
         )
         apply_keep(items, mask.keep, config.mask_mode)
+    forward_s, _ = STORE.take_timing()
     metrics: dict[str, float] = {}
     if config.log_metrics:
         monitor = EntropyMonitor(process_group=group)
         metrics = monitor.from_stats(stats, advantages=advantages, mask=mask, lr=_current_lr(trainer))
+        metrics[monitor.prefix + "stats/from_forward"] = float(source == "forward")
+        metrics[monitor.prefix + "timing/stats_in_forward"] = forward_s
         metrics[monitor.prefix + "timing/stats_pass"] = time.perf_counter() - started
-    return RoundState(valids=valids, stats=stats, mask=mask, metrics=metrics)
+    return RoundState(valids=valids, stats=stats, mask=mask, metrics=metrics, source=source)
 
 
 def end_round(trainer: Any, config: EntropyDiscConfig, state: RoundState) -> dict[str, float]:
