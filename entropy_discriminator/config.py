@@ -12,15 +12,27 @@ import numpy as np
 import torch
 
 from ._checks import exact_fraction, integer, one_of, real_number
+from . import autopilot as _autopilot
+from .autopilot import EntropyAutopilot
 from .distributed import Group
+from .dynamics import FORMS
 from .masks import CAP_RULES, DEFAULT_MU, MASK_MODES, SIDES, MaskResult, clip_b_mask, clip_v_mask
 from .stats import IMPLS
 
-METHODS = ("none", "clip_b", "clip_v")
+METHODS = ("none", "clip_b", "clip_v", "autopilot")
+#: The threshold masks (``compute_mask``); ``"autopilot"`` is a controller with state (``build_autopilot``).
+MASK_METHODS = ("clip_b", "clip_v")
 #: The defaults of every entry point (API, CLI, adapters): mu = 2.5 and no cap for both masks (README "Defaults":
 #: the reference's Clip_V setting for 7B models, mu 8.5 with a 1e-4 cap, clips nothing in a batch under 10,000 tokens).
 DEFAULT_MU_LOW = {"clip_b": DEFAULT_MU, "clip_v": DEFAULT_MU}
 DEFAULT_MAX_FRAC: dict[str, float | None] = {"clip_b": None, "clip_v": None}
+#: Fields of the threshold masks and their defaults: a non-default value is refused with method ``"autopilot"``.
+MASK_ONLY = {"mu_low": None, "mu_high": math.inf, "cap_rule": "share"}
+#: Fields of the autopilot and their defaults: a non-default value is refused with ``"clip_b"``/``"clip_v"``.
+AUTOPILOT_ONLY: dict[str, Any] = {
+    "target_entropy": "hold", "decay_steps": None, "gain": _autopilot.DEFAULT_GAIN,
+    "max_step": _autopilot.DEFAULT_MAX_STEP, "eta": None, "form": "cov",
+}
 
 
 @dataclass
@@ -32,23 +44,43 @@ class EntropyDiscConfig:
     every bad setting raises ``ValueError``, whatever its type);
     real-valued fields take any real number or 0-d tensor and are stored as Python floats.
 
+    Fields of one kind of method are refused, with a non-default value, under the other kind
+    (same check on every assignment, the config left unchanged): ``mu_low``, ``mu_high`` and
+    ``cap_rule`` (:data:`MASK_ONLY`) under ``"autopilot"``; ``target_entropy``, ``decay_steps``,
+    ``gain``, ``max_step``, ``eta`` and ``form`` (:data:`AUTOPILOT_ONLY`) under ``"clip_b"`` /
+    ``"clip_v"``.  ``"none"`` (the switch off) keeps any setting.
+
     Attributes:
-        method: ``"none"`` (metrics only), ``"clip_b"`` (mask on S*) or ``"clip_v"`` (mask on S_c).
+        method: ``"none"`` (metrics only), ``"clip_b"`` (mask on S*), ``"clip_v"`` (mask on S_c)
+            or ``"autopilot"`` (:class:`~entropy_discriminator.EntropyAutopilot`: each batch, drop
+            the fewest tokens whose predicted entropy change keeps the entropy at a target;
+            docs/autopilot.md).
         mu_low: lower bound in batch stds (>= 0, ``inf`` disables it); None takes the default
-            (2.5 for both methods).
+            (2.5 for both masks).
         mu_high: upper bound in batch stds; ``inf`` (default) clips one side only.
-        sides: advantage sign whose tokens may be clipped: negative, positive or both.
+        sides: advantage sign whose tokens may be clipped (dropped): negative, positive or both.
         max_frac: cap on the clipped share, in [0, 1]: a batch of ``n`` valid tokens clips at most
             ``floor(max_frac * n)`` (so 0 clips nothing; see
             :func:`~entropy_discriminator.masks.cap_limit`); ``"auto"`` takes the default (no cap
-            for either method), None disables the cap.  Stored as the decimal it was written as
-            (``np.float32(1e-4)`` becomes ``0.0001``).
+            for either mask, 0.05 for the autopilot), None disables the cap.  Stored as the
+            decimal it was written as (``np.float32(1e-4)`` becomes ``0.0001``).
         cap_rule: ``"share"`` (``floor(max_frac * n)``) or ``"reference"`` (at least one token
             when over the cap, Trinity-RFT's rule).
         mask_mode: ``"zero_pg"`` (clipped tokens lose their policy-gradient term; the loss
             normaliser is unchanged) or ``"drop_token"`` (they leave the loss mask).
         chunk_size, impl: passed to :func:`~entropy_discriminator.token_stats`.
         log_metrics: log the monitor's metrics every step.
+        target_entropy: autopilot: ``"hold"`` (hold the first batch's entropy ``H_0``) or
+            ``H_end`` in nats/token (a finite real >= 0).
+        decay_steps: autopilot: ramp the target linearly from ``H_0`` to ``H_end`` over this many
+            steps (int >= 1; needs a number ``target_entropy``); None: ``H_end`` from the start.
+        gain: autopilot: the feedback gain ``k`` in ``(0, 1]`` (default 0.5).
+        max_step: autopilot: the largest desired entropy change of one step, nats/token (> 0,
+            ``inf`` allowed; default 0.02).
+        eta: autopilot: the step size ``eta`` of the law ``dH ~ -eta Cov_B(A, r S_c)`` (a finite
+            real > 0).  None (default): the adapter passes its optimizer's configured learning
+            rate (TRL: ``args.learning_rate``, the schedule's peak; see :meth:`step_size`).
+        form: autopilot: ``"cov"`` (Corollaries 4 / 4.1, default) or ``"mean"`` (eq. 23).
     """
 
     method: str = "none"
@@ -61,6 +93,12 @@ class EntropyDiscConfig:
     chunk_size: int | None = None
     impl: str = "auto"
     log_metrics: bool = True
+    target_entropy: float | str = "hold"
+    decay_steps: int | None = None
+    gain: float = _autopilot.DEFAULT_GAIN
+    max_step: float = _autopilot.DEFAULT_MAX_STEP
+    eta: float | None = None
+    form: str = "cov"
 
     def __setattr__(self, name: str, value: Any) -> None:
         check = _FIELD_CHECKS.get(name)
@@ -69,27 +107,36 @@ class EntropyDiscConfig:
                 value = check(f"entropy_disc.{name}", value)
             except TypeError as exc:  # one exception type for every bad setting, as adapters expect
                 raise ValueError(str(exc)) from None
+            if all(f in self.__dict__ for f in _FIELD_CHECKS):  # built: check the combination it would make
+                _check_combination({**{f: self.__dict__[f] for f in _FIELD_CHECKS}, name: value})
         object.__setattr__(self, name, value)
+
+    def __post_init__(self) -> None:
+        _check_combination(self.__dict__)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None) -> EntropyDiscConfig:
         """Build from a dict (e.g. a Hydra/OmegaConf node); unknown keys raise ``ValueError``.
 
         Strings are accepted for the real-valued fields (``"inf"``, ``"1e-4"`` from a command
-        line); one that is not a number raises ``ValueError`` naming the field.
+        line; ``target_entropy`` also ``"hold"``, ``max_frac`` also ``"auto"``) and for
+        ``decay_steps`` (``"200"``); one that is not a number raises ``ValueError`` naming the field.
         """
         values = dict(values or {})
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown entropy_disc option(s) {unknown}; valid: {sorted(known)}")
-        for key in ("mu_low", "mu_high", "max_frac"):
+        keep_text = {"max_frac": "auto", "target_entropy": "hold"}
+        for key, parse in (("mu_low", float), ("mu_high", float), ("max_frac", float), ("target_entropy", float),
+                           ("gain", float), ("max_step", float), ("eta", float), ("decay_steps", int)):
             text = values.get(key)
-            if isinstance(text, str) and text != "auto":
+            if isinstance(text, str) and text != keep_text.get(key):
                 try:
-                    values[key] = float(text)
+                    values[key] = parse(text)
                 except ValueError:
-                    raise ValueError(f"entropy_disc.{key} must be a number, got {text!r}") from None
+                    kind = "an integer" if parse is int else "a number"
+                    raise ValueError(f"entropy_disc.{key} must be {kind}, got {text!r}") from None
         return cls(**values)
 
     def validate(self) -> None:
@@ -104,13 +151,16 @@ class EntropyDiscConfig:
 
     @property
     def needs_expected(self) -> bool:
-        """True when the mask needs ``E_p[S]`` (a full pass over the vocabulary), i.e. Clip_V."""
-        return self.method == "clip_v"
+        """True when the mask needs ``E_p[S]`` (a full pass over the vocabulary): Clip_V and the
+        autopilot (both read ``S_c = S* - E_p[S]``)."""
+        return self.method in ("clip_v", "autopilot")
 
     def resolved(self) -> tuple[float, float | None]:
-        """``(mu_low, max_frac)`` with the method's defaults filled in."""
+        """``(mu_low, max_frac)`` of a threshold mask (clip_b / clip_v) with the method's defaults filled in."""
         if not self.enabled:
             raise ValueError("entropy_disc.method is 'none': there is no mask to resolve")
+        if self.method not in MASK_METHODS:
+            raise ValueError("entropy_disc.method is 'autopilot': it has no threshold mu_low (see build_autopilot)")
         mu_low = DEFAULT_MU_LOW[self.method] if self.mu_low is None else float(self.mu_low)
         max_frac = DEFAULT_MAX_FRAC[self.method] if self.max_frac == "auto" else self.max_frac
         return mu_low, max_frac
@@ -124,7 +174,17 @@ class EntropyDiscConfig:
         s_centered: torch.Tensor | None = None,
         process_group: Group = None,
     ) -> MaskResult:
-        """The configured mask: :func:`clip_b_mask` on ``s_star`` or :func:`clip_v_mask` on ``s_centered``."""
+        """The configured mask: :func:`clip_b_mask` on ``s_star`` or :func:`clip_v_mask` on ``s_centered``.
+
+        Method ``"autopilot"`` raises ``ValueError``: its mask depends on the controller's state
+        (:meth:`build_autopilot`, stepped once per training batch), not on one batch alone.
+        """
+        if self.method == "autopilot":
+            raise ValueError(
+                "entropy_disc.method='autopilot' is a controller with state: build it once with "
+                "build_autopilot() and call its from_stats() once per training batch (compute_mask serves clip_b "
+                "and clip_v)"
+            )
         mu_low, max_frac = self.resolved()
         kwargs = dict(mu_low=mu_low, mu_high=self.mu_high, sides=self.sides, max_frac=max_frac, cap_rule=self.cap_rule,
                       process_group=process_group)
@@ -135,6 +195,60 @@ class EntropyDiscConfig:
         if s_centered is None:
             raise ValueError("entropy_disc.method='clip_v' needs s_centered (token_stats over the full vocabulary)")
         return clip_v_mask(s_centered, advantages, valid, **kwargs)
+
+    def build_autopilot(self, process_group: Group = None) -> EntropyAutopilot:
+        """A fresh :class:`~entropy_discriminator.EntropyAutopilot` with these settings (method ``"autopilot"``).
+
+        ``max_frac="auto"`` becomes the autopilot's default cap, 0.05.  ``process_group``: the
+        group its statistics are reduced over (None: this process's batch alone).  The step size
+        is given per batch: ``from_stats(stats, advantages, lr=self.step_size(lr), ratio=r)``.
+        """
+        if self.method != "autopilot":
+            raise ValueError(f"entropy_disc.method is {self.method!r}: build_autopilot needs method 'autopilot'")
+        max_frac = _autopilot.DEFAULT_MAX_FRAC if self.max_frac == "auto" else self.max_frac
+        return EntropyAutopilot(
+            self.target_entropy, decay_steps=self.decay_steps, gain=self.gain, max_step=self.max_step,
+            max_frac=max_frac, sides=self.sides, form=self.form, process_group=process_group,
+        )  # fmt: skip
+
+    def step_size(self, learning_rate: float) -> float:
+        """``eta`` of the autopilot's law: the ``eta`` field when set, else ``learning_rate``.
+
+        ``learning_rate`` is what the adapter reads from its optimizer settings (TRL:
+        ``args.learning_rate``, the configured peak of the schedule rather than its current value,
+        which warm-up starts at 0 where the law predicts no change).  A schedule below its peak
+        is a gain ``g < 1`` of the law, which the feedback absorbs without overshoot (``g * gain
+        <= 1``; docs/autopilot.md).  Raises ``ValueError`` naming ``entropy_disc.eta`` when the
+        result is not a finite real > 0.
+        """
+        if self.eta is not None:
+            return self.eta
+        try:
+            return real_number("learning rate", learning_rate, above=0)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"entropy_disc.eta is None, so the autopilot's step size is the optimizer's {exc}; "
+                             "set entropy_disc.eta to a finite real > 0") from None
+
+
+def _check_combination(values: Mapping[str, Any]) -> None:
+    """``ValueError`` for fields that do not apply to ``values["method"]`` set away from their defaults
+    (class docstring), and for ``decay_steps`` without a number ``target_entropy``."""
+    method = values["method"]
+    if values["decay_steps"] is not None and values["target_entropy"] == "hold":
+        raise ValueError(f"entropy_disc.decay_steps={values['decay_steps']} ramps the target from the starting "
+                         "entropy to a number entropy_disc.target_entropy; with target_entropy='hold' leave it None")
+    if method == "autopilot":
+        foreign, why = MASK_ONLY, ("the autopilot drops tokens by their predicted entropy change, not by a "
+                                   "threshold in batch stds, and caps with floor(max_frac * n)")
+    elif method in MASK_METHODS:
+        foreign, why = AUTOPILOT_ONLY, "it sets the entropy autopilot (method 'autopilot')"
+    else:
+        return
+    for name, default in foreign.items():
+        value = values[name]
+        if not (value is default or value == default):
+            raise ValueError(f"entropy_disc.{name}={value!r} does not apply to method {method!r}: {why}; "
+                             f"leave it at its default {default!r}")
 
 
 def _choice(options: tuple[str, ...]):
@@ -158,6 +272,22 @@ def _chunk_size(name: str, value: object) -> int | None:
     return None if value is None else integer(name, value, minimum=1)
 
 
+def _target_entropy(name: str, value: object) -> float | str:
+    if isinstance(value, str):
+        if value != "hold":
+            raise ValueError(f"{name} must be 'hold' or a number of nats/token >= 0, got {value!r}")
+        return value
+    return real_number(name, value, minimum=0)
+
+
+def _decay_steps(name: str, value: object) -> int | None:
+    return None if value is None else integer(name, value, minimum=1)
+
+
+def _eta(name: str, value: object) -> float | None:
+    return None if value is None else real_number(name, value, above=0)
+
+
 def _flag(name: str, value: object) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be True or False, got {value!r}")
@@ -175,4 +305,10 @@ _FIELD_CHECKS = {
     "chunk_size": _chunk_size,
     "impl": _choice(IMPLS),
     "log_metrics": _flag,
+    "target_entropy": _target_entropy,
+    "decay_steps": _decay_steps,
+    "gain": lambda name, value: real_number(name, value, above=0, maximum=1),
+    "max_step": lambda name, value: real_number(name, value, finite=False, above=0),
+    "eta": _eta,
+    "form": _choice(FORMS),
 }
