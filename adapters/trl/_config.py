@@ -21,6 +21,7 @@ from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_availab
 from trl import GRPOConfig
 
 from entropy_discriminator import EntropyDiscConfig
+from entropy_discriminator.autopilot import DEFAULT_GAIN, DEFAULT_MAX_STEP
 
 from ._patch import ensure_args_patch
 from ._support import check_trl_version, validate_options
@@ -40,7 +41,9 @@ class EntropyDiscGRPOConfig(GRPOConfig):
     """
 
     entropy_disc_method: str = field(
-        default="none", metadata=_help("Token mask: 'none' (monitor only), 'clip_b' (on S*) or 'clip_v' (on S_c).")
+        default="none",
+        metadata=_help("Token mask: 'none' (monitor only), 'clip_b' (on S*), 'clip_v' (on S_c) or 'autopilot' (drop "
+                       "the fewest tokens that keep the entropy at entropy_disc_target_entropy)."),
     )
     entropy_disc_mu_low: float | None = field(
         default=None, metadata=_help("Lower threshold in batch std units (None: 2.5 for clip_b and clip_v).")
@@ -80,6 +83,28 @@ class EntropyDiscGRPOConfig(GRPOConfig):
     entropy_disc_log_metrics: bool = field(
         default=True, metadata=_help("Log the entropy_disc/ metrics (entropy percentiles, S*, clip fractions, ...).")
     )
+    entropy_disc_target_entropy: str = field(
+        default="hold",
+        metadata=_help("autopilot: 'hold' (hold the first batch's entropy) or a target in nats/token (>= 0)."),
+    )
+    entropy_disc_decay_steps: int | None = field(
+        default=None,
+        metadata=_help("autopilot: ramp the target from the starting entropy to entropy_disc_target_entropy over "
+                       "this many steps (None: the target from the start)."),
+    )
+    entropy_disc_gain: float = field(
+        default=DEFAULT_GAIN, metadata=_help("autopilot: feedback gain in (0, 1].")
+    )
+    entropy_disc_max_step: float = field(
+        default=DEFAULT_MAX_STEP, metadata=_help("autopilot: largest desired entropy change per step, nats/token.")
+    )
+    entropy_disc_eta: float | None = field(
+        default=None,
+        metadata=_help("autopilot: step size eta of the law dH ~ -eta Cov(A, r S_c) (None: learning_rate)."),
+    )
+    entropy_disc_form: str = field(
+        default="cov", metadata=_help("autopilot: 'cov' (Corollaries 4 / 4.1) or 'mean' (eq. 23).")
+    )
 
     def __post_init__(self) -> None:
         if self.bf16 is None and not self.fp16 and not self.use_cpu and not _bf16_accelerator():
@@ -102,6 +127,12 @@ class EntropyDiscGRPOConfig(GRPOConfig):
             chunk_size=self.entropy_disc_chunk_size,
             impl=self.entropy_disc_impl,
             log_metrics=self.entropy_disc_log_metrics,
+            target_entropy=_target_entropy(self.entropy_disc_target_entropy),
+            decay_steps=self.entropy_disc_decay_steps,
+            gain=self.entropy_disc_gain,
+            max_step=self.entropy_disc_max_step,
+            eta=self.entropy_disc_eta,
+            form=self.entropy_disc_form,
         )
 
 
@@ -120,3 +151,13 @@ def _max_frac(value: Any) -> float | str | None:
         return float(value)
     except ValueError:
         raise ValueError(f"entropy_disc_max_frac must be 'auto', 'none' or a number in [0, 1], got {value!r}") from None
+
+
+def _target_entropy(value: Any) -> float | str:
+    """CLI text of ``--entropy_disc_target_entropy`` -> the core's value ('hold' or a float)."""
+    if not isinstance(value, str) or value == "hold":
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"entropy_disc_target_entropy must be 'hold' or a number of nats/token, got {value!r}") from None

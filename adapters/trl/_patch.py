@@ -31,9 +31,10 @@ from typing import Any, Callable
 import torch
 from trl import GRPOTrainer
 
-from entropy_discriminator import EntropyDiscConfig, TokenStats
+from entropy_discriminator import EntropyAutopilot, EntropyDiscConfig, MaskResult, TokenStats
 
 from .._patching import PatchSet
+from . import _autopilot
 from ._mask import KEEP_KEY, apply_keep, compute_mask, keep_advantages, kept_token_count, loss_mask, process_group
 from ._metrics import log_metrics
 from ._stats import HiddenCapture, backbone, restrict, stats_from_hidden
@@ -68,6 +69,8 @@ class AdapterState:
     ``pending``: the parked inputs copy of the ``_compute_loss`` call whose mask is still to be
     computed, ``pending_source`` the buffered dict it copies; ``cached`` keeps
     ``(buffered dict, keep)`` so later ``num_iterations`` passes over that dict reuse the mask.
+    ``autopilot``: method ``"autopilot"``'s controller, bound by :func:`._autopilot.sync` to the
+    ``trainer.state`` of the running ``train()`` call, ``autopilot_run``.
     """
 
     config: EntropyDiscConfig
@@ -78,6 +81,8 @@ class AdapterState:
     pending: dict[str, Any] | None = field(default=None, init=False)
     pending_source: dict[str, Any] | None = field(default=None, init=False)
     cached: tuple[dict[str, Any], torch.Tensor | None] | None = field(default=None, init=False)
+    autopilot: EntropyAutopilot | None = field(default=None, init=False)
+    autopilot_run: Any = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         validate_options(self.config, self.mask_source)
@@ -107,6 +112,8 @@ def _generate(trainer: Any, state: AdapterState, original: Callable, inputs: Any
     if not trainer.model.training:
         return original(trainer, inputs)
     route = start(trainer, state).route
+    if state.config.method == "autopilot":
+        _autopilot.sync(trainer, state)
     state.capture_next = route == OLD_PASS
     try:
         batch = original(trainer, inputs)
@@ -148,7 +155,7 @@ def _mask_generation_batch(trainer: Any, state: AdapterState, batch: dict[str, A
     group = process_group(trainer)
     result = None
     if state.masking:
-        result = compute_mask(state.config, stats, batch["advantages"], group)
+        result = _select(trainer, state, stats, batch["advantages"], batch, group)
         batch = dict(batch)
         batch[KEEP_KEY] = result.keep.bool()
         if state.config.mask_mode == "drop_token":
@@ -156,6 +163,14 @@ def _mask_generation_batch(trainer: Any, state: AdapterState, batch: dict[str, A
     if state.config.log_metrics:
         log_metrics(trainer, stats, batch["advantages"], result, group)
     return batch
+
+
+def _select(trainer: Any, state: AdapterState, stats: TokenStats, advantages: torch.Tensor, batch: dict[str, Any],
+            group: Any) -> MaskResult:
+    """The keep-mask of one batch: the configured Clip_B / Clip_V mask, or one autopilot step."""
+    if state.config.method == "autopilot":
+        return _autopilot.step(trainer, state, stats, advantages, _autopilot.sampling_ratio(batch, stats.valid.shape))
+    return compute_mask(state.config, stats, advantages, group)
 
 
 def _compute_loss(trainer: Any, state: AdapterState, original: Callable, model: Any, inputs: dict[str, Any]) -> Any:
@@ -198,7 +213,7 @@ def _mask_micro_batch(trainer: Any, state: AdapterState, parked: dict[str, Any],
     as ``A * keep`` before ``_compute_loss`` reads them (zero_pg; the plan refuses drop_token here)."""
     group = process_group(trainer)
     advantages = parked["advantages"]
-    result = compute_mask(state.config, stats, advantages, group) if state.masking else None
+    result = _select(trainer, state, stats, advantages, parked, group) if state.masking else None
     if result is not None:
         parked["advantages"] = keep_advantages(advantages, result.keep.bool())
     if state.plan.route == TRAINING_FORWARD:

@@ -75,6 +75,12 @@ def validate_options(config: EntropyDiscConfig, mask_source: str) -> None:
             "mask_mode='drop_token' needs mask_source='generation': TRL builds the loss mask before the "
             "current-policy forward, so only mask_mode='zero_pg' can act on a mask found inside the loss"
         )
+    if mask_source == "current" and config.method == "autopilot":
+        raise ValueError(
+            "method='autopilot' needs mask_source='generation': the controller steps once per training batch, "
+            "while mask_source='current' finds a mask in every training forward (each micro-batch, each "
+            "num_iterations pass)"
+        )
 
 
 @dataclass(frozen=True)
@@ -107,7 +113,8 @@ def plan(trainer: GRPOTrainer, config: EntropyDiscConfig, mask_source: str) -> P
       ``mask_mode="drop_token"`` serves them all: the token leaves TRL's loss mask.
 
     Refused always (the statistics need ``hidden @ W.T + b`` to be the logits): a model whose
-    config sets one of :data:`LOGIT_TRANSFORMS`.
+    config sets one of :data:`LOGIT_TRANSFORMS`.  Refused for ``method="autopilot"``: no step size
+    (``entropy_disc.eta`` None and ``learning_rate`` not > 0, :meth:`EntropyDiscConfig.step_size`).
 
     Routes: no statistics when ``method="none"`` without metrics; ``mask_source="current"``:
     every training forward; else TRL's own old-policy pass when it runs one; else the first
@@ -117,6 +124,8 @@ def plan(trainer: GRPOTrainer, config: EntropyDiscConfig, mask_source: str) -> P
     masking = config.method != "none"
     if not masking and not config.log_metrics:
         return Plan(MONITOR_OFF)
+    if config.method == "autopilot":
+        config.step_size(trainer.args.learning_rate)
     text_config = trainer.model.config.get_text_config()
     for name in LOGIT_TRANSFORMS:
         value = getattr(text_config, name, None)
