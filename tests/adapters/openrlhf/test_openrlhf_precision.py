@@ -26,6 +26,11 @@ sides, mu = 0.5 and 1.0, each clipping between 3% and 60% of the tokens).
 On the previous adapter (temperature applied by the core, ``(z - max) / T`` instead of OpenRLHF's
 ``z / T``: one fp32 rounding apart) this test passes too: OpenRLHF's flow was already followed up to
 that rounding; the change makes the temperature step OpenRLHF's own operation.
+
+Both ways the adapter gets its statistics are checked (``path``): ``forward``, the normal one, where
+the patched ``Actor.forward`` scores the micro-batches inside the ``make_experience`` call itself and
+``begin_round`` runs no forward at all; and ``pass``, the fallback no-grad pass of ``begin_round``
+(buffer filled without a scored forward), which must see the very same logits.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ from openrlhf.models import Actor  # noqa: E402
 from openrlhf.trainer.ppo_utils.experience import make_experience_batch  # noqa: E402
 
 from entropy_discriminator import EntropyDiscConfig, clip_b_mask, clip_v_mask  # noqa: E402
+from entropy_discriminator.adapters import openrlhf as adapter  # noqa: E402
+from entropy_discriminator.adapters.openrlhf._experience import STORE, register_policy  # noqa: E402
 from entropy_discriminator.adapters.openrlhf._round import begin_round  # noqa: E402
 
 TEMPERATURE = 0.7
@@ -92,16 +99,9 @@ def _openrlhf_rows(logits: torch.Tensor, attention_mask: torch.Tensor, packing: 
     return [z[b, :n].double() for b, n in enumerate(lengths)]
 
 
-@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["ds_bf16", "ds_fp16", "fp32"])
-def test_statistics_are_those_of_openrlhfs_own_distribution(monkeypatch, dtype, packing):
-    actor = _actor(dtype, packing)
-    experience = rollout_batch(11, n=24, prompt_len=6, max_resp=40)
-    buffer = filled_buffer(experience, MICRO, monkeypatch)
-    items = buffer.items
-    capture = LogitsCapture(actor.model)
-
-    # OpenRLHF's own per-token log-probs of the same micro-batches (make_experience's call)
+def _make_experience_forward(actor, items, capture, packing):
+    """OpenRLHF's own per-token log-probs of the buffer's micro-batches: ``make_experience``'s call
+    (``PolicyModelActor.forward``: ``actor(sequences, action_mask, attention_mask)``, eval, no grad)."""
     chunks = [items[i : i + MICRO] for i in range(0, len(items), MICRO)]
     own_logp, rows = [], []
     with torch.no_grad():
@@ -110,6 +110,27 @@ def test_statistics_are_those_of_openrlhfs_own_distribution(monkeypatch, dtype, 
             lp = actor(batch.sequences, batch.action_mask, batch.attention_mask)
             own_logp += [lp[b, : it.action_mask.numel()] for b, it in enumerate(chunk)]
             rows += _openrlhf_rows(capture.logits[-1], batch.attention_mask, packing)
+    return own_logp, rows
+
+
+@pytest.fixture(autouse=True)
+def _clean_patch():
+    adapter.unpatch()
+    yield
+    adapter.unpatch()
+
+
+@pytest.mark.parametrize("path", ["forward", "pass"])
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["ds_bf16", "ds_fp16", "fp32"])
+def test_statistics_are_those_of_openrlhfs_own_distribution(monkeypatch, dtype, packing, path):
+    actor = _actor(dtype, packing)
+    experience = rollout_batch(11, n=24, prompt_len=6, max_resp=40)
+    buffer = filled_buffer(experience, MICRO, monkeypatch)
+    items = buffer.items
+    capture = LogitsCapture(actor.model)
+
+    own_logp, rows = _make_experience_forward(actor, items, capture, packing)  # not patched: stock OpenRLHF
     n_own = len(capture.logits)
 
     # float64 statistics of that distribution, per action column
@@ -135,11 +156,24 @@ def test_statistics_are_those_of_openrlhfs_own_distribution(monkeypatch, dtype, 
     for name, settings in CONFIGS.items():
         config = EntropyDiscConfig(**settings)
         trainer = real_trainer(actor, filled_buffer(experience, MICRO, monkeypatch), micro_batch_size=MICRO)
+        if path == "forward":  # the adapter patched in, the make_experience call scored
+            adapter.patch(config)
+            register_policy(actor)  # what the patched ActorPPOTrainer.__init__ does
+            patched_logp, _ = _make_experience_forward(actor, items, capture, packing)
+            for a, b in zip(patched_logp, own_logp):  # the patch leaves OpenRLHF's log-probs as they are
+                assert torch.equal(a, b)
+            assert len(STORE) == len(items)
+        n_before = len(capture.logits)
         state = begin_round(trainer, config)
-        assert len(capture.logits) > n_own
+        if path == "forward":
+            assert state.source == "forward" and len(STORE) == 0
+            assert len(capture.logits) == n_before  # no forward of its own
+        else:
+            assert state.source == "pass" and len(capture.logits) > n_before
         for a, b in zip(capture.logits[n_own:], capture.logits[:n_own]):  # same micro-batches, same logits
             assert torch.equal(a, b)
         del capture.logits[n_own:]
+        adapter.unpatch()
         stats = state.stats
         assert torch.equal(stats.valid, valid)
         # the adapter's logp is OpenRLHF's own per-token log-prob (fp32 both)
