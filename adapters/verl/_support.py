@@ -180,6 +180,12 @@ def check_config(config: DictConfig) -> RunPlan | None:
         return None
     check_version()
     options = read_config(config)
+    if options.method == "autopilot":
+        raise ValueError(
+            "entropy_disc.method=autopilot is not available in the verl adapter yet (the controller's state must "
+            "be saved with verl's checkpoints first): use clip_b or clip_v here, or the TRL adapter or the core "
+            "API (docs/autopilot.md)"
+        )
     v1 = _select(config, "trainer.v1", {}) or {}
     if mode in v1 and _plain(v1[mode]) != _plain(v1.get(BASE_MODES[mode], None)):  # the trainer's own alias is equal
         raise ValueError(
