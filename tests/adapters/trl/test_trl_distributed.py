@@ -4,7 +4,7 @@ Each spawned process builds a real ``EntropyDiscGRPOTrainer`` (accelerate initia
 process group from RANK/WORLD_SIZE) with the same tiny model, takes its half of one fixed
 generation batch, scores it through TRL's own log-prob method with the hidden states captured
 (the adapter's extra-pass route) and masks it over the generation batch (Clip_B zero_pg, Clip_V
-drop_token) and per micro-batch (the training-forward / current routes).  The keep-masks,
+drop_token, one autopilot step drop_token) and per micro-batch (the training-forward / current routes).  The keep-masks,
 ``num_items_in_batch`` and every ``entropy_disc/`` metric must equal those of a single process on
 the whole batch.
 """
@@ -59,7 +59,7 @@ def _batch(vocab: int) -> dict[str, torch.Tensor]:
 def _run(trainer, rows: slice) -> dict[str, object]:
     """The adapter's statistics and masks on ``rows`` of the fixed batch; returns masks, counts, metrics."""
     from entropy_discriminator import EntropyDiscConfig
-    from entropy_discriminator.adapters.trl import _mask, _patch, _stats, _support
+    from entropy_discriminator.adapters.trl import _autopilot, _mask, _patch, _stats, _support
 
     trainer.model.train()
     full = _batch(trainer.model.config.vocab_size)
@@ -71,10 +71,14 @@ def _run(trainer, rows: slice) -> dict[str, object]:
                                      mask_mode="drop_token"), _support.EXTRA_PASS),
         ("current", EntropyDiscConfig(method="clip_v", mu_low=0.5, mu_high=0.5, sides="both", max_frac=0.3),
          _support.CURRENT),
+        ("autopilot", EntropyDiscConfig(method="autopilot", target_entropy=5.0, eta=2.0, sides="both", max_frac=0.25,
+                                        mask_mode="drop_token"), _support.EXTRA_PASS),
     ):
         trainer._metrics["train"].clear()
         state = _patch.AdapterState(cfg, "current" if route == _support.CURRENT else "generation")
         state.plan = _support.Plan(route)
+        if cfg.method == "autopilot":
+            _autopilot.sync(trainer, state)  # what the first training generation does
         trainer.__dict__[_patch._STATE_ATTR] = state  # the trainer's wrappers read this state
         _patch._extra_pass(trainer, state, half)
         stats = _stats.restrict(state.captured, _mask.loss_mask(half))
@@ -85,6 +89,8 @@ def _run(trainer, rows: slice) -> dict[str, object]:
         else:
             out = _patch._mask_generation_batch(trainer, state, dict(half), stats)
             results[name] = {"keep": out[_mask.KEEP_KEY], "num_items": int(out["num_items_in_batch"])}
+        if cfg.method == "autopilot":
+            results[name]["state"] = state.autopilot.state_dict()
         results[name]["metrics"] = {k: v[0] for k, v in trainer._metrics["train"].items()}
     return results
 
@@ -126,7 +132,7 @@ def test_two_gloo_processes_match_one_process_on_the_whole_batch(tmp_path):
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     whole = _run(_make_trainer(str(tmp_path / "single")), slice(0, ROWS))
 
-    for name in ("clip_b", "clip_v"):
+    for name in ("clip_b", "clip_v", "autopilot"):
         keep = torch.cat([r[name]["keep"] for r in ranks])
         assert torch.equal(keep, whole[name]["keep"]), name
         assert 0 < (~whole[name]["keep"]).sum() < whole[name]["keep"].numel()
@@ -135,7 +141,12 @@ def test_two_gloo_processes_match_one_process_on_the_whole_batch(tmp_path):
     assert whole["clip_v"]["num_items"] == int((_batch(100)["completion_mask"] * _batch(100)["tool_mask"]).bool()
                                                .logical_and(whole["clip_v"]["keep"]).sum())
     torch.testing.assert_close(torch.cat([r["current"]["advantages"] for r in ranks]), whole["current"]["advantages"])
-    for name in ("clip_b", "clip_v", "current"):
+    # The autopilot: the same selection and one controller state (step 1, H_0 = the global entropy) on every rank.
+    assert whole["autopilot"]["state"]["step"] == 1
+    for r in ranks:
+        assert r["autopilot"]["state"] == pytest.approx(whole["autopilot"]["state"], rel=1e-12)
+    assert "entropy_disc/autopilot/target_dh" in whole["autopilot"]["metrics"]
+    for name in ("clip_b", "clip_v", "current", "autopilot"):
         expected = whole[name]["metrics"]
         assert "entropy_disc/clip/frac" in expected and "entropy_disc/entropy/p50" in expected
         for r in ranks:
