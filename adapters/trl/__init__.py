@@ -1,4 +1,4 @@
-"""Clip_B / Clip_V and the entropy monitor in TRL's ``GRPOTrainer`` (TRL 1.14.0 - 1.16.x).
+"""Clip_B / Clip_V, the entropy autopilot and the entropy monitor in TRL's ``GRPOTrainer`` (TRL 1.14.0 - 1.16.x).
 
 Three ways in, same behaviour:
 
@@ -14,7 +14,9 @@ Three ways in, same behaviour:
 The package reads top to bottom: ``_support`` (release range, seams, which configurations are
 served and how, refusals), ``_config`` (the config dataclass), ``_patch`` (the wrappers, patch,
 unpatch), ``_stats`` (statistics from the hidden states of a pass TRL runs), ``_mask`` (the mask
-and how it reaches the loss), ``_metrics``.  docs/adapters/trl.md has the support table.
+and how it reaches the loss), ``_autopilot`` (``method="autopilot"``: one controller step per
+training batch, its state in every checkpoint), ``_metrics``.  docs/adapters/trl.md has the
+support table.
 
 ``RLOOTrainer`` is not served: its loss clips a sequence-level ratio of summed log-probs against
 an ``old_logps`` stored already summed, so dropping a token would change both sums and the

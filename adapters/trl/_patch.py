@@ -6,8 +6,9 @@ with a resolver and passing straight through when there is none:
 1. ``_generate_and_score_completions(inputs)``: on the first call decides the route
    (:func:`._support.plan`, refusals raised before any generation); for the old-pass route arms the
    capture of TRL's own old-policy pass; afterwards (old-pass and extra-pass routes) computes the
-   mask over the whole generation batch, adds it as ``KEEP_KEY`` (B, T) (TRL's shuffle/split carry
-   it with its rows) and logs the metrics.
+   mask over the whole generation batch (method ``"autopilot"``: one controller step,
+   :mod:`._autopilot`, whose state it first binds to this ``train()`` call), adds it as
+   ``KEEP_KEY`` (B, T) (TRL's shuffle/split carry it with its rows) and logs the metrics.
 2. ``_compute_loss(model, inputs)``: applies a carried mask (:func:`._mask.apply_keep`), or, on the
    training-forward and current routes, parks a copy of the inputs for the forward below.
 3. ``_get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, ...)``:
