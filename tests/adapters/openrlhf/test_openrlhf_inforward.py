@@ -335,3 +335,65 @@ def test_sample_moved_to_another_rank_is_fetched(tmp_path):
             torch.testing.assert_close(getattr(st, name)[st.valid], getattr(prev, name)[prev.valid],
                                        rtol=1e-5, atol=1e-6, msg=name)
         assert got["n_store"] == 1  # the sample served to the other rank, until it ages out
+
+
+def _ring_rank(rank: int, world: int, port: int, out: str) -> None:
+    """Both ranks form one ring-attention group running the same old-policy micro-batches."""
+    install_stubs()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.cuda.current_device = lambda: "cpu"
+        from openrlhf.models import actor as actor_module
+        from openrlhf.models.ring_attn_utils import set_ring_attn_group
+
+        from entropy_discriminator.adapters.openrlhf._experience import register_policy
+
+        eager = getattr(actor_module.compute_entropy, "_torchdynamo_orig_callable", actor_module.compute_entropy)
+        actor_module.compute_entropy = eager
+        ring = dist.group.WORLD
+        set_ring_attn_group(ring)
+        actor = tiny_actor(seed=4, packing=True)
+        cfg = EntropyDiscConfig(method="clip_b", mu_low=0.5, sides="both", max_frac=None)
+        adapter.patch(cfg)
+        register_policy(actor)
+        items = remove_padding_in_sequences(split_experience_batch(rollout_batch(21, n=6)))
+        worker = SimpleNamespace(actor=actor, strategy=SimpleNamespace(ring_attn_group=ring))
+        batches = [make_experience_batch(items[i : i + 3]) for i in (0, 3)]
+        for b in batches:
+            b.action_log_probs = POLICY_FORWARD(worker, b.sequences, b.action_mask, b.attention_mask)
+        torch.cuda.current_device = lambda: 0
+        buffer = NaiveReplayBuffer(3, cpu_offload=True, packing_samples=True)
+        torch.cuda.current_device = lambda: "cpu"
+        for b in batches:
+            buffer.append(b)
+        strategy = FakeStrategy(training_args(packing=True), {"dp": SimpleNamespace(get_group=lambda: None)})
+        strategy.ring_attn_group = ring
+        trainer = SimpleNamespace(actor=actor, replay_buffer=buffer, strategy=strategy, micro_train_batch_size=3,
+                                  actor_scheduler=None)
+        state = begin_round(trainer, cfg)
+        valids = [it.action_mask.reshape(-1).bool() for it in buffer.items]
+        previous = replay_buffer_stats(actor, buffer.items, valids, micro_batch_size=3, impl="torch",
+                                       ring_attn_group=ring, sync_group=ring)
+        own = torch.cat([it.action_log_probs.reshape(-1) for it in buffer.items])
+        torch.save({"source": state.source, "stats": state.stats, "previous": previous, "own": own},
+                   os.path.join(out, f"ring{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_ring_attention_old_policy_forward_is_scored(tmp_path):
+    """Ring attention: each rank scores its slice inside the forward; the ranks' results equal each
+    other, the previous pass and OpenRLHF's own gathered ring-attention log-probs."""
+    mp.spawn(_ring_rank, args=(2, _port(), str(tmp_path)), nprocs=2, join=True)
+    got = [torch.load(tmp_path / f"ring{r}.pt", weights_only=False) for r in range(2)]
+    for r in got:
+        assert r["source"] == "forward"
+        st, prev = r["stats"], r["previous"]
+        assert torch.equal(st.valid, prev.valid)
+        for name in FIELDS:
+            torch.testing.assert_close(getattr(st, name), getattr(prev, name), rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(st.logp[st.valid], r["own"][st.valid], rtol=1e-5, atol=1e-6)
+    for name in FIELDS:
+        assert torch.equal(getattr(got[0]["stats"], name), getattr(got[1]["stats"], name)), name
