@@ -35,6 +35,8 @@ TOKEN_TEXT = [str(d) for d in range(10)] + ["+", "-", "=", "_"]
 assert len(TOKEN_TEXT) == VOCAB_SIZE and TOKEN_TEXT[PLUS] == "+" and TOKEN_TEXT[MINUS] == "-"
 assert TOKEN_TEXT[EQUALS] == "=" and TOKEN_TEXT[SKIP] == "_"
 PAD, EOS = "<pad>", "<eos>"
+#: Ids of ``<pad>`` and ``<eos>`` in :func:`countdown_tokenizer` (outside the model's 14 logits).
+PAD_ID, EOS_ID = VOCAB_SIZE, VOCAB_SIZE + 1
 
 
 class TinyGPTConfig(PretrainedConfig):
@@ -180,6 +182,8 @@ def train_prompt_stream(task: CountdownTask, seed: int, steps: int, per_step: in
 
 
 __all__ = [
+    "EOS_ID",
+    "PAD_ID",
     "TOKEN_TEXT",
     "TinyGPTBackbone",
     "TinyGPTConfig",
