@@ -14,12 +14,20 @@ token ids, rewards multiples of 1/7, advantages from OpenRLHF's ``group_norm`` e
 Timed per step (wall time, GPU synchronised before and after):
 
 * ``old_log_prob_s``: the old-policy forward ``make_experience`` runs (``actor(sequences,
-  action_mask, attention_mask)`` under no-grad, in micro-batches of ``--micro`` sequences);
+  action_mask, attention_mask)`` under no-grad, in micro-batches of ``--micro`` sequences): with the
+  adapter patched this is where it scores the tokens (its ``Actor.forward`` wrapper, from the logits
+  of that forward; ``entropy_disc/timing/stats_in_forward``, column ``stats_in_forward_s``);
 * ``update_s``: ``ActorPPOTrainer.ppo_train`` on the replay buffer: with the adapter this includes its
-  statistics pass (one more no-grad forward of the policy over the buffer, ``entropy_disc/timing/
-  stats_pass``), the mask and the metrics;
+  round start (``entropy_disc/timing/stats_pass``, column ``stats_pass_s``: taking the buffered
+  samples' statistics from the forward, the mask and the metrics; a no-grad pass of the policy only
+  in the fallback, column ``from_forward`` 0);
 * ``total_s``: the two together, the part of an OpenRLHF step outside generation that the actor
   does (reference model, critic and reward model are the same in every arm and not run).
+
+The adapter is patched before the arm's old-log-prob pass (and, once, before the trainer is built,
+as the Ray setup hook does, so that its ``ActorPPOTrainer.__init__`` registers the policy) and
+unpatched after its ``ppo_train``; ``adapter_s`` = ``stats_in_forward_s + stats_pass_s`` is all of the
+adapter's own time, ``adapter_vs_off_pct`` that over ``off``'s ``total_s``.
 
 Arms, interleaved within each step (``off`` first) so that drift of the card's clocks hits every arm
 alike: ``off`` (the adapter not patched), ``monitor`` (``method=none``: statistics and metrics),
@@ -28,7 +36,7 @@ turn (its weights move by one lr-1e-6 step per arm and step).  Peak memory per a
 ``torch.cuda.max_memory_allocated`` over the arm's old-log-prob pass and update, reset before it
 (``peak_gib``; the engine, its optimizer state and its weights are allocated before and counted).
 Medians of steps 2..N; the adapter's own time is also given against the stock step
-(``stats_pass_vs_off_pct``: its statistics pass, mask and metrics over ``off``'s ``total_s``).  Writes
+(``adapter_vs_off_pct``; ``stats_pass_vs_off_pct``: its round start alone).  Writes
 ``benchmarks/results/<card>/openrlhf_step.csv`` (or ``--out DIR``) and
 prints a table with the ratios against ``off``.
 
@@ -183,7 +191,11 @@ def run(ns: argparse.Namespace, shape: Shape, arms: list[str]) -> list[dict]:
 
     model_dir = Path(tempfile.mkdtemp(prefix="openrlhf_step_")) / "qwen25_05b_shapes"
     vocab = write_model(model_dir, ns.smoke)
-    args, actor, trainer = build(shape, ns.smoke, model_dir)
+    adapter.patch(EntropyDiscConfig())  # as in a Ray worker: patched before ActorPPOTrainer.__init__ (registers the policy)
+    try:
+        args, actor, trainer = build(shape, ns.smoke, model_dir)
+    finally:
+        adapter.unpatch()
     maker = RemoteExperienceMaker.__new__(RemoteExperienceMaker)
     maker.strategy, maker.args, maker.advantage_estimator = SimpleNamespace(args=args), args, "group_norm"
     maker.kl_ctl = SimpleNamespace(value=0.0)
@@ -195,16 +207,16 @@ def run(ns: argparse.Namespace, shape: Shape, arms: list[str]) -> list[dict]:
             exp = make_experience(step, shape, vocab)
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            lp, old_s = timed(old_log_probs, actor, exp, shape.micro)
-            exp.action_log_probs = lp * exp.action_mask
-            maker.compute_advantages_and_returns([exp])
-            trainer.replay_buffer.clear()
-            trainer.replay_buffer.append(exp)
             if method is None:
                 adapter.unpatch()
-            else:
+            else:  # before the old-log-prob pass: the adapter scores the tokens inside it
                 adapter.patch(EntropyDiscConfig(method=method, mask_mode="zero_pg"))
             try:
+                lp, old_s = timed(old_log_probs, actor, exp, shape.micro)
+                exp.action_log_probs = lp * exp.action_mask
+                maker.compute_advantages_and_returns([exp])
+                trainer.replay_buffer.clear()
+                trainer.replay_buffer.append(exp)
                 status, update_s = timed(trainer.ppo_train, 0.0)
             finally:
                 adapter.unpatch()
@@ -216,6 +228,8 @@ def run(ns: argparse.Namespace, shape: Shape, arms: list[str]) -> list[dict]:
             records[arm].append({
                 "old_log_prob_s": old_s, "update_s": update_s, "total_s": old_s + update_s, "peak_gib": peak,
                 "stats_pass_s": float(status.get("entropy_disc/timing/stats_pass", 0.0)),
+                "stats_in_forward_s": float(status.get("entropy_disc/timing/stats_in_forward", 0.0)),
+                "from_forward": float(status.get("entropy_disc/stats/from_forward", math.nan)),
                 "clip_frac": float(status.get("entropy_disc/clip/frac", 0.0)),
                 "n_valid": int(status.get("entropy_disc/tokens/valid", 0)),
                 "policy_loss": float(status.get("policy_loss", math.nan)),
@@ -224,10 +238,14 @@ def run(ns: argparse.Namespace, shape: Shape, arms: list[str]) -> list[dict]:
     for arm in arms:
         steps = records[arm]
         sel = steps[1:] if len(steps) > 1 else steps  # steps 2..N
-        med = {k: statistics.median(s[k] for s in sel) for k in ("old_log_prob_s", "update_s", "total_s", "stats_pass_s")}
+        for s in steps:
+            s["adapter_s"] = s["stats_in_forward_s"] + s["stats_pass_s"]
+        med = {k: statistics.median(s[k] for s in sel)
+               for k in ("old_log_prob_s", "update_s", "total_s", "stats_in_forward_s", "stats_pass_s", "adapter_s")}
         rows.append({
             "arm": arm, "method": ARMS[arm] or "stock OpenRLHF", **med,
             "peak_gib": max(s["peak_gib"] for s in steps) if cuda else math.nan,
+            "from_forward": min(s["from_forward"] for s in steps) if ARMS[arm] else math.nan,
             "clip_frac_step1": steps[0]["clip_frac"], "n_valid_step1": steps[0]["n_valid"],
             "policy_loss_step1": steps[0]["policy_loss"],
             "total_s_per_step": " ".join(f"{s['total_s']:.4f}" for s in steps),
@@ -287,6 +305,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         r["total_vs_off_pct"] = 100 * (r["total_s"] / base["total_s"] - 1) if base else math.nan
         r["update_vs_off_pct"] = 100 * (r["update_s"] / base["update_s"] - 1) if base else math.nan
         r["stats_pass_vs_off_pct"] = 100 * r["stats_pass_s"] / base["total_s"] if base else math.nan
+        r["adapter_vs_off_pct"] = 100 * r["adapter_s"] / base["total_s"] if base else math.nan
         r["peak_vs_off_pct"] = 100 * (r["peak_gib"] / base["peak_gib"] - 1) if base else math.nan
         r["card"], r["versions"] = card, versions
     out = ns.out or ROOT / "benchmarks" / "results" / ("cpu_smoke" if ns.smoke else card_dir(card))
@@ -300,13 +319,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"card {card}; {versions}; {which}; {n_seq} sequences x ({shape.prompt_len} + {shape.response_len}) "
           f"tokens, packed, micro-batches of {shape.micro}; {time.perf_counter() - started:.0f} s; "
           f"CSV {out / 'openrlhf_step.csv'}")
-    print("| arm | old-log-prob s | update s | of which stats pass s | total s | total vs off | update vs off | "
-          "stats pass vs off | peak GiB | peak vs off | clip frac |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| arm | old-log-prob s | of which stats in forward s | update s | of which round start s | total s | "
+          "total vs off | adapter's own s | adapter's own vs off | from forward | peak GiB | peak vs off | clip frac |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['arm']} | {r['old_log_prob_s']:.4f} | {r['update_s']:.4f} | {r['stats_pass_s']:.4f} | "
-              f"{r['total_s']:.4f} | {r['total_vs_off_pct']:+.1f}% | {r['update_vs_off_pct']:+.1f}% | "
-              f"{r['stats_pass_vs_off_pct']:.1f}% | "
+        print(f"| {r['arm']} | {r['old_log_prob_s']:.4f} | {r['stats_in_forward_s']:.4f} | {r['update_s']:.4f} | "
+              f"{r['stats_pass_s']:.4f} | {r['total_s']:.4f} | {r['total_vs_off_pct']:+.1f}% | {r['adapter_s']:.4f} | "
+              f"{r['adapter_vs_off_pct']:.1f}% | {r['from_forward']:.0f} | "
               f"{r['peak_gib']:.2f} | {r['peak_vs_off_pct']:+.1f}% | {r['clip_frac_step1']:.4f} |")
     for r in rows:
         print(f"{r['arm']}: per-step totals {r['total_s_per_step']} s; step 1 policy_loss {r['policy_loss_step1']:.4e}")

@@ -46,7 +46,10 @@ def test_smoke_benchmark_runs_every_arm(tmp_path):
             assert float(r["total_vs_off_pct"]) == 0.0 and float(r["stats_pass_vs_off_pct"]) == 0.0
             continue
         assert 0 < float(r["stats_pass_vs_off_pct"]) < math.inf, arm
-        assert 0 < float(r["stats_pass_s"]) < float(r["update_s"]), arm  # the adapter's pass inside ppo_train
+        assert 0 < float(r["stats_pass_s"]) < float(r["update_s"]), arm  # the adapter's round start inside ppo_train
+        assert float(r["from_forward"]) == 1.0, arm  # every step's statistics came from the old-policy forward
+        assert 0 < float(r["stats_in_forward_s"]) < float(r["old_log_prob_s"]), arm  # ... timed inside it
+        assert float(r["adapter_s"]) == pytest.approx(float(r["stats_in_forward_s"]) + float(r["stats_pass_s"]))
         assert int(r["n_valid_step1"]) == 8 * 16, arm  # every response token of the buffer was scored
         assert math.isfinite(float(r["total_vs_off_pct"])), arm
     assert "| clip_v |" in proc.stdout
