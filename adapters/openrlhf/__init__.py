@@ -9,17 +9,20 @@ For a custom launch: ``ray.init(runtime_env=runtime_env(EntropyDiscConfig(method
 patches every Ray worker; ``patch(config)`` / ``unpatch()`` / ``is_patched()`` act on the current
 process (e.g. a test or a single-process trainer).
 
-Once per round of updates (``ActorPPOTrainer.ppo_train``, i.e. per rollout batch), before the
-first epoch: a no-grad pass of the policy that computed the old log-probs over the actor's replay
-buffer gives ``logp, H, S*, E_p[S], S_c`` per response token (OpenRLHF's sampling temperature);
-the keep-mask is computed over the whole data-parallel batch and written into the buffered
-samples, so every epoch and micro-batch uses it. Any advantage estimator that fills
+``logp, H, S*, E_p[S], S_c`` per response token are taken in the old-policy forward that
+``make_experience`` already runs (``PolicyModelActor.forward`` -> the patched ``Actor.forward``, from
+the fp32 temperature-scaled logits OpenRLHF takes its old log-probs from; ``_experience.py``) and
+matched to the replay buffer's samples by their token ids, so a round runs no forward of its own
+(a no-grad pass over the buffer remains as the fallback for samples that forward did not score,
+e.g. a trainer built before the patch). Once per round of updates (``ActorPPOTrainer.ppo_train``,
+i.e. per rollout batch), before the first epoch, the keep-mask is computed over the whole
+data-parallel batch and written into the buffered samples, so every epoch and micro-batch uses it. Any advantage estimator that fills
 ``Experience.advantages`` per token works the same way (``gae``, ``group_norm``, ``rloo``,
 ``reinforce_baseline``, ``dr_grpo``). Metrics ``entropy_disc/*`` join the actor's status dict, which
 OpenRLHF logs (console, wandb, TensorBoard). Details: ``_round.py``.
 
 Packed samples and ring attention are served from the actor's own packed / per-rank logits (see
-``_round.replay_buffer_stats``). Combinations a mask mode cannot serve exactly (``zero_pg`` with the
+``_round.stats_in_batch_layout``). Combinations a mask mode cannot serve exactly (``zero_pg`` with the
 KL loss, an entropy bonus or GSPO; AutoTP) are refused before training starts (``_checks.py``).
 
 Supported: OpenRLHF ``>=0.10.2,<0.12``; others are refused with the reason.
