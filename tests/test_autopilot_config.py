@@ -26,8 +26,8 @@ def test_defaults_and_the_other_methods_unchanged():
     pilot = C(method="autopilot")
     assert pilot.enabled and pilot.needs_expected  # S_c needs E_p[S]
     # The new fields are appended: positional construction of the old ones is unchanged.
-    assert [f.name for f in dataclasses.fields(C)][:10] == [
-        "method", "mu_low", "mu_high", "sides", "max_frac", "cap_rule", "mask_mode", "chunk_size", "impl", "log_metrics"]
+    assert [f.name for f in dataclasses.fields(C)][:10] == ["method", "mu_low", "mu_high", "sides", "max_frac",
+                                                            "cap_rule", "mask_mode", "chunk_size", "impl", "log_metrics"]
 
 
 @pytest.mark.parametrize(("field", "value", "needle"), [

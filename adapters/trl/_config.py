@@ -160,4 +160,5 @@ def _target_entropy(value: Any) -> float | str:
     try:
         return float(value)
     except ValueError:
-        raise ValueError(f"entropy_disc_target_entropy must be 'hold' or a number of nats/token, got {value!r}") from None
+        raise ValueError(
+            f"entropy_disc_target_entropy must be 'hold' or a number of nats/token, got {value!r}") from None
