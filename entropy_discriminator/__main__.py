@@ -66,6 +66,21 @@ def _mask_setting(field: str, method: str) -> Callable[[str], float]:
     return parse
 
 
+def _autopilot_target(text: str) -> str | float:
+    """argparse type: ``hold`` or a target entropy in nats/token that :class:`EntropyDiscConfig` accepts."""
+    value: str | float = text
+    if text != "hold":
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be 'hold' or a number (nats/token), got {text!r}") from None
+    try:
+        EntropyDiscConfig(method="autopilot", target_entropy=value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("entropy_disc.target_entropy ", "", 1)) from None
+    return value
+
+
 def _folder(text: str) -> Path:
     """argparse type: an output folder; the empty string (which would mean the current folder) is refused."""
     if not text.strip():
@@ -100,7 +115,7 @@ def _device(text: str) -> str:
 #: ``demo`` options (argparse dests, besides ``--out`` and ``--paper``) that apply in each mode (plain or
 #: ``--quick``, ``--paper``, ``--paper --render-only``); given in another mode they are refused.
 DEMO_APPLIES = {
-    "demo": {"quick", "device", "seed", "steps", "threads", "mu_b", "mu_v", "max_frac_v"},
+    "demo": {"quick", "device", "seed", "steps", "threads", "mu_b", "mu_v", "max_frac_v", "autopilot"},
     "paper": {"device", "seed", "steps", "seeds", "jobs", "size"},
     "render": {"render_only"},  # it redraws saved results: only --out applies
 }
@@ -145,6 +160,11 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     demo.add_argument(
         "--max-frac-v", type=_mask_setting("max_frac", "clip_v"),
         help="cap on Clip_V's clipped share, in [0, 1] (default none; 1e-4 clips nothing in a demo batch of under 10,000 tokens)",
+    )
+    demo.add_argument(
+        "--autopilot", type=_autopilot_target, metavar="TARGET",
+        help="add a fourth arm, + Autopilot (docs/autopilot.md): 'hold' keeps the starting entropy, a number is a "
+        "target entropy in nats/token (default: no autopilot arm)",
     )
     demo.add_argument("--seeds", type=_int_in(2), help="--paper: seeds per arm for Table 1, >= 2 (default: its size's)")
     demo.add_argument("--jobs", type=_int_in(1), help="--paper: parallel worker processes, >= 1 (default: its size's)")

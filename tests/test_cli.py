@@ -56,6 +56,9 @@ BAD_VALUES = [
     (["--threads", "0"], "--threads"),
     (["--seed", "-1"], "--seed"),
     (["--seed", str(2**32)], "--seed"),
+    (["--autopilot", "warm"], "--autopilot"),
+    (["--autopilot", "-0.5"], "--autopilot"),
+    (["--autopilot", "nan"], "--autopilot"),
     (["--device", "mps"], "--device"),
     (["--device", "cuda:abc"], "--device"),
     (["--device", "cuda:99"], "--device"),  # no CUDA here, or fewer than 100 GPUs
@@ -75,6 +78,7 @@ WRONG_MODE = [
     (["--paper", "--threads", "2"], "--threads: does not apply with --paper"),
     (["--paper", "--mu-b", "3"], "--mu-b: does not apply with --paper"),
     (["--paper", "--max-frac-v", "0.1"], "--max-frac-v: does not apply with --paper"),
+    (["--paper", "--autopilot", "hold"], "--autopilot: does not apply with --paper"),
     (["--paper", "--render-only", "--steps", "5"], "--steps: does not apply with --render-only"),
     (["--paper", "--render-only", "--device", "cpu"], "--device: does not apply with --render-only"),
     (["--paper", "--render-only", "--seed", "0"], "--seed: does not apply with --render-only"),  # 0 is given too
@@ -246,3 +250,16 @@ def test_default_output_folders_are_git_ignored() -> None:
     defaults = {*cli.DEMO_DEFAULT_OUT.values(), cli.build_parser()._subparsers._group_actions[0].choices["compare"]
                 .get_default("out")}
     assert {f"/{Path(d).parts[0]}/" for d in defaults} <= ignored
+
+
+@pytest.mark.parametrize(("text", "target"), [("hold", "hold"), ("0.4", 0.4), ("0", 0.0)])
+def test_autopilot_target_reaches_a_fourth_arm(text: str, target: object, monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Path) -> None:
+    """``--autopilot`` adds GRPO+Autopilot with that target; without it the demo keeps its three arms."""
+    seen: list[runner.DemoOptions] = []
+    monkeypatch.setattr(runner, "run_demo", seen.append)
+    assert cli.main(["demo", "--quick", "--autopilot", text, "--out", str(tmp_path / "d")]) == 0
+    arms = runner.demo_arms(seen[0])
+    assert [a.name for a in arms] == ["GRPO", "GRPO+Clip_B", "GRPO+Clip_V", "GRPO+Autopilot"]
+    assert arms[-1].method == "autopilot" and arms[-1].target_entropy == target
+    assert [a.name for a in runner.demo_arms(runner.DemoOptions())] == ["GRPO", "GRPO+Clip_B", "GRPO+Clip_V"]

@@ -230,3 +230,35 @@ def test_dh_correlation_range_in_the_text_is_the_tables() -> None:
     low, high = f"{min(corr):.2f}", f"{max(corr):.2f}"
     assert f"r = {low}-{high}" in (root / "README.md").read_text()
     assert f"r = {low}–{high}" in (root / "docs" / "demo.md").read_text()
+
+
+def test_autopilot_arm_drops_within_its_cap_and_only_through_its_drops() -> None:
+    """The demo's autopilot arm (target "hold", default cap 5%) on the quick preset: every step drops at most
+    floor(0.05 n) tokens, some step drops some, and up to its first drop it is vanilla GRPO step for step
+    (same seed, same samples): the arm differs only through the tokens it drops."""
+    from dataclasses import replace
+
+    from entropy_discriminator.demo.model import TinyGPT
+    from entropy_discriminator.demo.train import run_arm, warm_up
+
+    cfg = replace(PRESETS["quick"], grpo_steps=12)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg.model_config())
+    warm_up(model, cfg, seed=0, device=torch.device("cpu"))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    grpo = run_arm(state, cfg, ArmSpec("GRPO"), seed=0, device=torch.device("cpu"))
+    pilot = run_arm(state, cfg, ArmSpec("AP", method="autopilot", target_entropy="hold"), seed=0, device=torch.device("cpu"))
+    n_tokens = cfg.prompts_per_step * cfg.group_size * cfg.task().response_len
+    fracs = [r["clip_frac"] for r in pilot.records]
+    assert all(f <= math.floor(0.05 * n_tokens) / n_tokens + 1e-12 for f in fracs), fracs
+    first = next(i for i, f in enumerate(fracs) if f > 0)  # StopIteration (a failure) if it never drops
+    for ours, theirs in zip(pilot.records[: first + 1], grpo.records[: first + 1]):
+        assert ours["entropy"] == theirs["entropy"] and ours["reward"] == theirs["reward"]
+    assert pilot.records[first]["loss"] != grpo.records[first]["loss"]
+
+
+def test_autopilot_arm_settings_are_checked_by_the_core() -> None:
+    with pytest.raises(ValueError, match="entropy_disc.target_entropy"):
+        ArmSpec("AP", method="autopilot", target_entropy=-1.0)
+    with pytest.raises(ValueError, match="entropy_disc.max_frac"):
+        ArmSpec("AP", method="autopilot", max_frac=2.0)

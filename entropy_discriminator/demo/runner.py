@@ -60,6 +60,7 @@ class DemoOptions:
     mu_b: float = 2.5
     mu_v: float = 2.5
     max_frac_v: float | None = None
+    autopilot: str | float | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -104,12 +105,16 @@ def torch_threads(n: int | None) -> Iterator[None]:
 
 def demo_arms(opts: DemoOptions) -> list[ArmSpec]:
     """Vanilla GRPO, + Clip_B (S* lower tail, mu_b) and + Clip_V (S_c lower tail, mu_v), negative-advantage
-    tokens only (the paper's setting)."""
-    return [
+    tokens only (the paper's setting); with ``autopilot`` (``"hold"`` or a target entropy in nats/token) a
+    fourth arm, + Autopilot (:class:`~entropy_discriminator.EntropyAutopilot`, its defaults otherwise)."""
+    arms = [
         ArmSpec("GRPO"),
         ArmSpec("GRPO+Clip_B", method="clip_b", mu_low=opts.mu_b),
         ArmSpec("GRPO+Clip_V", method="clip_v", mu_low=opts.mu_v, max_frac=opts.max_frac_v),
     ]
+    if opts.autopilot is not None:
+        arms.append(ArmSpec("GRPO+Autopilot", method="autopilot", target_entropy=opts.autopilot))
+    return arms
 
 
 def summarise(result: ArmResult) -> dict[str, object]:

@@ -28,7 +28,7 @@ from .. import EntropyDiscConfig, EntropyMonitor, apply_keep_mask, batch_entropy
 from .model import ModelConfig, TinyGPT
 from .task import VOCAB_SIZE, AdditionTask
 
-ARM_METHODS = ("none", "clip_b", "clip_v", "sign")
+ARM_METHODS = ("none", "clip_b", "clip_v", "sign", "autopilot")
 SIGN_ACTIONS = ("only", "mask")
 
 
@@ -37,7 +37,9 @@ class ArmSpec:
     """One training arm.
 
     ``method``: ``none`` (vanilla GRPO), ``clip_b``, ``clip_v`` (core masks with ``mu_low``,
-    ``max_frac``, ``sides``) or ``sign`` (Figure 1: ``action`` ``only`` keeps just, or ``mask`` drops
+    ``max_frac``, ``sides``), ``autopilot`` (:class:`~entropy_discriminator.EntropyAutopilot` toward
+    ``target_entropy``, ``"hold"`` or nats/token, with ``max_frac`` (None: its default cap 0.05) and
+    ``sides``; its step size is the arm's learning rate) or ``sign`` (Figure 1: ``action`` ``only`` keeps just, or ``mask`` drops
     just, the tokens of ``sample_sign`` samples (``pos``: A > 0, ``neg``: A < 0) whose ``S*`` has sign
     ``s_sign`` (``pos``: S* > 0, ``neg``: S* < 0); ``only`` also drops every other token).
     """
@@ -50,6 +52,7 @@ class ArmSpec:
     action: str = "only"
     sample_sign: str = "pos"
     s_sign: str = "pos"
+    target_entropy: str | float = "hold"
 
     def __post_init__(self) -> None:
         if self.method not in ARM_METHODS:
@@ -61,6 +64,13 @@ class ArmSpec:
                 raise ValueError(f"{label} must be 'pos' or 'neg', got {getattr(self, label)!r}")
         if self.method in ("clip_b", "clip_v"):  # the core's rules for mu_low, sides and max_frac
             EntropyDiscConfig(method=self.method, mu_low=self.mu_low, sides=self.sides, max_frac=self.max_frac)
+        if self.method == "autopilot":
+            self.autopilot_config()
+
+    def autopilot_config(self) -> EntropyDiscConfig:
+        """The arm's autopilot settings as the core checks them (``max_frac`` None: the autopilot's default cap)."""
+        return EntropyDiscConfig(method="autopilot", target_entropy=self.target_entropy, sides=self.sides,
+                                 max_frac="auto" if self.max_frac is None else self.max_frac)
 
 
 @dataclass(frozen=True)
@@ -224,6 +234,7 @@ def run_arm(
     gen = torch.Generator().manual_seed(seed)
     monitor = EntropyMonitor(percentiles=(10, 50, 90))
     pre = monitor.prefix
+    pilot = arm.autopilot_config().build_autopilot() if arm.method == "autopilot" else None
     out = ArmResult(arm=arm.name, seed=seed)
     g, p_len = cfg.group_size, task.prompt_len
     t0 = time.perf_counter()
@@ -244,6 +255,9 @@ def run_arm(
             keep = mask.keep
         elif arm.method == "clip_v":
             mask = clip_v_mask(stats.s_centered, adv, valid, mu_low=arm.mu_low, sides=arm.sides, max_frac=arm.max_frac)
+            keep = mask.keep
+        elif pilot is not None:
+            mask = pilot.from_stats(stats, adv, lr=cfg.lr).mask
             keep = mask.keep
         elif arm.method == "sign":
             keep = _sign_keep(arm, stats.s_star, adv)
