@@ -30,7 +30,7 @@ from entropy_discriminator.masks import CAP_RULES, MASK_MODES, SIDES
 from entropy_discriminator.stats import IMPLS
 
 from ._checks import UnsupportedConfigurationError, check_training_args
-from ._patch import check_openrlhf_version, runtime_env
+from ._patch import check_openrlhf_version, check_served, runtime_env
 
 PREFIX = "--entropy_disc."
 CLI_MODULE = "openrlhf.cli.train_ppo_ray"
@@ -124,6 +124,7 @@ def parse(argv: Sequence[str]) -> tuple[EntropyDiscConfig, bool, list[str]]:
     fields = {k: v for k, v in vars(ns).items() if k not in ("help", "realised")}
     try:
         config = EntropyDiscConfig(**fields)
+        check_served(config)
     except ValueError as exc:
         parser.error(str(exc))
     return config, ns.realised, rest

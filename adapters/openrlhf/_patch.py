@@ -74,9 +74,21 @@ def check_openrlhf_version(version: str | None = None) -> str:
     return require_version("openrlhf", SUPPORTED_OPENRLHF, why=_WHY, installed=version)
 
 
+def check_served(config: EntropyDiscConfig) -> None:
+    """Validate ``config`` and refuse what this adapter does not serve yet (``method="autopilot"``:
+    its controller state is not saved with OpenRLHF's checkpoints), with a ``ValueError`` naming it."""
+    config.validate()
+    if config.method == "autopilot":
+        raise ValueError(
+            "entropy_disc.method=autopilot is not available in the OpenRLHF adapter yet (the controller's state "
+            "must be saved with OpenRLHF's checkpoints first): use clip_b or clip_v here, or the TRL adapter or "
+            "the core API (docs/autopilot.md)"
+        )
+
+
 def encode_settings(config: EntropyDiscConfig, *, realised: bool = False) -> str:
     """JSON for :data:`CONFIG_ENV`: the config's fields plus ``realised`` (``inf`` as ``Infinity``)."""
-    config.validate()
+    check_served(config)
     return json.dumps({"config": dataclasses.asdict(config), "realised": bool(realised)})
 
 
@@ -173,7 +185,7 @@ def patch(config: EntropyDiscConfig | None = None, *, realised: bool = False) ->
     config = EntropyDiscConfig() if config is None else config
     if not isinstance(config, EntropyDiscConfig):
         raise TypeError(f"config must be an EntropyDiscConfig, got {type(config).__name__}")
-    config.validate()
+    check_served(config)
     check_openrlhf_version()
     module = sys.modules.get(TRAINER_MODULE) or importlib.import_module(TRAINER_MODULE)
     _patch_module(module, config, realised)
@@ -240,7 +252,7 @@ class _PatchingLoader(importlib.abc.Loader):
 
 def patch_on_import(config: EntropyDiscConfig, *, realised: bool = False) -> None:
     """Patch now if OpenRLHF's trainer module is loaded, else as soon as it is imported."""
-    config.validate()
+    check_served(config)
     check_openrlhf_version()
     if TRAINER_MODULE in sys.modules:
         _patch_module(sys.modules[TRAINER_MODULE], config, realised)

@@ -577,3 +577,17 @@ def test_metrics_only_leaves_buffer_unchanged(monkeypatch):
     assert all(torch.equal(it.advantages, a) for it, a in zip(buffer.items, adv_before))
     n_valid = sum(int(it.action_mask.sum()) for it in buffer.items)
     assert state.metrics["entropy_disc/tokens/valid"] == n_valid
+
+
+def test_autopilot_is_refused_before_work(capsys):
+    """Not yet served here: patch, patch_on_import, runtime_env and the launcher refuse it, naming the method."""
+    from entropy_discriminator import EntropyDiscConfig
+
+    cfg = EntropyDiscConfig(method="autopilot")
+    for call in (lambda: adapter.patch(cfg), lambda: adapter.patch_on_import(cfg), lambda: adapter.runtime_env(cfg)):
+        with pytest.raises(ValueError, match=r"entropy_disc\.method=autopilot is not available in the OpenRLHF adapter"):
+            call()
+    assert not adapter.is_patched()
+    with pytest.raises(SystemExit) as exc:
+        adapter.main(["--actor.model_name_or_path", "tiny", "--entropy_disc.method", "autopilot"])
+    assert exc.value.code == 2 and "entropy_disc.method=autopilot" in capsys.readouterr().err
