@@ -28,7 +28,7 @@ from transformers import GenerationMixin, PreTrainedModel, PreTrainedTokenizerFa
 from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
 
 from .countdown import EQUALS, MINUS, PLUS, SKIP, VOCAB_SIZE, CountdownTask
-from .model import ModelConfig, TinyGPT, _Block
+from .model import ModelConfig, TinyGPT, _Block, trunk
 
 #: Text of each task token id (index = id).
 TOKEN_TEXT = [str(d) for d in range(10)] + ["+", "-", "=", "_"]
@@ -84,13 +84,7 @@ class TinyGPTBackbone(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_: object) -> BaseModelOutput:
         _check_unpadded(input_ids, attention_mask)
-        t = input_ids.shape[1]
-        if t > self.cfg.max_len:
-            raise ValueError(f"input_ids has length {t} > max_len {self.cfg.max_len}")
-        x = self.tok(input_ids) + self.pos(torch.arange(t, device=input_ids.device))
-        for block in self.blocks:
-            x = block(x)
-        return BaseModelOutput(last_hidden_state=self.ln_f(x))
+        return BaseModelOutput(last_hidden_state=trunk(self, input_ids, "input_ids"))
 
 
 class TinyGPTForCausalLM(PreTrainedModel, GenerationMixin):

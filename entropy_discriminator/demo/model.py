@@ -45,6 +45,21 @@ class _Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def trunk(model: nn.Module, tokens: torch.Tensor, name: str = "tokens") -> torch.Tensor:
+    """TinyGPT's final hidden states [B, L, d]: ``ln_f`` of the last block's output, for ``tokens`` [B, L] int64.
+
+    ``model`` holds TinyGPT's trunk (``cfg``, ``tok``, ``pos``, ``blocks``, ``ln_f``): :class:`TinyGPT` or the
+    transformers backbone of :mod:`.hf_policy`.  ``name`` is the argument an over-long input is reported as.
+    """
+    t = tokens.shape[1]
+    if t > model.cfg.max_len:
+        raise ValueError(f"{name} has length {t} > max_len {model.cfg.max_len}")
+    x = model.tok(tokens) + model.pos(torch.arange(t, device=tokens.device))
+    for block in model.blocks:
+        x = block(x)
+    return model.ln_f(x)
+
+
 class TinyGPT(nn.Module):
     """``forward(tokens [B, L] int64) -> logits [B, L, V] float32``; position ``i`` predicts token ``i + 1``."""
 
@@ -58,13 +73,7 @@ class TinyGPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        t = tokens.shape[1]
-        if t > self.cfg.max_len:
-            raise ValueError(f"tokens has length {t} > max_len {self.cfg.max_len}")
-        x = self.tok(tokens) + self.pos(torch.arange(t, device=tokens.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
+        return self.head(trunk(self, tokens))
 
     def response_logits(self, sequences: torch.Tensor, prompt_len: int) -> torch.Tensor:
         """Logits [B, T, V] that predict the response tokens ``sequences[:, prompt_len:]`` (T of them).
