@@ -141,15 +141,22 @@ class RunSpec:
         return out
 
 
-def _warm_job(job: tuple[RunSpec, int, str]) -> dict[str, object]:
-    spec, seed, path = job
+def save_warm_start(cfg: CompareConfig, seed: int, path: str) -> tuple[dict[str, torch.Tensor], float]:
+    """Warm up ``seed`` on one thread (:func:`warm_up_checkpoints`), save the state dict to ``path``; returns
+    ``(state, seconds)``."""
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    state = warm_up_checkpoints(spec.cfg, seed, (), lambda step, st: None)
+    state = warm_up_checkpoints(cfg, seed, (), lambda step, st: None)
     torch.save(state, path)
+    return state, time.perf_counter() - t0
+
+
+def _warm_job(job: tuple[RunSpec, int, str]) -> dict[str, object]:
+    spec, seed, path = job
+    state, seconds = save_warm_start(spec.cfg, seed, path)
     model = TinyGPT(spec.cfg.model_config())
     model.load_state_dict(state)
-    return {"seed": seed, "warmup_seconds": time.perf_counter() - t0, "start": spec.evaluate(model, seed, 0)}
+    return {"seed": seed, "warmup_seconds": seconds, "start": spec.evaluate(model, seed, 0)}
 
 
 def _arm_job(job: tuple[RunSpec, Arm, int, str]) -> dict[str, object]:

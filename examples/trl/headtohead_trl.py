@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from entropy_discriminator.demo.headtohead import Arm, HeadConfig, run_arm_checkpoints, warm_up_checkpoints
+from entropy_discriminator.demo.headtohead import Arm, HeadConfig, run_arm_checkpoints
 from entropy_discriminator.demo.protocol import (
     DELTAS,
     ENDPOINT_KS,
@@ -55,6 +55,7 @@ from entropy_discriminator.demo.protocol import (
     frontier_figure,
     load_jsonl,
     parse_config,
+    save_warm_start,
 )
 from entropy_discriminator.demo.stats_tests import paired_test
 
@@ -220,11 +221,7 @@ def _same_prompts(seen: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor
 
 def _warm_job(job: tuple[RunSpec, int, str]) -> dict[str, object]:
     spec, seed, path = job
-    torch.set_num_threads(1)
-    t0 = time.perf_counter()
-    state = warm_up_checkpoints(spec.cfg, seed, (), lambda step, st: None)
-    torch.save(state, path)
-    return {"seed": seed, "warmup_seconds": time.perf_counter() - t0}
+    return {"seed": seed, "warmup_seconds": save_warm_start(spec.cfg, seed, path)[1]}
 
 
 def _run_job(job: tuple[str, RunSpec, Arm, int, int, str, str, str]) -> dict[str, object]:
@@ -332,7 +329,7 @@ def report(out: Path, runs: Sequence[dict] | None = None) -> str:
     seeds = sorted({r["seed"] for r in runs})
     curves = entropy_curves(runs)
     dump: dict[str, object] = {"seeds": seeds, "entropy_curves": curves}
-    lines = [f"# Head-to-head through TRL vs the project's own loop\n",
+    lines = ["# Head-to-head through TRL vs the project's own loop\n",
              f"Seeds {seeds}; arms {settings}; paths {paths}. Mean over seeds unless stated.\n"]
     # entropy curves
     steps = sorted({s for c in curves.values() for s in c})
