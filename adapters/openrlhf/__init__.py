@@ -1,4 +1,4 @@
-"""Clip_B / Clip_V and the entropy monitor in OpenRLHF 0.10.2-0.11.x (``openrlhf.cli.train_ppo_ray``).
+"""Clip_B / Clip_V, the entropy autopilot and the entropy monitor in OpenRLHF 0.10.2-0.11.x (``openrlhf.cli.train_ppo_ray``).
 
 Launch (every stock flag goes to OpenRLHF unchanged; ``--entropy_disc.help`` lists the others)::
 
@@ -20,6 +20,14 @@ data-parallel batch and written into the buffered samples, so every epoch and mi
 ``Experience.advantages`` per token works the same way (``gae``, ``group_norm``, ``rloo``,
 ``reinforce_baseline``, ``dr_grpo``). Metrics ``entropy_disc/*`` join the actor's status dict, which
 OpenRLHF logs (console, wandb, TensorBoard). Details: ``_round.py``.
+
+``method="autopilot"`` steps the policy's ``EntropyAutopilot`` once per round instead, on the same
+statistics and OpenRLHF's per-token advantages, ``eta = entropy_disc.eta`` or ``--actor.adam.lr``,
+``r = 1``: ``keep = pilot.from_stats(stats [N], advantages [N], lr=eta).mask.keep`` reaches the loss
+like the masks, ``entropy_disc/autopilot/*`` join the status dict. Its state (``{"version", "step",
+"h_start"}``) rides in the client state of the actor's DeepSpeed checkpoints (``DeepspeedStrategy.save_ckpt``
+/ ``load_ckpt``, key ``entropy_disc_autopilot``) and is restored when ``ActorPPOTrainer`` is built after
+``--ckpt.load_enable`` loaded one; a loaded checkpoint without it is refused there (``_autopilot.py``).
 
 Packed samples and ring attention are served from the actor's own packed / per-rank logits (see
 ``_round.stats_in_batch_layout``). Combinations a mask mode cannot serve exactly (``zero_pg`` with the

@@ -18,6 +18,10 @@ the two per-token fields of OpenRLHF's ``Experience``:
 ``--ds.tensor_parallel_size > 1`` (DeepSpeed AutoTP) is refused whenever clipping is on: the
 statistics need full-vocabulary logits per rank, which has not been verified under AutoTP.
 
+``method="autopilot"`` masks through the same two modes, so the same combinations are refused; in
+addition it needs its law's step size: ``entropy_disc.eta``, else ``--actor.adam.lr`` (> 0) with
+``--actor.optim adam``; ``--actor.optim muon`` without ``entropy_disc.eta`` is refused (``_autopilot.step_size``).
+
 What changed between the supported releases, as far as the mask is concerned
 (:data:`SEQUENCE_MEAN_SKIPS_EMPTY`): before 0.10.3 the sequence-mean aggregation (which GSPO
 forces) divides by each sample's action count without guarding samples with none, so a sample
@@ -69,6 +73,13 @@ def refusals(args: Any, config: EntropyDiscConfig, *, openrlhf_version: str | No
             "--ds.tensor_parallel_size > 1 (DeepSpeed AutoTP) is not supported with clipping: the statistics "
             "need full-vocabulary logits on every rank, which is not verified under AutoTP"
         )
+    if config.method == "autopilot":
+        from ._autopilot import step_size
+
+        try:
+            step_size(args, config)
+        except ValueError as exc:
+            problems.append(f"autopilot step size: {exc}")
     if _setting(args, "actor.policy_loss_type") == "gspo" and version < SEQUENCE_MEAN_SKIPS_EMPTY:
         problems.append(
             f"--actor.policy_loss_type gspo on OpenRLHF {version} (< {SEQUENCE_MEAN_SKIPS_EMPTY}): its sequence-mean "

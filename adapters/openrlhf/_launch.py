@@ -25,6 +25,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 
 from entropy_discriminator import EntropyDiscConfig
+from entropy_discriminator.autopilot import DEFAULT_GAIN, DEFAULT_MAX_STEP
 from entropy_discriminator.config import METHODS
 from entropy_discriminator.masks import CAP_RULES, MASK_MODES, SIDES
 from entropy_discriminator.stats import IMPLS
@@ -62,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("entropy_disc")
     g.add_argument("--entropy_disc.help", dest="help", action="store_true", help="show this help and exit")
     g.add_argument("--entropy_disc.method", dest="method", choices=METHODS, default="none",
-                   help="none (metrics only, default), clip_b (mask on S*) or clip_v (mask on S_c)")
+                   help="none (metrics only, default), clip_b (mask on S*), clip_v (mask on S_c) or autopilot "
+                   "(drop the fewest tokens that hold the entropy at a target; docs/autopilot.md)")
     g.add_argument("--entropy_disc.mu_low", dest="mu_low", type=_float_or_inf, default=None,
                    help="lower bound in batch stds (default 2.5 for clip_b and clip_v)")
     g.add_argument("--entropy_disc.mu_high", dest="mu_high", type=_float_or_inf, default=math.inf,
@@ -70,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--entropy_disc.sides", dest="sides", choices=SIDES, default="negative",
                    help="advantage sign whose tokens may be clipped (default negative)")
     g.add_argument("--entropy_disc.max_frac", dest="max_frac", type=_max_frac, default="auto",
-                   help="cap on the clipped share: auto (none, the default for both methods), none, or a number in [0, 1]")
+                   help="cap on the clipped share: auto (none for clip_b/clip_v, 0.05 for autopilot), none, or a number in [0, 1]")
     g.add_argument("--entropy_disc.cap_rule", dest="cap_rule", choices=CAP_RULES, default="share",
                    help="share: at most floor(max_frac * n) tokens (default); reference: at least one token "
                    "when over the bound (Trinity-RFT's max(int(max_frac * n), 1))")
@@ -81,6 +83,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows per chunk of the statistics pass (default: core's choice)")
     g.add_argument("--entropy_disc.impl", dest="impl", choices=IMPLS, default="auto",
                    help="statistics kernel: auto (Triton on CUDA when available), torch or triton")
+    g.add_argument("--entropy_disc.target_entropy", dest="target_entropy", default="hold",
+                   help="autopilot: hold (the first batch's entropy, default) or a target in nats/token")
+    g.add_argument("--entropy_disc.decay_steps", dest="decay_steps", default=None,
+                   help="autopilot: ramp the target from the starting entropy over this many steps")
+    g.add_argument("--entropy_disc.gain", dest="gain", default=str(DEFAULT_GAIN),
+                   help=f"autopilot: feedback gain in (0, 1] (default {DEFAULT_GAIN})")
+    g.add_argument("--entropy_disc.max_step", dest="max_step", default=str(DEFAULT_MAX_STEP),
+                   help=f"autopilot: largest desired entropy change per step, nats/token (default {DEFAULT_MAX_STEP})")
+    g.add_argument("--entropy_disc.eta", dest="eta", default=None,
+                   help="autopilot: step size of the law dH ~ -eta Cov(A, S_c) (default: --actor.adam.lr)")
+    g.add_argument("--entropy_disc.form", dest="form", choices=("cov", "mean"), default="cov",
+                   help="autopilot: cov (Corollaries 4 / 4.1, default) or mean (eq. 23)")
     g.add_argument("--entropy_disc.no_metrics", dest="log_metrics", action="store_false",
                    help="do not add entropy_disc/* metrics to OpenRLHF's logs")
     g.add_argument("--entropy_disc.realised", dest="realised", action="store_true",
@@ -123,7 +137,7 @@ def parse(argv: Sequence[str]) -> tuple[EntropyDiscConfig, bool, list[str]]:
         raise SystemExit(0)
     fields = {k: v for k, v in vars(ns).items() if k not in ("help", "realised")}
     try:
-        config = EntropyDiscConfig(**fields)
+        config = EntropyDiscConfig.from_mapping(fields)  # parses the autopilot's strings, naming the field
         check_served(config)
     except ValueError as exc:
         parser.error(str(exc))

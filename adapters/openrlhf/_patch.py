@@ -1,6 +1,6 @@
 """The patch of OpenRLHF's ``ActorPPOTrainer`` / ``Actor`` and how it reaches Ray workers.
 
-``patch(config)`` replaces three attributes of module ``openrlhf.trainer.ray.ppo_actor``:
+``patch(config)`` replaces five attributes reached through module ``openrlhf.trainer.ray.ppo_actor``:
 
 * ``Actor.forward`` (OpenRLHF's ``openrlhf.models.actor.Actor``): the policy's old-log-prob forward
   of ``make_experience`` (no grad, eval mode, an action mask, no ``return_output``) also scores the
@@ -11,9 +11,12 @@
 * ``ActorPPOTrainer.ppo_train``: each call runs :func:`~._round.begin_round` before the original
   epochs (statistics of the buffered samples, mask) and adds the round's ``entropy_disc/*`` metrics
   to the status dict it returns (the dict OpenRLHF's driver logs to the console, wandb and
-  TensorBoard).
+  TensorBoard);
+* ``DeepspeedStrategy.save_ckpt`` / ``load_ckpt`` (the class ``ppo_actor`` imports from
+  ``openrlhf.utils.deepspeed``): the autopilot's state rides in the client state of the policy's
+  DeepSpeed checkpoints (:mod:`._autopilot`); without a controller both are the originals' calls.
 
-``unpatch()`` restores the three and empties the statistics store; ``is_patched()`` tells. The
+``unpatch()`` restores the five, empties the statistics store and forgets the controllers; ``is_patched()`` tells. The
 config is read at call time, so patching again only swaps it. Patch before the trainer is built
 (the Ray setup hook does): for a trainer built earlier, the first round falls back to a no-grad
 pass of its own (see ``_round.py``), later rounds read the old-policy forward.
@@ -44,7 +47,7 @@ from .._patching import PatchSet, UnsupportedVersionError, require_version
 SUPPORTED_OPENRLHF = ">=0.10.2,<0.12"
 _WHY = (
     "the adapter wraps the private ActorPPOTrainer.__init__/ppo_train and Actor.forward (the old-log-prob call "
-    "of PolicyModelActor.forward), reads NaiveReplayBuffer.items (split, right padding removed), the "
+    "of PolicyModelActor.forward) and DeepspeedStrategy.save_ckpt/load_ckpt (the autopilot's state), reads NaiveReplayBuffer.items (split, right padding removed), the "
     "Experience fields advantages/action_mask, Actor.forward's logits layout (padded, packed, ring-attention "
     "slices) and the hierarchical arguments (--actor.*, --algo.*, --ds.*) as they are in OpenRLHF 0.10.2 to "
     "0.11.2 (0.10.0 and 0.10.1 use flat argument names); other releases may change them without raising an error"
@@ -75,15 +78,10 @@ def check_openrlhf_version(version: str | None = None) -> str:
 
 
 def check_served(config: EntropyDiscConfig) -> None:
-    """Validate ``config`` and refuse what this adapter does not serve yet (``method="autopilot"``:
-    its controller state is not saved with OpenRLHF's checkpoints), with a ``ValueError`` naming it."""
+    """Validate ``config`` (``ValueError`` naming the field). Every method is served here, ``autopilot``
+    included (its state rides in OpenRLHF's checkpoints, :mod:`._autopilot`); the OpenRLHF settings a
+    method cannot serve are refused by :func:`~._checks.check_training_args`."""
     config.validate()
-    if config.method == "autopilot":
-        raise ValueError(
-            "entropy_disc.method=autopilot is not available in the OpenRLHF adapter yet (the controller's state "
-            "must be saved with OpenRLHF's checkpoints first): use clip_b or clip_v here, or the TRL adapter or "
-            "the core API (docs/autopilot.md)"
-        )
 
 
 def encode_settings(config: EntropyDiscConfig, *, realised: bool = False) -> str:
@@ -115,9 +113,14 @@ def _check_seams(module: Any) -> tuple[Any, Any]:
         problems.append("ActorPPOTrainer.__init__ takes no actor")
     if actor is None or not set(_FORWARD_PARAMS) <= set(inspect.signature(_unwrapped(actor.forward)).parameters):
         problems.append(f"Actor.forward lacks one of {'/'.join(_FORWARD_PARAMS)}")
+    strategy = getattr(module, "DeepspeedStrategy", None)
+    for name, params in (("save_ckpt", ("model", "client_state")), ("load_ckpt", ("model",))):
+        method = getattr(strategy, name, None)
+        if method is None or not set(params) <= set(inspect.signature(_unwrapped(method)).parameters):
+            problems.append(f"DeepspeedStrategy.{name} is missing or lacks one of {'/'.join(params)}")
     if problems:
         raise UnsupportedVersionError(f"{TRAINER_MODULE} does not look like OpenRLHF 0.10.2-0.11.2: {'; '.join(problems)}")
-    return trainer, actor
+    return trainer, actor, strategy
 
 
 def _unwrapped(fn: Any) -> Any:
@@ -151,6 +154,12 @@ def _wrap_init(original: Any) -> Any:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         register_policy(getattr(self, "actor", None))
+        config = _STATE.config
+        if config is not None and config.method == "autopilot":  # restore or refuse before any work
+            from ._autopilot import bind
+            from ._round import dp_group
+
+            bind(self, config, dp_group(self.strategy))
 
     setattr(__init__, _WRAPPER_FLAG, True)
     return __init__
@@ -164,18 +173,30 @@ def _wrap_forward(original: Any) -> Any:
     return forward
 
 
+def _flagged(wrap: Any) -> Any:
+    def flagged(original: Any) -> Any:
+        wrapper = wrap(original)
+        setattr(wrapper, _WRAPPER_FLAG, True)
+        return wrapper
+
+    return flagged
+
+
 def _patch_module(module: Any, config: EntropyDiscConfig, realised: bool) -> None:
-    trainer, actor = _check_seams(module)
+    from ._autopilot import wrap_load_ckpt, wrap_save_ckpt
+
+    trainer, actor, strategy = _check_seams(module)
     _STATE.config, _STATE.realised = config, realised
     for owner, name, wrap in ((actor, "forward", _wrap_forward), (trainer, "__init__", _wrap_init),
-                              (trainer, "ppo_train", _wrap)):
+                              (trainer, "ppo_train", _wrap), (strategy, "save_ckpt", _flagged(wrap_save_ckpt)),
+                              (strategy, "load_ckpt", _flagged(wrap_load_ckpt))):
         if not getattr(getattr(owner, name), _WRAPPER_FLAG, False):
             _PATCHES.replace(owner, name, wrap(getattr(owner, name)))
 
 
 def patch(config: EntropyDiscConfig | None = None, *, realised: bool = False) -> None:
-    """Patch ``Actor.forward`` and ``ActorPPOTrainer.__init__`` / ``ppo_train`` in this process (imports
-    OpenRLHF's trainer module; see the module doc).
+    """Patch ``Actor.forward``, ``ActorPPOTrainer.__init__`` / ``ppo_train`` and ``DeepspeedStrategy.save_ckpt``
+    / ``load_ckpt`` in this process (imports OpenRLHF's trainer module; see the module doc).
 
     ``config`` defaults to ``EntropyDiscConfig()`` (metrics only); ``realised=True`` adds a second
     no-grad pass after the update for ``entropy_disc/delta_entropy/realised``. Idempotent: a second
@@ -192,12 +213,15 @@ def patch(config: EntropyDiscConfig | None = None, *, realised: bool = False) ->
 
 
 def unpatch() -> None:
-    """Restore ``Actor.forward`` and ``ActorPPOTrainer.__init__`` / ``ppo_train``, drop the statistics
-    kept from old-policy forwards and remove a pending import hook. Safe to call twice."""
+    """Restore ``Actor.forward``, ``ActorPPOTrainer.__init__`` / ``ppo_train`` and ``DeepspeedStrategy.save_ckpt``
+    / ``load_ckpt``, drop the statistics kept from old-policy forwards and the autopilot controllers, and
+    remove a pending import hook. Safe to call twice."""
+    from ._autopilot import clear
     from ._experience import STORE
 
     _PATCHES.restore()
     STORE.clear()
+    clear()
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PatchOnImport)]
     _STATE.config, _STATE.realised = None, False
 

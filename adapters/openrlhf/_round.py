@@ -16,7 +16,9 @@ training arguments (:func:`~._checks.check_training_args`), then
    round's metric ``entropy_disc/stats/from_forward`` is 0 then (1 normally);
 2. computes the configured Clip_B / Clip_V keep-mask over the whole data-parallel batch (the
    ``dp`` group of OpenRLHF's device mesh, so ring-attention / tensor-parallel replicas of the
-   same samples are counted once);
+   same samples are counted once), or, for ``method="autopilot"``, steps the policy's controller
+   once on the same statistics and OpenRLHF's per-token advantages (``_autopilot.py``: its keep-mask
+   and its ``entropy_disc/autopilot/*`` metrics; its state rides in the actor's checkpoints);
 3. writes the mask into the buffered samples through
    :func:`~entropy_discriminator.apply_keep_mask`, so every epoch, micro-batch and the dynamic-batch
    path read it:
@@ -318,8 +320,13 @@ def begin_round(trainer: Any, config: EntropyDiscConfig) -> RoundState:
     valids = [item.action_mask.reshape(-1).bool().clone() for item in items]
     stats, source = collect_stats(trainer, items, valids, config)
     advantages = _flat_advantages(items, stats.valid.device) if items else torch.zeros(0, device=stats.valid.device)
-    mask = None
-    if config.enabled:
+    mask, pilot_metrics = None, {}
+    if config.method == "autopilot":  # one controller step (its state with the checkpoints: _autopilot.py)
+        from ._autopilot import step
+
+        mask, pilot_metrics = step(trainer, config, group, stats, advantages)
+        apply_keep(items, mask.keep, config.mask_mode)
+    elif config.enabled:
         mask = config.compute_mask(
             advantages=advantages,
             valid=stats.valid,
@@ -333,6 +340,7 @@ def begin_round(trainer: Any, config: EntropyDiscConfig) -> RoundState:
     if config.log_metrics:
         monitor = EntropyMonitor(process_group=group)
         metrics = monitor.from_stats(stats, advantages=advantages, mask=mask, lr=_current_lr(trainer))
+        metrics.update(pilot_metrics)
         metrics[monitor.prefix + "stats/from_forward"] = float(source == "forward")
         metrics[monitor.prefix + "timing/stats_in_forward"] = forward_s
         metrics[monitor.prefix + "timing/stats_pass"] = time.perf_counter() - started

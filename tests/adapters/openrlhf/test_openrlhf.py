@@ -579,15 +579,16 @@ def test_metrics_only_leaves_buffer_unchanged(monkeypatch):
     assert state.metrics["entropy_disc/tokens/valid"] == n_valid
 
 
-def test_autopilot_is_refused_before_work(capsys):
-    """Not yet served here: patch, patch_on_import, runtime_env and the launcher refuse it, naming the method."""
+def test_autopilot_is_served(monkeypatch):
+    """``method="autopilot"`` is accepted by patch, patch_on_import, runtime_env and the launcher (the controller
+    and its checkpointed state: test_openrlhf_autopilot.py)."""
     from entropy_discriminator import EntropyDiscConfig
 
     cfg = EntropyDiscConfig(method="autopilot")
-    for call in (lambda: adapter.patch(cfg), lambda: adapter.patch_on_import(cfg), lambda: adapter.runtime_env(cfg)):
-        with pytest.raises(ValueError, match=r"entropy_disc\.method=autopilot is not available in the OpenRLHF adapter"):
-            call()
-    assert not adapter.is_patched()
-    with pytest.raises(SystemExit) as exc:
-        adapter.main(["--actor.model_name_or_path", "tiny", "--entropy_disc.method", "autopilot"])
-    assert exc.value.code == 2 and "entropy_disc.method=autopilot" in capsys.readouterr().err
+    adapter.patch(cfg)
+    assert adapter.is_patched()
+    adapter.unpatch()
+    adapter.patch_on_import(cfg)
+    assert adapter.is_patched()
+    assert json.loads(adapter.runtime_env(cfg)["env_vars"][adapter.CONFIG_ENV])["config"]["method"] == "autopilot"
+    assert adapter.parse(["--entropy_disc.method", "autopilot"])[0] == cfg
