@@ -248,9 +248,32 @@ def comparisons(runs: Sequence[dict], pairs: Sequence[tuple[str, str]], keys: Se
     return rows
 
 
+#: Families drawn as baselines (black) in the frontier figures: the tuned GRPO and PPO lr and GRPO's second lr.
+BASELINE_FAMILIES = ("grpo", "grpo_second_lr", "ppo")
+
+
+def _frontier_line(rs: Sequence[dict], temperature: float, k: int) -> tuple[list[float], list[float], list[float]]:
+    """Mean over seeds of (Avg@K, Pass@k) at each checkpoint, and 1.96 standard errors of Pass@k over seeds."""
+    xs, ys, es = [], [], []
+    for i in range(min(len(r["checkpoints"]) for r in rs)):
+        a = [r["checkpoints"][i][f"T{temperature}"]["avg"] for r in rs]
+        p = [r["checkpoints"][i][f"T{temperature}"]["pass"][str(k)] for r in rs]
+        m = sum(p) / len(p)
+        sd = math.sqrt(sum((v - m) ** 2 for v in p) / (len(p) - 1)) if len(p) > 1 else 0.0
+        xs.append(sum(a) / len(a))
+        ys.append(m)
+        es.append(1.96 * sd / math.sqrt(len(p)))
+    return xs, ys, es
+
+
 def frontier_figure(runs: Sequence[dict], out: Path, temperature: float = 0.7, k: int = 64) -> Path | None:
     """``frontier_T{T}_pass{k}.png``: per arm, the mean over seeds of (Avg@K, Pass@k) at each checkpoint joined in
-    training order, with bars of +-1.96 standard errors of Pass@k over seeds; ``None`` without matplotlib."""
+    training order, with bars of +-1.96 standard errors of Pass@k over seeds; ``None`` without matplotlib.
+
+    One panel per estimator (arms whose name starts with ``ppo`` on the right, the rest on the left); the
+    baselines (families ``grpo`` / ``ppo``) are drawn in black, one line style per learning rate, every other arm
+    in a colour of its own.  Dotted verticals: the pre-registered levels, the start's mean Avg@K + 0.02 / + 0.04.
+    """
     try:
         import matplotlib
 
@@ -261,24 +284,30 @@ def frontier_figure(runs: Sequence[dict], out: Path, temperature: float = 0.7, k
     by: dict[str, list[dict]] = {}
     for r in runs:
         by.setdefault(r["arm"], []).append(r)
-    fig, ax = plt.subplots(figsize=(7, 5))
-    for arm, rs in by.items():
-        n_cp = min(len(r["checkpoints"]) for r in rs)
-        xs, ys, es = [], [], []
-        for i in range(n_cp):
-            a = [r["checkpoints"][i][f"T{temperature}"]["avg"] for r in rs]
-            p = [r["checkpoints"][i][f"T{temperature}"]["pass"][str(k)] for r in rs]
-            m = sum(p) / len(p)
-            sd = math.sqrt(sum((v - m) ** 2 for v in p) / (len(p) - 1)) if len(p) > 1 else 0.0
-            xs.append(sum(a) / len(a))
-            ys.append(m)
-            es.append(1.96 * sd / math.sqrt(len(p)))
-        ax.errorbar(xs, ys, yerr=es, marker="o", ms=3, capsize=2, elinewidth=0.8, label=arm,
-                    ls="--" if rs[0]["family"] in ("grpo", "ppo") else "-")
-    ax.set_xlabel(f"Avg@K (T = {temperature})")
-    ax.set_ylabel(f"Pass@{k} (T = {temperature})")
-    ax.set_title("accuracy-diversity frontier over checkpoints (mean over seeds)")
-    ax.legend(fontsize=7)
+    panels = [[a for a in by if not a.split(":")[-1].startswith("ppo")], [a for a in by if a.split(":")[-1].startswith("ppo")]]
+    panels = [arms for arms in panels if arms]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5), sharey=True, squeeze=False)
+    start = [r["checkpoints"][0][f"T{temperature}"]["avg"] for r in runs]
+    level0 = sum(start) / len(start)
+    colours = plt.get_cmap("tab10").colors
+    for ax, arms in zip(axes[0], panels):
+        n_colour = n_base = 0
+        for arm in sorted(arms):
+            xs, ys, es = _frontier_line(by[arm], temperature, k)
+            if by[arm][0]["family"] in BASELINE_FAMILIES:
+                style = {"color": "black", "ls": ("-", "--", ":")[min(n_base, 2)], "lw": 2.0, "zorder": 3}
+                n_base += 1
+            else:
+                style = {"color": colours[n_colour % len(colours)], "ls": "-", "lw": 1.2}
+                n_colour += 1
+            ax.errorbar(xs, ys, yerr=es, marker="o", ms=3, capsize=2, elinewidth=0.8, label=arm, **style)
+        for d in (0.02, 0.04):
+            ax.axvline(level0 + d, color="grey", ls=":", lw=0.8)
+        ax.set_xlabel(f"Avg@K (T = {temperature})")
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel(f"Pass@{k} (T = {temperature})")
+    fig.suptitle(f"accuracy-diversity frontier over checkpoints (mean over {len(start) // max(len(by), 1)} seeds, "
+                 "bars 95%); dotted: start + 0.02 / + 0.04")
     fig.tight_layout()
     path = out / f"frontier_T{temperature}_pass{k}.png"
     fig.savefig(path, dpi=120)
