@@ -1,4 +1,4 @@
-"""verl adapter: Clip_B / Clip_V and the entropy-dynamics metrics in verl's V1 PPO trainer.
+"""verl adapter: Clip_B / Clip_V, the entropy autopilot and the entropy-dynamics metrics in verl's V1 PPO trainer.
 
 Selected from config alone once the package is installed (verl loads the ``verl.plugins`` entry
 point ``_plugin`` on ``import verl``, in every process)::
@@ -9,9 +9,12 @@ point ``_plugin`` on ``import verl``, in every process)::
 
 Trainer modes: ``entropy_disc`` (verl's ``sync``), ``entropy_disc_colocate_async``,
 ``entropy_disc_separate_async``.  Options (``+entropy_disc.<name>=...``) are the fields of
-:class:`~entropy_discriminator.EntropyDiscConfig`: ``method`` (none|clip_b|clip_v), ``mu_low``,
-``mu_high``, ``sides``, ``max_frac``, ``mask_mode`` (zero_pg|drop_token), ``chunk_size``,
-``impl``, ``log_metrics``.  Metrics appear in verl's tracking as ``entropy_disc/*`` every step.
+:class:`~entropy_discriminator.EntropyDiscConfig`: ``method`` (none|clip_b|clip_v|autopilot),
+``mu_low``, ``mu_high``, ``sides``, ``max_frac``, ``mask_mode`` (zero_pg|drop_token), ``chunk_size``,
+``impl``, ``log_metrics``; for ``autopilot`` also ``target_entropy``, ``decay_steps``, ``gain``,
+``max_step``, ``eta`` (None: ``actor_rollout_ref.actor.optim.lr``), ``form``.  Metrics appear in
+verl's tracking as ``entropy_disc/*`` every step (``entropy_disc/autopilot/*`` for the autopilot,
+whose state is saved in every verl checkpoint and restored on resume).
 
 The modules, in reading order:
 
@@ -24,6 +27,8 @@ The modules, in reading order:
   ``_workers``: verl's actor workers with the hook installed.
 * ``_trainer`` (mask, metrics, driver): the V1 trainers; the mask acts on the actor update and is
   undone after it.
+* ``_autopilot`` (driver): method ``autopilot``'s controller, stepped in the advantage step, its
+  state in verl's ``global_step_N`` checkpoint folder, restored on resume.
 * :func:`patch` / :func:`unpatch` / :func:`is_patched` (here): the same by hand in the current
   process (registration plus the engine hook) for custom launches, custom workers and tests.
 

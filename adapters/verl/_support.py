@@ -122,6 +122,8 @@ class RunPlan:
             ``old_log_probs`` and ``entropy`` and Clip_V is refused.
         from_hidden: the hook re-forms verl's fused LM head from the hidden states (``use_fused_kernels=True``).
         mask_mode_reason: why ``mask_mode`` is ``drop_token`` although none was given, else None.
+        eta: method ``autopilot``: the step size of its law, ``options.step_size(actor_rollout_ref.actor.optim.lr)``
+            (``entropy_disc.eta`` when set, else the actor's configured learning rate); None for the other methods.
     """
 
     options: EntropyDiscConfig
@@ -129,6 +131,7 @@ class RunPlan:
     expected: bool
     from_hidden: bool
     mask_mode_reason: str | None = None
+    eta: float | None = None
 
 
 def read_config(config: DictConfig) -> EntropyDiscConfig:
@@ -157,7 +160,8 @@ def check_config(config: DictConfig) -> RunPlan | None:
     Raises:
         ValueError: the run asks for the adapter where it cannot act exactly; the message names the
             setting (legacy trainer, adapter options without an adapter trainer, policy-loss mode,
-            ``mask_mode=zero_pg`` where it is not exact, rollout-correction bypass, E_p[S] unavailable).
+            ``mask_mode=zero_pg`` where it is not exact, rollout-correction bypass, E_p[S] unavailable, the
+            autopilot without a step size: ``entropy_disc.eta`` None and ``actor.optim.lr`` not > 0).
         UnsupportedVersionError: verl outside :data:`SUPPORTED_VERL`.
     """
     mode = _select(config, "trainer.v1.trainer_mode", "sync")
@@ -180,12 +184,9 @@ def check_config(config: DictConfig) -> RunPlan | None:
         return None
     check_version()
     options = read_config(config)
-    if options.method == "autopilot":
-        raise ValueError(
-            "entropy_disc.method=autopilot is not available in the verl adapter yet (the controller's state must "
-            "be saved with verl's checkpoints first): use clip_b or clip_v here, or the TRL adapter or the core "
-            "API (docs/autopilot.md)"
-        )
+    eta = None
+    if options.method == "autopilot":  # entropy_disc.eta, else the actor's lr; a missing one is refused here
+        eta = options.step_size(_select(config, "actor_rollout_ref.actor.optim.lr", None))
     v1 = _select(config, "trainer.v1", {}) or {}
     if mode in v1 and _plain(v1[mode]) != _plain(v1.get(BASE_MODES[mode], None)):  # the trainer's own alias is equal
         raise ValueError(
@@ -204,7 +205,7 @@ def check_config(config: DictConfig) -> RunPlan | None:
         )
     options, reason = _mask_mode_for_loss(config, options)
     expected, from_hidden = _statistics_source(config, options)
-    return RunPlan(options, BASE_MODES[mode], expected, from_hidden, reason)
+    return RunPlan(options, BASE_MODES[mode], expected, from_hidden, reason, eta)
 
 
 def _mask_mode_for_loss(config: DictConfig, options: EntropyDiscConfig) -> tuple[EntropyDiscConfig, str | None]:
@@ -250,7 +251,7 @@ def _statistics_source(config: DictConfig, options: EntropyDiscConfig) -> tuple[
     if strategy not in HOOKED_STRATEGIES:
         if options.needs_expected:
             raise ValueError(
-                f"entropy_disc.method=clip_v needs E_p[S], which the adapter computes in the {HOOKED_STRATEGIES} "
+                f"entropy_disc.method={options.method} needs E_p[S], which the adapter computes in the {HOOKED_STRATEGIES} "
                 f"engines only; actor_rollout_ref.actor.strategy={strategy!r}"
             )
         return False, False
@@ -258,7 +259,7 @@ def _statistics_source(config: DictConfig, options: EntropyDiscConfig) -> tuple[
         if fused:
             if options.needs_expected:
                 raise ValueError(
-                    "entropy_disc.method=clip_v with actor_rollout_ref.actor.strategy=megatron needs the "
+                    f"entropy_disc.method={options.method} with actor_rollout_ref.actor.strategy=megatron needs the "
                     "vocabulary-parallel logits of the old-policy pass, which actor_rollout_ref.model.use_fused_kernels=True "
                     "never forms: set it to False (Clip_B works with fused kernels)"
                 )

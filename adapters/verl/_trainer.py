@@ -13,14 +13,21 @@ Per step, on the driver (which sees the batch through TransferQueue):
    Megatron, or Megatron with fused kernels), ``S* = exp(logp) (H + logp)`` (:func:`discriminator_score`),
    ``S_c = S* - E_p[S]``, the configured Clip_B / Clip_V mask over every valid token of the batch,
    and the monitor's ``entropy_disc/*`` metrics (``S_c`` weighted by ``r = pi_old / pi_rollout``
-   when the rollout's log-probs exist, i.e. off-policy).
+   when the rollout's log-probs exist, i.e. off-policy).  Method ``autopilot``: one step of the
+   driver's controller in place of the Clip_B / Clip_V mask, its ``entropy_disc/autopilot/*``
+   metrics with the monitor's (:mod:`._autopilot`).
 3. ``_update_actor``: the mask acts on the actor update only (:func:`apply_mask`), then the stored
    fields are restored (so the critic, verl's metrics and later readers see verl's own values).
 
 "The batch" is what one ``_step_once`` of verl's trainer samples: the whole training batch in the
 ``sync`` and ``colocate_async`` modes; in ``separate_async`` one of its ``parameter_sync_step``
 parts (``train_batch_size / parameter_sync_step`` prompts, which verl requires to equal
-``ppo_mini_batch_size``), each with its own advantage step and actor update.
+``ppo_mini_batch_size``), each with its own advantage step and actor update (and its own
+autopilot step).
+
+Checkpoints (method ``autopilot`` only): ``_save_checkpoint`` adds the controller's state to verl's
+``global_step_N`` folder, ``_load_checkpoint`` restores it, ``__init__`` refuses a resume whose
+folder lacks it (:mod:`._autopilot`).
 """
 
 from __future__ import annotations
@@ -40,8 +47,9 @@ from verl.trainer.ppo.v1 import PPOTrainerColocateAsync, PPOTrainerSeparateAsync
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 from verl.workers.utils.padding import response_from_nested, response_to_nested
 
-from entropy_discriminator import EntropyMonitor, MaskResult, discriminator_score
+from entropy_discriminator import EntropyAutopilot, EntropyMonitor, MaskResult, discriminator_score
 
+from . import _autopilot
 from ._engine import SEQ_FIELDS, STATS_CHUNK, STATS_FLAG, STATS_IMPL
 from ._support import BASE_MODES, TRAINER_MODES, check_config
 from ._workers import stats_worker
@@ -107,6 +115,11 @@ class EntropyDiscTrainerMixin:
         self._entropy_disc_expected = plan.expected
         self._entropy_disc_monitor = EntropyMonitor()
         self._entropy_disc_pending: _PendingMask | None = None
+        #: Method ``autopilot``: the controller (driver only, no process group); else None.
+        self.entropy_disc_autopilot: EntropyAutopilot | None = None
+        if plan.options.method == "autopilot":
+            _autopilot.require_state(_autopilot.resume_folder(config))  # before any worker starts
+            self.entropy_disc_autopilot = plan.options.build_autopilot()
         _alias_mode_options(config)
         super().__init__(config)
 
@@ -194,6 +207,11 @@ class EntropyDiscTrainerMixin:
         rollout)`` when rollout log-probs are given and ``lr = actor.optim.lr``.  A NaN or infinite
         ``s_expected`` at a response token (the workers' hook reports bad policy logits that way)
         raises ``ValueError``.
+
+        Method ``autopilot``: the mask is one step of :attr:`entropy_disc_autopilot` (this call
+        advances its state), ``step(advantages, s_centered=S_c, entropy=entropy, valid, lr=plan.eta,
+        ratio=r)`` with the same ``r`` (None without rollout log-probs); ``s_expected`` is required;
+        the metrics add ``entropy_disc/autopilot/*``.
         """
         valid = response_mask.bool()
         zero = torch.zeros((), dtype=torch.float32)
@@ -204,12 +222,20 @@ class EntropyDiscTrainerMixin:
             _require_finite_expected(s_expected, valid)
         s_centered = None if s_expected is None else torch.where(valid, s_star - s_expected.float(), zero)
         adv = advantages.float()
-        mask = None
-        if self.entropy_disc.enabled:
-            mask = self.entropy_disc.compute_mask(advantages=adv, valid=valid, s_star=s_star, s_centered=s_centered)
         ratio = None
         if rollout_log_probs is not None and s_centered is not None:
             ratio = torch.where(valid, (old_lp - rollout_log_probs.float()).exp(), zero)
+        mask, pilot_metrics = None, {}
+        pilot = getattr(self, "entropy_disc_autopilot", None)  # duck-typed drivers (benchmarks) have none
+        if pilot is not None:
+            if s_centered is None:
+                raise ValueError("entropy_disc.method=autopilot needs s_expected (E_p[S]) to form S_c")
+            result = pilot.step(
+                adv, s_centered=s_centered, entropy=h, valid=valid, lr=self.entropy_disc_plan.eta, ratio=ratio
+            )
+            mask, pilot_metrics = result.mask, result.metrics()
+        elif self.entropy_disc.enabled:
+            mask = self.entropy_disc.compute_mask(advantages=adv, valid=valid, s_star=s_star, s_centered=s_centered)
         lr = float(self.config.actor_rollout_ref.actor.optim.lr)
         batch_metrics = self._entropy_disc_monitor(
             entropy=h,
@@ -221,7 +247,32 @@ class EntropyDiscTrainerMixin:
             ratio=ratio,
             lr=lr if math.isfinite(lr) else None,
         )
+        batch_metrics.update(pilot_metrics)
         return mask, batch_metrics
+
+    def _save_checkpoint(self) -> None:
+        """verl's checkpoint of this global step, the autopilot's state first (see :mod:`._autopilot`)."""
+        if self.entropy_disc_autopilot is not None:
+            folder = _autopilot.step_folder(self.config, self.global_steps)
+            _autopilot.save(self.entropy_disc_autopilot, folder, self.global_steps)
+        return super()._save_checkpoint()
+
+    def _load_checkpoint(self) -> None:
+        """verl's resume, then the autopilot's state from the same folder (a fresh controller from step 0)."""
+        if self.entropy_disc_autopilot is None:
+            return super()._load_checkpoint()
+        folder = _autopilot.resume_folder(self.config)
+        saved = _autopilot.load(folder)  # refuses a missing state before verl loads anything
+        super()._load_checkpoint()
+        if self.global_steps != _autopilot.folder_step(folder):
+            raise RuntimeError(
+                f"entropy_disc: verl resumed at global step {self.global_steps}, but the adapter read the "
+                f"autopilot's state for {folder!r}; refusing to continue with a state of another step"
+            )
+        pilot = self.entropy_disc.build_autopilot()
+        if saved is not None:
+            pilot.load_state_dict(saved)
+        self.entropy_disc_autopilot = pilot
 
     def _update_actor(self, batch: Any, metrics: dict) -> Any:
         pending, self._entropy_disc_pending = self._entropy_disc_pending, None

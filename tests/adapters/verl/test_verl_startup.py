@@ -130,11 +130,3 @@ def test_distillation_is_refused():
     cfg = compose_ppo(["trainer.v1.trainer_mode=entropy_disc", "+entropy_disc.method=clip_b", "distillation.enabled=true"])
     with pytest.raises(ValueError, match=r"distillation\.enabled=True"):
         ed_verl.check_config(cfg)
-
-
-def test_autopilot_is_refused_before_work():
-    """Not yet in the verl adapter: refused at start-up, naming the method, with the target set or not."""
-    for extra in ([], ["+entropy_disc.target_entropy=0.4"]):
-        cfg = compose_ppo(["trainer.v1.trainer_mode=entropy_disc", "+entropy_disc.method=autopilot", *extra])
-        with pytest.raises(ValueError, match=r"entropy_disc\.method=autopilot is not available in the verl adapter"):
-            ed_verl.check_config(cfg)

@@ -1,0 +1,380 @@
+"""The entropy autopilot (``method="autopilot"``) in verl's V1 ``sync`` trainer: stepping, metrics, checkpoint, resume.
+
+Real: verl's trainer class built from verl's composed ``ppo_trainer`` config, its ``fit`` loop
+(step counting, ``save_freq``, metrics to ``Tracking.log``), ``step`` / ``_step_once`` (balance,
+old-log-prob pass, GRPO advantages, actor update), ``_save_checkpoint`` / ``_load_checkpoint``
+(folders, tracker file, ``data.pt``, ``trainer.resume_mode``), TransferQueue on a local Ray.
+Stubbed, as in ``test_verl_advantage.py``: the worker group (``FakeActor``: writes the old-policy
+pass's fields where verl's workers and the adapter's hook write them, reads the update's fields,
+and keeps a one-number "model" ``theta`` that the masked update moves and that the statistics of
+later batches depend on, saved and loaded through verl's actor checkpoint calls), the replay buffer
+(``Batches``: batch ``s`` is a fixed function of the global step, as a resumed dataloader gives),
+the dataloader's state, the rollout replicas, ``Tracking`` (records what ``fit`` logs) and verl's
+data metrics (``_compute_metrics``, which reads rollout fields the stub does not make).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("verl", reason="needs the verl extra: nox -s verl")
+import ray  # noqa: E402
+import transfer_queue as tq  # noqa: E402
+import verl  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import open_dict  # noqa: E402
+from verl.trainer.ppo.v1 import trainer_base  # noqa: E402
+from verl.utils import tensordict_utils as tu  # noqa: E402
+
+import entropy_discriminator.adapters.verl as ed_verl  # noqa: E402
+from entropy_discriminator import EntropyDiscConfig, discriminator_score  # noqa: E402
+from entropy_discriminator.adapters.verl._autopilot import STATE_FILE  # noqa: E402
+from entropy_discriminator.adapters.verl._engine import SEQ_FIELDS, STATS_FLAG  # noqa: E402
+
+CONFIG_DIR = str(Path(verl.__file__).parent / "trainer" / "config")
+N_PROMPTS, N_ROLLOUTS, PROMPT_LEN = 4, 4, 2
+STEPS = 4
+PILOT = ["+entropy_disc.method=autopilot", "+entropy_disc.sides=both", "+entropy_disc.max_frac=0.2",
+         "+entropy_disc.eta=0.5", "+entropy_disc.target_entropy=0.3", "+entropy_disc.decay_steps=3"]
+PREFIX = "entropy_disc/autopilot/"
+
+
+@pytest.fixture(scope="module")
+def queue():
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)  # TQ's actors ask for more CPUs than 2
+    tq.init()
+    yield
+    tq.close()
+    ray.shutdown()
+
+
+def compose_config(ckpt_dir: Path, *extra: str):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        cfg = compose(
+            config_name="ppo_trainer",
+            overrides=[
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+                "critic.ppo_micro_batch_size_per_gpu=4",
+                f"actor_rollout_ref.rollout.n={N_ROLLOUTS}",
+                f"data.train_batch_size={N_PROMPTS}",
+                f"actor_rollout_ref.actor.ppo_mini_batch_size={N_PROMPTS}",
+                "actor_rollout_ref.rollout.calculate_log_probs=true",
+                "algorithm.adv_estimator=grpo",
+                "trainer.v1.trainer_mode=entropy_disc",
+                f"trainer.default_local_dir={ckpt_dir}",
+                "trainer.save_freq=2",
+                "trainer.test_freq=-1",
+                "trainer.val_before_train=false",
+                "trainer.total_epochs=1",
+                "trainer.logger=[console]",
+                *PILOT,
+                *extra,
+            ],
+        )
+    with open_dict(cfg):
+        cfg.actor_rollout_ref.model.path = "unused"
+    return cfg
+
+
+def nested(ts):
+    return torch.nested.as_nested_tensor(ts, layout=torch.jagged)
+
+
+def padded(meta, names):
+    return tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=names).to_padded_tensor()
+
+
+class Batches:
+    """Stands in for verl's replay buffer: batch ``s`` (16 sequences, 4 prompts x 4 rollouts) depends on ``s`` only.
+
+    Besides verl's rollout fields it stores the stub model's per-position raw statistics (``raw_*``,
+    prompt+response positions), which ``FakeActor`` turns into the old-policy pass's fields.
+    """
+
+    def __init__(self, tag: str):
+        self.tag = tag
+
+    def sample(self, global_steps: int, partition_id: str, batch_size: int):
+        g = torch.Generator().manual_seed(100 + global_steps)
+        b = N_PROMPTS * N_ROLLOUTS
+        lens = torch.randint(3, 13, (b,), generator=g).tolist()
+        uids = [f"{self.tag}s{global_steps}p{i // N_ROLLOUTS}" for i in range(b)]
+        keys = [f"{uids[i]}_{i % N_ROLLOUTS}_0" for i in range(b)]
+        rewards = []
+        for n in lens:
+            r = torch.zeros(n)
+            r[-1] = float(torch.randint(0, 2, (1,), generator=g))
+            rewards.append(r)
+        seq = [PROMPT_LEN + n for n in lens]
+        raw_logp = [-(torch.rand(m, generator=g) ** 4) * 6 for m in seq]
+        fields = {
+            "uid": uids,
+            "responses": nested([torch.zeros(n, dtype=torch.int64) for n in lens]),
+            "response_mask": nested([torch.ones(n, dtype=torch.int64) for n in lens]),
+            "loss_mask": nested([torch.ones(n, dtype=torch.int64) for n in lens]),
+            "rm_scores": nested(rewards),
+            "rollout_log_probs": nested([-(torch.rand(n, generator=g) ** 4) * 6 for n in lens]),
+            "raw_logp": nested(raw_logp),
+            "raw_entropy": nested([torch.rand(m, generator=g) ** 3 * 0.5 for m in seq]),
+            "raw_s_expected": nested([torch.randn(m, generator=g) * 0.05 for m in seq]),
+        }
+        # the rollout's log-probs near the old policy's, so that r = pi_old / pi_rollout stays near 1
+        fields["rollout_log_probs"] = nested(
+            [lp[PROMPT_LEN - 1 : -1] + 0.1 * torch.randn(n, generator=g) for lp, n in zip(raw_logp, lens)]
+        )
+        tags = [{"seq_len": m} for m in seq]
+        meta = tq.kv_batch_put(keys=keys, partition_id=partition_id, fields=tu.get_tensordict(fields), tags=tags)
+        return meta, {}
+
+
+class Crash(RuntimeError):
+    pass
+
+
+class FakeActor:
+    """The actor worker group: old-policy pass fields, the update's view of the batch, a checkpointed ``theta``."""
+
+    _dispatch_info = {"actor": [0]}
+
+    def __init__(self, crash_at_update: int | None = None):
+        self.theta = 0.0
+        self.thetas: list[float] = []  # theta after each update
+        self.updates: list[dict] = []
+        self.loads: list[str] = []
+        self.crash_at_update = crash_at_update
+
+    def compute_log_prob(self, batch):
+        assert batch.extra_info.get(STATS_FLAG) is True  # the adapter asks for the hook's fields
+        raw = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
+                              select_fields=["raw_logp", "raw_entropy", "raw_s_expected"])
+        scale = math.exp(self.theta)  # the "model": its entropies scale with exp(theta)
+        ent = nested([e * scale for e in raw["raw_entropy"].unbind()])
+        logp = nested(list(raw["raw_logp"].unbind()))
+        fields = {
+            "log_probs": logp,
+            "entropy": ent,
+            SEQ_FIELDS["logp"]: logp,
+            SEQ_FIELDS["entropy"]: ent,
+            SEQ_FIELDS["s_expected"]: nested(list(raw["raw_s_expected"].unbind())),
+        }
+        return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=tu.get_tensordict(fields))
+
+    def update_actor(self, batch):
+        seen = padded(batch, ["advantages", "response_mask", "loss_mask"])
+        self.updates.append({k: seen[k].clone() for k in ("advantages", "response_mask", "loss_mask")})
+        if self.crash_at_update == len(self.updates):
+            raise Crash("interrupted")
+        adv = seen["advantages"] * seen["response_mask"]
+        self.theta -= 0.2 * float(adv.sum()) / float(seen["response_mask"].sum())
+        self.thetas.append(self.theta)
+        return {"metrics": {"mfu": 0.0, "pg_loss": 0.0}}
+
+    def save_checkpoint(self, local_path, hdfs_path, global_step, max_ckpt_to_keep=None):
+        Path(local_path).mkdir(parents=True, exist_ok=True)
+        (Path(local_path) / "theta.json").write_text(json.dumps({"theta": self.theta, "step": global_step}))
+
+    def load_checkpoint(self, local_path, del_local_after_load=False):
+        self.loads.append(local_path)
+        self.theta = json.loads((Path(local_path) / "theta.json").read_text())["theta"]
+
+
+class Dataloader:
+    def __init__(self):
+        self.state = {"consumed": 0}
+
+    def state_dict(self):
+        return dict(self.state)
+
+    def load_state_dict(self, state):
+        self.state = dict(state)
+
+
+class Replicas:
+    def sleep_replicas(self):
+        pass
+
+    def update_weights(self, global_steps=None):
+        pass
+
+
+class Run:
+    """One training process: verl's trainer with the stubs; ``fit()`` runs verl's loop and records per global step
+    the adapter's batch inputs and outputs (``entropy_disc_step``) and what ``fit`` logs."""
+
+    def __init__(self, ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch, *extra: str, crash_at_update=None, tag="r"):
+        ed_verl.register_trainers()
+        from verl.trainer.ppo.v1 import get_trainer_cls
+
+        self.trainer = t = get_trainer_cls("entropy_disc")(compose_config(ckpt_dir, *extra))
+        t.actor_rollout_wg = self.actor = FakeActor(crash_at_update)
+        t.replay_buffer = Batches(tag)
+        t.train_dataloader = Dataloader()
+        t.checkpoint_manager = Replicas()
+        t.reward_loop_manager = SimpleNamespace(reward_loop_worker_handles=["reward"])
+        t.tokenizer = SimpleNamespace(eos_token_id=0, pad_token_id=0)
+        t._add_batch_to_generate = lambda *a, **k: None
+        t._compute_metrics = lambda *a, **k: None
+        t.total_training_steps = t.steps_per_epoch = STEPS
+        t._init_dump_executor()
+        self.logged: dict[int, dict] = {}
+        self.batches: dict[int, dict] = {}
+        monkeypatch.setattr(trainer_base, "Tracking", lambda **kw: SimpleNamespace(log=self._log))
+        inner = t.entropy_disc_step
+
+        def recorded(**kw):
+            mask, metrics = inner(**kw)
+            self.batches[t.global_steps] = {"inputs": {k: v.clone() for k, v in kw.items() if v is not None},
+                                            "keep": mask.keep.clone(), "metrics": dict(metrics),
+                                            "state": t.entropy_disc_autopilot.state_dict()}
+            return mask, metrics
+
+        t.entropy_disc_step = recorded
+        t._load_checkpoint()  # where verl's init() calls it, once the workers are up
+
+    def _log(self, data, step):
+        self.logged[step] = dict(data)
+
+    def fit(self):
+        self.trainer.fit(agent_loop_manager=None)
+
+
+def entropy_disc_metrics(logged: dict) -> dict:
+    return {k: v for k, v in logged.items() if k.startswith("entropy_disc/")}
+
+
+def reference_steps(batches: dict[int, dict], steps, *, with_ratio: bool = True) -> list:
+    """The core controller, fresh, stepped on the batches the driver saw (its own S_c, r and eta)."""
+    pilot = EntropyDiscConfig.from_mapping({k[len("+entropy_disc."):]: v for k, v in (p.split("=") for p in PILOT)})
+    pilot = pilot.build_autopilot()
+    out = []
+    for s in steps:
+        x = batches[s]["inputs"]
+        valid = x["response_mask"].bool()
+        s_c = torch.where(valid, discriminator_score(x["old_log_probs"], x["entropy"]) - x["s_expected"], 0.0)
+        ratio = torch.where(valid, (x["old_log_probs"] - x["rollout_log_probs"]).exp(), 0.0)
+        out.append(pilot.step(x["advantages"], s_centered=s_c, entropy=torch.where(valid, x["entropy"], 0.0),
+                              valid=valid, lr=0.5, ratio=ratio if with_ratio else None))
+    return out
+
+
+def test_start_up_accepts_autopilot_with_its_step_size_and_refuses_a_missing_one(tmp_path):
+    plan = ed_verl.check_config(compose_config(tmp_path))
+    assert plan.options.method == "autopilot" and plan.eta == 0.5 and plan.expected
+    base = [p for p in PILOT if "eta" not in p]
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=["trainer.v1.trainer_mode=entropy_disc", *base,
+                                                            "actor_rollout_ref.actor.optim.lr=3e-6"])
+        assert ed_verl.check_config(cfg).eta == 3e-6  # the actor's configured learning rate
+        cfg = compose(config_name="ppo_trainer", overrides=["trainer.v1.trainer_mode=entropy_disc", *base,
+                                                            "actor_rollout_ref.actor.optim.lr=0"])
+        with pytest.raises(ValueError, match=r"entropy_disc\.eta"):
+            ed_verl.check_config(cfg)
+        cfg = compose(config_name="ppo_trainer", overrides=["trainer.v1.trainer_mode=entropy_disc", *PILOT,
+                                                            "actor_rollout_ref.actor.strategy=veomni"])
+        with pytest.raises(ValueError, match=r"entropy_disc\.method=autopilot needs E_p\[S\]"):
+            ed_verl.check_config(cfg)
+
+
+def test_controller_steps_in_verls_loop_its_metrics_are_logged_and_its_mask_reaches_the_update(
+        queue, tmp_path, monkeypatch):
+    run = Run(tmp_path / "ckpt", monkeypatch, tag="one")
+    run.fit()
+    t = run.trainer
+    assert sorted(run.batches) == sorted(run.logged) == list(range(1, STEPS + 1))
+    assert t.entropy_disc_autopilot.state_dict()["step"] == STEPS
+    refs = reference_steps(run.batches, range(1, STEPS + 1))
+    dropped = 0
+    for s, ref in zip(range(1, STEPS + 1), refs):
+        got = run.batches[s]
+        assert torch.equal(got["keep"], ref.keep)
+        assert {k: v for k, v in got["metrics"].items() if k.startswith(PREFIX)} == ref.metrics()
+        for key, value in ref.metrics().items():  # through verl's step() aggregation into Tracking.log
+            assert run.logged[s][key] == pytest.approx(value, rel=1e-12, abs=0)
+        assert run.logged[s]["entropy_disc/clip/n_clipped"] == ref.mask.n_clipped  # the monitor reports its mask
+        # the actor update saw verl's advantages with the dropped tokens zeroed (mask_mode zero_pg)
+        seen = run.actor.updates[s - 1]
+        keep = ref.keep[:, : seen["advantages"].shape[1]]
+        assert torch.equal(seen["advantages"], got["inputs"]["advantages"] * keep)
+        assert torch.equal(seen["loss_mask"], got["inputs"]["response_mask"])
+        dropped += ref.mask.n_clipped
+    assert dropped > 0
+    # the law saw r = pi_old / pi_rollout: without it the prediction differs
+    (on_policy,) = reference_steps(run.batches, [1], with_ratio=False)
+    assert on_policy.predicted_dh_before != refs[0].predicted_dh_before
+    # and the controller followed a non-trivial target (the ramp), with the entropy the hook measured
+    assert refs[0].metrics()[PREFIX + "target_entropy"] == pytest.approx(refs[0].entropy)
+    assert len({r.metrics()[PREFIX + "target_entropy"] for r in refs}) == STEPS
+    # checkpoints at global steps 2 and 4 (save_freq=2, last step), next to verl's own files
+    for s in (2, 4):
+        folder = tmp_path / "ckpt" / f"global_step_{s}"
+        assert {"actor", "data.pt", STATE_FILE} <= {p.name for p in folder.iterdir()}
+        saved = json.loads((folder / STATE_FILE).read_text())
+        assert saved == {"global_step": s, "autopilot": run.batches[s]["state"]}
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == str(STEPS)
+
+
+@pytest.mark.parametrize("resume", ["auto", "resume_path"])
+def test_resumed_run_continues_the_uninterrupted_run_bit_for_bit(queue, tmp_path, monkeypatch, resume):
+    full = Run(tmp_path / "full", monkeypatch, tag=f"full{resume}")
+    full.fit()
+    # the interrupted run dies in the actor update of global step 3, after its controller stepped
+    cut = Run(tmp_path / "cut", monkeypatch, crash_at_update=3, tag=f"cut{resume}")
+    with pytest.raises(Crash):
+        cut.fit()
+    assert cut.trainer.entropy_disc_autopilot.state_dict()["step"] == 3
+    assert (tmp_path / "cut" / "latest_checkpointed_iteration.txt").read_text() == "2"
+    extra = ["trainer.resume_mode=auto"] if resume == "auto" else [
+        "trainer.resume_mode=resume_path", f"trainer.resume_from_path={tmp_path / 'cut' / 'global_step_2'}"]
+    resumed = Run(tmp_path / "cut", monkeypatch, *extra, tag=f"res{resume}")
+    assert resumed.trainer.global_steps == 2
+    assert resumed.trainer.entropy_disc_autopilot.state_dict() == full.batches[2]["state"]
+    assert resumed.actor.theta == full.actor.thetas[1]  # the stub model's weights came back with verl's actor load
+    resumed.fit()
+    assert sorted(resumed.batches) == [3, 4]
+    for s in (3, 4):
+        a, b = full.batches[s], resumed.batches[s]
+        for name, value in a["inputs"].items():
+            assert torch.equal(value, b["inputs"][name]), name
+        assert torch.equal(a["keep"], b["keep"])
+        assert a["metrics"] == b["metrics"] and a["state"] == b["state"]
+        assert entropy_disc_metrics(full.logged[s]) == entropy_disc_metrics(resumed.logged[s])
+        for name in ("advantages", "response_mask", "loss_mask"):
+            assert torch.equal(full.actor.updates[s - 1][name], resumed.actor.updates[s - 3][name])
+    assert resumed.actor.theta == full.actor.theta
+    assert resumed.trainer.entropy_disc_autopilot.state_dict() == full.trainer.entropy_disc_autopilot.state_dict()
+    assert any(full.batches[s]["metrics"][PREFIX + "n_dropped"] > 0 for s in (3, 4))
+    # the comparison can tell: a fresh controller on the same step-3 batch gives other numbers
+    (fresh,) = reference_steps(resumed.batches, [3])
+    assert fresh.metrics() != resumed.batches[3]["metrics"] and fresh.metrics()[PREFIX + "target_entropy"] != \
+        resumed.batches[3]["metrics"][PREFIX + "target_entropy"]
+
+
+def test_resume_without_the_controllers_state_is_refused_before_work(queue, tmp_path, monkeypatch):
+    run = Run(tmp_path / "ckpt", monkeypatch, crash_at_update=3, tag="refuse")
+    with pytest.raises(Crash):
+        run.fit()
+    (tmp_path / "ckpt" / "global_step_2" / STATE_FILE).unlink()  # as a checkpoint of a clip_b run, or an older adapter
+    with pytest.raises(ValueError, match=rf"resumes at global step 2 from .*global_step_2, which has no {STATE_FILE}"):
+        Run(tmp_path / "ckpt", monkeypatch, "trainer.resume_mode=auto", tag="refuse2")  # in __init__: no worker yet
+    # verl's own resume call refuses before it loads anything (the actor's checkpoint stays unread)
+    with pytest.raises(ValueError, match=rf"which has no {STATE_FILE}"):
+        run.trainer._load_checkpoint()
+    assert run.actor.loads == []
+    # training from step 0 over the same folder is a fresh start
+    fresh = Run(tmp_path / "ckpt", monkeypatch, "trainer.resume_mode=disable", tag="refuse3")
+    assert fresh.trainer.global_steps == 0
+    assert fresh.trainer.entropy_disc_autopilot.state_dict() == {"version": 1, "step": 0, "h_start": None}
+    # a state file of another step is refused too
+    (tmp_path / "ckpt" / "global_step_2" / STATE_FILE).write_text(
+        json.dumps({"global_step": 1, "autopilot": {"version": 1, "step": 1, "h_start": 0.5}}))
+    with pytest.raises(ValueError, match=r"must hold \{'global_step': 2"):
+        run.trainer._load_checkpoint()
+    assert run.actor.loads == []
