@@ -13,9 +13,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from entropy_discriminator.demo.compare import CompareConfig, warm_up
+from entropy_discriminator import EntropyAutopilot, token_stats
+from entropy_discriminator.demo import headtohead, protocol
+from entropy_discriminator.demo.compare import CompareConfig, rollout, warm_up
 from entropy_discriminator.demo.countdown import CountdownTask, pass_at_k
-from entropy_discriminator.demo.headtohead import Arm, heldout_sets, warm_up_checkpoints
+from entropy_discriminator.demo.headtohead import (
+    AdaptiveEntropyCoef,
+    Arm,
+    heldout_sets,
+    run_arm_checkpoints,
+    warm_up_checkpoints,
+)
+from entropy_discriminator.demo.model import TinyGPT
 from entropy_discriminator.demo.protocol import (
     RunSpec,
     endpoints,
@@ -28,7 +37,13 @@ from entropy_discriminator.demo.protocol import (
     write_selection,
 )
 from entropy_discriminator.demo.stats_tests import holm, paired_test, t_quantile_975, t_two_sided_p, value_at_level
-from entropy_discriminator.demo.tuning import SETTINGS_PER_FAMILY, stage_a, stage_b
+from entropy_discriminator.demo.tuning import (
+    SETTINGS_PER_FAMILY,
+    adaptive_bonus_arms,
+    autopilot_arms,
+    stage_a,
+    stage_b,
+)
 
 # ------------------------------------------------------------------------------------------ matched-Avg reading
 
@@ -239,3 +254,139 @@ def test_protocol_smoke(tmp_path: Path) -> None:
     assert set(sel) == {"grpo", "clip_b", "ppo"} and (tmp_path / "selection.md").is_file()
     text = report(tmp_path, [("clip_b(mu=1)", "grpo(lr=0.001)")], name="smoke")
     assert "primary (T = 0.7): 4 tests" in text and (tmp_path / "smoke.json").is_file()
+
+
+# ------------------------------------------------------------------ issue 23: the autopilot and TRL's adaptive bonus
+
+TINY = "d_model=16,n_heads=2,warmup_steps=20,warmup_batch=32,prompts_per_step=4,group_size=4,targets=uniform"
+
+
+def _tiny_state(cfg: CompareConfig, seed: int) -> dict[str, torch.Tensor]:
+    return warm_up_checkpoints(cfg, seed, (), lambda step, state: None)
+
+
+def _weights(step: int, model: TinyGPT) -> dict[str, object]:
+    return {"w": [float(p.detach().double().sum()) for p in model.parameters()]}
+
+
+def test_issue23_tuning_settings() -> None:
+    (pilot,) = autopilot_arms(3e-4)
+    assert (pilot.name, pilot.family, pilot.mask, pilot.lr, pilot.target_entropy) == (
+        "autopilot(hold)", "autopilot", "autopilot", 3e-4, "hold")
+    assert pilot.autopilot_config().build_autopilot().max_frac == 0.05  # the core's default cap
+    arms = adaptive_bonus_arms(3e-4, 0.70)
+    assert len(arms) == SETTINGS_PER_FAMILY == 4
+    assert [a.name for a in arms] == [f"adaptive_bonus(target={t})" for t in ("0.5", "0.6", "0.65", "0.7")]
+    assert [a.entropy_target for a in arms] == [0.5, 0.6, 0.65, 0.7]
+    assert all(a.family == "adaptive_bonus" and a.adaptive_entropy and a.entropy_coef == 0.0 and a.lr == 3e-4
+               and (a.entropy_coef_delta, a.entropy_coef_min, a.entropy_coef_max) == (0.005, 0.0, 1.0) for a in arms)
+    parsed = parse_arm("a@adaptive_bonus:adaptive_entropy=true,entropy_target=0.6")
+    assert parsed.adaptive_entropy is True and parsed.entropy_target == 0.6
+    assert parse_arm("p@autopilot:mask=autopilot,target_entropy=hold").target_entropy == "hold"
+    assert parse_arm("p@autopilot:mask=autopilot,target_entropy=0.5").target_entropy == 0.5
+    with pytest.raises(ValueError):
+        Arm("x", "x", mask="autopilot", target_entropy="nope")
+
+
+def test_adaptive_entropy_coef_follows_trl_rule() -> None:
+    """TRL 1.16: applied = coef if the previous step's entropy <= target (inf before the first), then
+    coef += delta if this step's entropy <= target else -= delta, clamped to [min, max]."""
+    c = AdaptiveEntropyCoef(coef=0.0, target=0.6, delta=0.005, lo=0.0, hi=0.012)
+    applied = [c.applied()]
+    coefs = []
+    for h in (0.7, 0.55, 0.5, 0.6, 0.65, 0.59, 0.8, 0.8, 0.8):
+        c.update(h)
+        coefs.append(c.coef)
+        applied.append(c.applied())
+    assert coefs == pytest.approx([0.0, 0.005, 0.01, 0.012, 0.007, 0.012, 0.007, 0.002, 0.0])
+    assert applied == pytest.approx([0.0, 0.0, 0.005, 0.01, 0.012, 0.0, 0.012, 0.0, 0.0, 0.0])
+    with pytest.raises(ValueError):
+        AdaptiveEntropyCoef(coef=0.0, target=0.6, lo=1.0, hi=0.0)
+
+
+def test_adaptive_bonus_arm_in_the_loop() -> None:
+    """A target below any entropy reached never applies the coefficient: bit-identical to plain GRPO; a target above
+    every entropy applies delta, 2 delta, ... from the second optimiser step on (two mini-batches a step)."""
+    cfg = parse_config(TINY)
+    state = _tiny_state(cfg, 100)
+    grpo = run_arm_checkpoints(state, cfg, Arm("g", "grpo"), 100, (0, 3), _weights)
+    low = run_arm_checkpoints(state, cfg, Arm("a", "adaptive_bonus", adaptive_entropy=True, entropy_target=0.0),
+                              100, (0, 3), _weights)
+    assert grpo.checkpoints == low.checkpoints
+    assert [{k: r[k] for k in g} for r, g in zip(low.records, grpo.records)] == grpo.records
+    assert all(r["entropy_coef_applied"] == 0.0 and r["entropy_coef"] == 0.0 for r in low.records)
+    high = run_arm_checkpoints(state, cfg, Arm("a", "adaptive_bonus", adaptive_entropy=True, entropy_target=50.0),
+                               100, (0, 2), _weights)
+    assert [r["entropy_coef_applied"] for r in high.records] == pytest.approx([0.0025, 0.0125])
+    assert [r["entropy_coef"] for r in high.records] == pytest.approx([0.01, 0.02])
+    assert high.checkpoints[-1] != grpo.checkpoints[-1]
+
+
+def test_autopilot_arm_matches_the_core_controller(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One controller step per RL step on the old policy's statistics of the whole batch: the first step's mask is
+    the one a fresh core EntropyAutopilot gives on the same rollout, the mini-batches drop exactly its tokens, and
+    at a high learning rate (entropy falling) it drops tokens."""
+    cfg = parse_config(TINY)
+    seed, arm = 101, Arm("autopilot(hold)", "autopilot", mask="autopilot", lr=3e-2)
+    state = _tiny_state(cfg, seed)
+    results, dropped = [], []
+    core_step, core_update = EntropyAutopilot.from_stats, headtohead.policy_update
+
+    def spy_step(self, *a, **k):  # noqa: ANN001, ANN002, ANN003
+        results.append(core_step(self, *a, **k))
+        return results[-1]
+
+    def spy_update(*a, keep_mask=None, **k):  # noqa: ANN001, ANN002, ANN003
+        dropped.append(int((~keep_mask).sum()))
+        return core_update(*a, keep_mask=keep_mask, **k)
+
+    monkeypatch.setattr(EntropyAutopilot, "from_stats", spy_step)
+    monkeypatch.setattr(headtohead, "policy_update", spy_update)
+    trace = run_arm_checkpoints(state, cfg, arm, seed, (0, 6), lambda step, model: {})
+    assert len(results) == 6 and len(dropped) == 6 * cfg.minibatches
+    monkeypatch.undo()
+    # the same rollout, stepped directly on the core controller
+    task = cfg.task()
+    torch.manual_seed(seed)
+    model = TinyGPT(cfg.model_config())
+    model.load_state_dict(state)
+    x, t = task.sample(cfg.prompts_per_step, torch.Generator().manual_seed(seed), split="train")
+    ro = rollout(model, None, task, x, t, cfg.group_size, torch.Generator().manual_seed(seed + 1), "none", 0.25,
+                 torch.device("cpu"))
+    with torch.no_grad():
+        stats = token_stats(model.response_logits(ro.seq, task.prompt_len).float(), ro.resp)
+    ref = EntropyAutopilot("hold").from_stats(stats, ro.adv, lr=3e-2)
+    assert torch.equal(ref.keep, results[0].keep) and ref.predicted_dh_after == results[0].predicted_dh_after
+    for i, (res, rec) in enumerate(zip(results, trace.records)):
+        assert sum(dropped[i * cfg.minibatches : (i + 1) * cfg.minibatches]) == res.mask.n_clipped
+        assert rec["control_frac"] == pytest.approx(res.dropped_frac)
+        assert rec["autopilot_target_entropy"] == results[0].entropy  # "hold": the first batch's entropy
+    assert max(r["control_frac"] for r in trace.records) > 0
+
+
+def test_main_families_restricts_arms(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    sel = [{"grpo": {"chosen": "grpo(lr=0.0003)"}, "ppo": {"chosen": "ppo(lr=0.001)"}},
+           {"clip_b": {"chosen": "clip_b(mu=1.5)"}}, {"adaptive_bonus": {"chosen": "adaptive_bonus(target=0.6)"}}]
+    names = lambda arms: [a.name for a in arms]  # noqa: E731
+    assert names(main_arms(sel, 3e-4, 1e-3, ["autopilot", "adaptive_bonus"])) == [
+        "adaptive_bonus(target=0.6)", "autopilot(hold)"]
+    assert names(main_arms([], 3e-4, 1e-3, ["autopilot"])) == ["autopilot(hold)"]
+    assert names(main_arms(sel, 3e-4, 1e-3, ["clip_b", "grpo_second_lr"])) == ["clip_b(mu=1.5)", "grpo(lr=0.001)"]
+    assert names(main_arms(sel[:2], 3e-4, 1e-3)) == [  # unchanged without families
+        "grpo(lr=0.0003)", "ppo(lr=0.001)", "clip_b(mu=1.5)", "grpo(lr=0.001)"]
+    with pytest.raises(ValueError):
+        main_arms(sel, 3e-4, 1e-3, ["kl_cov"])
+    with pytest.raises(ValueError):
+        main_arms(sel, 1e-3, 1e-3, ["grpo"])
+    seen: list[tuple[RunSpec, list[Arm]]] = []
+    monkeypatch.setattr(protocol, "run_stage", lambda spec, arms, out, **kw: seen.append((spec, list(arms))))
+    monkeypatch.setattr(protocol, "write_selection", lambda out: {})
+    (tmp_path / "sel.json").write_text(json.dumps(sel[2]))
+    protocol.main(["main", "--selection", str(tmp_path / "sel.json"), "--families", "autopilot,adaptive_bonus",
+                   "--grpo-lr", "3e-4", "--ppo-lr", "1e-3", "--seeds", "0/1", "--out", str(tmp_path / "m")])
+    protocol.main(["tune-c", "--grpo-lr", "3e-4", "--out", str(tmp_path / "c")])
+    (spec_m, arms_m), (spec_c, arms_c) = seen
+    assert names(arms_m) == ["adaptive_bonus(target=0.6)", "autopilot(hold)"] and spec_m.prompt_set == "test"
+    assert arms_m[1].lr == 3e-4 and arms_m[0].lr == 3e-4
+    assert names(arms_c) == names(adaptive_bonus_arms(3e-4)) and spec_c.prompt_set == "val"
+    assert spec_c.seeds == (100, 101, 102)

@@ -304,7 +304,8 @@ def rollout(
 @dataclass(frozen=True)
 class Control:
     """What one policy update needs of an arm: its policy ``loss`` (``ppo_clip`` | ``clip_cov`` | ``kl_cov``), its
-    keep-``mask`` (``none`` | ``clip_b`` | ``clip_v`` | ``forking``) and their settings: Clip_B / Clip_V bound ``mu`` and
+    keep-``mask`` (``none`` | ``clip_b`` | ``clip_v`` | ``forking`` | ``autopilot``: a mask given to
+    :func:`policy_update` as ``keep_mask``) and their settings: Clip_B / Clip_V bound ``mu`` and
     Clip_V cap ``cap`` (``max_frac``, None: none), forking tokens' kept share ``rho``, the PPO ratio clip
     ``[1 - clip_low, 1 + clip_high]``, Clip-Cov's ``cov_ratio`` / ``cov_lb`` / ``cov_ub`` (KL-Cov: ``cov_ratio`` and
     ``kl_coef``) and the entropy bonus ``entropy_coef``."""
@@ -345,11 +346,16 @@ def policy_update(
     p_len: int,
     control: Control,
     generator: torch.Generator,
+    keep_mask: torch.Tensor | None = None,
 ) -> Update:
     """One optimiser step of the policy on a mini-batch (``seq`` [B, P+T], ``resp``/``adv``/``valid``/``old_lp``
     [B, T]): loss ``mean(pg) (+ entropy bonus)`` with ``pg`` the control's per-token policy-gradient loss (PPO's
     clipped surrogate with Clip_B / Clip_V / forking tokens' keep-mask applied as ``zero_pg``, or Clip-Cov / KL-Cov),
-    gradient norm clipped to 1.  ``generator`` drives Clip-Cov's random token choice."""
+    gradient norm clipped to 1.  ``generator`` drives Clip-Cov's random token choice.  ``keep_mask`` ([B, T] bool):
+    the keep-mask of a control computed outside the mini-batch (``mask="autopilot"``: the entropy autopilot's, stepped
+    once per batch), applied like Clip_B's; required exactly for that mask."""
+    if (control.mask == "autopilot") != (keep_mask is not None):
+        raise ValueError("keep_mask is given exactly for control.mask == 'autopilot'")
     logits = model.response_logits(seq, p_len).float()
     logq = torch.log_softmax(logits, -1)
     lp = logq.gather(-1, resp[..., None])[..., 0]
@@ -361,6 +367,8 @@ def policy_update(
         keep = clip_v_mask(stats.s_centered, adv, valid, mu_low=control.mu, max_frac=control.cap).keep
     elif control.mask == "forking":
         keep = high_entropy_mask(stats.entropy, valid, rho=control.rho)
+    elif control.mask == "autopilot":
+        keep = keep_mask
     if control.loss == "clip_cov":
         res = clip_cov_losses(lp, old_lp, adv, valid, clip_ratio_low=control.clip_low, clip_ratio_high=control.clip_high,
                               clip_cov_ratio=control.cov_ratio, clip_cov_lb=control.cov_lb, clip_cov_ub=control.cov_ub,

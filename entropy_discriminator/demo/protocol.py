@@ -7,6 +7,10 @@ what it finished):
   on the test prompts at every evaluation temperature (how the start was chosen);
 * ``run``: warm up each seed once, then every (seed, arm) with checkpoint evaluations (the tuning stage runs it on the
   tuning seeds and validation prompts, the main run on the evaluation seeds and test prompts);
+* ``tune-a`` / ``tune-b`` / ``tune-c``: the tuning stages (:mod:`~entropy_discriminator.demo.tuning`; ``tune-c``:
+  TRL's adaptive entropy bonus, issue 23) on the tuning seeds and validation prompts, then ``select``;
+* ``main``: the selected arms on the evaluation seeds and test prompts (``--families`` restricts them; the family
+  ``autopilot`` adds the entropy autopilot's one default setting, which is not tuned);
 * ``report``: endpoints, paired tests with Holm's adjustment, the frontier figure, from a ``run`` folder.
 """
 
@@ -27,7 +31,7 @@ from .compare import CompareConfig, _pool_map
 from .headtohead import Arm, HeadConfig, eval_stream, evaluate_at, heldout_sets, run_arm_checkpoints, warm_up_checkpoints
 from .model import TinyGPT
 from .stats_tests import holm, paired_test, value_at_level
-from .tuning import second_lr, select, stage_a, stage_b
+from .tuning import adaptive_bonus_arms, autopilot_arms, second_lr, select, stage_a, stage_b
 
 #: Evaluation temperatures: the paper's (0.7, primary) and the sampling temperature of training (1.0).
 TEMPERATURES = (0.7, 1.0)
@@ -48,7 +52,8 @@ def parse_config(spec: str, base: HeadConfig | None = None) -> HeadConfig:
 
 
 def parse_arm(spec: str) -> Arm:
-    """``"NAME[@FAMILY]:FIELD=V,..."`` -> :class:`Arm` (family defaults to NAME; ``cap=none`` for no cap)."""
+    """``"NAME[@FAMILY]:FIELD=V,..."`` -> :class:`Arm` (family defaults to NAME; ``cap=none`` for no cap,
+    ``target_entropy=hold`` or a number, booleans as ``true`` / ``false``)."""
     head, _, body = spec.partition(":")
     name, _, family = head.partition("@")
     types = {f.name: f.type for f in fields(Arm)}
@@ -58,7 +63,13 @@ def parse_arm(spec: str) -> Arm:
         if not sep or key not in types or key in ("name", "family"):
             raise ValueError(f"arm {name}: expected FIELD=VALUE with FIELD in {sorted(types)}, got {item!r}")
         default = getattr(Arm(name="x", family="x"), key)
-        if isinstance(default, str):
+        if isinstance(default, bool):
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"arm {name}: {key} must be true or false, got {value!r}")
+            kw[key] = value.lower() in ("true", "1")
+        elif key == "target_entropy":
+            kw[key] = value if value == "hold" else float(value)
+        elif isinstance(default, str):
             kw[key] = value
         elif key == "cap":
             kw[key] = None if value.lower() == "none" else float(value)
@@ -358,13 +369,36 @@ def write_selection(run_dir: Path) -> dict[str, dict[str, object]]:
     return sel
 
 
-def main_arms(selections: Sequence[dict[str, dict[str, object]]], grpo_lr: float, ppo_lr: float) -> list[Arm]:
+def main_arms(selections: Sequence[dict[str, dict[str, object]]], grpo_lr: float, ppo_lr: float,
+              families: Sequence[str] | None = None, start_entropy: float = 0.70) -> list[Arm]:
     """The main run's arms: the chosen setting of every family in ``selections`` (:func:`write_selection` outputs),
-    as defined by :func:`~entropy_discriminator.demo.tuning.stage_a` / ``stage_b(grpo_lr, ppo_lr)``, plus GRPO at
+    as defined by :func:`~entropy_discriminator.demo.tuning.stage_a` / ``stage_b(grpo_lr, ppo_lr)`` /
+    ``adaptive_bonus_arms(grpo_lr, start_entropy)``, plus GRPO at
     :func:`~entropy_discriminator.demo.tuning.second_lr` of the chosen GRPO rate (the frontier's second GRPO line).
-    A family with no chosen setting is left out (and reported as not reached)."""
-    by_name = {a.name: a for a in (*stage_a(), *stage_b(grpo_lr, ppo_lr))}
+    A family with no chosen setting is left out (and reported as not reached).
+
+    ``families``: only the arms of these families (``grpo_second_lr`` names the second GRPO line); the family
+    ``autopilot`` (never tuned, so in no selection) adds :func:`~entropy_discriminator.demo.tuning.autopilot_arms`'
+    default setting at ``grpo_lr``.  The selections must then choose GRPO at ``grpo_lr`` only if ``grpo`` or
+    ``grpo_second_lr`` is among them.  A family neither in a selection nor one of those two raises ``ValueError``."""
+    pool = (*stage_a(), *stage_b(grpo_lr, ppo_lr), *adaptive_bonus_arms(grpo_lr, start_entropy))
+    by_name = {a.name: a for a in pool}
     chosen = [str(s["chosen"]) for sel in selections for s in sel.values() if s["chosen"]]
+    if families is not None:
+        wanted = set(families)
+        unknown = wanted - {f for sel in selections for f in sel} - {"autopilot", "grpo_second_lr"}
+        if unknown:
+            raise ValueError(f"families {sorted(unknown)} are in no selection (and are not autopilot / grpo_second_lr)")
+        arms = [by_name[n] for n in chosen if by_name[n].family in wanted]
+        if wanted & {"grpo", "grpo_second_lr"}:
+            grpo = next((by_name[n] for n in chosen if by_name[n].family == "grpo"), None)
+            if grpo is None or grpo.lr != grpo_lr:
+                raise ValueError(f"the selections must choose GRPO at lr {grpo_lr:g}, got {grpo}")
+            if "grpo_second_lr" in wanted:
+                arms.append(Arm(f"grpo(lr={second_lr(grpo_lr):g})", "grpo_second_lr", lr=second_lr(grpo_lr)))
+        if "autopilot" in wanted:
+            arms += autopilot_arms(grpo_lr)
+        return arms
     arms = [by_name[n] for n in chosen]
     grpo = next((a for a in arms if a.family == "grpo"), None)
     if grpo is None or grpo.lr != grpo_lr:
@@ -398,7 +432,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rn.add_argument("--samples", type=int, default=64)
     rn.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     rn.add_argument("--out", type=Path, required=True)
-    for name, hlp in (("tune-a", "stage A: GRPO and PPO learning rates"), ("tune-b", "stage B: every other family")):
+    for name, hlp in (("tune-a", "stage A: GRPO and PPO learning rates"), ("tune-b", "stage B: every other family"),
+                      ("tune-c", "stage C (issue 23): TRL's adaptive entropy bonus, four targets")):
         tp = sub.add_parser(name, help=hlp + " on the tuning seeds and validation prompts")
         tp.add_argument("--config", default="")
         tp.add_argument("--seeds", default="100/101/102")
@@ -410,11 +445,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             tp.add_argument("--ppo-lr", type=float, required=True)
             tp.add_argument("--families", default=None,
                             help="comma-separated subset of stage B's families (to split it over several calls)")
+        if name == "tune-c":
+            tp.add_argument("--grpo-lr", type=float, required=True)
+            tp.add_argument("--start-entropy", type=float, default=0.70,
+                            help="the start's token entropy (nats): targets start - 0.2 / 0.1 / 0.05 / 0")
     mp_ = sub.add_parser("main", help="the main run: the selected arms on evaluation seeds and test prompts")
     mp_.add_argument("--config", default="")
-    mp_.add_argument("--selection", action="append", type=Path, required=True, help="selection.json of a tuning stage")
+    mp_.add_argument("--selection", action="append", type=Path, default=[], help="selection.json of a tuning stage")
     mp_.add_argument("--grpo-lr", type=float, required=True)
     mp_.add_argument("--ppo-lr", type=float, required=True)
+    mp_.add_argument("--families", default=None,
+                     help="comma-separated families to run (default: every selected family and grpo_second_lr); "
+                          "'autopilot' adds the autopilot's default setting at --grpo-lr")
+    mp_.add_argument("--start-entropy", type=float, default=0.70,
+                     help="as tune-c's (names the adaptive_bonus settings of a stage-C selection)")
     mp_.add_argument("--seeds", required=True)
     mp_.add_argument("--checkpoints", default="0/10/20/30/40/60/80/100/125/150/200")
     mp_.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
@@ -426,10 +470,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     rp.add_argument("--name", default="report", help="file stem of the tables (one per comparison family)")
     rp.add_argument("--pair", action="append", required=True, metavar="ARM|VS", help="a paired comparison ARM - VS (arm names as in the run)")
     args = ap.parse_args(argv)
-    if args.cmd in ("tune-a", "tune-b"):
+    if args.cmd in ("tune-a", "tune-b", "tune-c"):
         spec = RunSpec(parse_config(args.config), tuple(int(s) for s in args.seeds.split("/")),
                        tuple(int(s) for s in args.checkpoints.split("/")), "val")
-        arms = stage_a() if args.cmd == "tune-a" else stage_b(args.grpo_lr, args.ppo_lr)
+        if args.cmd == "tune-a":
+            arms = stage_a()
+        elif args.cmd == "tune-b":
+            arms = stage_b(args.grpo_lr, args.ppo_lr)
+        else:
+            arms = adaptive_bonus_arms(args.grpo_lr, args.start_entropy)
         if getattr(args, "families", None):
             wanted = set(args.families.split(","))
             unknown = wanted - {a.family for a in arms}
@@ -446,7 +495,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec = RunSpec(parse_config(args.config), tuple(int(s) for s in args.seeds.split("/")),
                        tuple(int(s) for s in args.checkpoints.split("/")), "test")
         sels = [json.loads(p.read_text()) for p in args.selection]
-        run_stage(spec, main_arms(sels, args.grpo_lr, args.ppo_lr), args.out, jobs=args.jobs)
+        fams = args.families.split(",") if args.families else None
+        arms = main_arms(sels, args.grpo_lr, args.ppo_lr, fams, args.start_entropy)
+        if not arms:
+            raise SystemExit("main: no arm to run (no selected setting in the requested families)")
+        run_stage(spec, arms, args.out, jobs=args.jobs)
     if args.cmd == "select":
         print(json.dumps({f: s["chosen"] for f, s in write_selection(args.dir).items()}))
     if args.cmd == "report":

@@ -3,6 +3,8 @@
 Every family gets :data:`SETTINGS_PER_FAMILY` settings.  Stage A tunes the learning rate of the two estimators (GRPO,
 PPO); stage B tunes every other family at its estimator's stage-A learning rate.  Tuning runs use the tuning seeds and
 the validation prompts only (:func:`entropy_discriminator.demo.protocol.run_stage` with ``prompt_set="val"``).
+Issue 23 adds stage C, TRL's adaptive entropy bonus (:func:`adaptive_bonus_arms`, four settings at the stage-A GRPO
+rate), and the entropy autopilot, which is not tuned (:func:`autopilot_arms`: one default setting).
 """
 
 from __future__ import annotations
@@ -48,6 +50,26 @@ def stage_b(grpo_lr: float, ppo_lr: float) -> list[Arm]:
     return arms
 
 
+def autopilot_arms(grpo_lr: float) -> list[Arm]:
+    """The entropy autopilot (issue 23), evaluated untuned: its one default setting, holding the starting entropy,
+    at the stage-A GRPO learning rate (``eta`` = that rate; the core's cap 0.05 and sides ``negative``)."""
+    return [Arm("autopilot(hold)", "autopilot", mask="autopilot", lr=grpo_lr)]
+
+
+#: Adaptive bonus targets below the start's token entropy (nats): the targets are ``start - offset``.
+ADAPTIVE_TARGET_OFFSETS = (0.2, 0.1, 0.05, 0.0)
+
+
+def adaptive_bonus_arms(grpo_lr: float, start_entropy: float = 0.70) -> list[Arm]:
+    """TRL's adaptive entropy bonus (Skywork-OR1, ``use_adaptive_entropy``) with TRL's defaults (initial coefficient
+    0, delta 0.005, coefficient in [0, 1]), :data:`SETTINGS_PER_FAMILY` settings (equal budget): ``entropy_target`` =
+    ``start_entropy`` minus each of :data:`ADAPTIVE_TARGET_OFFSETS`, rounded to 3 decimals (the main run's token
+    entropy starts at about 0.70 nats and GRPO ends at about 0.50: targets 0.5, 0.6, 0.65 and 0.7)."""
+    targets = [round(start_entropy - d, 3) for d in ADAPTIVE_TARGET_OFFSETS]
+    return [Arm(f"adaptive_bonus(target={t:g})", "adaptive_bonus", adaptive_entropy=True, entropy_coef=0.0,
+                entropy_target=t, lr=grpo_lr) for t in targets]
+
+
 def tuning_score(runs: Sequence[dict], temperature: float = 0.7, delta: float = 0.04, k: int = 64) -> float:
     """Pre-registered tuning endpoint of one setting: mean over its tuning seeds of Pass@``k`` where Avg@K first
     reaches (start Avg@K + ``delta``) at ``temperature`` (:func:`~entropy_discriminator.demo.stats_tests.value_at_level`);
@@ -91,4 +113,7 @@ def second_lr(selected: float) -> float:
     return LRS[i + 1] if i + 1 < len(LRS) else LRS[i - 1]
 
 
-__all__ = ["LRS", "SETTINGS_PER_FAMILY", "second_lr", "select", "stage_a", "stage_b", "tuning_score"]
+__all__ = [
+    "ADAPTIVE_TARGET_OFFSETS", "LRS", "SETTINGS_PER_FAMILY", "adaptive_bonus_arms", "autopilot_arms", "second_lr",
+    "select", "stage_a", "stage_b", "tuning_score",
+]
