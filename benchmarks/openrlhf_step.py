@@ -6,17 +6,21 @@ samples, temperature 1), wrapped by OpenRLHF's ``DeepspeedStrategy.prepare`` (``
 ZeRO-2, bf16, gradient clipping 1.0, AdamW (``torch_adam``: DeepSpeed's FusedAdam needs a compiled CUDA
 op), constant LR 1e-6) and trained by OpenRLHF's real ``ActorPPOTrainer`` (``PolicyLoss``, packed
 ``NaiveReplayBuffer``, one epoch).  Model: Qwen2.5-0.5B's shapes (``benchmarks/qwen_shapes.py``,
-random weights, written once with ``save_pretrained``).  Per step, the same synthetic batch in every
-arm: 8 prompts x 8 responses, 32 prompt + 512 response tokens (``--response-len``), uniform random
-token ids, rewards multiples of 1/7, advantages from OpenRLHF's ``group_norm`` estimator
-(``compute_advantages_and_returns``, not timed).
+random weights, its final norm weight scaled (``--head-scale``, :data:`HEAD_SCALE`) so that its
+next-token distributions are peaked as a trained policy's rather than near-uniform; written once with
+``save_pretrained``).  Per step, the same batch in every arm: 8 prompts x 8 responses, 32 prompt
+tokens (uniform random ids) + 512 response tokens (``--response-len``) sampled from the policy itself
+before the first update (:func:`sample_responses`, not timed; without both, S* hardly varies and
+Clip_B / Clip_V clip nothing), rewards multiples of 1/7, advantages from OpenRLHF's ``group_norm``
+estimator (``compute_advantages_and_returns``, not timed).
 
 Timed per step (wall time, GPU synchronised before and after):
 
 * ``old_log_prob_s``: the old-policy forward ``make_experience`` runs (``actor(sequences,
   action_mask, attention_mask)`` under no-grad, in micro-batches of ``--micro`` sequences): with the
   adapter patched this is where it scores the tokens (its ``Actor.forward`` wrapper, from the logits
-  of that forward; ``entropy_disc/timing/stats_in_forward``, column ``stats_in_forward_s``);
+  of that forward; ``entropy_disc/timing/stats_in_forward``, column ``stats_in_forward_s``, timed from
+  the moment the forward's own kernels have finished);
 * ``update_s``: ``ActorPPOTrainer.ppo_train`` on the replay buffer: with the adapter this includes its
   round start (``entropy_disc/timing/stats_pass``, column ``stats_pass_s``: taking the buffered
   samples' statistics from the forward, the mask and the metrics; a no-grad pass of the policy only
@@ -97,25 +101,59 @@ def _gpu_script() -> Any:
     return script
 
 
-def make_experience(step: int, shape: Shape, vocab: int) -> Any:
-    """Step ``step``'s rollout batch in OpenRLHF 0.11's layout: unpadded prompt + response, right padding,
-    ``action_mask`` over positions ``1..T-1`` (0.10.2 reads the same); no log-probs or advantages yet."""
+def rollout_prompts(step: int, shape: Shape, vocab: int) -> torch.Tensor:
+    """Step ``step``'s prompts: ``[prompts * responses, prompt_len]`` uniform random token ids, each
+    prompt repeated for its ``responses`` samples (as the group estimator needs)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    prompts = torch.randint(2, vocab, (shape.prompts, shape.prompt_len), generator=g)
+    return prompts.repeat_interleave(shape.responses, dim=0)
+
+
+@torch.no_grad()
+def sample_responses(model_dir: Path, shape: Shape, steps: int, vocab: int) -> list[torch.Tensor]:
+    """Every step's responses, ``[n, response_len]`` on the CPU, sampled from the policy itself (the saved
+    model, before any update; bf16, KV cache, plain ``softmax`` sampling at temperature 1, no top-k/top-p,
+    no stop at EOS so every response has ``response_len`` tokens), all steps in one batch.  Not timed."""
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(model_dir).to(device=device, dtype=torch.bfloat16).eval()
+    prompts = torch.cat([rollout_prompts(step, shape, vocab) for step in range(steps)]).to(device)
+    g = torch.Generator(device=device).manual_seed(2000)
+    out = model.model(prompts, use_cache=True)
+    past, hidden = out.past_key_values, out.last_hidden_state[:, -1]
+    tokens = []
+    for i in range(shape.response_len):
+        probs = torch.softmax(model.lm_head(hidden).float(), dim=-1)
+        tokens.append(torch.multinomial(probs, 1, generator=g))
+        if i + 1 < shape.response_len:
+            out = model.model(tokens[-1], past_key_values=past, use_cache=True)
+            past, hidden = out.past_key_values, out.last_hidden_state[:, -1]
+    responses = torch.cat(tokens, dim=1).cpu()
+    del model, past, out
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return list(responses.split(shape.prompts * shape.responses))
+
+
+def make_experience(step: int, shape: Shape, vocab: int, responses: torch.Tensor) -> Any:
+    """Step ``step``'s rollout batch in OpenRLHF 0.11's layout: unpadded prompt + response (``responses``,
+    sampled from the policy by :func:`sample_responses`), right padding, ``action_mask`` over positions
+    ``1..T-1`` (0.10.2 reads the same); no log-probs or advantages yet."""
     from openrlhf.trainer.ppo_utils.experience import Experience
 
-    g = torch.Generator().manual_seed(1000 + step)
+    prompts = rollout_prompts(step, shape, vocab)
     seqs, masks = [], []
-    for _ in range(shape.prompts):
-        prompt = torch.randint(2, vocab, (shape.prompt_len,), generator=g)
-        for _ in range(shape.responses):
-            seqs.append(torch.cat([prompt, torch.randint(2, vocab, (shape.response_len,), generator=g)]))
-            masks.append(torch.cat([torch.zeros(shape.prompt_len - 1), torch.ones(shape.response_len)]).bool())
+    for prompt, response in zip(prompts, responses):
+        seqs.append(torch.cat([prompt, response]))
+        masks.append(torch.cat([torch.zeros(shape.prompt_len - 1), torch.ones(shape.response_len)]).bool())
     n, width = len(seqs), max(len(x) for x in seqs)
     sequences = torch.zeros(n, width, dtype=torch.long)
     attention_mask = torch.zeros(n, width, dtype=torch.long)
     action_mask = torch.zeros(n, width - 1, dtype=torch.bool)
     for i, (x, m) in enumerate(zip(seqs, masks)):
         sequences[i, : len(x)], attention_mask[i, : len(x)], action_mask[i, : len(m)] = x, 1, m
-    rewards = torch.randint(0, 7, (n,), generator=g).float() / 7
+    rewards = torch.randint(0, 7, (n,), generator=torch.Generator().manual_seed(3000 + step)).float() / 7
     return Experience(
         sequences=sequences, attention_mask=attention_mask, action_mask=action_mask,
         kl=torch.zeros(action_mask.shape), rewards=rewards, response_length=action_mask.sum(-1).float(),
@@ -169,15 +207,27 @@ def build(shape: Shape, smoke: bool, model_dir: Path) -> tuple[Any, Any, Any]:
     return args, actor, trainer
 
 
-def write_model(path: Path, smoke: bool) -> int:
-    """Random model with Qwen2.5-0.5B's shapes (tiny with ``smoke``), bf16; returns its vocabulary size."""
+#: Factor on the random model's final RMSNorm weight (``--head-scale``): a freshly initialised model's
+#: next-token distribution is nearly uniform (entropy ~11.75 nats at V = 151936, logit std 0.6), on which
+#: S* hardly varies and Clip_B / Clip_V clip nothing.  Scaled by 12 (Qwen shapes; 8 for the smoke model),
+#: the entropy of its rows spans ~0.02-3.8 nats, mean ~1.8 (measured on random token ids; 0.1-5.5, mean
+#: ~1.7, for the smoke model): peaked rows with occasional forks, as a trained policy's.
+HEAD_SCALE = {False: 12.0, True: 8.0}
+
+
+def write_model(path: Path, smoke: bool, head_scale: float | None = None) -> int:
+    """Random model with Qwen2.5-0.5B's shapes (tiny with ``smoke``), final norm weight times ``head_scale``
+    (default :data:`HEAD_SCALE`), bf16; returns its vocabulary size."""
     from transformers import Qwen2ForCausalLM
 
     from benchmarks.qwen_shapes import qwen25_05b_shapes
 
     torch.manual_seed(0)
     cfg = qwen25_05b_shapes(smoke)
-    Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(HEAD_SCALE[smoke] if head_scale is None else head_scale)
+    model.to(torch.bfloat16).save_pretrained(path)
     return cfg.vocab_size
 
 
@@ -190,7 +240,8 @@ def run(ns: argparse.Namespace, shape: Shape, arms: list[str]) -> list[dict]:
     from entropy_discriminator.adapters import openrlhf as adapter
 
     model_dir = Path(tempfile.mkdtemp(prefix="openrlhf_step_")) / "qwen25_05b_shapes"
-    vocab = write_model(model_dir, ns.smoke)
+    vocab = write_model(model_dir, ns.smoke, ns.head_scale)
+    responses = sample_responses(model_dir, shape, ns.steps, vocab)
     adapter.patch(EntropyDiscConfig())  # as in a Ray worker: patched before ActorPPOTrainer.__init__ (registers the policy)
     try:
         args, actor, trainer = build(shape, ns.smoke, model_dir)
@@ -204,7 +255,7 @@ def run(ns: argparse.Namespace, shape: Shape, arms: list[str]) -> list[dict]:
     for step in range(ns.steps):
         for arm in arms:
             method = ARMS[arm]
-            exp = make_experience(step, shape, vocab)
+            exp = make_experience(step, shape, vocab, responses[step])
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             if method is None:
@@ -260,6 +311,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--response-len", type=int, default=None, help="response tokens per sequence (default 512)")
     parser.add_argument("--micro", type=int, default=None, help="sequences per micro-batch (default 8)")
     parser.add_argument("--out", type=Path, default=None, help="folder of openrlhf_step.csv (default benchmarks/results/<card>)")
+    parser.add_argument("--head-scale", type=float, default=None,
+                        help="factor on the random model's final norm weight (default 12, smoke 8; 1: as initialised)")
     parser.add_argument("--smoke", action="store_true", help="tiny model and batch on the CPU: checks the code path only")
     ns = parser.parse_args(argv)
     arms = [x.strip() for x in ns.arms.split(",") if x.strip()]

@@ -65,11 +65,6 @@ def sample_key(tokens: torch.Tensor) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
-def right_padding(attention_mask: torch.Tensor) -> int:
-    """Trailing zero positions of one row's attention mask (``remove_padding_in_sequences``' rule)."""
-    return int(attention_mask.flip(0).argmax())
-
-
 @dataclass
 class Entry:
     tokens: torch.Tensor  # int64 [T_i] on the CPU, no right padding
@@ -149,27 +144,45 @@ def record_batch(
     impl: str,
 ) -> None:
     """Score one old-policy micro-batch from ``Actor.forward``'s fp32 temperature-scaled ``logits`` and
-    store each sample's action columns (see the module doc)."""
+    store each sample's action columns (see the module doc).
+
+    Host cost: the labels are built by one ``where`` over the batch, the per-token results, the token
+    ids and the attention mask reach the CPU by three asynchronous copies into pinned memory and one
+    wait, and the per-sample bookkeeping (right padding, key) runs on those CPU copies."""
     from ._round import _action_labels, stats_in_batch_layout
 
     packed = bool(getattr(actor, "packing_samples", False))
-    n_rows, width = sequences.shape
+    width = sequences.shape[1]
     n_act = action_mask.shape[-1]
     first = width - 1 - n_act  # row of action column 0 (Actor.forward's log_probs[:, :-1][:, -A:])
-    valids = [action_mask[row].bool() for row in range(n_rows)]
-    labels = _action_labels(sequences, first, valids)
+    labels = _action_labels(sequences, first, action_mask)
     fields = stats_in_batch_layout(
         logits, labels, attention_mask if packed else None, ring_attn_group,
         first=first, chunk_size=chunk_size, impl=impl,
     )
-    columns = fields[:, first : first + n_act].to("cpu")
-    sequences, attention_mask = sequences.to("cpu"), attention_mask.to("cpu")
-    for row in range(n_rows):
-        pad = right_padding(attention_mask[row])
+    columns, sequences, attention_mask = to_host(fields[:, first : first + n_act], sequences, attention_mask)
+    pads = attention_mask.flip(1).argmax(1).tolist()  # remove_padding_in_sequences' rule, every row at once
+    for row, pad in enumerate(pads):
         if pad > n_act:
             continue  # no action column left after removing the padding (never in OpenRLHF's layouts)
-        tokens = sequences[row, : width - pad].to(torch.int64).clone()
-        STORE.put(tokens, columns[row, : n_act - pad].clone())
+        STORE.put(sequences[row, : width - pad].to(torch.int64).clone(), columns[row, : n_act - pad].clone())
+
+
+def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """CPU copies of ``tensors``: from a CUDA device, asynchronous copies into pinned memory and one wait
+    for all of them (instead of one synchronous pageable copy each)."""
+    if not any(t.is_cuda for t in tensors):
+        return [t.contiguous() if t.device.type == "cpu" else t.to("cpu") for t in tensors]
+    out = []
+    for t in tensors:
+        if t.is_cuda:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            out.append(host)
+        else:
+            out.append(t.contiguous())
+    torch.cuda.current_stream(next(t.device for t in tensors if t.is_cuda)).synchronize()
+    return out
 
 
 def wrap_actor_forward(original: Callable[..., Any], settings: Callable[[], Any]) -> Callable[..., Any]:
@@ -197,12 +210,17 @@ def wrap_actor_forward(original: Callable[..., Any], settings: Callable[[], Any]
             return original(self, *args, **kwargs)  # not make_experience's call
         a["return_output"] = True
         action_log_probs, output = original(*bound.args, **bound.kwargs)
+        logits = output["logits"]
+        if logits.is_cuda:
+            # the forward's kernels may still be running: wait for them (the scoring below waits for them
+            # anyway, at its first host synchronisation) so that the time taken is the adapter's own
+            torch.cuda.current_stream(logits.device).synchronize()
         started = time.perf_counter()
         record_batch(
-            self, output["logits"], a["sequences"], a["action_mask"], a["attention_mask"], a["ring_attn_group"],
+            self, logits, a["sequences"], a["action_mask"], a["attention_mask"], a["ring_attn_group"],
             chunk_size=config.chunk_size, impl=config.impl,
         )
-        del output
+        del output, logits
         STORE.forward_s += time.perf_counter() - started
         STORE.n_forwards += 1
         return action_log_probs

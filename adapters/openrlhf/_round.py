@@ -182,14 +182,21 @@ def replay_buffer_stats(
     return TokenStats(**values, valid=flat[:, -1] > 0.5)
 
 
-def _action_labels(sequences: torch.Tensor, first: int, valids: list[torch.Tensor]) -> torch.Tensor:
+def _action_labels(sequences: torch.Tensor, first: int, valids: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
     """``[b, T]`` int64: at row ``first + j`` of sample ``r`` the token ``sequences[r, first + j + 1]``
-    where ``valids[r][j]``, :data:`IGNORE_INDEX` everywhere else (prompt, padding, masked tokens)."""
+    where ``valids[r][j]``, :data:`IGNORE_INDEX` everywhere else (prompt, padding, masked tokens).
+    ``valids``: a ``[b, A]`` mask (the batch's action mask) or one ``[A_r]`` mask per row (``A_r <= A``,
+    the columns past ``A_r`` ignored); one ``where`` over the batch either way."""
+    n_rows, width = sequences.shape
+    n_act = width - 1 - first
+    if isinstance(valids, torch.Tensor):
+        valid = valids.to(device=sequences.device, dtype=torch.bool)
+    else:
+        valid = torch.zeros(n_rows, n_act, dtype=torch.bool, device=sequences.device)
+        for row, v in enumerate(valids):
+            valid[row, : v.numel()] = v.reshape(-1)
     labels = torch.full_like(sequences, IGNORE_INDEX)
-    for row, valid in enumerate(valids):
-        n = valid.numel()
-        target = sequences[row, first + 1 : first + 1 + n]
-        labels[row, first : first + n] = torch.where(valid, target, torch.full_like(target, IGNORE_INDEX))
+    labels[:, first : first + n_act] = sequences[:, first + 1 :].masked_fill(~valid, IGNORE_INDEX)
     return labels
 
 
@@ -247,7 +254,11 @@ def _mm_inputs(actor: Any, batch: Any, device: torch.device) -> dict[str, Any]:
 
 
 def _flat_advantages(items: list[Any], device: torch.device) -> torch.Tensor:
-    return torch.cat([item.advantages.reshape(-1).to(device=device, dtype=torch.float32) for item in items])
+    """The items' advantages, float32, concatenated: joined where they lie, moved to ``device`` once."""
+    parts = [item.advantages.reshape(-1).to(torch.float32) for item in items]
+    if len({t.device for t in parts}) > 1:
+        parts = [t.to(device) for t in parts]
+    return torch.cat(parts).to(device)
 
 
 def apply_keep(items: list[Any], keep: torch.Tensor, mode: str) -> None:
@@ -260,8 +271,27 @@ def apply_keep(items: list[Any], keep: torch.Tensor, mode: str) -> None:
     sizes = [item.action_mask.numel() for item in items]
     if keep.numel() != sum(sizes):
         raise ValueError(f"keep has {keep.numel()} entries but the items have {sum(sizes)} action columns")
-    for item, k in zip(items, keep.split(sizes)):
-        k = k.to(item.advantages.device).reshape(item.advantages.shape)
+    if not items:
+        return
+    kinds = {(i.advantages.device, i.advantages.dtype, i.action_mask.device, i.action_mask.dtype) for i in items}
+    if len(kinds) == 1 and all(item.advantages.shape == item.action_mask.shape for item in items):
+        # one call over the concatenation (elementwise: the same numbers as item by item), split back
+        k = keep.to(items[0].advantages.device)
+        adv, mask = apply_keep_mask(
+            torch.cat([item.advantages.reshape(-1) for item in items]), k,
+            torch.cat([item.action_mask.reshape(-1) for item in items]), mode=mode,
+        )
+        for item, a, m in zip(items, adv.split(sizes), mask.split(sizes)):  # the field the mode leaves alone stays
+            if mode == "zero_pg":
+                item.advantages = a.view(item.advantages.shape)
+            else:
+                item.action_mask = m.view(item.action_mask.shape)
+        return
+    by_device = {d: keep.to(d) for d in {item.advantages.device for item in items}}  # one copy per device
+    offset = 0
+    for item, n in zip(items, sizes):
+        k = by_device[item.advantages.device][offset : offset + n].reshape(item.advantages.shape)
+        offset += n
         adv, mask = apply_keep_mask(item.advantages, k, item.action_mask, mode=mode)
         item.advantages, item.action_mask = adv, mask
 
@@ -302,8 +332,9 @@ def collect_stats(trainer: Any, items: list[Any], valids: list[torch.Tensor], co
         flat = torch.zeros(0, len(_FIELDS), device=device)
     else:
         # a token the action mask dropped since scoring (valid False now) counts as ignored: zeros
-        flat = torch.cat([f * v.to(f.dtype)[:, None] for f, v in zip(found, (v.reshape(-1).cpu() for v in valids))])
-        flat = flat.to(device)
+        fields = torch.cat(found)
+        valid = torch.cat([v.reshape(-1).cpu() for v in valids])
+        flat = (fields * valid.to(fields.dtype)[:, None]).to(device)
     values = {name: flat[:, k].contiguous() for k, name in enumerate(_FIELDS[:-1])}
     return TokenStats(**values, valid=flat[:, -1] > 0.5), "forward"
 
