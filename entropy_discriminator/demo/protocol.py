@@ -318,7 +318,7 @@ def frontier_figure(runs: Sequence[dict], out: Path, temperature: float = 0.7, k
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel(f"Pass@{k} (T = {temperature})")
     fig.suptitle(f"accuracy-diversity frontier over checkpoints (mean over {len(start) // max(len(by), 1)} seeds, "
-                 "bars 95%); dotted: start + 0.02 / + 0.04")
+                 "bars 95%)\ndotted: start + 0.02 / + 0.04", fontsize=10)
     fig.tight_layout()
     path = out / f"frontier_T{temperature}_pass{k}.png"
     fig.savefig(path, dpi=120)
