@@ -1,4 +1,5 @@
-"""Shared by the verl tests: a one-process gloo group (its helper module: verl_cpu_engine.py)."""
+"""Shared by the verl tests: a one-process gloo group (its helper module: verl_cpu_engine.py) and Ray with
+TransferQueue for the tests that drive verl's V1 trainer."""
 
 from __future__ import annotations
 
@@ -17,3 +18,16 @@ def gloo():
         dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def queue():
+    """Ray and TransferQueue for the module's tests (verl's V1 trainer moves its batches through TransferQueue)."""
+    import ray
+    import transfer_queue as tq
+
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)  # TQ's actors ask for more CPUs than 2
+    tq.init()
+    yield
+    tq.close()
+    ray.shutdown()

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 pytest.importorskip("verl", reason="needs the verl extra: nox -s verl")
-import ray  # noqa: E402
 import transfer_queue as tq  # noqa: E402
 import verl  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
@@ -29,15 +28,6 @@ from entropy_discriminator.adapters.verl._trainer import ENTROPY_FIELD, EXPECTED
 
 CONFIG_DIR = str(Path(verl.__file__).parent / "trainer" / "config")
 N_PROMPTS, N_ROLLOUTS, PROMPT_LEN = 4, 4, 2
-
-
-@pytest.fixture(scope="module")
-def queue():
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)  # TQ's actors ask for more CPUs than 2
-    tq.init()
-    yield
-    tq.close()
-    ray.shutdown()
 
 
 def make_trainer(overrides: list[str]):

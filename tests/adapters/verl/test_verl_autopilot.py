@@ -24,7 +24,6 @@ import pytest
 import torch
 
 pytest.importorskip("verl", reason="needs the verl extra: nox -s verl")
-import ray  # noqa: E402
 import transfer_queue as tq  # noqa: E402
 import verl  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
@@ -43,15 +42,6 @@ STEPS = 4
 PILOT = ["+entropy_disc.method=autopilot", "+entropy_disc.sides=both", "+entropy_disc.max_frac=0.2",
          "+entropy_disc.eta=0.5", "+entropy_disc.target_entropy=0.3", "+entropy_disc.decay_steps=3"]
 PREFIX = "entropy_disc/autopilot/"
-
-
-@pytest.fixture(scope="module")
-def queue():
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)  # TQ's actors ask for more CPUs than 2
-    tq.init()
-    yield
-    tq.close()
-    ray.shutdown()
 
 
 def compose_config(ckpt_dir: Path, *extra: str):
