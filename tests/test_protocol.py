@@ -256,6 +256,30 @@ def test_protocol_smoke(tmp_path: Path) -> None:
     assert "primary (T = 0.7): 4 tests" in text and (tmp_path / "smoke.json").is_file()
 
 
+def test_warm_cache_reuses_starts_without_changing_runs(tmp_path: Path) -> None:
+    """A stage with a warm cache stores its warm starts; a later stage of the same configuration reuses them (no
+    warm-up: ``warmup_seconds`` 0, ``warm_reused_from`` set) and its runs equal those of a stage without the cache;
+    another configuration gets another cache entry."""
+    cfg = parse_config("d_model=16,n_heads=2,warmup_steps=20,warmup_batch=32,prompts_per_step=4,group_size=4,targets=uniform")
+    spec = RunSpec(cfg, (100,), (0, 2), "val", n_prompts=6, samples=16)
+    arms = [Arm("grpo(lr=0.001)", "grpo")]
+    cache = tmp_path / "cache"
+    lines = {}
+    for name, warm in (("plain", None), ("first", cache), ("second", cache)):
+        run_stage(spec, arms, tmp_path / name, jobs=1, log=lambda s: None, warm_cache=warm)
+        lines[name] = [json.loads(x) for x in (tmp_path / name / "runs.jsonl").read_text().splitlines()]
+        lines[name + "/starts"] = [json.loads(x) for x in (tmp_path / name / "starts.jsonl").read_text().splitlines()]
+    assert "warm_reused_from" not in lines["first/starts"][0] and lines["first/starts"][0]["warmup_seconds"] > 0
+    reused = lines["second/starts"][0]
+    assert reused["warmup_seconds"] == 0.0 and Path(reused["warm_reused_from"]).is_file()
+    assert reused["start"] == lines["plain/starts"][0]["start"]
+    for key in ("records", "checkpoints"):
+        assert lines["second"][0][key] == lines["first"][0][key] == lines["plain"][0][key]
+    other = parse_config("d_model=16,n_heads=2,warmup_steps=21,warmup_batch=32,prompts_per_step=4,group_size=4,targets=uniform")
+    assert protocol.warm_cache_path(cache, other, 100) != protocol.warm_cache_path(cache, cfg, 100)
+    assert protocol.warm_cache_path(cache, cfg, 100).parent == Path(reused["warm_reused_from"]).parent
+
+
 # ------------------------------------------------------------------ issue 23: the autopilot and TRL's adaptive bonus
 
 TINY = "d_model=16,n_heads=2,warmup_steps=20,warmup_batch=32,prompts_per_step=4,group_size=4,targets=uniform"

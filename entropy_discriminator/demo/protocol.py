@@ -17,9 +17,11 @@ what it finished):
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
@@ -162,12 +164,28 @@ def save_warm_start(cfg: CompareConfig, seed: int, path: str) -> tuple[dict[str,
     return state, time.perf_counter() - t0
 
 
-def _warm_job(job: tuple[RunSpec, int, str]) -> dict[str, object]:
-    spec, seed, path = job
-    state, seconds = save_warm_start(spec.cfg, seed, path)
+def warm_cache_path(cache: Path, cfg: CompareConfig, seed: int) -> Path:
+    """``cache/<key>/seed{seed}.pt``: ``key`` hashes every field of ``cfg`` and the torch version, so that a warm
+    start is reused only by a stage of the same configuration on the same torch build (a warm-up depends on both)."""
+    blob = json.dumps({"cfg": asdict(cfg), "torch": torch.__version__}, sort_keys=True, default=str)
+    return cache / hashlib.sha1(blob.encode()).hexdigest()[:16] / f"seed{seed}.pt"
+
+
+def _warm_job(job: tuple[RunSpec, int, str, str | None]) -> dict[str, object]:
+    spec, seed, path, cache = job
+    cached = warm_cache_path(Path(cache), spec.cfg, seed) if cache else None
+    if cached is not None and cached.exists():
+        shutil.copyfile(cached, path)
+        state, seconds = torch.load(path, weights_only=True), 0.0
+    else:
+        state, seconds = save_warm_start(spec.cfg, seed, path)
+        if cached is not None:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, cached)
     model = TinyGPT(spec.cfg.model_config())
     model.load_state_dict(state)
-    return {"seed": seed, "warmup_seconds": seconds, "start": spec.evaluate(model, seed, 0)}
+    row = {"seed": seed, "warmup_seconds": seconds, "start": spec.evaluate(model, seed, 0)}
+    return {**row, "warm_reused_from": str(cached)} if seconds == 0.0 and cached is not None else row
 
 
 def _arm_job(job: tuple[RunSpec, Arm, int, str]) -> dict[str, object]:
@@ -179,21 +197,28 @@ def _arm_job(job: tuple[RunSpec, Arm, int, str]) -> dict[str, object]:
     return {**asdict(trace), "arm_spec": asdict(arm)}
 
 
-def run_stage(spec: RunSpec, arms: Sequence[Arm], out: Path, *, jobs: int, log: Callable[[str], None] = print) -> Path:
+def run_stage(spec: RunSpec, arms: Sequence[Arm], out: Path, *, jobs: int, log: Callable[[str], None] = print,
+              warm_cache: Path | None = None) -> Path:
     """Warm up every seed (``out/warm/seed*.pt``; the start's evaluation in ``out/starts.jsonl``), then run every
     (seed, arm) with its checkpoint evaluations (one JSON line per run in ``out/runs.jsonl``); ``out/meta.json``
-    records the spec, the arms, the software and the machine."""
+    records the spec, the arms, the software and the machine.
+
+    ``warm_cache``: a folder shared by the stages of one set-up; a seed's warm start found there
+    (:func:`warm_cache_path`: same configuration, same torch build) is copied instead of warmed up again, and a new
+    one is stored there.  A warm-up is deterministic given its seed and configuration on one software and hardware
+    stack, so reusing it does not change a run; ``starts.jsonl`` marks reused starts (``warm_reused_from``)."""
     names = [a.name for a in arms]
     if len(set(names)) != len(names):
         raise ValueError(f"arm names must be unique, got {names}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "warm").mkdir(exist_ok=True)
     meta = {"spec": asdict(spec), "arms": [asdict(a) for a in arms], "torch": torch.__version__,
-            "cpu_count": os.cpu_count(), "jobs": jobs}
+            "cpu_count": os.cpu_count(), "jobs": jobs, "warm_cache": None if warm_cache is None else str(warm_cache)}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     t0 = time.perf_counter()
     log(f"run: {len(spec.seeds)} seeds x {len(arms)} arms, checkpoints {spec.checkpoints}, {spec.prompt_set} prompts")
-    _pool_map(_warm_job, [(spec, s, str(out / "warm" / f"seed{s}.pt")) for s in spec.seeds], jobs, log,
+    cache = str(warm_cache) if warm_cache is not None else None
+    _pool_map(_warm_job, [(spec, s, str(out / "warm" / f"seed{s}.pt"), cache) for s in spec.seeds], jobs, log,
               lambda r: _append(out / "starts.jsonl", r))
     work = [(spec, a, s, str(out / "warm" / f"seed{s}.pt")) for s in spec.seeds for a in arms]
     _pool_map(_arm_job, work, jobs, log, lambda r: _append(out / "runs.jsonl", r))
@@ -408,6 +433,10 @@ def main_arms(selections: Sequence[dict[str, dict[str, object]]], grpo_lr: float
     return arms
 
 
+WARM_CACHE_HELP = ("folder of warm starts shared by the stages of one set-up: a seed's warm start of the same "
+                   "configuration and torch build is reused instead of warmed up again")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line of the protocol (see the module docstring)."""
     ap = argparse.ArgumentParser(prog="python -m entropy_discriminator.demo.protocol", description=__doc__,
@@ -432,6 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rn.add_argument("--samples", type=int, default=64)
     rn.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     rn.add_argument("--out", type=Path, required=True)
+    rn.add_argument("--warm-cache", type=Path, default=None, help=WARM_CACHE_HELP)
     for name, hlp in (("tune-a", "stage A: GRPO and PPO learning rates"), ("tune-b", "stage B: every other family"),
                       ("tune-c", "stage C (issue 23): TRL's adaptive entropy bonus, four targets")):
         tp = sub.add_parser(name, help=hlp + " on the tuning seeds and validation prompts")
@@ -440,6 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tp.add_argument("--checkpoints", default="0/10/20/30/40/60/80/100/125/150/200")
         tp.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
         tp.add_argument("--out", type=Path, required=True)
+        tp.add_argument("--warm-cache", type=Path, default=None, help=WARM_CACHE_HELP)
         if name == "tune-b":
             tp.add_argument("--grpo-lr", type=float, required=True)
             tp.add_argument("--ppo-lr", type=float, required=True)
@@ -463,6 +494,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mp_.add_argument("--checkpoints", default="0/10/20/30/40/60/80/100/125/150/200")
     mp_.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     mp_.add_argument("--out", type=Path, required=True)
+    mp_.add_argument("--warm-cache", type=Path, default=None, help=WARM_CACHE_HELP)
     sp = sub.add_parser("select", help="apply the pre-registered selection rule to a tuning folder")
     sp.add_argument("dir", type=Path)
     rp = sub.add_parser("report", help="endpoints, paired tests with Holm, frontier figures of a run folder")
@@ -485,7 +517,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if unknown:
                 raise SystemExit(f"--families: unknown {sorted(unknown)}")
             arms = [a for a in arms if a.family in wanted]
-        run_stage(spec, arms, args.out, jobs=args.jobs)
+        run_stage(spec, arms, args.out, jobs=args.jobs, warm_cache=args.warm_cache)
         sel = write_selection(args.out)
         print(json.dumps({f: s["chosen"] for f, s in sel.items()}))
         if args.cmd == "tune-a" and sel["grpo"]["chosen"]:
@@ -499,7 +531,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         arms = main_arms(sels, args.grpo_lr, args.ppo_lr, fams, args.start_entropy)
         if not arms:
             raise SystemExit("main: no arm to run (no selected setting in the requested families)")
-        run_stage(spec, arms, args.out, jobs=args.jobs)
+        run_stage(spec, arms, args.out, jobs=args.jobs, warm_cache=args.warm_cache)
     if args.cmd == "select":
         print(json.dumps({f: s["chosen"] for f, s in write_selection(args.dir).items()}))
     if args.cmd == "report":
@@ -507,7 +539,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "run":
         spec = RunSpec(parse_config(args.config), tuple(int(s) for s in args.seeds.split("/")),
                        tuple(int(s) for s in args.checkpoints.split("/")), args.prompt_set, args.prompts, args.samples)
-        run_stage(spec, [parse_arm(a) for a in args.arm], args.out, jobs=args.jobs)
+        run_stage(spec, [parse_arm(a) for a in args.arm], args.out, jobs=args.jobs, warm_cache=args.warm_cache)
     if args.cmd == "warm-sweep":
         cands = {}
         for c in args.candidate:
