@@ -2,7 +2,8 @@
 
 Not collected by pytest; run by hand (see ``openrlhf_step_README.md``)::
 
-    python tests/gpu/openrlhf_step.py
+    python tests/gpu/openrlhf_step.py               # normal path: statistics from the old-log-prob forward
+    python tests/gpu/openrlhf_step.py --fallback    # the adapter's fallback no-grad pass in ppo_train
 
 What runs, in this one process (rank 0 of a one-rank NCCL group, no Ray cluster):
 
@@ -15,17 +16,28 @@ What runs, in this one process (rank 0 of a one-rank NCCL group, no Ray cluster)
 3. OpenRLHF's real ``ActorPPOTrainer.__init__`` (PolicyLoss, NaiveReplayBuffer with packing), a
    rollout batch of 4 prompts x 4 samples (sampled from the policy with HF ``generate``, not vLLM)
    appended to its replay buffer, advantages from OpenRLHF's own
-   ``group_norm`` estimator, old log-probs from the actor itself.
-4. The adapter patched in (Clip_B, ``zero_pg``, two-sided ``mu_low=mu_high=1.0`` so that a small
-   batch has clipped tokens, both advantage signs) and the real
-   ``ppo_train``: the statistics pass on the packed logits (Triton kernel), the mask, then one
-   DeepSpeed forward/backward/step.
+   ``group_norm`` estimator, old log-probs from the actor itself (``make_experience``'s call:
+   ``actor.eval()``, no grad, ``actor(sequences, action_mask, attention_mask)``).
+4. The adapter (Clip_B, ``zero_pg``, two-sided ``mu_low=mu_high=1.0`` so that a small batch has
+   clipped tokens, both advantage signs) and the real ``ppo_train``: the mask, then one DeepSpeed
+   forward/backward/step.
 
-Checks (exit 1 on failure): the statistics of the packed pass against float64 arithmetic on the
-very logits the pass saw; the pass's log-probs against OpenRLHF's own packed ``action_log_probs``;
-the keep-mask against the plain-Python rule (``tests/reference.py``) on the float64 S*; the
-gradient at every clipped token's LM-head position exactly zero (some kept ones nonzero); the
-parameters changed; the ``entropy_disc/*`` metrics in the returned status.
+   * Default (the normal path, as ``benchmarks/openrlhf_step.py`` and a Ray worker): the adapter is
+     patched before ``ActorPPOTrainer.__init__`` (which registers the policy) and so before the
+     old-log-prob forward; its ``Actor.forward`` wrapper scores the tokens from that forward's packed
+     fp32 logits (Triton kernel on a GPU), and ``ppo_train``'s round takes them from there
+     (``entropy_disc/stats/from_forward`` 1, no forward of its own).
+   * ``--fallback``: the trainer is built and the old log-probs taken before the patch, so the round
+     finds no statistics from the forward and runs the adapter's fallback no-grad pass of the policy
+     over the buffer (``entropy_disc/stats/from_forward`` 0).
+
+Checks (exit 1 on failure): where the statistics came from (``from_forward`` 1 by default, 0 with
+``--fallback``; exactly one no-grad LM-head forward, in the old-log-prob call or in ``ppo_train``
+respectively); the statistics against float64 arithmetic on the very packed logits they were taken
+from; their log-probs against OpenRLHF's own packed ``action_log_probs``; the keep-mask against the
+plain-Python rule (``tests/reference.py``) on the float64 S*; the gradient at every clipped token's
+LM-head position exactly zero (some kept ones nonzero); the parameters changed; the
+``entropy_disc/*`` metrics in the returned status.
 
 Stand-ins (modules not on the device, see the README): ``flash_attn`` (OpenRLHF's packing helpers:
 transformers' pure-torch versions, as in the CPU tests), ``vllm`` (empty; not called), ``ray``
@@ -35,6 +47,7 @@ Generation is not run: it needs vLLM, which is not on the device.
 
 from __future__ import annotations
 
+import argparse
 import importlib.machinery
 import json
 import os
@@ -43,6 +56,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 from unittest.mock import MagicMock
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,7 +112,14 @@ def training_args(micro: int, total: int, n_per_prompt: int = N_PER_PROMPT, pack
     )
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fallback", action="store_true",
+                        help="patch the adapter only after the old-log-prob forward (trainer built before the "
+                             "patch): its round runs the fallback no-grad pass; default: patched before, statistics "
+                             "from the forward")
+    ns = parser.parse_args(argv)
+    fallback = ns.fallback
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     install_stand_ins()
     import torch
@@ -120,6 +141,8 @@ def main() -> int:
 
     log(f"torch {torch.__version__}, openrlhf {openrlhf.__file__}, deepspeed {deepspeed.__version__}, "
         f"GPU {torch.cuda.get_device_name(0)}")
+    log("path: " + ("FALLBACK (adapter patched after the old-log-prob forward: its own no-grad pass in ppo_train)"
+                    if fallback else "normal (adapter patched before the old-log-prob forward: statistics from it)"))
     started = time.perf_counter()
     n = N_PROMPTS * N_PER_PROMPT
     args = training_args(micro=n, total=n)
@@ -149,6 +172,19 @@ def main() -> int:
                      lr_scheduler="constant", lr_warmup_ratio=0.0, max_norm=1.0, scheduler_steps=10)
     actor.cuda()
     actor, optim, scheduler = strategy.prepare((actor, actor_cfg))
+    rounds = []
+    original_begin = _round.begin_round
+
+    def recording_begin(*a, **k):
+        state = original_begin(*a, **k)
+        rounds.append(state)
+        return state
+
+    _round.begin_round = recording_begin
+    config = EntropyDiscConfig(method="clip_b", mu_low=1.0, mu_high=1.0, sides="both", max_frac=None,
+                               mask_mode="zero_pg")
+    if not fallback:  # as a Ray worker: patched before ActorPPOTrainer.__init__ (registers the policy)
+        adapter.patch(config)
     trainer = ActorPPOTrainer(strategy, actor, None, optim, scheduler, micro_train_batch_size=n,
                               dataloader_pin_memory=False)
     log(f"DeepSpeed engine {type(actor.model).__name__}, ZeRO stage {actor.model.zero_optimization_stage()}, "
@@ -175,8 +211,36 @@ def main() -> int:
     action_mask = torch.zeros(n, width - 1, dtype=torch.bool)
     for i, (x, m) in enumerate(zip(seqs, masks)):
         sequences[i, : len(x)], attention_mask[i, : len(x)], action_mask[i, : len(m)] = x, 1, m
+
+    # hooks: the no-grad logits of each phase (the old-log-prob forward; the fallback pass in ppo_train),
+    # the LM-head input gradient of the update and its batch
+    seen: dict[str, Any] = {"phase": "old_log_prob", "no_grad_logits": {"old_log_prob": [], "ppo_train": []},
+                            "head_grad": [], "batch": []}
+
+    def on_head_out(module, inputs, output):
+        if not torch.is_grad_enabled():
+            seen["no_grad_logits"][seen["phase"]].append(output.detach().float().cpu())
+
+    def on_head_in(module, inputs):
+        if inputs[0].requires_grad:
+            inputs[0].register_hook(lambda grad: seen["head_grad"].append(grad.detach().float().cpu()))
+
+    def on_actor(module, a, k):
+        if torch.is_grad_enabled():
+            seen["batch"].append((a[0].detach().cpu(), k["attention_mask"].detach().cpu()))
+
+    hooks = [engine_module.lm_head.register_forward_hook(on_head_out),
+             engine_module.lm_head.register_forward_pre_hook(on_head_in),
+             actor.register_forward_pre_hook(on_actor, with_kwargs=True)]
+
+    # make_experience's old-policy forward (PolicyModelActor.forward: eval, no grad, one micro-batch)
+    actor.eval()
+    t0 = time.perf_counter()
     with torch.no_grad():
         own_logp = actor(sequences.cuda(), action_mask.cuda(), attention_mask.cuda()).float().cpu()
+    torch.cuda.synchronize()
+    old_s = time.perf_counter() - t0
+    actor.train()
     rewards = torch.randn(n, generator=g)
     exp = Experience(sequences=sequences, attention_mask=attention_mask, action_mask=action_mask,
                      action_log_probs=own_logp * action_mask, kl=torch.zeros(action_mask.shape), rewards=rewards,
@@ -193,52 +257,49 @@ def main() -> int:
     log(f"buffer: {len(items)} samples, {int(torch.cat(mask0).sum())} action tokens, "
         f"{int(attention_mask.sum())} tokens")
 
-    # hooks: the logits the statistics pass sees (no grad), the LM-head input gradient of the update
-    seen: dict[str, list] = {"stats_logits": [], "head_grad": [], "batch": []}
-
-    def on_head_out(module, inputs, output):
-        if not torch.is_grad_enabled():
-            seen["stats_logits"].append(output.detach().float().cpu())
-
-    def on_head_in(module, inputs):
-        if inputs[0].requires_grad:
-            inputs[0].register_hook(lambda grad: seen["head_grad"].append(grad.detach().float().cpu()))
-
-    def on_actor(module, a, k):
-        if torch.is_grad_enabled():
-            seen["batch"].append((a[0].detach().cpu(), k["attention_mask"].detach().cpu()))
-
-    hooks = [engine_module.lm_head.register_forward_hook(on_head_out),
-             engine_module.lm_head.register_forward_pre_hook(on_head_in),
-             actor.register_forward_pre_hook(on_actor, with_kwargs=True)]
-    rounds = []
-    original_begin = _round.begin_round
-
-    def recording_begin(*a, **k):
-        state = original_begin(*a, **k)
-        rounds.append(state)
-        return state
-
-    _round.begin_round = recording_begin
-    config = EntropyDiscConfig(method="clip_b", mu_low=1.0, mu_high=1.0, sides="both", max_frac=None,
-                              mask_mode="zero_pg")
-    adapter.patch(config)
+    if fallback:  # patched only now: the trainer and the old-log-prob forward above knew nothing of it
+        adapter.patch(config)
+    seen["phase"] = "ppo_train"
     params_before = [p.detach().float().clone() for p in engine_module.parameters()]
-    t0 = time.perf_counter()
-    status = trainer.ppo_train(0.0)
-    torch.cuda.synchronize()
-    step_s = time.perf_counter() - t0
-    for h in hooks:
-        h.remove()
-    adapter.unpatch()
+    try:
+        t0 = time.perf_counter()
+        status = trainer.ppo_train(0.0)
+        torch.cuda.synchronize()
+        step_s = time.perf_counter() - t0
+    finally:
+        for h in hooks:
+            h.remove()
+        adapter.unpatch()
+        _round.begin_round = original_begin
     state = rounds[0]
-    log(f"ppo_train with the adapter: {step_s:.2f} s (statistics pass {status['entropy_disc/timing/stats_pass']:.3f} s)")
+    log(f"old-log-prob forward {old_s:.2f} s (of which statistics in the forward "
+        f"{status.get('entropy_disc/timing/stats_in_forward', float('nan')):.3f} s); ppo_train with the adapter "
+        f"{step_s:.2f} s (of which round start {status['entropy_disc/timing/stats_pass']:.3f} s"
+        f"{': the fallback pass included' if state.source == 'pass' else ''})")
     log("status: " + json.dumps({k: round(float(v), 6) for k, v in sorted(status.items())
                                  if isinstance(v, (int, float))}))
 
-    # 1. statistics of the packed pass vs float64 on the logits it saw (one micro-batch of all samples)
-    check(len(seen["stats_logits"]) == 1 and seen["stats_logits"][0].shape[0] == 1, "the pass ran one packed forward")
-    z = seen["stats_logits"][0][0].double()  # [L, V], packed order
+    # 0. where the statistics came from
+    from_forward = float(status.get("entropy_disc/stats/from_forward", float("nan")))
+    n_old, n_train = (len(seen["no_grad_logits"][k]) for k in ("old_log_prob", "ppo_train"))
+    log(f"entropy_disc/stats/from_forward = {from_forward:g} (round's source {state.source!r}); no-grad LM-head "
+        f"forwards: {n_old} in the old-log-prob call, {n_train} in ppo_train")
+    if fallback:
+        check(from_forward == 0.0 and state.source == "pass", "statistics from the fallback pass (from_forward == 0)")
+        check(n_old == 1 and n_train == 1,
+              "one no-grad forward in the old-log-prob call, one fallback pass in ppo_train")
+        stats_logits = seen["no_grad_logits"]["ppo_train"]
+    else:
+        check(from_forward == 1.0 and state.source == "forward",
+              "statistics from the old-log-prob forward (from_forward == 1)")
+        check(float(status.get("entropy_disc/timing/stats_in_forward", 0.0)) > 0.0,
+              "statistics timed inside the old-log-prob forward")
+        check(n_old == 1 and n_train == 0, "one no-grad forward (the old-log-prob call), no pass of the adapter's own")
+        stats_logits = seen["no_grad_logits"]["old_log_prob"]
+
+    # 1. statistics vs float64 on the logits they were taken from (one packed micro-batch of all samples)
+    check(len(stats_logits) == 1 and stats_logits[0].shape[0] == 1, "statistics from one packed forward")
+    z = stats_logits[0][0].double()  # [L, V], packed order
     positions = attention_mask.reshape(-1).nonzero().squeeze(-1)
     labels = torch.full(sequences.shape, -100, dtype=torch.long)
     labels[:, :-1] = torch.where(action_mask, sequences[:, 1:], torch.full_like(sequences[:, 1:], -100))
@@ -265,7 +326,8 @@ def main() -> int:
         own_by_item[i] = own_logp[r, : mask0[i].numel()]
     own = torch.cat(own_by_item)
     err = (got.logp.cpu()[valid] - own[valid]).abs().max()
-    log(f"logp vs OpenRLHF's own packed action_log_probs (bf16 forward): max abs difference {float(err):.3g}")
+    log(f"logp vs OpenRLHF's own packed action_log_probs ({'another bf16 forward' if fallback else 'the same forward'}): "
+        f"max abs difference {float(err):.3g}")
     check(float(err) < 5e-2, "logp matches OpenRLHF's own action_log_probs (bf16 forwards)")
 
     # 2. mask vs the plain-Python rule on the float64 S*

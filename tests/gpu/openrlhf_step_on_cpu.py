@@ -5,7 +5,7 @@ device mesh); DeepSpeed picks its CPU accelerator and a gloo group. Everything e
 ``DeepspeedStrategy``, ``deepspeed.initialize`` (ZeRO-2, bf16), ``ActorPPOTrainer`` and the
 adapter, runs as on the GPU; the statistics use the torch path instead of the Triton kernel.
 
-    python tests/gpu/openrlhf_step_on_cpu.py        # in the nox openrlhf (0.11.2) environment
+    python tests/gpu/openrlhf_step_on_cpu.py [--fallback]   # in the nox openrlhf (0.11.2) environment
 """
 
 from __future__ import annotations
@@ -46,5 +46,5 @@ def redirect_cuda_to_cpu() -> None:
 if __name__ == "__main__":
     redirect_cuda_to_cpu()
     script = Path(__file__).with_name("openrlhf_step.py")
-    sys.argv = [str(script)]
+    sys.argv = [str(script), *sys.argv[1:]]  # e.g. --fallback
     runpy.run_path(str(script), run_name="__main__")
