@@ -1,4 +1,5 @@
-"""The entropy autopilot (``method="autopilot"``) in verl's V1 ``sync`` trainer: stepping, metrics, checkpoint, resume.
+"""The entropy autopilot (``method="autopilot"``) in verl's V1 ``sync`` trainer: stepping, metrics, checkpoint, resume
+(the async modes: ``test_verl_autopilot_async.py``, with these stubs).
 
 Real: verl's trainer class built from verl's composed ``ppo_trainer`` config, its ``fit`` loop
 (step counting, ``save_freq``, metrics to ``Tracking.log``), ``step`` / ``_step_once`` (balance,
@@ -44,31 +45,31 @@ PILOT = ["+entropy_disc.method=autopilot", "+entropy_disc.sides=both", "+entropy
 PREFIX = "entropy_disc/autopilot/"
 
 
-def compose_config(ckpt_dir: Path, *extra: str):
+def compose_config(ckpt_dir: Path, *extra: str, mode: str = "entropy_disc"):
+    """verl's composed ``ppo_trainer`` config for trainer ``mode``; an ``extra`` ``key=value`` replaces the base's."""
+    base = [
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+        "critic.ppo_micro_batch_size_per_gpu=4",
+        f"actor_rollout_ref.rollout.n={N_ROLLOUTS}",
+        f"data.train_batch_size={N_PROMPTS}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={N_PROMPTS}",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+        "algorithm.adv_estimator=grpo",
+        f"trainer.v1.trainer_mode={mode}",
+        f"trainer.default_local_dir={ckpt_dir}",
+        "trainer.save_freq=2",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "trainer.total_epochs=1",
+        "trainer.logger=[console]",
+        *PILOT,
+    ]
+    replaced = {e.split("=", 1)[0] for e in extra}
+    overrides = [o for o in base if o.split("=", 1)[0] not in replaced] + list(extra)
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
-        cfg = compose(
-            config_name="ppo_trainer",
-            overrides=[
-                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
-                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
-                "critic.ppo_micro_batch_size_per_gpu=4",
-                f"actor_rollout_ref.rollout.n={N_ROLLOUTS}",
-                f"data.train_batch_size={N_PROMPTS}",
-                f"actor_rollout_ref.actor.ppo_mini_batch_size={N_PROMPTS}",
-                "actor_rollout_ref.rollout.calculate_log_probs=true",
-                "algorithm.adv_estimator=grpo",
-                "trainer.v1.trainer_mode=entropy_disc",
-                f"trainer.default_local_dir={ckpt_dir}",
-                "trainer.save_freq=2",
-                "trainer.test_freq=-1",
-                "trainer.val_before_train=false",
-                "trainer.total_epochs=1",
-                "trainer.logger=[console]",
-                *PILOT,
-                *extra,
-            ],
-        )
+        cfg = compose(config_name="ppo_trainer", overrides=overrides)
     with open_dict(cfg):
         cfg.actor_rollout_ref.model.path = "unused"
     return cfg
@@ -83,20 +84,25 @@ def padded(meta, names):
 
 
 class Batches:
-    """Stands in for verl's replay buffer: batch ``s`` (16 sequences, 4 prompts x 4 rollouts) depends on ``s`` only.
+    """Stands in for verl's replay buffer: the batch of global step ``s`` (``batch_size`` prompts x 4 rollouts;
+    the sync trainer asks for 4 prompts) depends on ``s`` and the part ``part()`` only.
 
-    Besides verl's rollout fields it stores the stub model's per-position raw statistics (``raw_*``,
-    prompt+response positions), which ``FakeActor`` turns into the old-policy pass's fields.
+    ``part`` reads the trainer's ``local_trigger_step`` (the part of a ``separate_async`` step; 0 in the
+    other modes).  Besides verl's rollout fields it stores the stub model's per-position raw statistics
+    (``raw_*``, prompt+response positions), which ``FakeActor`` turns into the old-policy pass's fields.
     """
 
-    def __init__(self, tag: str):
+    def __init__(self, tag: str, part=lambda: 0):
         self.tag = tag
+        self.part = part
 
     def sample(self, global_steps: int, partition_id: str, batch_size: int):
-        g = torch.Generator().manual_seed(100 + global_steps)
-        b = N_PROMPTS * N_ROLLOUTS
+        part = self.part()
+        g = torch.Generator().manual_seed(100 + global_steps + 7919 * part)
+        b = batch_size * N_ROLLOUTS
         lens = torch.randint(3, 13, (b,), generator=g).tolist()
-        uids = [f"{self.tag}s{global_steps}p{i // N_ROLLOUTS}" for i in range(b)]
+        uid = f"{self.tag}s{global_steps}" + (f"q{part}" if part else "")
+        uids = [f"{uid}p{i // N_ROLLOUTS}" for i in range(b)]
         keys = [f"{uids[i]}_{i % N_ROLLOUTS}_0" for i in range(b)]
         rewards = []
         for n in lens:
@@ -137,6 +143,8 @@ class FakeActor:
     def __init__(self, crash_at_update: int | None = None):
         self.theta = 0.0
         self.thetas: list[float] = []  # theta after each update
+        self.old_thetas: list[float] = []  # theta of each old-policy pass
+        self.cpu: dict[int, float] = {}  # separate_async's CPU copies of the weights (decoupled pi_old)
         self.updates: list[dict] = []
         self.loads: list[str] = []
         self.crash_at_update = crash_at_update
@@ -145,6 +153,7 @@ class FakeActor:
         assert batch.extra_info.get(STATS_FLAG) is True  # the adapter asks for the hook's fields
         raw = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
                               select_fields=["raw_logp", "raw_entropy", "raw_s_expected"])
+        self.old_thetas.append(self.theta)
         scale = math.exp(self.theta)  # the "model": its entropies scale with exp(theta)
         ent = nested([e * scale for e in raw["raw_entropy"].unbind()])
         logp = nested(list(raw["raw_logp"].unbind()))
@@ -167,6 +176,15 @@ class FakeActor:
         self.thetas.append(self.theta)
         return {"metrics": {"mfu": 0.0, "pg_loss": 0.0}}
 
+    def save_model_to_cpu(self, n):
+        self.cpu[n] = self.theta
+
+    def restore_model_from_cpu(self, n):
+        self.theta = self.cpu[n]
+
+    def clear_cpu_model(self, n):
+        del self.cpu[n]
+
     def save_checkpoint(self, local_path, hdfs_path, global_step, max_ckpt_to_keep=None):
         Path(local_path).mkdir(parents=True, exist_ok=True)
         (Path(local_path) / "theta.json").write_text(json.dumps({"theta": self.theta, "step": global_step}))
@@ -188,26 +206,45 @@ class Dataloader:
 
 
 class Replicas:
+    """verl's checkpoint managers of the rollout replicas (the async modes' standalone one too): no replicas."""
+
+    def __init__(self):
+        self.synced: list[int] = []
+
     def sleep_replicas(self):
         pass
 
-    def update_weights(self, global_steps=None):
+    def abort_replicas(self, **kwargs):
         pass
+
+    def resume_generation_replicas(self):
+        pass
+
+    def update_weights(self, global_steps=None):
+        self.synced.append(global_steps)
 
 
 class Run:
     """One training process: verl's trainer with the stubs; ``fit()`` runs verl's loop and records per global step
     the adapter's batch inputs and outputs (``entropy_disc_step``) and what ``fit`` logs."""
 
-    def __init__(self, ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch, *extra: str, crash_at_update=None, tag="r"):
+    def __init__(self, ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch, *extra: str, crash_at_update=None, tag="r",
+                 mode="entropy_disc"):
         ed_verl.register_trainers()
         from verl.trainer.ppo.v1 import get_trainer_cls
 
-        self.trainer = t = get_trainer_cls("entropy_disc")(compose_config(ckpt_dir, *extra))
+        self.trainer = t = get_trainer_cls(mode)(compose_config(ckpt_dir, *extra, mode=mode))
         t.actor_rollout_wg = self.actor = FakeActor(crash_at_update)
-        t.replay_buffer = Batches(tag)
+        t.replay_buffer = Batches(tag, part=lambda: t.local_trigger_step)
         t.train_dataloader = Dataloader()
         t.checkpoint_manager = Replicas()
+        self.warmup_prompts: list[int] = []  # the async modes' warm-up requests (verl 0.9.1; 0.9.0 asks per batch)
+        t._add_prompts_to_generate = lambda n: self.warmup_prompts.append(n) or n
+        if t.trainer_mode == "separate_async":  # what verl's _setup() builds: the standalone rollout, trainer mode
+            from verl.trainer.ppo.v1.trainer_separate_async import HybridEngineMode
+
+            t.standalone_checkpoint_manager = Replicas()
+            t.current_mode = HybridEngineMode.TRAINER
         t.reward_loop_manager = SimpleNamespace(reward_loop_worker_handles=["reward"])
         t.tokenizer = SimpleNamespace(eos_token_id=0, pad_token_id=0)
         t._add_batch_to_generate = lambda *a, **k: None
@@ -219,9 +256,11 @@ class Run:
         monkeypatch.setattr(trainer_base, "Tracking", lambda **kw: SimpleNamespace(log=self._log))
         inner = t.entropy_disc_step
 
-        def recorded(**kw):
+        def recorded(**kw):  # keyed by global step; by (global step, part) where a step has several parts
             mask, metrics = inner(**kw)
-            self.batches[t.global_steps] = {"inputs": {k: v.clone() for k, v in kw.items() if v is not None},
+            key = t.global_steps if t.parameter_sync_step == 1 else (t.global_steps, t.local_trigger_step)
+            assert key not in self.batches
+            self.batches[key] = {"inputs": {k: v.clone() for k, v in kw.items() if v is not None},
                                             "keep": mask.keep.clone(), "metrics": dict(metrics),
                                             "state": t.entropy_disc_autopilot.state_dict()}
             return mask, metrics
