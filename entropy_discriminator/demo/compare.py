@@ -257,8 +257,9 @@ def _gae_advantages(values: torch.Tensor, rewards: torch.Tensor) -> tuple[torch.
 @dataclass
 class Rollout:
     """One step's samples: ``seq`` [B·g, P+T] (prompts and responses), ``resp`` [B·g, T], ``rewards`` [B·g], the
-    sampling policy's ``old_lp`` [B·g, T], the advantages ``adv`` [B·g, T] and, with a critic, the value targets
-    ``returns`` [B·g, T] (None without one)."""
+    sampling policy's ``old_lp`` [B·g, T], the advantages ``adv`` [B·g, T], with a critic the value targets
+    ``returns`` [B·g, T] (None without one), and the sampling policy's no-grad float32 ``old_logits`` [B·g, T, V]
+    that ``old_lp`` was read from."""
 
     seq: torch.Tensor
     resp: torch.Tensor
@@ -266,6 +267,7 @@ class Rollout:
     old_lp: torch.Tensor
     adv: torch.Tensor
     returns: torch.Tensor | None
+    old_logits: torch.Tensor
 
 
 def rollout(
@@ -290,7 +292,8 @@ def rollout(
     rewards = task.rewards(x.repeat_interleave(g, 0), t.repeat_interleave(g), resp).to(device)
     returns = None
     with torch.no_grad():
-        old_lp = torch.log_softmax(model.response_logits(seq, p_len).float(), -1).gather(-1, resp[..., None])[..., 0]
+        old_logits = model.response_logits(seq, p_len).float()
+        old_lp = torch.log_softmax(old_logits, -1).gather(-1, resp[..., None])[..., 0]
         if critic is not None:
             adv, returns = _gae_advantages(critic(seq, p_len), rewards)
         else:
@@ -298,7 +301,7 @@ def rollout(
             if shaping == "unlikely":
                 scores = unlikeliness_scores(rewards, old_lp.mean(1), g, rank_penalty=rank_penalty)
             adv = group_advantages(scores, g)[:, None].expand_as(old_lp)
-    return Rollout(seq, resp, rewards, old_lp, adv, returns)
+    return Rollout(seq, resp, rewards, old_lp, adv, returns, old_logits)
 
 
 @dataclass(frozen=True)

@@ -312,9 +312,7 @@ def run_arm_checkpoints(
         extra: dict[str, float] = {}
         keep_all = None
         if pilot is not None:  # once per RL step, on the old policy's statistics of the whole batch
-            with torch.no_grad():
-                old_stats = token_stats(model.response_logits(seq, p_len).float(), resp)
-            res = pilot.from_stats(old_stats, adv, lr=arm.lr)
+            res = pilot.from_stats(token_stats(ro.old_logits, resp), adv, lr=arm.lr)
             keep_all = res.keep
             extra = {"autopilot_entropy": res.entropy, "autopilot_target_entropy": res.target_entropy,
                      "autopilot_target_dh": res.target_dh, "autopilot_predicted_dh": res.predicted_dh_after,
@@ -323,15 +321,12 @@ def run_arm_checkpoints(
             extra["entropy_coef_applied"] = 0.0
         for idx in torch.randperm(len(seq), generator=sample_gen).chunk(cfg.minibatches):
             s_mb, r_mb, a_mb, v_mb = seq[idx], resp[idx], adv[idx], valid[idx]
-            if pilot is None and adaptive is None:
-                upd = policy_update(model, opt, s_mb, r_mb, a_mb, v_mb, old_lp[idx], p_len, control, sample_gen)
-            else:
-                ctl = control if adaptive is None else replace(control, entropy_coef=adaptive.applied())
-                km = None if keep_all is None else keep_all[idx]
-                upd = policy_update(model, opt, s_mb, r_mb, a_mb, v_mb, old_lp[idx], p_len, ctl, sample_gen, keep_mask=km)
-                if adaptive is not None:
-                    extra["entropy_coef_applied"] += ctl.entropy_coef / cfg.minibatches
-                    adaptive.update(float(upd.stats.entropy.double()[v_mb].mean()))
+            ctl = control if adaptive is None else replace(control, entropy_coef=adaptive.applied())
+            km = None if keep_all is None else keep_all[idx]
+            upd = policy_update(model, opt, s_mb, r_mb, a_mb, v_mb, old_lp[idx], p_len, ctl, sample_gen, keep_mask=km)
+            if adaptive is not None:
+                extra["entropy_coef_applied"] += ctl.entropy_coef / cfg.minibatches
+                adaptive.update(float(upd.stats.entropy.double()[v_mb].mean()))
             sums["entropy"] += float(upd.stats.entropy.double().mean()) / cfg.minibatches
             sums["control_frac"] += float((~upd.keep & v_mb).double().mean()) / cfg.minibatches
             sums["ppo_clip_frac"] += float((upd.ppo_clipped & v_mb).double().mean()) / cfg.minibatches
