@@ -356,7 +356,6 @@ def begin_round(trainer: Any, config: EntropyDiscConfig) -> RoundState:
         from ._autopilot import step
 
         mask, pilot_metrics = step(trainer, config, group, stats, advantages)
-        apply_keep(items, mask.keep, config.mask_mode)
     elif config.enabled:
         mask = config.compute_mask(
             advantages=advantages,
@@ -365,6 +364,7 @@ def begin_round(trainer: Any, config: EntropyDiscConfig) -> RoundState:
             s_centered=stats.s_centered,
             process_group=group,
         )
+    if mask is not None:
         apply_keep(items, mask.keep, config.mask_mode)
     forward_s, _ = STORE.take_timing()
     metrics: dict[str, float] = {}
