@@ -28,7 +28,7 @@ from transformers import GenerationMixin, PreTrainedModel, PreTrainedTokenizerFa
 from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
 
 from .countdown import EQUALS, MINUS, PLUS, SKIP, VOCAB_SIZE, CountdownTask
-from .model import ModelConfig, TinyGPT, _Block, trunk
+from .model import ModelConfig, TinyGPT, add_trunk, trunk
 
 #: Text of each task token id (index = id).
 TOKEN_TEXT = [str(d) for d in range(10)] + ["+", "-", "=", "_"]
@@ -76,11 +76,7 @@ class TinyGPTBackbone(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos = nn.Embedding(cfg.max_len, cfg.d_model)
-        self.blocks = nn.ModuleList(_Block(cfg.d_model, cfg.n_heads) for _ in range(cfg.n_layers))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
+        add_trunk(self, cfg)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_: object) -> BaseModelOutput:
         _check_unpadded(input_ids, attention_mask)

@@ -45,6 +45,17 @@ class _Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def add_trunk(model: nn.Module, cfg: ModelConfig) -> None:
+    """Register TinyGPT's trunk on ``model``, in this order (parameter order and initialisation draws are TinyGPT's):
+    ``cfg``, ``tok`` (token embedding), ``pos`` (learned positions), ``blocks`` (``n_layers`` pre-norm blocks) and
+    ``ln_f``; :func:`trunk` runs it."""
+    model.cfg = cfg
+    model.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+    model.pos = nn.Embedding(cfg.max_len, cfg.d_model)
+    model.blocks = nn.ModuleList(_Block(cfg.d_model, cfg.n_heads) for _ in range(cfg.n_layers))
+    model.ln_f = nn.LayerNorm(cfg.d_model)
+
+
 def trunk(model: nn.Module, tokens: torch.Tensor, name: str = "tokens") -> torch.Tensor:
     """TinyGPT's final hidden states [B, L, d]: ``ln_f`` of the last block's output, for ``tokens`` [B, L] int64.
 
@@ -65,11 +76,7 @@ class TinyGPT(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos = nn.Embedding(cfg.max_len, cfg.d_model)
-        self.blocks = nn.ModuleList(_Block(cfg.d_model, cfg.n_heads) for _ in range(cfg.n_layers))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
+        add_trunk(self, cfg)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
