@@ -275,6 +275,15 @@ def test_warm_cache_reuses_starts_without_changing_runs(tmp_path: Path) -> None:
     assert reused["start"] == lines["plain/starts"][0]["start"]
     for key in ("records", "checkpoints"):
         assert lines["second"][0][key] == lines["first"][0][key] == lines["plain"][0][key]
+    filled = tmp_path / "filled"
+    assert protocol.main(["warm", "--config", "d_model=16,n_heads=2,warmup_steps=20,warmup_batch=32,"
+                          "prompts_per_step=4,group_size=4,targets=uniform", "--seeds", "100", "--jobs", "1",
+                          "--warm-cache", str(filled)]) == 0
+    run_stage(spec, arms, tmp_path / "after_fill", jobs=1, log=lambda s: None, warm_cache=filled)
+    after = [json.loads(x) for x in (tmp_path / "after_fill" / "runs.jsonl").read_text().splitlines()]
+    after_start = json.loads((tmp_path / "after_fill" / "starts.jsonl").read_text().splitlines()[0])
+    assert after_start["warmup_seconds"] == 0.0 and after_start["start"] == lines["plain/starts"][0]["start"]
+    assert after[0]["records"] == lines["plain"][0]["records"] and not list(filled.rglob("*.partial"))
     other = parse_config("d_model=16,n_heads=2,warmup_steps=21,warmup_batch=32,prompts_per_step=4,group_size=4,targets=uniform")
     assert protocol.warm_cache_path(cache, other, 100) != protocol.warm_cache_path(cache, cfg, 100)
     assert protocol.warm_cache_path(cache, cfg, 100).parent == Path(reused["warm_reused_from"]).parent

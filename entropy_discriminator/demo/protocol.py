@@ -188,6 +188,27 @@ def _warm_job(job: tuple[RunSpec, int, str, str | None]) -> dict[str, object]:
     return {**row, "warm_reused_from": str(cached)} if seconds == 0.0 and cached is not None else row
 
 
+def _fill_job(job: tuple[CompareConfig, int, str]) -> dict[str, object]:
+    cfg, seed, cache = job
+    path = warm_cache_path(Path(cache), cfg, seed)
+    if path.exists():
+        return {"seed": seed, "warmup_seconds": 0.0, "path": str(path)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.partial")
+    _, seconds = save_warm_start(cfg, seed, str(partial))
+    os.replace(partial, path)
+    return {"seed": seed, "warmup_seconds": seconds, "path": str(path)}
+
+
+def fill_warm_cache(cfg: CompareConfig, seeds: Sequence[int], cache: Path, *, jobs: int,
+                    log: Callable[[str], None] = print) -> list[dict[str, object]]:
+    """Warm up each seed into ``cache`` (:func:`warm_cache_path`) and nothing else, so that a later stage of the same
+    configuration starts its runs at once; a seed already there is left as it is.  Each file appears whole (written
+    aside, then renamed), so a stage reading the cache meanwhile never sees a partial one."""
+    return _pool_map(_fill_job, [(cfg, s, str(cache)) for s in seeds], jobs, log,
+                     lambda r: log(f"  seed {r['seed']}: {r['warmup_seconds']:.0f} s"))
+
+
 def _arm_job(job: tuple[RunSpec, Arm, int, str]) -> dict[str, object]:
     spec, arm, seed, path = job
     torch.set_num_threads(1)
@@ -495,6 +516,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     mp_.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     mp_.add_argument("--out", type=Path, required=True)
     mp_.add_argument("--warm-cache", type=Path, default=None, help=WARM_CACHE_HELP)
+    wc = sub.add_parser("warm", help="only warm up seeds into a warm cache (for a later stage of the same config)")
+    wc.add_argument("--config", default="")
+    wc.add_argument("--seeds", required=True, help="'/'-separated seeds")
+    wc.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    wc.add_argument("--warm-cache", type=Path, required=True, help=WARM_CACHE_HELP)
     sp = sub.add_parser("select", help="apply the pre-registered selection rule to a tuning folder")
     sp.add_argument("dir", type=Path)
     rp = sub.add_parser("report", help="endpoints, paired tests with Holm, frontier figures of a run folder")
@@ -532,6 +558,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not arms:
             raise SystemExit("main: no arm to run (no selected setting in the requested families)")
         run_stage(spec, arms, args.out, jobs=args.jobs, warm_cache=args.warm_cache)
+    if args.cmd == "warm":
+        fill_warm_cache(parse_config(args.config), [int(s) for s in args.seeds.split("/")], args.warm_cache,
+                        jobs=args.jobs)
     if args.cmd == "select":
         print(json.dumps({f: s["chosen"] for f, s in write_selection(args.dir).items()}))
     if args.cmd == "report":
