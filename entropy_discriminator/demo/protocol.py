@@ -173,6 +173,7 @@ def warm_cache_path(cache: Path, cfg: CompareConfig, seed: int) -> Path:
 
 def _warm_job(job: tuple[RunSpec, int, str, str | None]) -> dict[str, object]:
     spec, seed, path, cache = job
+    torch.set_num_threads(1)  # as save_warm_start: one thread per pool process, on the cache-hit path too
     cached = warm_cache_path(Path(cache), spec.cfg, seed) if cache else None
     if cached is not None and cached.exists():
         shutil.copyfile(cached, path)
