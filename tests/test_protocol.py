@@ -284,6 +284,13 @@ def test_warm_cache_reuses_starts_without_changing_runs(tmp_path: Path) -> None:
     after_start = json.loads((tmp_path / "after_fill" / "starts.jsonl").read_text().splitlines()[0])
     assert after_start["warmup_seconds"] == 0.0 and after_start["start"] == lines["plain/starts"][0]["start"]
     assert after[0]["records"] == lines["plain"][0]["records"] and not list(filled.rglob("*.partial"))
+    threads = torch.get_num_threads()
+    try:  # a cache hit evaluates the start on one thread, as a fresh warm-up does (no oversubscribed pool)
+        torch.set_num_threads(2)
+        protocol._warm_job((spec, 100, str(tmp_path / "hit.pt"), str(filled)))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
     other = parse_config("d_model=16,n_heads=2,warmup_steps=21,warmup_batch=32,prompts_per_step=4,group_size=4,targets=uniform")
     assert protocol.warm_cache_path(cache, other, 100) != protocol.warm_cache_path(cache, cfg, 100)
     assert protocol.warm_cache_path(cache, cfg, 100).parent == Path(reused["warm_reused_from"]).parent
