@@ -430,3 +430,24 @@ def test_main_families_restricts_arms(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert arms_m[1].lr == 3e-4 and arms_m[0].lr == 3e-4
     assert names(arms_c) == names(adaptive_bonus_arms(3e-4)) and spec_c.prompt_set == "val"
     assert spec_c.seeds == (100, 101, 102)
+
+
+def test_autopilot_gain_recovers_a_known_gain() -> None:
+    """Synthetic records whose realised change is g · predicted + noise: the estimate's interval holds g, the
+    correlation is positive, and a wrong arm or an arm without autopilot records is refused by name."""
+    gen = torch.Generator().manual_seed(3)
+    g_true, runs = 3.0e4, []
+    for seed in range(8):
+        pred = (torch.randn(120, generator=gen, dtype=torch.float64) * 1e-6).tolist()
+        h = [0.7]
+        for x in pred[:-1]:
+            h.append(h[-1] + g_true * x + 0.01 * torch.randn((), generator=gen, dtype=torch.float64).item())
+        runs.append({"arm": "autopilot(hold)", "seed": seed, "records": [
+            {"autopilot_predicted_dh": x, "autopilot_entropy": e} for x, e in zip(pred, h)]})
+    out = protocol.autopilot_gain(runs, "autopilot(hold)", n_boot=400)
+    assert out["n"] == 8 * 119 and out["seeds"] == 8
+    assert out["g_lo"] < g_true < out["g_hi"] and abs(out["g"] / g_true - 1) < 0.1 and out["corr"] > 0.5
+    with pytest.raises(ValueError, match="no run of arm 'x'"):
+        protocol.autopilot_gain(runs, "x")
+    with pytest.raises(ValueError, match="no autopilot records"):
+        protocol.autopilot_gain([{"arm": "grpo", "seed": 0, "records": [{"entropy": 0.5}]}], "grpo")

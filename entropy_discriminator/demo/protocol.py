@@ -11,7 +11,9 @@ what it finished):
   TRL's adaptive entropy bonus, issue 23) on the tuning seeds and validation prompts, then ``select``;
 * ``main``: the selected arms on the evaluation seeds and test prompts (``--families`` restricts them; the family
   ``autopilot`` adds the entropy autopilot's one default setting, which is not tuned);
-* ``report``: endpoints, paired tests with Holm's adjustment, the frontier figure, from a ``run`` folder.
+* ``report``: endpoints, paired tests with Holm's adjustment, the frontier figure, from a ``run`` folder;
+* ``warm``: only warm up seeds into a ``--warm-cache`` (for a later stage of the same configuration);
+* ``autopilot-gain``: how the realised entropy change follows the autopilot's prediction (:func:`autopilot_gain`).
 """
 
 from __future__ import annotations
@@ -402,6 +404,48 @@ def report(run_dir: Path, pairs: Sequence[tuple[str, str]], name: str = "report"
     return text
 
 
+def autopilot_gain(runs: Sequence[dict], arm: str, n_boot: int = 2000, seed: int = 0) -> dict[str, float]:
+    """How the realised change of the measured batch entropy follows the autopilot's prediction, in ``arm``'s runs.
+
+    Over each pair of consecutive steps (t, t+1) of every seed: ``x = autopilot_predicted_dh`` at t (the predicted
+    change over the kept tokens, with the arm's η) and ``y = autopilot_entropy[t+1] − autopilot_entropy[t]`` (both
+    measured on the old policy's batch). Returns ``n``, ``seeds``, ``corr`` (Pearson, x and y), the gain
+    ``g = Σxy / Σx²`` (least squares through 0: realised ≈ g · predicted), ``g_lo`` / ``g_hi`` (2.5 / 97.5 %
+    percentiles of g over ``n_boot`` resamplings of whole seeds), ``pred_sd`` and ``realised_sd`` (the standard
+    deviations of x and y: the second is the batch-to-batch noise the feedback law reads)."""
+    pairs = {}
+    for r in runs:
+        if r["arm"] != arm:
+            continue
+        rec = r["records"]
+        if not rec or "autopilot_predicted_dh" not in rec[0]:
+            raise ValueError(f"runs of {arm!r} carry no autopilot records (autopilot_predicted_dh)")
+        pairs[r["seed"]] = [(a["autopilot_predicted_dh"], b["autopilot_entropy"] - a["autopilot_entropy"])
+                            for a, b in zip(rec[:-1], rec[1:])]
+    if not pairs:
+        raise ValueError(f"no run of arm {arm!r}; arms present: {sorted({r['arm'] for r in runs})}")
+    seeds = sorted(pairs)
+    sums = {s: (sum(x * y for x, y in pairs[s]), sum(x * x for x, _ in pairs[s])) for s in seeds}
+    xs = [x for s in seeds for x, _ in pairs[s]]
+    ys = [y for s in seeds for _, y in pairs[s]]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    syy = sum((y - my) ** 2 for y in ys)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    gen = torch.Generator().manual_seed(seed)
+    boot = []
+    for _ in range(n_boot):
+        pick = [seeds[i] for i in torch.randint(len(seeds), (len(seeds),), generator=gen).tolist()]
+        num, den = sum(sums[s][0] for s in pick), sum(sums[s][1] for s in pick)
+        boot.append(num / den if den > 0 else math.nan)
+    boot.sort()
+    num, den = sum(v[0] for v in sums.values()), sum(v[1] for v in sums.values())
+    return {"n": n, "seeds": len(seeds), "corr": sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else math.nan,
+            "g": num / den if den > 0 else math.nan, "g_lo": boot[int(0.025 * (n_boot - 1))],
+            "g_hi": boot[int(0.975 * (n_boot - 1))], "pred_sd": math.sqrt(sxx / n), "realised_sd": math.sqrt(syy / n)}
+
+
 def write_selection(run_dir: Path) -> dict[str, dict[str, object]]:
     """Apply :func:`entropy_discriminator.demo.tuning.select` to ``run_dir/runs.jsonl``; write ``selection.json`` and
     ``selection.md`` (every setting's scores and the share of tokens its control acted on)."""
@@ -522,6 +566,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     wc.add_argument("--seeds", required=True, help="'/'-separated seeds")
     wc.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     wc.add_argument("--warm-cache", type=Path, required=True, help=WARM_CACHE_HELP)
+    gp = sub.add_parser("autopilot-gain", help="realised vs predicted entropy change of an autopilot arm's runs")
+    gp.add_argument("runs", type=Path, help="a runs.jsonl")
+    gp.add_argument("--arm", default="autopilot(hold)")
     sp = sub.add_parser("select", help="apply the pre-registered selection rule to a tuning folder")
     sp.add_argument("dir", type=Path)
     rp = sub.add_parser("report", help="endpoints, paired tests with Holm, frontier figures of a run folder")
@@ -562,6 +609,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "warm":
         fill_warm_cache(parse_config(args.config), [int(s) for s in args.seeds.split("/")], args.warm_cache,
                         jobs=args.jobs)
+    if args.cmd == "autopilot-gain":
+        print(json.dumps(autopilot_gain(load_jsonl(args.runs), args.arm), indent=1))
     if args.cmd == "select":
         print(json.dumps({f: s["chosen"] for f, s in write_selection(args.dir).items()}))
     if args.cmd == "report":
