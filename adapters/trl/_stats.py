@@ -158,20 +158,38 @@ def stats_from_hidden(
     autocast dtype active during TRL's pass or None): hidden, W and b cast to TRL's compute dtype,
     ``hidden @ W.T + b`` accumulated in fp32 and rounded to it, divided by ``trainer.temperature``
     as TRL divides.  A bf16 compute dtype takes the fused Triton kernel on CUDA (``impl="auto"``)
-    whatever the master weights' dtype.  Positions outside ``valid`` (B, T) bool are ignored
-    (zero, ``valid=False``).  Returns float32 (B, T) fields.
+    whatever the master weights' dtype.  Only the positions inside ``valid`` (B, T) bool are
+    scored: their rows of ``hidden`` are gathered first (one host synchronisation, to count them),
+    so the padding after short completions costs no LM-head product; the others are zero with
+    ``valid=False``.  Returns float32 (B, T) fields.
     """
+    if hidden.dim() != 3 or completion_ids.shape != hidden.shape[:2] or valid.shape != completion_ids.shape:
+        raise ValueError(f"hidden must be (B, T, H) with completion_ids and valid (B, T), got {tuple(hidden.shape)}, "
+                         f"{tuple(completion_ids.shape)} and {tuple(valid.shape)}")
     weight, bias = lm_head(trainer)
     precision = head_precision(trainer, hidden.dtype, weight.dtype, autocast_dtype)
     dtype = precision.compute
-    hidden = hidden.to(device=weight.device, dtype=dtype)
-    labels = completion_ids.to(weight.device).masked_fill(~valid.to(weight.device), -100)
+    rows = valid.to(weight.device).reshape(-1).nonzero().squeeze(1)
+    hidden_rows = hidden.to(weight.device).reshape(-1, hidden.shape[-1]).index_select(0, rows).to(dtype)
+    labels = completion_ids.to(weight.device).reshape(-1).index_select(0, rows)
     with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
-        return token_stats_from_hidden(
-            hidden, weight.to(dtype), labels, bias=None if bias is None else bias.to(dtype),
+        scored = token_stats_from_hidden(
+            hidden_rows, weight.to(dtype), labels, bias=None if bias is None else bias.to(dtype),
             temperature=float(trainer.temperature), chunk_size=chunk_size, impl=impl,
             logits_dtype=precision.logits, temperature_in_logits_dtype=precision.temperature_in_logits_dtype,
         )
+    return place_rows(scored, rows, completion_ids.shape)
+
+
+def place_rows(scored: TokenStats, rows: torch.Tensor, shape: torch.Size) -> TokenStats:
+    """``scored`` (n,) statistics of the flat positions ``rows`` of ``shape`` put back in place: every field is 0
+    and ``valid`` False at the other positions (what ``ignore_index`` gives)."""
+    def put(values: torch.Tensor) -> torch.Tensor:
+        out = values.new_zeros(shape.numel())
+        out[rows] = values
+        return out.view(shape)
+
+    return TokenStats(**{f: put(getattr(scored, f)) for f in _FIELDS})
 
 
 def restrict(stats: TokenStats, valid: torch.Tensor) -> TokenStats:
