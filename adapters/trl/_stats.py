@@ -169,25 +169,25 @@ def stats_from_hidden(
     weight, bias = lm_head(trainer)
     precision = head_precision(trainer, hidden.dtype, weight.dtype, autocast_dtype)
     dtype = precision.compute
-    rows = valid.to(weight.device).reshape(-1).nonzero().squeeze(1)
-    hidden_rows = hidden.to(weight.device).reshape(-1, hidden.shape[-1]).index_select(0, rows).to(dtype)
-    labels = completion_ids.to(weight.device).reshape(-1).index_select(0, rows)
+    rows = valid.to(device=weight.device, dtype=torch.bool)
+    hidden_rows = hidden.to(weight.device)[rows].to(dtype)
+    labels = completion_ids.to(weight.device)[rows]
     with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
         scored = token_stats_from_hidden(
             hidden_rows, weight.to(dtype), labels, bias=None if bias is None else bias.to(dtype),
             temperature=float(trainer.temperature), chunk_size=chunk_size, impl=impl,
             logits_dtype=precision.logits, temperature_in_logits_dtype=precision.temperature_in_logits_dtype,
         )
-    return place_rows(scored, rows, completion_ids.shape)
+    return place_rows(scored, rows)
 
 
-def place_rows(scored: TokenStats, rows: torch.Tensor, shape: torch.Size) -> TokenStats:
-    """``scored`` (n,) statistics of the flat positions ``rows`` of ``shape`` put back in place: every field is 0
-    and ``valid`` False at the other positions (what ``ignore_index`` gives)."""
+def place_rows(scored: TokenStats, rows: torch.Tensor) -> TokenStats:
+    """``scored`` (n,) statistics of the ``n`` True positions of the bool mask ``rows`` put back in place: every
+    field is 0 and ``valid`` False at the other positions (what ``ignore_index`` gives)."""
     def put(values: torch.Tensor) -> torch.Tensor:
-        out = values.new_zeros(shape.numel())
+        out = values.new_zeros(rows.shape)
         out[rows] = values
-        return out.view(shape)
+        return out
 
     return TokenStats(**{f: put(getattr(scored, f)) for f in _FIELDS})
 
