@@ -7,8 +7,9 @@
 # starts the pipeline in its own process session unless it already runs (so it goes on between device calls while
 # the machine stays held), waits up to SECONDS for it to finish, then writes OUTDIR/s2.tgz: every stage folder
 # without its per-stage warm starts, the shared warm cache and the logs.  On a fresh machine, a tarball carried in as
-# .s2carry/s2.tgz is unpacked first; a stage without its ".done" mark is run again from scratch (a run depends only on
-# its seed and arm, so a rerun gives the same records).
+# .s2carry/s2.tgz is unpacked first (without one, the tuning stages committed under s2/ stand in, and the warm starts
+# are made again); a stage without its ".done" mark is run again from scratch (a run depends only on its seed and
+# arm, so a rerun gives the same records).
 #
 # Order: stage A (tune-a) beside the warm-up of the evaluation seeds into the warm cache; then stage B (Clip_B, Clip_V)
 # beside stage C (adaptive bonus), which need LR2 (stage A's chosen GRPO lr) and START2 (the mean step-1 token entropy
@@ -22,6 +23,7 @@ MAIN_SEEDS=${MAIN_SEEDS:-"0/1/2/3/4 5/6/7/8/9"}
 W=${S2_WORK:-/tmp/s2}
 CACHE=$W/warm_cache
 SELF=$(readlink -f "$0")
+DONE_STAGES=$(dirname "$SELF")/s2
 
 stage() {  # stage NAME COMMAND...: run COMMAND --out $W/NAME unless NAME is marked done
   local name=$1; shift
@@ -83,6 +85,11 @@ wait_and_pack() {  # wait_and_pack OUTDIR SECONDS
   local out=$1 secs=$2
   if [ ! -d "$W" ] && [ -f .s2carry/s2.tgz ]; then
     mkdir -p "$W" && tar xzf .s2carry/s2.tgz -C "$W" && echo "restored $(ls "$W" | tr '\n' ' ')"
+  elif [ ! -d "$W" ] && [ -z "${S2_WORK:-}" ] && [ -f "$DONE_STAGES/stage_c/selection.json" ]; then
+    # no tarball: the tuning stages committed to the repository stand in (the warm starts are made again)
+    mkdir -p "$W"
+    for st in stage_a stage_b stage_c; do cp -r "$DONE_STAGES/$st" "$W/$st" && touch "$W/$st.done"; done
+    echo "tuning stages taken from $DONE_STAGES (no warm cache: it is filled again)"
   fi
   mkdir -p "$W"
   if [ -f "$W/ALL.done" ]; then
