@@ -173,18 +173,29 @@ def warm_cache_path(cache: Path, cfg: CompareConfig, seed: int) -> Path:
     return cache / hashlib.sha1(blob.encode()).hexdigest()[:16] / f"seed{seed}.pt"
 
 
+def cached_warm_start(cfg: CompareConfig, seed: int, cache: Path) -> tuple[Path, float]:
+    """``(path, seconds)``: ``seed``'s warm start in ``cache`` (:func:`warm_cache_path`), warmed up now
+    (:func:`save_warm_start`, ``seconds`` > 0) unless it is there already (``seconds`` 0).  A new file appears whole
+    (written aside, then renamed), so a stage reading the cache meanwhile never sees a partial one."""
+    path = warm_cache_path(cache, cfg, seed)
+    if path.exists():
+        return path, 0.0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.partial")
+    _, seconds = save_warm_start(cfg, seed, str(partial))
+    os.replace(partial, path)
+    return path, seconds
+
+
 def _warm_job(job: tuple[RunSpec, int, str, str | None]) -> dict[str, object]:
     spec, seed, path, cache = job
     torch.set_num_threads(1)  # as save_warm_start: one thread per pool process, on the cache-hit path too
-    cached = warm_cache_path(Path(cache), spec.cfg, seed) if cache else None
-    if cached is not None and cached.exists():
+    if cache:
+        cached, seconds = cached_warm_start(spec.cfg, seed, Path(cache))
         shutil.copyfile(cached, path)
-        state, seconds = torch.load(path, weights_only=True), 0.0
+        state = torch.load(path, weights_only=True)
     else:
-        state, seconds = save_warm_start(spec.cfg, seed, path)
-        if cached is not None:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(path, cached)
+        cached, (state, seconds) = None, save_warm_start(spec.cfg, seed, path)
     model = TinyGPT(spec.cfg.model_config())
     model.load_state_dict(state)
     row = {"seed": seed, "warmup_seconds": seconds, "start": spec.evaluate(model, seed, 0)}
@@ -193,21 +204,14 @@ def _warm_job(job: tuple[RunSpec, int, str, str | None]) -> dict[str, object]:
 
 def _fill_job(job: tuple[CompareConfig, int, str]) -> dict[str, object]:
     cfg, seed, cache = job
-    path = warm_cache_path(Path(cache), cfg, seed)
-    if path.exists():
-        return {"seed": seed, "warmup_seconds": 0.0, "path": str(path)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.partial")
-    _, seconds = save_warm_start(cfg, seed, str(partial))
-    os.replace(partial, path)
+    path, seconds = cached_warm_start(cfg, seed, Path(cache))
     return {"seed": seed, "warmup_seconds": seconds, "path": str(path)}
 
 
 def fill_warm_cache(cfg: CompareConfig, seeds: Sequence[int], cache: Path, *, jobs: int,
                     log: Callable[[str], None] = print) -> list[dict[str, object]]:
     """Warm up each seed into ``cache`` (:func:`warm_cache_path`) and nothing else, so that a later stage of the same
-    configuration starts its runs at once; a seed already there is left as it is.  Each file appears whole (written
-    aside, then renamed), so a stage reading the cache meanwhile never sees a partial one."""
+    configuration starts its runs at once (:func:`cached_warm_start`; a seed already there is left as it is)."""
     return _pool_map(_fill_job, [(cfg, s, str(cache)) for s in seeds], jobs, log,
                      lambda r: log(f"  seed {r['seed']}: {r['warmup_seconds']:.0f} s"))
 
