@@ -453,3 +453,30 @@ def test_autopilot_gain_recovers_a_known_gain() -> None:
         protocol.autopilot_gain(runs, "x")
     with pytest.raises(ValueError, match="no autopilot records"):
         protocol.autopilot_gain([{"arm": "grpo", "seed": 0, "records": [{"entropy": 0.5}]}], "grpo")
+
+
+def test_autopilot_trace_summarises_hand_built_records() -> None:
+    """Two seeds of three steps, numbers chosen by hand: every summary equals its value worked out here, a step
+    missing from one run is left out of the entropy rows, and a wrong arm or an arm without records is refused."""
+    def rec(step: int, h: float, drop: float, pred: float, tgt: float) -> dict[str, float]:
+        return {"step": step, "entropy": h + 0.01, "autopilot_entropy": h, "autopilot_target_entropy": 0.7,
+                "autopilot_dropped_frac": drop, "autopilot_predicted_dh": pred, "autopilot_target_dh": tgt}
+
+    runs = [
+        {"arm": "autopilot(hold)", "seed": 0, "records": [rec(1, 0.70, 0.0, 1e-7, 0.0), rec(2, 0.66, 0.05, 1e-7, 0.02),
+                                                          rec(3, 0.68, 0.0495, -1e-7, 0.01)]},
+        {"arm": "autopilot(hold)", "seed": 1, "records": [rec(1, 0.72, 0.01, 0.0, 0.0), rec(2, 0.70, 0.03, 0.0, 0.01)]},
+        {"arm": "grpo", "seed": 0, "records": [{"step": 1, "entropy": 0.5}, {"step": 2, "entropy": 0.4}]},
+    ]
+    out = protocol.autopilot_trace(runs, "autopilot(hold)", cap=0.05, steps=(1, 2, 3))
+    assert out["seeds"] == 2 and out["steps"] == 5 and out["target"] == pytest.approx(0.7)
+    assert out["entropy"] == pytest.approx({1: 0.71, 2: 0.68})  # step 3 is not in seed 1's run
+    assert out["dropped"] == pytest.approx((0.05 + 0.0495 + 0.01 + 0.03) / 5)
+    assert out["at_cap"] == pytest.approx(2 / 5)  # 0.05 and 0.0495 are within tol of the cap
+    assert out["met"] == pytest.approx(2 / 5)  # seed 0 step 1 (1e-7 >= 0) and seed 1 step 1 (0 >= 0)
+    assert out["arm_entropy"]["grpo"] == pytest.approx({1: 0.5, 2: 0.4})
+    assert out["arm_entropy"]["autopilot(hold)"] == pytest.approx({1: 0.72, 2: 0.69})
+    with pytest.raises(ValueError, match="no run of arm 'x'"):
+        protocol.autopilot_trace(runs, "x", cap=0.05)
+    with pytest.raises(ValueError, match="no autopilot records"):
+        protocol.autopilot_trace(runs, "grpo", cap=0.05)

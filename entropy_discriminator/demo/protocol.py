@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from ..autopilot import DEFAULT_MAX_FRAC as AUTOPILOT_MAX_FRAC
 from .compare import CompareConfig, _pool_map
 from .headtohead import Arm, HeadConfig, eval_stream, evaluate_at, heldout_sets, run_arm_checkpoints, warm_up_checkpoints
 from .model import TinyGPT
@@ -450,6 +451,37 @@ def autopilot_gain(runs: Sequence[dict], arm: str, n_boot: int = 2000, seed: int
             "g_hi": boot[int(0.975 * (n_boot - 1))], "pred_sd": math.sqrt(sxx / n), "realised_sd": math.sqrt(syy / n)}
 
 
+def autopilot_trace(runs: Sequence[dict], arm: str, cap: float, steps: Sequence[int] = (1, 50, 100, 150, 200),
+                    tol: float = 1e-3) -> dict[str, object]:
+    """What the autopilot of ``arm`` did, from its per-step records, averaged over its runs (seeds).
+
+    Returns ``target`` (mean of the first step's ``autopilot_target_entropy``), ``entropy`` (``{step: mean
+    autopilot_entropy}``, the measured batch entropy at each of ``steps`` present in every run), ``dropped`` (mean
+    ``autopilot_dropped_frac`` over all steps), ``at_cap`` (share of steps with ``dropped_frac ≥ cap − tol``),
+    ``met`` (share of steps with ``autopilot_predicted_dh ≥ autopilot_target_dh``: the kept tokens' predicted change
+    reached the step's target), ``steps`` (step records counted) and ``seeds``; and ``arm_entropy`` (``{arm: {step:
+    mean entropy}}`` of every arm in ``runs``, its ``entropy`` field, for comparison)."""
+    mine = [r for r in runs if r["arm"] == arm]
+    if not mine:
+        raise ValueError(f"no run of arm {arm!r}; arms present: {sorted({r['arm'] for r in runs})}")
+    if any(not r["records"] or "autopilot_dropped_frac" not in r["records"][0] for r in mine):
+        raise ValueError(f"runs of {arm!r} carry no autopilot records (autopilot_dropped_frac)")
+    recs = [x for r in mine for x in r["records"]]
+
+    def at(rs: list[dict], key: str) -> dict[int, float]:
+        by_step = [{x["step"]: x[key] for x in r["records"]} for r in rs]
+        return {s: sum(b[s] for b in by_step) / len(by_step) for s in steps if all(s in b for b in by_step)}
+
+    arms = sorted({r["arm"] for r in runs})
+    return {"seeds": len(mine), "steps": len(recs),
+            "target": sum(r["records"][0]["autopilot_target_entropy"] for r in mine) / len(mine),
+            "entropy": at(mine, "autopilot_entropy"),
+            "dropped": sum(x["autopilot_dropped_frac"] for x in recs) / len(recs),
+            "at_cap": sum(x["autopilot_dropped_frac"] >= cap - tol for x in recs) / len(recs),
+            "met": sum(x["autopilot_predicted_dh"] >= x["autopilot_target_dh"] for x in recs) / len(recs),
+            "arm_entropy": {a: at([r for r in runs if r["arm"] == a], "entropy") for a in arms}}
+
+
 def write_selection(run_dir: Path) -> dict[str, dict[str, object]]:
     """Apply :func:`entropy_discriminator.demo.tuning.select` to ``run_dir/runs.jsonl``; write ``selection.json`` and
     ``selection.md`` (every setting's scores and the share of tokens its control acted on)."""
@@ -573,6 +605,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     gp = sub.add_parser("autopilot-gain", help="realised vs predicted entropy change of an autopilot arm's runs")
     gp.add_argument("runs", type=Path, help="a runs.jsonl")
     gp.add_argument("--arm", default="autopilot(hold)")
+    tr = sub.add_parser("autopilot-trace", help="what an autopilot arm's controller did: target, entropy, drops")
+    tr.add_argument("runs", type=Path, help="a runs.jsonl")
+    tr.add_argument("--arm", default="autopilot(hold)")
+    tr.add_argument("--cap", type=float, default=AUTOPILOT_MAX_FRAC, help="the arm's cap on the dropped share")
     sp = sub.add_parser("select", help="apply the pre-registered selection rule to a tuning folder")
     sp.add_argument("dir", type=Path)
     rp = sub.add_parser("report", help="endpoints, paired tests with Holm, frontier figures of a run folder")
@@ -615,6 +651,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         jobs=args.jobs)
     if args.cmd == "autopilot-gain":
         print(json.dumps(autopilot_gain(load_jsonl(args.runs), args.arm), indent=1))
+    if args.cmd == "autopilot-trace":
+        print(json.dumps(autopilot_trace(load_jsonl(args.runs), args.arm, args.cap), indent=1))
     if args.cmd == "select":
         print(json.dumps({f: s["chosen"] for f, s in write_selection(args.dir).items()}))
     if args.cmd == "report":
