@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set-up S2 of the autopilot evaluation: the commands of PREREGISTRATION.md §6, in order, as one resumable pipeline
-# on the device machine's CPU cores.
+# on the CPU cores of whatever machine runs it (S2: the device machine for the tuning, the project's CPU machine for
+# the main run).
 #
 #   bash docs/reproduction/autopilot_eval/s2_pipeline.sh wait OUTDIR SECONDS
 #
