@@ -14,6 +14,7 @@ what it finished):
 * ``report``: endpoints, paired tests with Holm's adjustment, the frontier figure, from a ``run`` folder;
 * ``warm``: only warm up seeds into a ``--warm-cache`` (for a later stage of the same configuration);
 * ``autopilot-gain``: how the realised entropy change follows the autopilot's prediction (:func:`autopilot_gain`).
+* ``autopilot-trace``: what the autopilot's controller did, step by step, averaged over seeds (:func:`autopilot_trace`).
 """
 
 from __future__ import annotations
@@ -409,6 +410,16 @@ def report(run_dir: Path, pairs: Sequence[tuple[str, str]], name: str = "report"
     return text
 
 
+def _autopilot_runs(runs: Sequence[dict], arm: str, key: str) -> list[dict]:
+    """``arm``'s runs, refused by name when there is none or when their step records lack the autopilot's ``key``."""
+    mine = [r for r in runs if r["arm"] == arm]
+    if not mine:
+        raise ValueError(f"no run of arm {arm!r}; arms present: {sorted({r['arm'] for r in runs})}")
+    if any(not r["records"] or key not in r["records"][0] for r in mine):
+        raise ValueError(f"runs of {arm!r} carry no autopilot records ({key})")
+    return mine
+
+
 def autopilot_gain(runs: Sequence[dict], arm: str, n_boot: int = 2000, seed: int = 0) -> dict[str, float]:
     """How the realised change of the measured batch entropy follows the autopilot's prediction, in ``arm``'s runs.
 
@@ -418,17 +429,9 @@ def autopilot_gain(runs: Sequence[dict], arm: str, n_boot: int = 2000, seed: int
     ``g = Σxy / Σx²`` (least squares through 0: realised ≈ g · predicted), ``g_lo`` / ``g_hi`` (2.5 / 97.5 %
     percentiles of g over ``n_boot`` resamplings of whole seeds), ``pred_sd`` and ``realised_sd`` (the standard
     deviations of x and y: the second is the batch-to-batch noise the feedback law reads)."""
-    pairs = {}
-    for r in runs:
-        if r["arm"] != arm:
-            continue
-        rec = r["records"]
-        if not rec or "autopilot_predicted_dh" not in rec[0]:
-            raise ValueError(f"runs of {arm!r} carry no autopilot records (autopilot_predicted_dh)")
-        pairs[r["seed"]] = [(a["autopilot_predicted_dh"], b["autopilot_entropy"] - a["autopilot_entropy"])
-                            for a, b in zip(rec[:-1], rec[1:])]
-    if not pairs:
-        raise ValueError(f"no run of arm {arm!r}; arms present: {sorted({r['arm'] for r in runs})}")
+    pairs = {r["seed"]: [(a["autopilot_predicted_dh"], b["autopilot_entropy"] - a["autopilot_entropy"])
+                         for a, b in zip(r["records"][:-1], r["records"][1:])]
+             for r in _autopilot_runs(runs, arm, "autopilot_predicted_dh")}
     seeds = sorted(pairs)
     sums = {s: (sum(x * y for x, y in pairs[s]), sum(x * x for x, _ in pairs[s])) for s in seeds}
     xs = [x for s in seeds for x, _ in pairs[s]]
@@ -461,11 +464,7 @@ def autopilot_trace(runs: Sequence[dict], arm: str, cap: float, steps: Sequence[
     ``met`` (share of steps with ``autopilot_predicted_dh ≥ autopilot_target_dh``: the kept tokens' predicted change
     reached the step's target), ``steps`` (step records counted) and ``seeds``; and ``arm_entropy`` (``{arm: {step:
     mean entropy}}`` of every arm in ``runs``, its ``entropy`` field, for comparison)."""
-    mine = [r for r in runs if r["arm"] == arm]
-    if not mine:
-        raise ValueError(f"no run of arm {arm!r}; arms present: {sorted({r['arm'] for r in runs})}")
-    if any(not r["records"] or "autopilot_dropped_frac" not in r["records"][0] for r in mine):
-        raise ValueError(f"runs of {arm!r} carry no autopilot records (autopilot_dropped_frac)")
+    mine = _autopilot_runs(runs, arm, "autopilot_dropped_frac")
     recs = [x for r in mine for x in r["records"]]
 
     def at(rs: list[dict], key: str) -> dict[int, float]:
