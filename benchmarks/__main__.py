@@ -3,6 +3,8 @@
     python -m benchmarks stats   # ed.token_stats and its kernel vs torch.sum / eager / torch.compile / framework style
     python -m benchmarks fused   # ed.token_stats_from_hidden and its kernel vs cuBLAS matmul (+ kernel), TFLOP/s
     python -m benchmarks masks   # clip_b_mask / clip_v_mask / EntropyMonitor.from_stats at 16k-1M tokens
+    python -m benchmarks fused-vs-cublas --out benchmarks/results/fused_vs_cublas.csv
+                                 # the public fused call vs cuBLAS matmul alone and the unfused pair, Qwen2.5 heads
 
 Tables are printed per shape, then the ratios of the public call to the floor and to its kernel,
 and appended to benchmarks/results/<card>/<name>.csv (card: h100, h200, ...; BENCH_RESULTS
@@ -28,6 +30,9 @@ def _parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fused", help="fused LM-head kernel from hidden states")
     f.add_argument("--n", type=int, nargs="+", default=[16384])
     f.add_argument("--h", type=int, nargs="*", default=[], help="restrict to these hidden sizes (2048, 3584, 4096)")
+    from . import fused_vs_cublas
+
+    fused_vs_cublas.add_parser(sub)
     m = sub.add_parser("masks", help="the public mask and monitor calls")
     m.add_argument("--n", type=int, nargs="+", default=[16384, 262144, 1048576], help="tokens per batch (multiples of 1024)")
     m.add_argument("--rep-ms", type=int, default=100, help="do_bench repetition budget per measurement")
@@ -50,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("benchmarks need a CUDA device (run them through the device tool)", file=sys.stderr)
         return 2
+    if args.bench == "fused-vs-cublas":
+        from . import fused_vs_cublas
+
+        return fused_vs_cublas.main(args)
     if args.bench == "masks":
         from . import masks_bench
 

@@ -42,6 +42,20 @@ def max_nan(a, b):
 
 
 @triton.jit
+def exp2(d, FTZ: tl.constexpr):
+    """2^d in fp32.  FTZ: one ``ex2.approx.ftz.f32`` (results below 2^-126 flush to 0); otherwise
+    ``tl.exp2`` (``ex2.approx.f32``, which ptxas wraps in a denormal range fix-up: about three more
+    instructions per logit).  Every caller's reference is at most its data's max, so the largest term
+    of a sum has e >= 1 and a flushed e < 2^-126 changes no fp32 sum."""
+    if FTZ:
+        return tl.inline_asm_elementwise(
+            "ex2.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return tl.exp2(d)
+
+
+@triton.jit
 def rescale(s0, s1, s2, s3, m_old, m_new):
     """Move the sums from reference m_old to m_new >= m_old (m_old may be -inf: sums are 0)."""
     dl = m_old - m_new

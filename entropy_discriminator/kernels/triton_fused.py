@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from ._reduce import D_FLOOR, ERR_WORDS, LOG2E, max_nan, merge_block, merge_kernel
+from ._reduce import D_FLOOR, ERR_WORDS, LOG2E, exp2, max_nan, merge_block, merge_kernel
 from .triton_stats import KernelStats
 
 try:  # host-side TMA descriptors (Triton >= 3.2); without them the pointer kernel is used
@@ -30,15 +30,20 @@ try:  # host-side TMA descriptors (Triton >= 3.2); without them the pointer kern
 except ImportError:  # pragma: no cover - depends on the installed Triton
     TensorDescriptor = None
 
-__all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG"]
+__all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG", "SHAPE_CONFIGS", "choose_fused_config"]
 
 # persistent: programs per multiprocessor of the persistent TMA kernel (0: one program per tile);
-# flatten / ws: its tile loop pipelined as one with the K loop / warp-specialised.  H100, N=16384,
-# H=3584, V=152064 (results/h100/tune_fused.csv): persistent 666 TFLOP/s, one program per tile 595.
+# flatten / ws: its tile loop pipelined as one with the K loop / warp-specialised; maxnreg: register
+# cap per thread (0: none; lets two programs share a multiprocessor, so that one's epilogue runs
+# while the other's matmul does).  H100, N=16384, H=3584, V=152064 (results/h100/tune_fused.csv):
+# persistent 666 TFLOP/s, one program per tile 595.
 DEFAULT_CONFIG = {
     "bm": 128, "bn": 256, "bk": 64, "group_m": 8, "num_warps": 8, "stages": 3, "moments": 4,
-    "persistent": 1, "flatten": 1, "ws": 0,
+    "persistent": 1, "flatten": 1, "ws": 0, "maxnreg": 0,
 }  # fmt: skip
+# Per-shape overrides of DEFAULT_CONFIG: (largest hidden size, largest N, overrides), first match
+# wins (16-bit inputs; fp32 always takes DEFAULT_CONFIG's tiles on the pointer kernel).
+SHAPE_CONFIGS: tuple[tuple[int, int, dict], ...] = ()
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # logits_dtype -> the epilogue's ROUND code (fp32 logits need no rounding)
 _ROUND_CODES = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -87,12 +92,14 @@ def _tile_epilogue(
     MOMENTS: tl.constexpr,
     ROUND: tl.constexpr,
     T_ROUND: tl.constexpr,
+    FTZ: tl.constexpr,
 ):
     """Reduce one [BM, BN] fp32 logits tile to the six partials per row (and the label logit).
 
     ROUND (0: none, 1: bf16, 2: fp16) rounds L = acc + bias to that dtype (round to nearest even);
     with T_ROUND also ``L * inv_t`` (torch's ``low / T``: a multiply by the fp32 reciprocal) is
-    rounded, and ``c`` is then ``log2(e)`` alone; otherwise ``c = log2(e) / T``.
+    rounded, and ``c`` is then ``log2(e)`` alone; otherwise ``c = log2(e) / T``.  FTZ: the
+    exponential flushes results below 2^-126 to 0 (:func:`._reduce.exp2`; off in the interpreter).
     """
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -106,10 +113,13 @@ def _tile_epilogue(
         acc = acc.to(tl.float16).to(tl.float32)
         if T_ROUND:
             acc = (acc * inv_t).to(tl.float16).to(tl.float32)
-    y = tl.where(rn[None, :] < V, acc * c, float("-inf"))
-    m = tl.reduce(y, 1, max_nan)
-    d = tl.maximum(y - m[:, None], -D_FLOOR)
-    e = tl.exp2(d)
+    if pid_n * BN + BN > V:  # the last column tile only: columns past V are -inf
+        acc = tl.where(rn[None, :] < V, acc, float("-inf"))
+    # y = acc * c with c > 0: the row max of y is c times that of acc (rounding is monotone), and
+    # d = y - m is one FMA.
+    m = tl.reduce(acc, 1, max_nan) * c
+    d = tl.maximum(acc * c - m[:, None], -D_FLOOR)
+    e = exp2(d, FTZ)
     s0 = tl.sum(e, axis=1)
     s1 = tl.sum(e * d, axis=1)
     if MOMENTS == 4:
@@ -119,11 +129,12 @@ def _tile_epilogue(
     else:  # benchmarks only: what logp and H alone cost (E_p[S] then reads 0)
         s2 = tl.zeros_like(s0)
         s3 = tl.zeros_like(s0)
-    labels = tl.load(lab_ptr + rm % N)
-    yk = tl.sum(tl.where(rn[None, :] == labels[:, None], y, 0.0), axis=1)
     row_ok = rm < N
+    labels = tl.load(lab_ptr + rm % N)
     in_tile = row_ok & (labels >= pid_n * BN) & (labels < pid_n * BN + BN)
-    tl.store(yk_ptr + rm, yk, mask=in_tile)
+    if tl.max(in_tile.to(tl.int32), axis=0) > 0:  # about one tile in five holds a label of its rows
+        yk = tl.sum(tl.where(rn[None, :] == labels[:, None], acc, 0.0), axis=1) * c
+        tl.store(yk_ptr + rm, yk, mask=in_tile)
     stride_f = tl.cast(N, tl.int64) * num_pid_n
     q = part_ptr + rm.to(tl.int64) * num_pid_n + pid_n
     tl.store(q, m, mask=row_ok)
@@ -160,6 +171,7 @@ def _fused_tile_kernel(
     GROUP_M: tl.constexpr,
     STAGES: tl.constexpr,
     MOMENTS: tl.constexpr,
+    FTZ: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(N, BM)
@@ -187,7 +199,7 @@ def _fused_tile_kernel(
         b_ptrs += BK
     _tile_epilogue(
         acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
-        HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND,
+        HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ,
     )  # fmt: skip
 
 
@@ -216,6 +228,7 @@ def _fused_persistent_kernel(
     NUM_PROGRAMS: tl.constexpr,
     FLATTEN: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
+    FTZ: tl.constexpr,
 ):
     """Persistent variant: NUM_PROGRAMS programs walk the tiles; operands arrive by TMA descriptors.
 
@@ -238,7 +251,7 @@ def _fused_persistent_kernel(
             acc = tl.dot(a, b.T, acc)
         _tile_epilogue(
             acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
-            HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND,
+            HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ,
         )  # fmt: skip
 
 
@@ -257,6 +270,16 @@ def _use_persistent(cfg: dict, hidden: torch.Tensor, weight: torch.Tensor) -> bo
     if hidden.device.type == "cuda" and torch.cuda.get_device_capability(hidden.device)[0] < 9:
         return False
     return all(t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0 for t in (hidden, weight))
+
+
+def choose_fused_config(n_rows: int, hdim: int, dtype: torch.dtype) -> dict:
+    """The kernel configuration for an [n_rows, hdim] problem: DEFAULT_CONFIG with the overrides of
+    the first SHAPE_CONFIGS entry whose bounds hold (16-bit inputs), else DEFAULT_CONFIG."""
+    if dtype != torch.float32:
+        for h_max, n_max, over in SHAPE_CONFIGS:
+            if hdim <= h_max and n_rows <= n_max:
+                return {**DEFAULT_CONFIG, **over}
+    return dict(DEFAULT_CONFIG)
 
 
 def token_stats_fused_triton(
@@ -279,8 +302,9 @@ def token_stats_fused_triton(
     written by the merge kernel, bool ``valid``, int32 error counters; a NaN or +inf in a row's
     logits counts as NaN/+inf).  Matmul in the input dtype on tensor cores with fp32 accumulation
     (fp32 inputs: full-precision "ieee" dot, slow).  Rows are processed in slices of
-    ``rows_per_launch`` (default: partials <= 256 MiB).  ``config`` overrides DEFAULT_CONFIG
-    (benchmarks; ``moments=2`` skips sum p^2 and E_p[S], which then read 0).
+    ``rows_per_launch`` (default: partials <= 256 MiB).  ``config`` overrides the configuration
+    :func:`choose_fused_config` picks (benchmarks; ``moments=2`` skips sum p^2 and E_p[S], which
+    then read 0).
 
     ``logits_dtype`` (None, bf16, fp16 or fp32) rounds the fp32-accumulated L = hidden @ W.T + b
     to that dtype in the epilogue, z = fp32(round(L)) / T; with ``temperature_in_logits_dtype``
@@ -307,7 +331,9 @@ def token_stats_fused_triton(
     result = KernelStats(*out.unbind(0), valid, errors)
     if n_rows == 0:
         return result
-    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    cfg = {**choose_fused_config(n_rows, hdim, hidden.dtype), **(config or {})}
+    launch_opts = {"num_warps": cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {})}
+    ftz = not interpreting()
     bm, bn, bk = cfg["bm"], cfg["bn"], cfg["bk"]
     n_tiles = triton.cdiv(vocab, bn)
     if rows_per_launch is None:
@@ -339,7 +365,7 @@ def token_stats_fused_triton(
                     rows, vocab, hdim, c, inv_t,
                     HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, BM=bm, BN=bn, BK=bk, GROUP_M=cfg["group_m"], STAGES=cfg["stages"],
                     MOMENTS=cfg["moments"], NUM_PROGRAMS=n_prog, FLATTEN=bool(cfg["flatten"]),
-                    WARP_SPECIALIZE=bool(cfg["ws"]), num_warps=cfg["num_warps"],
+                    WARP_SPECIALIZE=bool(cfg["ws"]), FTZ=ftz, **launch_opts,
                 )  # fmt: skip
             else:
                 _fused_tile_kernel[(n_all,)](
@@ -347,7 +373,7 @@ def token_stats_fused_triton(
                     hidden.stride(0), weight.stride(0), c, inv_t,
                     HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, EVEN_K=hdim % bk == 0, IEEE=hidden.dtype == torch.float32,
                     BM=bm, BN=bn, BK=bk, GROUP_M=cfg["group_m"], STAGES=cfg["stages"], MOMENTS=cfg["moments"],
-                    num_warps=cfg["num_warps"],
+                    FTZ=ftz, **launch_opts,
                 )  # fmt: skip
             merge_kernel[(rows,)](
                 part, yk, lab, out[:, r0:], valid[r0:], errors, rows, n_rows, n_tiles, vocab, int(ignore_index),

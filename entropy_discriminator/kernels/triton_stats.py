@@ -51,6 +51,7 @@ from ._reduce import (
     ERR_WORDS_C,
     LOG2E,
     count_row,
+    exp2,
     max_nan,
     merge_partials,
     rescale,
@@ -72,20 +73,6 @@ def is_available() -> bool:
 
 
 @triton.jit
-def _exp2(d, FTZ: tl.constexpr):
-    """2^d in fp32.  FTZ: one ``ex2.approx.ftz.f32`` (results below 2^-126 flush to 0); otherwise
-    ``tl.exp2`` (``ex2.approx.f32``, which ptxas wraps in a denormal range fix-up: about three more
-    instructions per logit).  Here d <= TAU and the row's largest logit has e >= 1, so a flushed
-    e < 2^-126 changes no fp32 sum (see _update)."""
-    if FTZ:
-        return tl.inline_asm_elementwise(
-            "ex2.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32, is_pure=True, pack=1
-        )
-    else:
-        return tl.exp2(d)
-
-
-@triton.jit
 def _rebase(bm, c, m, mx, s0, s1, s2, s3, TAU: tl.constexpr):
     """Take a block's NaN-propagating max ``bm`` (raw logits) into the row max ``mx`` and, when it
     exceeds the reference m by more than TAU (lazy rescale: False for NaN, taken once for the first
@@ -104,7 +91,7 @@ def _rebase(bm, c, m, mx, s0, s1, s2, s3, TAU: tl.constexpr):
 def _fold(x, c, mu, s0, s1, s2, s3, FTZ: tl.constexpr):
     """Add the logits x (fp32) against the reference mu into the four accumulators."""
     d = tl.maximum(x * c - mu, -D_FLOOR)
-    e = _exp2(d, FTZ)
+    e = exp2(d, FTZ)
     e2 = e * e
     return s0 + e, s1 + e * d, s2 + e2, s3 + e2 * d
 
