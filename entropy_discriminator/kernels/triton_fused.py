@@ -30,20 +30,38 @@ try:  # host-side TMA descriptors (Triton >= 3.2); without them the pointer kern
 except ImportError:  # pragma: no cover - depends on the installed Triton
     TensorDescriptor = None
 
-__all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG", "SHAPE_CONFIGS", "choose_fused_config"]
+__all__ = [
+    "token_stats_fused_triton", "DEFAULT_CONFIG", "SHAPE_CONFIGS", "choose_fused_config", "unfused_is_faster",
+    "unfused_slice_rows",
+]  # fmt: skip
 
 # persistent: programs per multiprocessor of the persistent TMA kernel (0: one program per tile);
 # flatten / ws: its tile loop pipelined as one with the K loop / warp-specialised; maxnreg: register
 # cap per thread (0: none; lets two programs share a multiprocessor, so that one's epilogue runs
-# while the other's matmul does).  H100, N=16384, H=3584, V=152064 (results/h100/tune_fused.csv):
+# while the other's matmul does); branch: mask the columns past V only in the last column tile and
+# form the label logit only in tiles that hold a label (block-uniform branches; 0: every tile).  H100, N=16384, H=3584, V=152064 (results/h100/tune_fused.csv):
 # persistent 666 TFLOP/s, one program per tile 595.
 DEFAULT_CONFIG = {
     "bm": 128, "bn": 256, "bk": 64, "group_m": 8, "num_warps": 8, "stages": 3, "moments": 4,
-    "persistent": 1, "flatten": 1, "ws": 0, "maxnreg": 0,
+    "persistent": 1, "flatten": 1, "ws": 0, "maxnreg": 0, "branch": 1,
 }  # fmt: skip
-# Per-shape overrides of DEFAULT_CONFIG: (largest hidden size, largest N, overrides), first match
-# wins (16-bit inputs; fp32 always takes DEFAULT_CONFIG's tiles on the pointer kernel).
-SHAPE_CONFIGS: tuple[tuple[int, int, dict], ...] = ()
+# Per-shape choices for 16-bit inputs: (largest hidden size, largest N, overrides of DEFAULT_CONFIG,
+# whether matmul-then-statistics is faster), first match wins; fp32 takes DEFAULT_CONFIG.  From the
+# sweep `python -m benchmarks fused-vs-cublas --sweep --dtypes bf16` and an A/B of the epilogues on
+# one H100 (benchmarks/RESULTS.md, "Fused head against cuBLAS"): small H runs best with the tile
+# loop not flattened (branch: the -inf mask and the label logit only in the tiles that need them);
+# larger H flattened and unbranched (branches inside the flattened loop cost 10-30 %).  The fused
+# kernel beat the unfused pair only at H <= 896, N <= 4096 and H = 1536, N = 65536 (within the
+# run's 5-10 % noise elsewhere too, but never clearly).
+SHAPE_CONFIGS: tuple[tuple[int, int, dict, bool], ...] = (
+    (896, 4096, {"flatten": 0}, False),
+    (896, 2**62, {"flatten": 0}, True),
+    (1536, 16384, {"flatten": 0}, True),
+    (1536, 2**62, {"flatten": 0}, False),
+    (2**62, 2**62, {"branch": 0}, True),
+)
+# Logits bytes of one slice of rows on the unfused route (token_stats_from_hidden).
+UNFUSED_SLICE_BYTES = 512 * 2**20
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # logits_dtype -> the epilogue's ROUND code (fp32 logits need no rounding)
 _ROUND_CODES = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -93,6 +111,7 @@ def _tile_epilogue(
     ROUND: tl.constexpr,
     T_ROUND: tl.constexpr,
     FTZ: tl.constexpr,
+    BRANCH: tl.constexpr,
 ):
     """Reduce one [BM, BN] fp32 logits tile to the six partials per row (and the label logit).
 
@@ -113,7 +132,10 @@ def _tile_epilogue(
         acc = acc.to(tl.float16).to(tl.float32)
         if T_ROUND:
             acc = (acc * inv_t).to(tl.float16).to(tl.float32)
-    if pid_n * BN + BN > V:  # the last column tile only: columns past V are -inf
+    if BRANCH:
+        if pid_n * BN + BN > V:  # the last column tile only: columns past V are -inf
+            acc = tl.where(rn[None, :] < V, acc, float("-inf"))
+    else:
         acc = tl.where(rn[None, :] < V, acc, float("-inf"))
     # y = acc * c with c > 0: the row max of y is c times that of acc (rounding is monotone), and
     # d = y - m is one FMA.
@@ -132,7 +154,11 @@ def _tile_epilogue(
     row_ok = rm < N
     labels = tl.load(lab_ptr + rm % N)
     in_tile = row_ok & (labels >= pid_n * BN) & (labels < pid_n * BN + BN)
-    if tl.max(in_tile.to(tl.int32), axis=0) > 0:  # about one tile in five holds a label of its rows
+    if BRANCH:
+        if tl.max(in_tile.to(tl.int32), axis=0) > 0:  # about one tile in five holds a label of its rows
+            yk = tl.sum(tl.where(rn[None, :] == labels[:, None], acc, 0.0), axis=1) * c
+            tl.store(yk_ptr + rm, yk, mask=in_tile)
+    else:
         yk = tl.sum(tl.where(rn[None, :] == labels[:, None], acc, 0.0), axis=1) * c
         tl.store(yk_ptr + rm, yk, mask=in_tile)
     stride_f = tl.cast(N, tl.int64) * num_pid_n
@@ -172,6 +198,7 @@ def _fused_tile_kernel(
     STAGES: tl.constexpr,
     MOMENTS: tl.constexpr,
     FTZ: tl.constexpr,
+    BRANCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(N, BM)
@@ -199,7 +226,7 @@ def _fused_tile_kernel(
         b_ptrs += BK
     _tile_epilogue(
         acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
-        HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ,
+        HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ, BRANCH=BRANCH,
     )  # fmt: skip
 
 
@@ -229,6 +256,7 @@ def _fused_persistent_kernel(
     FLATTEN: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
     FTZ: tl.constexpr,
+    BRANCH: tl.constexpr,
 ):
     """Persistent variant: NUM_PROGRAMS programs walk the tiles; operands arrive by TMA descriptors.
 
@@ -251,7 +279,7 @@ def _fused_persistent_kernel(
             acc = tl.dot(a, b.T, acc)
         _tile_epilogue(
             acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
-            HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ,
+            HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ, BRANCH=BRANCH,
         )  # fmt: skip
 
 
@@ -272,14 +300,29 @@ def _use_persistent(cfg: dict, hidden: torch.Tensor, weight: torch.Tensor) -> bo
     return all(t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0 for t in (hidden, weight))
 
 
+def _shape_entry(n_rows: int, hdim: int, dtype: torch.dtype) -> tuple[dict, bool]:
+    if dtype != torch.float32:
+        for h_max, n_max, over, unfused in SHAPE_CONFIGS:
+            if hdim <= h_max and n_rows <= n_max:
+                return over, unfused
+    return {}, False
+
+
 def choose_fused_config(n_rows: int, hdim: int, dtype: torch.dtype) -> dict:
     """The kernel configuration for an [n_rows, hdim] problem: DEFAULT_CONFIG with the overrides of
     the first SHAPE_CONFIGS entry whose bounds hold (16-bit inputs), else DEFAULT_CONFIG."""
-    if dtype != torch.float32:
-        for h_max, n_max, over in SHAPE_CONFIGS:
-            if hdim <= h_max and n_rows <= n_max:
-                return {**DEFAULT_CONFIG, **over}
-    return dict(DEFAULT_CONFIG)
+    return {**DEFAULT_CONFIG, **_shape_entry(n_rows, hdim, dtype)[0]}
+
+
+def unfused_is_faster(n_rows: int, hdim: int, dtype: torch.dtype) -> bool:
+    """Whether the 16-bit GEMM (logits written) followed by the one-pass statistics kernel measured
+    faster than the fused kernel for this shape (SHAPE_CONFIGS)."""
+    return _shape_entry(n_rows, hdim, dtype)[1]
+
+
+def unfused_slice_rows(vocab: int, itemsize: int) -> int:
+    """Rows per slice on the unfused route: logits of at most UNFUSED_SLICE_BYTES, a multiple of 128."""
+    return max(128, UNFUSED_SLICE_BYTES // (vocab * itemsize) // 128 * 128)
 
 
 def token_stats_fused_triton(
@@ -365,7 +408,7 @@ def token_stats_fused_triton(
                     rows, vocab, hdim, c, inv_t,
                     HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, BM=bm, BN=bn, BK=bk, GROUP_M=cfg["group_m"], STAGES=cfg["stages"],
                     MOMENTS=cfg["moments"], NUM_PROGRAMS=n_prog, FLATTEN=bool(cfg["flatten"]),
-                    WARP_SPECIALIZE=bool(cfg["ws"]), FTZ=ftz, **launch_opts,
+                    WARP_SPECIALIZE=bool(cfg["ws"]), FTZ=ftz, BRANCH=bool(cfg["branch"]), **launch_opts,
                 )  # fmt: skip
             else:
                 _fused_tile_kernel[(n_all,)](
@@ -373,7 +416,7 @@ def token_stats_fused_triton(
                     hidden.stride(0), weight.stride(0), c, inv_t,
                     HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, EVEN_K=hdim % bk == 0, IEEE=hidden.dtype == torch.float32,
                     BM=bm, BN=bn, BK=bk, GROUP_M=cfg["group_m"], STAGES=cfg["stages"], MOMENTS=cfg["moments"],
-                    FTZ=ftz, **launch_opts,
+                    FTZ=ftz, BRANCH=bool(cfg["branch"]), **launch_opts,
                 )  # fmt: skip
             merge_kernel[(rows,)](
                 part, yk, lab, out[:, r0:], valid[r0:], errors, rows, n_rows, n_tiles, vocab, int(ignore_index),
