@@ -9,9 +9,7 @@ For each Qwen2.5 LM-head shape (H, V) of :data:`HEADS`, each N of ``--n`` and ea
 - ``cublas_ms``: cuBLAS ``hidden @ weight.T`` alone (16-bit logits written, no statistics);
 - ``unfused_ms``: that matmul, then the one-pass statistics kernel over the logits;
 
-each the mean of two medians taken in alternating order (:func:`_timed_row`).  Each printed line
-also times ``token_stats_from_hidden(..., logits_dtype=<the inputs' dtype>)``, the call a framework
-with a 16-bit head makes, which takes the unfused route where ``SHAPE_CONFIGS`` says it is faster.
+each the mean of two medians taken in alternating order (:func:`_timed_row`).
 
 Writes ``--out`` (CSV ``card,H,V,N,dtype,fused_ms,cublas_ms,unfused_ms``) and prints the ratios:
 fused / cuBLAS (target <= 1 / 0.97) and fused / unfused (target <= 1).
@@ -114,13 +112,9 @@ def run(heads, ns: list[int], dtypes: list[str], out: Path) -> list[dict]:
             for h, v in heads:
                 for n in ns:
                     free_memory()
-                    dtype = DTYPES[dname]
-                    hidden, weight, labels = _inputs(n, h, v, dtype)
+                    hidden, weight, labels = _inputs(n, h, v, DTYPES[dname])
                     errs = _max_errors(token_stats_from_hidden(hidden, weight, labels), hidden, weight, labels)
                     t = _timed_row(hidden, weight, labels)
-                    # the call a framework with a 16-bit head makes (logits rounded to its dtype): it
-                    # takes the unfused route on the shapes where that measured faster
-                    routed = bench_ms(lambda: token_stats_from_hidden(hidden, weight, labels, logits_dtype=dtype), 100, 25)
                     row = dict(card=card, H=h, V=v, N=n, dtype=dname, **{k: round(x, 4) for k, x in t.items()})
                     w.writerow(row)
                     fh.flush()
@@ -128,7 +122,6 @@ def run(heads, ns: list[int], dtypes: list[str], out: Path) -> list[dict]:
                     fused, cublas, unfused = t["fused_ms"], t["cublas_ms"], t["unfused_ms"]
                     print(f"[{card}] {dname} H={h} V={v} N={n}: fused {fused:.3f} ms, cuBLAS {cublas:.3f}, unfused "
                           f"{unfused:.3f}; fused/cuBLAS {fused / cublas:.3f}, fused/unfused {fused / unfused:.3f}; "
-                          f"logits_dtype={dname} call {routed:.3f} ms ({routed / cublas:.3f} of cuBLAS); "
                           f"err logp {errs[0]:.1e} H {errs[1]:.1e} E {errs[2]:.1e}", flush=True)  # fmt: skip
                     del hidden, weight, labels
     return rows

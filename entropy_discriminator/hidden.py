@@ -3,9 +3,7 @@
 ``token_stats_from_hidden`` computes what :func:`entropy_discriminator.token_stats` computes from
 ``logits = hidden @ weight.T + bias`` without holding the ``[N, V]`` logits: on CUDA (bf16/fp16)
 a Triton kernel keeps each logits tile on chip (matmul plus the streaming reduction in its
-epilogue), except where the logits are asked for in the inputs' own dtype on a shape where the
-GEMM followed by the one-pass kernel measured faster (then slices of at most 512 MiB of logits
-are formed and read once); elsewhere a torch path materialises ``[chunk, V]`` fp32 logits for one slice of rows at
+epilogue); elsewhere a torch path materialises ``[chunk, V]`` fp32 logits for one slice of rows at
 a time.
 
 Logits rounding (``logits_dtype``): a framework that computes its LM head in bf16/fp16 (bf16
@@ -77,9 +75,7 @@ def token_stats_from_hidden(
             a slice stay under 128 MiB); ignored by the Triton path.
         impl: ``"triton"`` (fused CUDA kernel: logits tiles never leave the chip), ``"torch"``
             (chunked matmul + :func:`token_stats`, any device) or ``"auto"`` (Triton for bf16/fp16
-            CUDA inputs when available, else torch; with ``logits_dtype`` equal to the inputs'
-            dtype, on the shapes where it measured faster, the GEMM in that dtype followed by the
-            one-pass kernel, over slices of at most 512 MiB of logits).
+            CUDA inputs when available, else torch).
         check: as in :func:`token_stats`: validate labels and logits rows with one host
             synchronisation (the kernel counts bad rows on the device); ``False`` never blocks
             the host and gives NaN statistics in bad rows instead of raising.
@@ -139,53 +135,19 @@ def token_stats_from_hidden(
         )
     if not (hidden.is_cuda and kernels.is_available()):
         raise RuntimeError("impl='triton' needs CUDA tensors and an importable triton")
-    from .kernels.triton_fused import token_stats_fused_triton, unfused_is_faster
+    from .kernels.triton_fused import token_stats_fused_triton
 
     with torch.no_grad():
-        if impl == "auto" and logits_dtype == h2.dtype and unfused_is_faster(h2.shape[0], h2.shape[1], h2.dtype):
-            out = _from_hidden_unfused(h2, weight, k, bias, float(temperature), int(ignore_index), rounding)
-        else:
-            out = token_stats_fused_triton(
-                h2, weight, k, bias, float(temperature), int(ignore_index),
-                logits_dtype=logits_dtype, temperature_in_logits_dtype=temperature_in_logits_dtype,
-            )  # fmt: skip
+        out = token_stats_fused_triton(
+            h2, weight, k, bias, float(temperature), int(ignore_index),
+            logits_dtype=logits_dtype, temperature_in_logits_dtype=temperature_in_logits_dtype,
+        )  # fmt: skip
     result = TokenStats(*(t.view(shape) for t in out[:6]))
     if check:
         errors = out.errors.tolist()  # the one host synchronisation
         if any(errors):
             raise_for_errors(errors, labels, vocab, ignore_index)
     return result
-
-
-def _from_hidden_unfused(
-    h2: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    bias: torch.Tensor | None,
-    temperature: float,
-    ignore_index: int,
-    rounding: _Rounding,
-):
-    """The unfused route (16-bit inputs with ``logits_dtype`` their own dtype, on the shapes where it
-    measured faster than the fused kernel: ``kernels.triton_fused.SHAPE_CONFIGS``): logits in the
-    inputs' dtype from the backend's GEMM (fp32 accumulation, one rounding: the op of a framework
-    computing its head in that dtype), at most ``UNFUSED_SLICE_BYTES`` of them at a time, each slice
-    read once by the one-pass kernel.  Returns ``KernelStats`` of all rows; the slices' error
-    counters are summed on the device (no host synchronisation here)."""
-    from .kernels.triton_fused import unfused_slice_rows
-    from .kernels.triton_stats import KernelStats, token_stats_triton
-
-    rows = unfused_slice_rows(weight.shape[0], h2.element_size())
-    b = None if bias is None else bias.to(h2.dtype)
-    parts = []
-    for lo in range(0, h2.shape[0], rows):
-        logits, temp = rounding.apply(torch.nn.functional.linear(h2[lo : lo + rows], weight, b), temperature)
-        parts.append(token_stats_triton(logits, labels[lo : lo + rows], temp, ignore_index))
-        del logits
-    if len(parts) == 1:
-        return parts[0]
-    fields = [torch.cat(f) for f in zip(*(p[:6] for p in parts))]
-    return KernelStats(*fields, torch.stack([p.errors for p in parts]).sum(0))
 
 
 def _from_hidden_torch(

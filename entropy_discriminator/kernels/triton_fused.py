@@ -30,10 +30,7 @@ try:  # host-side TMA descriptors (Triton >= 3.2); without them the pointer kern
 except ImportError:  # pragma: no cover - depends on the installed Triton
     TensorDescriptor = None
 
-__all__ = [
-    "token_stats_fused_triton", "DEFAULT_CONFIG", "SHAPE_CONFIGS", "choose_fused_config", "unfused_is_faster",
-    "unfused_slice_rows",
-]  # fmt: skip
+__all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG", "SHAPE_CONFIGS", "choose_fused_config"]
 
 # persistent: programs per multiprocessor of the persistent TMA kernel (0: one program per tile);
 # flatten / ws: its tile loop pipelined as one with the K loop / warp-specialised; maxnreg: register
@@ -45,23 +42,16 @@ DEFAULT_CONFIG = {
     "bm": 128, "bn": 256, "bk": 64, "group_m": 8, "num_warps": 8, "stages": 3, "moments": 4,
     "persistent": 1, "flatten": 1, "ws": 0, "maxnreg": 0, "branch": 1,
 }  # fmt: skip
-# Per-shape choices for 16-bit inputs: (largest hidden size, largest N, overrides of DEFAULT_CONFIG,
-# whether matmul-then-statistics is faster), first match wins; fp32 takes DEFAULT_CONFIG.  From the
-# sweep `python -m benchmarks fused-vs-cublas --sweep --dtypes bf16` and an A/B of the epilogues on
-# one H100 (benchmarks/RESULTS.md, "Fused head against cuBLAS"): small H runs best with the tile
-# loop not flattened (branch: the -inf mask and the label logit only in the tiles that need them);
-# larger H flattened and unbranched (branches inside the flattened loop cost 10-30 %).  The fused
-# kernel beat the unfused pair only at H <= 896, N <= 4096 and H = 1536, N = 65536 (within the
-# run's 5-10 % noise elsewhere too, but never clearly).
-SHAPE_CONFIGS: tuple[tuple[int, int, dict, bool], ...] = (
-    (896, 4096, {"flatten": 0}, False),
-    (896, 2**62, {"flatten": 0}, True),
-    (1536, 16384, {"flatten": 0}, True),
-    (1536, 2**62, {"flatten": 0}, False),
-    (2**62, 2**62, {"branch": 0}, True),
+# Per-shape overrides of DEFAULT_CONFIG for 16-bit inputs: (largest hidden size, largest N,
+# overrides), first match wins; fp32 takes DEFAULT_CONFIG.  From the sweep `python -m benchmarks
+# fused-vs-cublas --sweep --dtypes bf16` and an A/B of the epilogues on one H100
+# (benchmarks/RESULTS.md, "Fused head against cuBLAS"): small H runs best with the tile loop not
+# flattened (and the block-uniform branches of ``branch``); larger H flattened and unbranched
+# (the branches inside the flattened loop cost 10-30 % there).
+SHAPE_CONFIGS: tuple[tuple[int, int, dict], ...] = (
+    (1536, 2**62, {"flatten": 0}),
+    (2**62, 2**62, {"branch": 0}),
 )
-# Logits bytes of one slice of rows on the unfused route (token_stats_from_hidden).
-UNFUSED_SLICE_BYTES = 512 * 2**20
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # logits_dtype -> the epilogue's ROUND code (fp32 logits need no rounding)
 _ROUND_CODES = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -300,29 +290,14 @@ def _use_persistent(cfg: dict, hidden: torch.Tensor, weight: torch.Tensor) -> bo
     return all(t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0 for t in (hidden, weight))
 
 
-def _shape_entry(n_rows: int, hdim: int, dtype: torch.dtype) -> tuple[dict, bool]:
-    if dtype != torch.float32:
-        for h_max, n_max, over, unfused in SHAPE_CONFIGS:
-            if hdim <= h_max and n_rows <= n_max:
-                return over, unfused
-    return {}, False
-
-
 def choose_fused_config(n_rows: int, hdim: int, dtype: torch.dtype) -> dict:
     """The kernel configuration for an [n_rows, hdim] problem: DEFAULT_CONFIG with the overrides of
     the first SHAPE_CONFIGS entry whose bounds hold (16-bit inputs), else DEFAULT_CONFIG."""
-    return {**DEFAULT_CONFIG, **_shape_entry(n_rows, hdim, dtype)[0]}
-
-
-def unfused_is_faster(n_rows: int, hdim: int, dtype: torch.dtype) -> bool:
-    """Whether the 16-bit GEMM (logits written) followed by the one-pass statistics kernel measured
-    faster than the fused kernel for this shape (SHAPE_CONFIGS)."""
-    return _shape_entry(n_rows, hdim, dtype)[1]
-
-
-def unfused_slice_rows(vocab: int, itemsize: int) -> int:
-    """Rows per slice on the unfused route: logits of at most UNFUSED_SLICE_BYTES, a multiple of 128."""
-    return max(128, UNFUSED_SLICE_BYTES // (vocab * itemsize) // 128 * 128)
+    if dtype != torch.float32:
+        for h_max, n_max, over in SHAPE_CONFIGS:
+            if hdim <= h_max and n_rows <= n_max:
+                return {**DEFAULT_CONFIG, **over}
+    return dict(DEFAULT_CONFIG)
 
 
 def token_stats_fused_triton(
