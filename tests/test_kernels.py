@@ -470,9 +470,10 @@ def test_launcher_caches_after_tritons_path_and_steps_aside_for_hooks(monkeypatc
     neg_inf=st.booleans(),
     temperature=st.sampled_from([1.0, 0.7]),
     persistent=st.sampled_from([0, 1]),
+    branch=st.sampled_from([0, 1]),  # the -inf mask and the label logit in every tile, or only where needed
 )
 def test_fused_kernel_rounds_logits_as_the_reference(seed, n, v, logits_dtype, scale, t_low, neg_inf, temperature,
-                                                     persistent):
+                                                     persistent, branch):
     """``logits_dtype`` in the epilogue: float64 statistics of the rounded logits (fp16 inputs: the
     interpreter does not emulate a bf16 tl.dot), at least as accurate as the chunked torch path."""
     from rounding_reference import exact_problem, rounded_reference
@@ -480,7 +481,7 @@ def test_fused_kernel_rounds_logits_as_the_reference(seed, n, v, logits_dtype, s
     from entropy_discriminator.hidden import token_stats_from_hidden
 
     hid, w, b, labels = exact_problem(seed, n, 40, v, torch.float16, scale, neg_inf)
-    cfg = {"bm": 16, "bn": 32, "bk": 16, "group_m": 3, "persistent": persistent}
+    cfg = {"bm": 16, "bn": 32, "bk": 16, "group_m": 3, "persistent": persistent, "branch": branch}
     out = token_stats_fused_triton(hid.to(DEV), w.to(DEV), labels, b.to(DEV), temperature, -100, config=cfg,
                                    logits_dtype=logits_dtype, temperature_in_logits_dtype=t_low)
     naive = token_stats_from_hidden(hid, w, labels, bias=b, temperature=temperature, impl="torch",

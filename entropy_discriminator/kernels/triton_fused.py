@@ -1,9 +1,11 @@
 """Fused LM-head statistics: logits = hidden @ weight.T (+ bias) never reach device memory.
 
 Each [BM, BN] tile of logits is a tensor-core matmul over H (tiles ordered in groups of GROUP_M
-row blocks so that the hidden and weight tiles in flight stay in L2).  By default one persistent
-program per multiprocessor walks the tiles, its operands loaded by TMA descriptors, the next
-tile's loads in flight during this tile's epilogue; otherwise (fp32, unaligned strides, pre-Hopper
+row blocks so that the hidden and weight tiles in flight stay in L2).  The configuration (tiles,
+stages, whether the tile loop is flattened) comes from a per-shape table (:data:`SHAPE_CONFIGS`).
+By default one persistent program per multiprocessor walks the tiles, its operands loaded by TMA
+descriptors, the next tile's loads in flight during this tile's epilogue when the loop is
+flattened; otherwise (fp32, unaligned strides, pre-Hopper
 GPUs) one program per tile loads through pointers.  The epilogue reduces the tile, on chip, to
 six numbers per row (the reference m, the sums s0..s3 of :mod:`._reduce`, and a NaN-propagating
 max); the program whose tile holds a row's label
@@ -34,23 +36,24 @@ __all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG", "SHAPE_CONFIGS", "choos
 
 # persistent: programs per multiprocessor of the persistent TMA kernel (0: one program per tile);
 # flatten / ws: its tile loop pipelined as one with the K loop / warp-specialised; maxnreg: register
-# cap per thread (0: none; lets two programs share a multiprocessor, so that one's epilogue runs
-# while the other's matmul does); branch: mask the columns past V only in the last column tile and
-# form the label logit only in tiles that hold a label (block-uniform branches; 0: every tile).  H100, N=16384, H=3584, V=152064 (results/h100/tune_fused.csv):
-# persistent 666 TFLOP/s, one program per tile 595.
+# cap per thread (0: none; lets two programs share a multiprocessor, so that one's epilogue could
+# run while the other's matmul does: benchmarks only, never faster so far); branch: mask the
+# columns past V only in the last column tile and form the label logit only in tiles that hold a
+# label (block-uniform branches; 0: in every tile).  H100, N=16384, H=3584, V=152064
+# (results/h100/tune_fused.csv): persistent 666 TFLOP/s, one program per tile 595.
 DEFAULT_CONFIG = {
     "bm": 128, "bn": 256, "bk": 64, "group_m": 8, "num_warps": 8, "stages": 3, "moments": 4,
     "persistent": 1, "flatten": 1, "ws": 0, "maxnreg": 0, "branch": 1,
 }  # fmt: skip
-# Per-shape overrides of DEFAULT_CONFIG for 16-bit inputs: (largest hidden size, largest N,
-# overrides), first match wins; fp32 takes DEFAULT_CONFIG.  From the sweep `python -m benchmarks
+# Per-shape overrides of DEFAULT_CONFIG for 16-bit inputs: (largest hidden size, overrides), first
+# match wins; fp32 takes DEFAULT_CONFIG.  From the sweep `python -m benchmarks
 # fused-vs-cublas --sweep --dtypes bf16` and an A/B of the epilogues on one H100
 # (benchmarks/RESULTS.md, "Fused head against cuBLAS"): small H runs best with the tile loop not
 # flattened (and the block-uniform branches of ``branch``); larger H flattened and unbranched
-# (the branches inside the flattened loop cost 10-30 % there).
-SHAPE_CONFIGS: tuple[tuple[int, int, dict], ...] = (
-    (1536, 2**62, {"flatten": 0}),
-    (2**62, 2**62, {"branch": 0}),
+# (the branches inside the flattened loop cost 8-29 % there).
+SHAPE_CONFIGS: tuple[tuple[int, dict], ...] = (
+    (1536, {"flatten": 0}),
+    (2**62, {"branch": 0}),
 )
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # logits_dtype -> the epilogue's ROUND code (fp32 logits need no rounding)
@@ -290,12 +293,13 @@ def _use_persistent(cfg: dict, hidden: torch.Tensor, weight: torch.Tensor) -> bo
     return all(t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0 for t in (hidden, weight))
 
 
-def choose_fused_config(n_rows: int, hdim: int, dtype: torch.dtype) -> dict:
-    """The kernel configuration for an [n_rows, hdim] problem: DEFAULT_CONFIG with the overrides of
-    the first SHAPE_CONFIGS entry whose bounds hold (16-bit inputs), else DEFAULT_CONFIG."""
+def choose_fused_config(hdim: int, dtype: torch.dtype) -> dict:
+    """The kernel configuration for hidden size ``hdim``: DEFAULT_CONFIG with the overrides of the
+    first SHAPE_CONFIGS entry whose bound holds (16-bit inputs), else DEFAULT_CONFIG.  The sweep
+    found no N dependence beyond its noise (N = 4096, 16384, 65536)."""
     if dtype != torch.float32:
-        for h_max, n_max, over in SHAPE_CONFIGS:
-            if hdim <= h_max and n_rows <= n_max:
+        for h_max, over in SHAPE_CONFIGS:
+            if hdim <= h_max:
                 return {**DEFAULT_CONFIG, **over}
     return dict(DEFAULT_CONFIG)
 
@@ -349,7 +353,7 @@ def token_stats_fused_triton(
     result = KernelStats(*out.unbind(0), valid, errors)
     if n_rows == 0:
         return result
-    cfg = {**choose_fused_config(n_rows, hdim, hidden.dtype), **(config or {})}
+    cfg = {**choose_fused_config(hdim, hidden.dtype), **(config or {})}
     launch_opts = {"num_warps": cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {})}
     ftz = not interpreting()
     bm, bn, bk = cfg["bm"], cfg["bn"], cfg["bk"]
