@@ -50,7 +50,8 @@ def open_records(path: str | Path, mode: str = "r") -> TextIO:
         raise ValueError(f"mode must be 'r', 'w' or 'a', got {mode!r}")
     p = record_path(path) if mode == "r" else Path(path)
     if p.suffix == ".xz":
-        return io.TextIOWrapper(lzma.open(p, mode + "b", preset=None if mode == "r" else 9), encoding="utf-8", newline="")
+        raw = lzma.open(p, mode + "b", preset=None if mode == "r" else 9)
+        return io.TextIOWrapper(raw, encoding="utf-8", newline="")
     if p.suffix == ".gz":
         return io.TextIOWrapper(gzip.GzipFile(p, mode + "b", compresslevel=9, mtime=0), encoding="utf-8", newline="")
     return open(p, mode, encoding="utf-8", newline="")
