@@ -48,6 +48,7 @@ from .countdown import VOCAB_SIZE, CountdownTask, pass_at_k
 from .model import ModelConfig, TinyGPT
 from .compare_metrics import EVAL_KS, dh_correlation
 from .compare_report import plots_available, write_report
+from .records import has_records, read_records_text
 from .train import group_advantages
 
 ESTIMATORS = ("grpo", "ppo")
@@ -609,15 +610,16 @@ def run_compare(opts: CompareOptions, log: Callable[[str], None] = print) -> dic
 
 def check_saved_runs(out: Path) -> None:
     """Raise ``ValueError`` unless ``out`` holds a comparison to render (``meta.json`` or ``results.json``)."""
-    if not (out / "meta.json").is_file() and not (out / "results.json").is_file():
+    if not (out / "meta.json").is_file() and not has_records(out / "results.json"):
         raise ValueError(f"{out} holds no meta.json or results.json to render (run the comparison first)")
 
 
 def render(out: Path, log: Callable[[str], None] = print) -> dict[str, object]:
     """Assemble ``results.json`` from ``meta.json``, ``warm/*.json`` and ``runs/*.json`` under ``out`` (keeping only
-    seeds whose warm-up finished; without ``runs/``, read the saved ``results.json``) and write the report."""
-    if not (out / "runs").is_dir() and (out / "results.json").is_file():
-        results = json.loads((out / "results.json").read_text())
+    seeds whose warm-up finished; without ``runs/``, read the saved ``results.json``, plain or compressed) and write
+    the report."""
+    if not (out / "runs").is_dir() and has_records(out / "results.json"):
+        results = json.loads(read_records_text(out / "results.json"))
     else:
         check_saved_runs(out)
         results = json.loads((out / "meta.json").read_text())

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from .model import TinyGPT
+from .records import has_records
 from .report import TextProgress, prepare_output_folder, write_csv
 from .runner import WARMUP_TARGET, resolve_device, torch_threads
 from .theory import tabular_check, tabular_start
@@ -83,8 +84,9 @@ def _job(payload: tuple[str, dict[str, torch.Tensor], TrainConfig, ArmSpec, int,
 
 
 def check_saved_results(out: Path) -> None:
-    """Raise ``ValueError`` unless ``out`` holds the ``paper_results.json`` and ``paper_steps.csv`` of a run."""
-    if not (out / "paper_results.json").is_file() or not (out / "paper_steps.csv").is_file():
+    """Raise ``ValueError`` unless ``out`` holds the ``paper_results.json`` and ``paper_steps.csv`` of a run (each plain
+    or compressed, :mod:`.records`)."""
+    if not has_records(out / "paper_results.json") or not has_records(out / "paper_steps.csv"):
         raise ValueError(f"{out} holds no paper_results.json and paper_steps.csv to render (run --paper first)")
 
 

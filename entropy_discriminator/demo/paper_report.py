@@ -10,6 +10,7 @@ import json
 import math
 from pathlib import Path
 
+from .records import open_records, read_records_text
 from .report import PLOT_HINT, format_table, have_matplotlib, mean_ci, pyplot, smooth
 from .train import pearson, sign_agreement
 
@@ -32,9 +33,9 @@ def tail_mean(values: list[float], frac: float = 0.1) -> float:
 
 def load(out: Path) -> tuple[dict, Runs]:
     """``paper_results.json`` and the per-step records keyed by ``(group, arm, seed)``, sorted by step."""
-    meta = json.loads((out / "paper_results.json").read_text())
+    meta = json.loads(read_records_text(out / "paper_results.json"))
     runs: Runs = {}
-    with (out / "paper_steps.csv").open() as f:
+    with open_records(out / "paper_steps.csv") as f:
         for row in csv.DictReader(f):
             key = (row["group"], row["arm"], int(row["seed"]))
             runs.setdefault(key, []).append(

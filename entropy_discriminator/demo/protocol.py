@@ -36,6 +36,7 @@ from ..autopilot import DEFAULT_MAX_FRAC as AUTOPILOT_MAX_FRAC
 from .compare import CompareConfig, _pool_map
 from .headtohead import Arm, HeadConfig, eval_stream, evaluate_at, heldout_sets, run_arm_checkpoints, warm_up_checkpoints
 from .model import TinyGPT
+from .records import append_jsonl, load_jsonl
 from .stats_tests import holm, paired_test, value_at_level
 from .tuning import adaptive_bonus_arms, autopilot_arms, second_lr, select, stage_a, stage_b
 
@@ -85,8 +86,7 @@ def parse_arm(spec: str) -> Arm:
 
 
 def _append(path: Path, row: dict[str, object]) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    append_jsonl(path, [row])
 
 
 # ------------------------------------------------------------------------------------------------ warm-up sweep
@@ -264,11 +264,6 @@ DELTAS = (0.02, 0.04)
 ENDPOINT_KS = (16, 64)
 
 
-def load_jsonl(path: Path) -> list[dict]:
-    """Rows of a JSON-lines file."""
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def endpoints(run: dict) -> dict[str, float]:
     """Every endpoint of one (arm, seed) run, keyed ``T{T}/{which}/{metric}``: ``which`` = ``d{delta}`` (Pass@K where
     Avg@K first reaches the run's start Avg@K + delta, :func:`value_at_level`; nan if never), ``final`` (last
@@ -381,10 +376,12 @@ def frontier_figure(runs: Sequence[dict], out: Path, temperature: float = 0.7, k
     return path
 
 
-def report(run_dir: Path, pairs: Sequence[tuple[str, str]], name: str = "report") -> str:
+def report(run_dir: Path, pairs: Sequence[tuple[str, str]], name: str = "report",
+           runs_files: Sequence[Path] = ()) -> str:
     """``{name}.md`` and ``{name}.json`` under ``run_dir``: the primary family at T = 0.7 (Holm over it), the
-    same endpoints at T = 1.0 and the secondary endpoints (each its own Holm family), and the frontier figures."""
-    runs = load_jsonl(run_dir / "runs.jsonl")
+    same endpoints at T = 1.0 and the secondary endpoints (each its own Holm family), and the frontier figures; from
+    ``runs_files`` read in order (default ``run_dir/runs.jsonl``; plain or compressed, :mod:`.records`)."""
+    runs = load_jsonl(*(runs_files or [run_dir / "runs.jsonl"]))
     families = {
         "primary (T = 0.7)": primary_keys(0.7),
         "primary endpoints at T = 1.0": primary_keys(1.0),
@@ -481,10 +478,11 @@ def autopilot_trace(runs: Sequence[dict], arm: str, cap: float, steps: Sequence[
             "arm_entropy": {a: at([r for r in runs if r["arm"] == a], "entropy") for a in arms}}
 
 
-def write_selection(run_dir: Path) -> dict[str, dict[str, object]]:
-    """Apply :func:`entropy_discriminator.demo.tuning.select` to ``run_dir/runs.jsonl``; write ``selection.json`` and
-    ``selection.md`` (every setting's scores and the share of tokens its control acted on)."""
-    sel = select(load_jsonl(run_dir / "runs.jsonl"))
+def write_selection(run_dir: Path, runs_files: Sequence[Path] = ()) -> dict[str, dict[str, object]]:
+    """Apply :func:`entropy_discriminator.demo.tuning.select` to ``runs_files`` read in order (default
+    ``run_dir/runs.jsonl``); write ``selection.json`` and ``selection.md`` under ``run_dir`` (every setting's scores
+    and the share of tokens its control acted on)."""
+    sel = select(load_jsonl(*(runs_files or [run_dir / "runs.jsonl"])))
     (run_dir / "selection.json").write_text(json.dumps(sel, indent=1))
     lines = ["| family | setting | Pass@64 at start+0.02 | Pass@64 at start+0.04 | control share | chosen |", "|---|---|---|---|---|---|"]
     for fam, s in sel.items():
@@ -536,6 +534,9 @@ def main_arms(selections: Sequence[dict[str, dict[str, object]]], grpo_lr: float
 
 WARM_CACHE_HELP = ("folder of warm starts shared by the stages of one set-up: a seed's warm start of the same "
                    "configuration and torch build is reused instead of warmed up again")
+RUNS_HELP = "runs.jsonl files, read in order as their concatenation (each plain, or compressed as .xz / .gz)"
+RUNS_OPTION_HELP = ("a runs.jsonl to read instead of DIR/runs.jsonl (repeat for several, read in order as their "
+                    "concatenation; plain, or compressed as .xz / .gz)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -602,16 +603,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     wc.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     wc.add_argument("--warm-cache", type=Path, required=True, help=WARM_CACHE_HELP)
     gp = sub.add_parser("autopilot-gain", help="realised vs predicted entropy change of an autopilot arm's runs")
-    gp.add_argument("runs", type=Path, help="a runs.jsonl")
+    gp.add_argument("runs", type=Path, nargs="+", help=RUNS_HELP)
     gp.add_argument("--arm", default="autopilot(hold)")
     tr = sub.add_parser("autopilot-trace", help="what an autopilot arm's controller did: target, entropy, drops")
-    tr.add_argument("runs", type=Path, help="a runs.jsonl")
+    tr.add_argument("runs", type=Path, nargs="+", help=RUNS_HELP)
     tr.add_argument("--arm", default="autopilot(hold)")
     tr.add_argument("--cap", type=float, default=AUTOPILOT_MAX_FRAC, help="the arm's cap on the dropped share")
     sp = sub.add_parser("select", help="apply the pre-registered selection rule to a tuning folder")
     sp.add_argument("dir", type=Path)
+    sp.add_argument("--runs", type=Path, action="append", default=[], help=RUNS_OPTION_HELP)
     rp = sub.add_parser("report", help="endpoints, paired tests with Holm, frontier figures of a run folder")
     rp.add_argument("dir", type=Path)
+    rp.add_argument("--runs", type=Path, action="append", default=[], help=RUNS_OPTION_HELP)
     rp.add_argument("--name", default="report", help="file stem of the tables (one per comparison family)")
     rp.add_argument("--pair", action="append", required=True, metavar="ARM|VS", help="a paired comparison ARM - VS (arm names as in the run)")
     args = ap.parse_args(argv)
@@ -649,13 +652,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         fill_warm_cache(parse_config(args.config), [int(s) for s in args.seeds.split("/")], args.warm_cache,
                         jobs=args.jobs)
     if args.cmd == "autopilot-gain":
-        print(json.dumps(autopilot_gain(load_jsonl(args.runs), args.arm), indent=1))
+        print(json.dumps(autopilot_gain(load_jsonl(*args.runs), args.arm), indent=1))
     if args.cmd == "autopilot-trace":
-        print(json.dumps(autopilot_trace(load_jsonl(args.runs), args.arm, args.cap), indent=1))
+        print(json.dumps(autopilot_trace(load_jsonl(*args.runs), args.arm, args.cap), indent=1))
     if args.cmd == "select":
-        print(json.dumps({f: s["chosen"] for f, s in write_selection(args.dir).items()}))
+        print(json.dumps({f: s["chosen"] for f, s in write_selection(args.dir, args.runs).items()}))
     if args.cmd == "report":
-        print(report(args.dir, [tuple(p.split("|", 1)) for p in args.pair], args.name))
+        print(report(args.dir, [tuple(p.split("|", 1)) for p in args.pair], args.name, args.runs))
     if args.cmd == "run":
         spec = RunSpec(parse_config(args.config), tuple(int(s) for s in args.seeds.split("/")),
                        tuple(int(s) for s in args.checkpoints.split("/")), args.prompt_set, args.prompts, args.samples)

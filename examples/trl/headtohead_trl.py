@@ -57,6 +57,7 @@ from entropy_discriminator.demo.protocol import (
     parse_config,
     save_warm_start,
 )
+from entropy_discriminator.demo.records import append_jsonl, has_records
 from entropy_discriminator.demo.stats_tests import paired_test
 
 #: The pre-registered warm start (docs/reproduction/headtohead/PREREGISTRATION.md, ``CFG``).
@@ -256,11 +257,6 @@ def _pool(fn: Callable, jobs: list, n_proc: int, sink: Callable[[dict], None], l
             pool.join()
 
 
-def _append(path: Path, row: dict[str, object]) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
-
-
 def run_all(spec: RunSpec, chosen: dict[str, Arm], steps: int, out: Path, *, paths: Sequence[str] = PATHS,
             device: str = "cpu", impl: str = "auto", jobs: int = 1, log: Callable[[str], None] = print) -> Path:
     """Warm starts, then every (path, arm, seed) not yet in ``out/runs.jsonl`` (so a call cut off, or a run split over
@@ -275,7 +271,7 @@ def run_all(spec: RunSpec, chosen: dict[str, Arm], steps: int, out: Path, *, pat
     here = json.loads(json.dumps({"steps": steps, "spec": asdict(spec)}))
     if calls and same(calls[0]) != same(here):
         raise ValueError(f"{out} holds runs of another config, checkpoints or step count; choose a new --out")
-    done = {(r["path"], r["setting"], r["seed"]) for r in load_jsonl(out / "runs.jsonl")} if (out / "runs.jsonl").is_file() else set()
+    done = {(r["path"], r["setting"], r["seed"]) for r in load_jsonl(out / "runs.jsonl")} if has_records(out / "runs.jsonl") else set()
     meta = {"spec": asdict(spec), "steps": steps, "arms": {k: asdict(a) for k, a in chosen.items()}, "paths": list(paths),
             "device": device, "impl": impl, "jobs": jobs, "torch": torch.__version__, "python": platform.python_version(),
             "cpu_count": os.cpu_count(), "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
@@ -290,14 +286,14 @@ def run_all(spec: RunSpec, chosen: dict[str, Arm], steps: int, out: Path, *, pat
     todo = [s for s in spec.seeds if not (out / "warm" / f"seed{s}.pt").is_file()]
     log(f"warm starts: {len(todo)} to build of {len(spec.seeds)}")
     _pool(_warm_job, [(spec, s, str(out / "warm" / f"seed{s}.pt")) for s in todo], jobs,
-          lambda r: _append(out / "warm.jsonl", r), log)
+          lambda r: append_jsonl(out / "warm.jsonl", [r]), log)
     # TRL jobs first: they are the long ones
     work = [(p, spec, a, s, steps, str(out / "warm" / f"seed{s}.pt"), device, impl)
             for p in sorted(paths, key=lambda p: p != "trl") for a in chosen.values() for s in spec.seeds
             if (p, a.name, s) not in done]
     log(f"runs: {len(work)} to do ({len(paths)} paths x {len(chosen)} arms x {len(spec.seeds)} seeds, {len(done)} done "
         f"before), {steps} steps")
-    _pool(_run_job, work, jobs, lambda r: _append(out / "runs.jsonl", r), log)
+    _pool(_run_job, work, jobs, lambda r: append_jsonl(out / "runs.jsonl", [r]), log)
     meta["wall_seconds"] = time.perf_counter() - t0
     (out / "meta.json").write_text(json.dumps({"calls": calls}, indent=1))
     return out / "runs.jsonl"

@@ -4,8 +4,9 @@
 #   bash docs/reproduction/autopilot_eval/s2_report.sh S2_TGZ [DEST]
 #
 # unpacks S2_TGZ, checks that the pipeline finished (ALL.done), copies the main run's folders (without warm starts)
-# to DEST (default docs/reproduction/autopilot_eval/s2), concatenates their runs into DEST/report/runs.jsonl and runs
-# `protocol report` with the pre-registered pairs, the arm names read from the selection files:
+# to DEST (default docs/reproduction/autopilot_eval/s2), their runs compressed (DEST/main_*/runs.jsonl.xz, xz -9e), and
+# runs `protocol report` on those runs read in order (as their concatenation) with the pre-registered pairs, the arm
+# names read from the selection files:
 #   primary:  autopilot(hold) - {chosen Clip_B, chosen Clip_V, chosen adaptive bonus, chosen GRPO}
 #   adaptive: chosen adaptive bonus - chosen GRPO
 # and `protocol autopilot-gain` on the autopilot's runs (DEST/report/autopilot_gain.json).
@@ -18,13 +19,14 @@ trap 'rm -rf "$TMP"' EXIT
 tar xzf "$TGZ" -C "$TMP"
 [ -f "$TMP/ALL.done" ] || { echo "s2_report: $TGZ holds an unfinished pipeline (no ALL.done)" >&2; exit 1; }
 mkdir -p "$DEST/report"
-: > "$DEST/report/runs.jsonl"
+RUNS=()
 for d in "$TMP"/main_*/; do
   name=$(basename "$d")
   mkdir -p "$DEST/$name"
-  cp "$d"/{meta.json,runs.jsonl,starts.jsonl} "$DEST/$name/"
+  cp "$d"/{meta.json,starts.jsonl} "$DEST/$name/"
+  xz -9e -T1 -c "$d/runs.jsonl" > "$DEST/$name/runs.jsonl.xz"
   cp "$TMP/$name.log" "$DEST/$name/log.txt"
-  cat "$d/runs.jsonl" >> "$DEST/report/runs.jsonl"
+  RUNS+=("$DEST/$name/runs.jsonl.xz")
 done
 cp "$TMP/pipeline.log" "$DEST/pipeline.log"
 chosen() {  # chosen STAGE FAMILY
@@ -35,7 +37,9 @@ GRPO=$(chosen stage_a grpo)
 CLIP_B=$(chosen stage_b clip_b)
 CLIP_V=$(chosen stage_b clip_v)
 BONUS=$(chosen stage_c adaptive_bonus)
-$M report "$DEST/report" --name primary --pair "autopilot(hold)|$CLIP_B" --pair "autopilot(hold)|$CLIP_V" \
-  --pair "autopilot(hold)|$BONUS" --pair "autopilot(hold)|$GRPO"
-$M report "$DEST/report" --name adaptive --pair "$BONUS|$GRPO"
-$M autopilot-gain "$DEST/report/runs.jsonl" --arm "autopilot(hold)" | tee "$DEST/report/autopilot_gain.json"
+RUNS_OPTS=()
+for f in "${RUNS[@]}"; do RUNS_OPTS+=(--runs "$f"); done
+$M report "$DEST/report" "${RUNS_OPTS[@]}" --name primary --pair "autopilot(hold)|$CLIP_B" \
+  --pair "autopilot(hold)|$CLIP_V" --pair "autopilot(hold)|$BONUS" --pair "autopilot(hold)|$GRPO"
+$M report "$DEST/report" "${RUNS_OPTS[@]}" --name adaptive --pair "$BONUS|$GRPO"
+$M autopilot-gain "${RUNS[@]}" --arm "autopilot(hold)" | tee "$DEST/report/autopilot_gain.json"
