@@ -11,9 +11,10 @@ Two kinds of check live here:
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from fractions import Fraction
 
 import numpy as np
@@ -124,6 +125,12 @@ def one_of(name: str, value: object, options: Sequence[str]) -> str:
     if not isinstance(value, str) or value not in options:
         raise ValueError(f"{name} must be one of {tuple(options)}, got {value!r}")
     return value
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """``"; did you mean 'mu_low'?"`` naming the closest of ``known`` to a misspelt ``name`` (``""`` if none is close)."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def exact_fraction(value: object) -> Fraction:
