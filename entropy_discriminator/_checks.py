@@ -211,6 +211,22 @@ def valid_mask(valid: object, shape: torch.Size, checks: DataChecks, name: str =
     return as_bool
 
 
+def valid_within(valid: object, within: torch.Tensor | None, name: str = "valid") -> object:
+    """``valid`` with every position outside the bool tensor ``within`` set to 0 / False (``valid`` unchanged
+    when ``within`` is None).
+
+    ``within`` is a :class:`~entropy_discriminator.TokenStats`' ``valid`` (False where the label was
+    ``ignore_index``; those positions hold 0, not statistics), so a caller's response mask that
+    includes them never counts them.  ``valid`` keeps its dtype, so :func:`valid_mask` still checks
+    its 0/1 entries at the positions that count.
+    """
+    if within is None:
+        return valid
+    t = require_tensor(name, valid)
+    require_shape(name, t, within.shape, "the statistics")
+    return torch.where(within.to(t.device), t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
 def as_valid_mask(valid: object, shape: torch.Size, name: str = "valid") -> torch.Tensor:
     """:func:`valid_mask` checked at once (one host synchronisation for a numeric mask)."""
     checks = DataChecks()

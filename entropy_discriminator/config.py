@@ -18,7 +18,7 @@ from .autopilot import EntropyAutopilot
 from .distributed import Group
 from .dynamics import FORMS
 from .masks import CAP_RULES, DEFAULT_MU, MASK_MODES, SIDES, MaskResult, clip_b_mask, clip_v_mask
-from .stats import IMPLS
+from .stats import IMPLS, TokenStats
 
 METHODS = ("none", "clip_b", "clip_v", "autopilot")
 #: The threshold masks (``compute_mask``); ``"autopilot"`` is a controller with state (``build_autopilot``).
@@ -180,12 +180,16 @@ class EntropyDiscConfig:
         valid: torch.Tensor,
         s_star: torch.Tensor | None = None,
         s_centered: torch.Tensor | None = None,
+        stats: TokenStats | None = None,
         process_group: Group = None,
     ) -> MaskResult:
         """The configured mask: :func:`clip_b_mask` on ``s_star`` or :func:`clip_v_mask` on ``s_centered``.
 
-        Method ``"autopilot"`` raises ``ValueError``: its mask depends on the controller's state
-        (:meth:`build_autopilot`, stepped once per training batch), not on one batch alone.
+        ``stats``: the :class:`~entropy_discriminator.TokenStats` instead of the score tensors;
+        then only positions valid in both ``valid`` and ``stats.valid`` count (give one or the
+        other, not both).  Method ``"autopilot"`` raises ``ValueError``: its mask depends on the
+        controller's state (:meth:`build_autopilot`, stepped once per training batch), not on one
+        batch alone.
         """
         if self.method == "autopilot":
             raise ValueError(
@@ -194,6 +198,12 @@ class EntropyDiscConfig:
                 "and clip_v)"
             )
         mu_low, max_frac = self.resolved()
+        if stats is not None:
+            if not isinstance(stats, TokenStats):
+                raise TypeError(f"stats must be a TokenStats, got {type(stats).__name__}")
+            if s_star is not None or s_centered is not None:
+                raise ValueError("give compute_mask either stats or s_star / s_centered, not both")
+            s_star = s_centered = stats  # the masks read the field and intersect valid with stats.valid
         kwargs = dict(mu_low=mu_low, mu_high=self.mu_high, sides=self.sides, max_frac=max_frac, cap_rule=self.cap_rule,
                       process_group=process_group)
         if self.method == "clip_b":
