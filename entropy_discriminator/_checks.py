@@ -223,7 +223,7 @@ def valid_within(valid: object, within: torch.Tensor | None, name: str = "valid"
     if within is None:
         return valid
     t = require_tensor(name, valid)
-    require_shape(name, t, within.shape, "the statistics")
+    require_shape(name, t, within.shape, "stats.valid")
     return torch.where(within.to(t.device), t, torch.zeros((), dtype=t.dtype, device=t.device))
 
 
