@@ -51,11 +51,20 @@ class EntropyMonitor:
     def __init__(
         self, *, prefix: str = "entropy_disc/", percentiles: Sequence[float] = (10, 50, 90, 99), process_group: Group = None
     ) -> None:
-        if not isinstance(prefix, str):
-            raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
         self.prefix = prefix
         self.percentiles = percentiles
         self.process_group = process_group
+
+    @property
+    def prefix(self) -> str:
+        """The start of every metric name; checked whenever set."""
+        return self._prefix
+
+    @prefix.setter
+    def prefix(self, prefix: str) -> None:
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
+        self._prefix = prefix
 
     @property
     def percentiles(self) -> tuple[float, ...]:

@@ -276,6 +276,14 @@ def test_percentiles_set_later_are_checked_and_used():
     assert monitor.percentiles == (25.0, 75.0)
 
 
+def test_prefix_set_later_is_checked():
+    monitor = ed.EntropyMonitor()
+    with pytest.raises(TypeError, match="prefix must be a str, got int"):
+        monitor.prefix = 5
+    monitor.prefix = "x/"
+    assert set(monitor.from_stats(_small()[0])) >= {"x/entropy/mean", "x/tokens/valid"}
+
+
 @pytest.mark.parametrize("bad", [{"entropy": torch.zeros(2)}, torch.zeros(2, 3), None])
 def test_from_stats_refuses_what_is_not_a_token_stats(bad):
     with pytest.raises(TypeError, match=r"stats must be a TokenStats .*got"):
