@@ -261,14 +261,14 @@ class EntropyMonitor:
         """
         entropy_before, before_valid = field_of(entropy_before, "entropy")
         entropy_after, after_valid = field_of(entropy_after, "entropy")
-        within = after_valid if before_valid is None else before_valid if after_valid is None else before_valid & after_valid
 
         def local() -> tuple[torch.Tensor, DataChecks]:
             require_float("entropy_before", entropy_before)
             require_float("entropy_after", entropy_after)
             require_shape("entropy_after", entropy_after, entropy_before.shape, "entropy_before")
             checks = DataChecks()
-            valid_b = valid_mask(valid_within(valid, within), entropy_before.shape, checks)
+            counted = valid_within(valid_within(valid, before_valid), after_valid)
+            valid_b = valid_mask(counted, entropy_before.shape, checks)
             checks.finite("entropy_before", entropy_before, valid_b)
             checks.finite("entropy_after", entropy_after, valid_b)
             diff = torch.where(valid_b, entropy_after.to(torch.float64) - entropy_before.to(torch.float64), 0.0)

@@ -175,6 +175,24 @@ def test_monitor_and_entropy_change_given_the_statistics_count_only_positions_va
     assert realised == pytest.approx(expected, rel=1e-4, abs=1e-6, nan_ok=True)
 
 
+def test_realised_counts_only_positions_valid_before_and_after():
+    g = torch.Generator().manual_seed(7)
+    logits, labels = torch.randn(2, 6, 9, generator=g), torch.randint(0, 9, (2, 6), generator=g)
+    before_labels, after_labels = labels.clone(), labels.clone()
+    before_labels[0, :2] = -100
+    after_labels[1, 3:] = -100
+    before, after = ed.token_stats(logits, before_labels), ed.token_stats(logits * 0.5, after_labels)
+    response = torch.ones(2, 6, dtype=torch.bool)
+    response[1, 0] = False
+    counted = response & (before_labels != -100) & (after_labels != -100)
+    h0 = reference_token_stats(logits, labels)["entropy"]
+    h1 = reference_token_stats(logits * 0.5, labels)["entropy"]
+    expected = float((h1 - h0)[counted].mean())
+    got = ed.EntropyMonitor().realised(before, after, response)[P + "delta_entropy/realised"]
+    assert got == pytest.approx(expected, rel=1e-5)
+    assert ed.EntropyMonitor().realised(before.entropy, after.entropy, counted)[P + "delta_entropy/realised"] == got
+
+
 def test_a_numeric_response_mask_is_checked_only_where_it_counts():
     stats, _, adv, response, both = _batch(3, torch.float32, 64)
     numeric = response.to(torch.int64)
