@@ -243,9 +243,10 @@ class EntropyDiscConfig:
             return self.eta
         try:
             return real_number("learning rate", learning_rate, above=0)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"entropy_disc.eta is None, so the autopilot's step size is the optimizer's {exc}; "
-                             "set entropy_disc.eta to a finite real > 0") from None
+        except (TypeError, ValueError):
+            raise ValueError(f"entropy_disc.eta is None, so the autopilot's step size is the optimizer's learning "
+                             f"rate, which must be a finite real number > 0, got {learning_rate!r}; set entropy_disc.eta "
+                             "to a finite real > 0 (or give the optimizer such a learning rate)") from None
 
 
 def _check_combination(values: Mapping[str, Any]) -> None:

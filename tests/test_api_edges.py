@@ -106,6 +106,16 @@ def test_from_mapping_suggests_the_closest_field_for_an_unknown_key():
         C.from_mapping({"mu_lo": 1.0})
 
 
+@pytest.mark.parametrize("lr", [0.0, -1e-5, math.nan, "1e-6"])
+def test_step_size_without_eta_says_what_the_learning_rate_must_be_in_one_sentence(lr):
+    with pytest.raises(ValueError) as err:
+        C(method="autopilot").step_size(lr)
+    assert str(err.value) == (
+        f"entropy_disc.eta is None, so the autopilot's step size is the optimizer's learning rate, which must be a "
+        f"finite real number > 0, got {lr!r}; set entropy_disc.eta to a finite real > 0 (or give the optimizer such a "
+        "learning rate)")
+
+
 # --- positions that token_stats ignored never count ------------------------------------------------
 
 
