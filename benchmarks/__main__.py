@@ -20,20 +20,21 @@ import torch
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     sub = p.add_subparsers(dest="bench", required=True)
-    s = sub.add_parser("stats", help="one-pass kernel over materialised logits")
+    s = sub.add_parser("stats", allow_abbrev=False, help="one-pass kernel over materialised logits")
     s.add_argument("--n", type=int, nargs="+", default=[256, 4096, 16384, 65536])
     s.add_argument("--v", type=int, nargs="+", default=[128256, 151936, 152064, 256000])
     s.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp16", "fp32"])
     s.add_argument("--compile-shapes", nargs="*", default=["16384x151936", "256x151936"], help="NxV shapes that also time torch.compile (each compiles anew)")
-    f = sub.add_parser("fused", help="fused LM-head kernel from hidden states")
+    f = sub.add_parser("fused", allow_abbrev=False, help="fused LM-head kernel from hidden states")
     f.add_argument("--n", type=int, nargs="+", default=[16384])
     f.add_argument("--h", type=int, nargs="*", default=[], help="restrict to these hidden sizes (2048, 3584, 4096)")
     from . import fused_vs_cublas
 
     fused_vs_cublas.add_parser(sub)
-    m = sub.add_parser("masks", help="the public mask and monitor calls")
+    m = sub.add_parser("masks", allow_abbrev=False, help="the public mask and monitor calls")
     m.add_argument("--n", type=int, nargs="+", default=[16384, 262144, 1048576], help="tokens per batch (multiples of 1024)")
     m.add_argument("--rep-ms", type=int, default=100, help="do_bench repetition budget per measurement")
     for q in (s, f):

@@ -82,7 +82,7 @@ def main() -> None:
 
     from .floors import read_sum
 
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.host_path")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.host_path", allow_abbrev=False)
     parser.add_argument("--n", type=int, default=256, help="rows of the [N, 151936] bf16 logits")
     n, v = parser.parse_args().n, 151936
     x = (torch.randn(n, v, device="cuda") * 3).bfloat16()

@@ -305,7 +305,7 @@ def run(ns: argparse.Namespace, shape: Shape, arms: list[str]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {list(ARMS)}; off is the baseline")
     parser.add_argument("--response-len", type=int, default=None, help="response tokens per sequence (default 512)")

@@ -96,7 +96,7 @@ def main() -> None:
 
     from .common import card_name
 
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.revisions")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.revisions", allow_abbrev=False)
     parser.add_argument("revs", nargs="*", help="git revisions (or folders holding an unpacked one) to time beside the working tree")
     parser.add_argument("--n", type=int, nargs="+", default=[256, 16384], help="rows of the [N, 151936] bf16 logits")
     parser.add_argument("--rounds", type=int, default=8)

@@ -169,7 +169,7 @@ def run_arm(arm: str, row: str, gc: bool, path: Path, tok, data, ns, recorded: l
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--completion", type=int, default=512)
     parser.add_argument("--batch", type=int, default=64, help="completions per step (8 per prompt)")

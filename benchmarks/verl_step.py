@@ -385,7 +385,7 @@ def run_arm(arm: str, model_dir: Path, shape: Shape, ns: argparse.Namespace) -> 
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, run in the given order; of {list(ARMS)}")
     parser.add_argument("--response-len", type=int, default=None, help="response tokens per sequence (default 512)")

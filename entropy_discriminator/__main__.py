@@ -24,7 +24,11 @@ from .demo.runner import PRESETS, DemoOptions
 
 class CommandParser(argparse.ArgumentParser):
     """A command's parser: an unknown argument is reported with this command's usage (argparse would hand
-    it to the top-level parser, whose usage does not list the command's options)."""
+    it to the top-level parser, whose usage does not list the command's options); options are matched
+    whole, never by prefix (``--max-frac`` is not ``--max-frac-v``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "allow_abbrev": False})
 
     def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> tuple[Any, list[str]]:
         namespace, extra = super().parse_known_args(args, namespace)
@@ -266,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``entropy-discriminator`` argument parser: ``--version`` and one subparser per command."""
     parser = argparse.ArgumentParser(
         prog="entropy-discriminator",
+        allow_abbrev=False,
         description="Principled entropy control for RL fine-tuning of LLMs (Clip_B / Clip_V and entropy-dynamics metrics).",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")

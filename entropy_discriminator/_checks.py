@@ -11,9 +11,10 @@ Two kinds of check live here:
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from fractions import Fraction
 
 import numpy as np
@@ -126,6 +127,12 @@ def one_of(name: str, value: object, options: Sequence[str]) -> str:
     return value
 
 
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """``"; did you mean 'mu_low'?"`` naming the closest of ``known`` to a misspelt ``name`` (``""`` if none is close)."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def exact_fraction(value: object) -> Fraction:
     """The decimal a finite real number was written as: ``exact_fraction(99.9) == Fraction(999, 10)``.
 
@@ -202,6 +209,22 @@ def valid_mask(valid: object, shape: torch.Size, checks: DataChecks, name: str =
     as_bool = t != 0
     checks.count(message, (as_bool & (t != 1)).sum())
     return as_bool
+
+
+def valid_within(valid: object, within: torch.Tensor | None, name: str = "valid") -> object:
+    """``valid`` with every position outside the bool tensor ``within`` set to 0 / False (``valid`` unchanged
+    when ``within`` is None).
+
+    ``within`` is a :class:`~entropy_discriminator.TokenStats`' ``valid`` (False where the label was
+    ``ignore_index``; those positions hold 0, not statistics), so a caller's response mask that
+    includes them never counts them.  ``valid`` keeps its dtype, so :func:`valid_mask` still checks
+    its 0/1 entries at the positions that count.
+    """
+    if within is None:
+        return valid
+    t = require_tensor(name, valid)
+    require_shape(name, t, within.shape, "stats.valid")
+    return torch.where(within.to(t.device), t, torch.zeros((), dtype=t.dtype, device=t.device))
 
 
 def as_valid_mask(valid: object, shape: torch.Size, name: str = "valid") -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -11,13 +12,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._checks import exact_fraction, integer, one_of, real_number
+from ._checks import did_you_mean, exact_fraction, integer, one_of, real_number
 from . import autopilot as _autopilot
 from .autopilot import EntropyAutopilot
 from .distributed import Group
 from .dynamics import FORMS
 from .masks import CAP_RULES, DEFAULT_MU, MASK_MODES, SIDES, MaskResult, clip_b_mask, clip_v_mask
-from .stats import IMPLS
+from .stats import IMPLS, TokenStats
 
 METHODS = ("none", "clip_b", "clip_v", "autopilot")
 #: The threshold masks (``compute_mask``); ``"autopilot"`` is a controller with state (``build_autopilot``).
@@ -33,6 +34,10 @@ AUTOPILOT_ONLY: dict[str, Any] = {
     "target_entropy": "hold", "decay_steps": None, "gain": _autopilot.DEFAULT_GAIN,
     "max_step": _autopilot.DEFAULT_MAX_STEP, "eta": None, "form": "cov",
 }
+#: Fields that only act through a mask or the autopilot, and their defaults: with method ``"none"`` a value other
+#: than these (or, for ``max_frac``, None: no cap, what ``"auto"`` means for the masks) is refused, since the run
+#: would silently only monitor.
+CONTROL_ONLY: dict[str, Any] = {**MASK_ONLY, "sides": "negative", "mask_mode": "zero_pg", **AUTOPILOT_ONLY}
 
 
 @dataclass
@@ -43,12 +48,16 @@ class EntropyDiscConfig:
     (``cfg.method = "clip_x"`` raises ``ValueError`` naming ``entropy_disc.method`` at once;
     every bad setting raises ``ValueError``, whatever its type);
     real-valued fields take any real number or 0-d tensor and are stored as Python floats.
+    Assigning a name that is not a field (``cfg.mu_lo = 1.0``) raises ``AttributeError`` naming
+    it and the closest field, instead of adding an attribute nothing reads.
 
     Fields of one kind of method are refused, with a non-default value, under the other kind
     (same check on every assignment, the config left unchanged): ``mu_low``, ``mu_high`` and
     ``cap_rule`` (:data:`MASK_ONLY`) under ``"autopilot"``; ``target_entropy``, ``decay_steps``,
     ``gain``, ``max_step``, ``eta`` and ``form`` (:data:`AUTOPILOT_ONLY`) under ``"clip_b"`` /
-    ``"clip_v"``.  ``"none"`` (the switch off) keeps any setting.
+    ``"clip_v"``.  ``"none"`` (the switch off, metrics only) refuses every one of them and
+    ``sides``, ``mask_mode`` and a number ``max_frac`` (:data:`CONTROL_ONLY`): set the method
+    first, then its settings.
 
     Attributes:
         method: ``"none"`` (metrics only), ``"clip_b"`` (mask on S*), ``"clip_v"`` (mask on S_c)
@@ -102,13 +111,14 @@ class EntropyDiscConfig:
 
     def __setattr__(self, name: str, value: Any) -> None:
         check = _FIELD_CHECKS.get(name)
-        if check is not None:
-            try:
-                value = check(f"entropy_disc.{name}", value)
-            except TypeError as exc:  # one exception type for every bad setting, as adapters expect
-                raise ValueError(str(exc)) from None
-            if all(f in self.__dict__ for f in _FIELD_CHECKS):  # built: check the combination it would make
-                _check_combination({**{f: self.__dict__[f] for f in _FIELD_CHECKS}, name: value})
+        if check is None:
+            raise AttributeError(f"EntropyDiscConfig has no setting {name!r}{did_you_mean(name, _FIELD_CHECKS)}")
+        try:
+            value = check(f"entropy_disc.{name}", value)
+        except TypeError as exc:  # one exception type for every bad setting, as adapters expect
+            raise ValueError(str(exc)) from None
+        if all(f in self.__dict__ for f in _FIELD_CHECKS):  # built: check the combination it would make
+            _check_combination({**{f: self.__dict__[f] for f in _FIELD_CHECKS}, name: value})
         object.__setattr__(self, name, value)
 
     def __post_init__(self) -> None:
@@ -116,27 +126,25 @@ class EntropyDiscConfig:
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None) -> EntropyDiscConfig:
-        """Build from a dict (e.g. a Hydra/OmegaConf node); unknown keys raise ``ValueError``.
+        """Build from a dict (e.g. a Hydra/OmegaConf node); unknown keys raise ``ValueError``
+        naming them and the closest field.
 
-        Strings are accepted for the real-valued fields (``"inf"``, ``"1e-4"`` from a command
-        line; ``target_entropy`` also ``"hold"``, ``max_frac`` also ``"auto"``) and for
-        ``decay_steps`` (``"200"``); one that is not a number raises ``ValueError`` naming the field.
+        Values may also be command-line strings, parsed by the field's type (:func:`_from_text`):
+        numbers for the real-valued fields (``"inf"``, ``"1e-4"``; ``target_entropy`` also
+        ``"hold"``, ``max_frac`` also ``"auto"``), integers for ``chunk_size`` and ``decay_steps``
+        (``"1024"``), ``true``/``false`` (also ``1``/``0``, ``yes``/``no``, ``on``/``off``) for
+        ``log_metrics``, and ``none``/``null`` for the fields that take None.  A string that is
+        none of these raises ``ValueError`` naming the field and what it takes.
         """
         values = dict(values or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(known))
         if unknown:
-            raise ValueError(f"unknown entropy_disc option(s) {unknown}; valid: {sorted(known)}")
-        keep_text = {"max_frac": "auto", "target_entropy": "hold"}
-        for key, parse in (("mu_low", float), ("mu_high", float), ("max_frac", float), ("target_entropy", float),
-                           ("gain", float), ("max_step", float), ("eta", float), ("decay_steps", int)):
-            text = values.get(key)
-            if isinstance(text, str) and text != keep_text.get(key):
-                try:
-                    values[key] = parse(text)
-                except ValueError:
-                    kind = "an integer" if parse is int else "a number"
-                    raise ValueError(f"entropy_disc.{key} must be {kind}, got {text!r}") from None
+            hints = "".join(did_you_mean(name, known) for name in unknown)
+            raise ValueError(f"unknown entropy_disc option(s) {unknown}{hints}; valid: {sorted(known)}")
+        for key, text in values.items():
+            if isinstance(text, str) and key in _TEXT_KINDS:
+                values[key] = _from_text(key, text)
         return cls(**values)
 
     def validate(self) -> None:
@@ -172,12 +180,16 @@ class EntropyDiscConfig:
         valid: torch.Tensor,
         s_star: torch.Tensor | None = None,
         s_centered: torch.Tensor | None = None,
+        stats: TokenStats | None = None,
         process_group: Group = None,
     ) -> MaskResult:
         """The configured mask: :func:`clip_b_mask` on ``s_star`` or :func:`clip_v_mask` on ``s_centered``.
 
-        Method ``"autopilot"`` raises ``ValueError``: its mask depends on the controller's state
-        (:meth:`build_autopilot`, stepped once per training batch), not on one batch alone.
+        ``stats``: the :class:`~entropy_discriminator.TokenStats` instead of the score tensors;
+        then only positions valid in both ``valid`` and ``stats.valid`` count (give one or the
+        other, not both).  Method ``"autopilot"`` raises ``ValueError``: its mask depends on the
+        controller's state (:meth:`build_autopilot`, stepped once per training batch), not on one
+        batch alone.
         """
         if self.method == "autopilot":
             raise ValueError(
@@ -186,6 +198,12 @@ class EntropyDiscConfig:
                 "and clip_v)"
             )
         mu_low, max_frac = self.resolved()
+        if stats is not None:
+            if not isinstance(stats, TokenStats):
+                raise TypeError(f"stats must be a TokenStats, got {type(stats).__name__}")
+            if s_star is not None or s_centered is not None:
+                raise ValueError("give compute_mask either stats or s_star / s_centered, not both")
+            s_star = s_centered = stats  # the masks read the field and intersect valid with stats.valid
         kwargs = dict(mu_low=mu_low, mu_high=self.mu_high, sides=self.sides, max_frac=max_frac, cap_rule=self.cap_rule,
                       process_group=process_group)
         if self.method == "clip_b":
@@ -225,9 +243,10 @@ class EntropyDiscConfig:
             return self.eta
         try:
             return real_number("learning rate", learning_rate, above=0)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"entropy_disc.eta is None, so the autopilot's step size is the optimizer's {exc}; "
-                             "set entropy_disc.eta to a finite real > 0") from None
+        except (TypeError, ValueError):
+            raise ValueError(f"entropy_disc.eta is None, so the autopilot's step size is the optimizer's learning "
+                             f"rate, which must be a finite real number > 0, got {learning_rate!r}; set entropy_disc.eta "
+                             "to a finite real > 0 (or give the optimizer such a learning rate)") from None
 
 
 def _check_combination(values: Mapping[str, Any]) -> None:
@@ -243,7 +262,11 @@ def _check_combination(values: Mapping[str, Any]) -> None:
     elif method in MASK_METHODS:
         foreign, why = AUTOPILOT_ONLY, "it sets the entropy autopilot (method 'autopilot')"
     else:
-        return
+        if values["max_frac"] not in ("auto", None):
+            raise ValueError(f"entropy_disc.max_frac={values['max_frac']!r} does not apply to method 'none' (metrics "
+                             "only: nothing is clipped); set entropy_disc.method first; leave it at 'auto'")
+        foreign, why = CONTROL_ONLY, ("method 'none' only logs metrics and clips nothing, so the run would ignore it; "
+                                      "set entropy_disc.method (clip_b, clip_v or autopilot) first")
     for name, default in foreign.items():
         value = values[name]
         if not (value is default or value == default):
@@ -292,6 +315,40 @@ def _flag(name: str, value: object) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be True or False, got {value!r}")
     return bool(value)
+
+
+#: How :meth:`EntropyDiscConfig.from_mapping` reads a string for a field: ``(kind, words kept as text, takes None)``.
+_TEXT_KINDS: dict[str, tuple[type, tuple[str, ...], bool]] = {
+    "mu_low": (float, (), True),
+    "mu_high": (float, (), False),
+    "max_frac": (float, ("auto",), True),
+    "chunk_size": (int, (), True),
+    "log_metrics": (bool, (), False),
+    "target_entropy": (float, ("hold",), False),
+    "decay_steps": (int, (), True),
+    "gain": (float, (), False),
+    "max_step": (float, (), False),
+    "eta": (float, (), True),
+}
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def _from_text(key: str, text: str) -> object:
+    """The value a command-line string stands for in field ``key`` (:data:`_TEXT_KINDS`), or ``ValueError``."""
+    kind, words, takes_none = _TEXT_KINDS[key]
+    word = text.strip().lower()
+    if text in words:
+        return text
+    if takes_none and word in ("none", "null"):
+        return None
+    if kind is bool and word in _TRUE + _FALSE:
+        return word in _TRUE
+    if kind is not bool:
+        with contextlib.suppress(ValueError):
+            return kind(text)
+    wanted = {float: "a number", int: "an integer", bool: "true or false"}[kind]
+    options = [wanted, *(repr(w) for w in words), *(["none"] if takes_none else [])]
+    raise ValueError(f"entropy_disc.{key} must be {' or '.join(options)}, got {text!r}")
 
 
 _FIELD_CHECKS = {

@@ -22,8 +22,10 @@ from ._checks import (
     require_float,
     require_shape,
     valid_mask,
+    valid_within,
 )
 from .distributed import Group, reduce_or_raise
+from .stats import TokenStats, field_of
 
 FORMS = ("cov", "mean")
 
@@ -55,7 +57,7 @@ def entropy_change_step(alpha: torch.Tensor | float, s_star: torch.Tensor, s_exp
 
 def batch_entropy_change(
     advantages: torch.Tensor,
-    s_centered: torch.Tensor,
+    s_centered: torch.Tensor | TokenStats,
     valid: torch.Tensor,
     *,
     lr: float,
@@ -72,14 +74,18 @@ def batch_entropy_change(
 
     Args:
         advantages: ``[B]`` per sequence or per token with ``s_centered``'s shape.
-        s_centered: ``S_c = S* - E_p[S]``, ``[B, T]`` (or any shape).
+        s_centered: ``S_c = S* - E_p[S]``, ``[B, T]`` (or any shape), or the
+            :class:`~entropy_discriminator.TokenStats` it comes from: then only positions valid in
+            both ``valid`` and its ``valid`` count (ignored positions hold 0, not statistics).
         valid: bool or 0/1 tensor of ``s_centered``'s shape.
         lr: the step size ``eta`` in ``alpha = eta * r * A``, on the temperature-scaled logits, a
-            finite real number (or 0-d tensor). In the tabular case (each token owns its logits) plain
+            finite real number >= 0 (or 0-d tensor; 0 predicts no change, a negative step would
+            flip the prediction's sign and is refused). In the tabular case (each token owns its logits) plain
             SGD with learning rate ``lambda`` on a loss that averages over ``N`` tokens, sampled at
             temperature ``T``, has ``eta = lambda / (N * T^2)`` (see the module docstring); for a
             network it is an effective rate.
-        ratio: importance ratio ``r = pi / pi_sample`` per token (None: on-policy, r = 1).
+        ratio: importance ratio ``r = pi / pi_sample`` per token, finite and >= 0 at the valid
+            positions (None: on-policy, r = 1).
         process_group: reduce the sums over this group; a bad argument or NaN on one rank raises
             the same error on every rank.
 
@@ -87,25 +93,29 @@ def batch_entropy_change(
         The predicted ``ΔH_B`` as a Python float (0.0 for an empty batch).
     """
 
+    s_centered, within = field_of(s_centered, "s_centered")
+
     def local() -> tuple[torch.Tensor, tuple[DataChecks, float]]:
         require_float("s_centered", s_centered)
         one_of("form", form, FORMS)
-        eta = real_number("lr", lr)
+        eta = real_number("lr", lr, minimum=0)
         checks = DataChecks()
-        valid_b = valid_mask(valid, s_centered.shape, checks)
+        valid_b = valid_mask(valid_within(valid, within), s_centered.shape, checks)
         a = broadcast_advantages(advantages, s_centered.shape).to(s_centered.device)
         y = s_centered.to(torch.float64)
         if ratio is not None:
             require_float("ratio", ratio)
             require_shape("ratio", ratio, s_centered.shape, "s_centered")
             checks.finite("ratio", ratio, valid_b)
+            checks.count("ratio must be >= 0 (pi / pi_sample); negative at {} valid position(s)",
+                         ((ratio < 0) & valid_b).sum())
             y = y * ratio.to(torch.float64)
         checks.finite("s_centered", s_centered, valid_b)
         terms = covariance_terms(a, y, valid_b)
         checks.finite("advantages", a, valid_b, witness=terms[1])
         return torch.cat([torch.stack(checks.witnesses()), terms]), (checks, eta)
 
-    n_checks = 3 + (ratio is not None)
+    n_checks = 3 + 2 * (ratio is not None)
     values, (checks, eta) = reduce_or_raise(local, n_checks + 4, process_group)
     checks.verdict(values[:n_checks], process_group)
     n, s_a, s_y, s_ay = values[n_checks:]

@@ -10,6 +10,13 @@ advantage has the sign named by ``sides``:
 ``mean`` and ``sigma`` are the population mean and standard deviation over every valid token of
 the batch, in float64, across all ranks of ``process_group``.  Zero-advantage tokens are never
 clipped: their policy-gradient term is already zero (the reference Clip_V clips them too).
+
+Valid tokens: the first argument may be the :class:`~entropy_discriminator.TokenStats` itself
+(``clip_v_mask(stats, advantages, response_mask)``); then only positions valid in both the
+caller's mask and ``stats.valid`` count, so a response mask that includes positions
+:func:`~entropy_discriminator.token_stats` ignored (labels ``ignore_index``, which hold 0) never
+lets those zeros into the mean, sigma or the counts.  A plain score tensor carries no validity:
+there ``valid`` alone decides, so pass ``response_mask & stats.valid`` (or the statistics).
 """
 
 from __future__ import annotations
@@ -29,8 +36,10 @@ from ._checks import (
     require_float,
     require_tensor,
     valid_mask,
+    valid_within,
 )
 from .distributed import Group, all_reduce, reduce_or_raise, top_k_mask
+from .stats import TokenStats, field_of
 
 SIDES = ("negative", "positive", "both")
 MASK_MODES = ("zero_pg", "drop_token")
@@ -73,7 +82,7 @@ class MaskResult:
 
 
 def clip_b_mask(
-    s_star: torch.Tensor,
+    s_star: torch.Tensor | TokenStats,
     advantages: torch.Tensor,
     valid: torch.Tensor,
     *,
@@ -87,7 +96,9 @@ def clip_b_mask(
     """Clip_B: keep token t when ``-mu_low*sigma <= S*_t - mean(S*) <= mu_high*sigma``.
 
     Args:
-        s_star: ``[B, T]`` (or any shape) float scores ``S* = p_k (H + log p_k)``.
+        s_star: ``[B, T]`` (or any shape) float scores ``S* = p_k (H + log p_k)``, or the
+            :class:`~entropy_discriminator.TokenStats` they come from (its ``s_star`` is read and
+            ``valid`` is intersected with its ``valid``: module docstring).
         advantages: ``[B]`` per sequence (GRPO) or the scores' shape (per token, GAE).
         valid: bool or 0/1 tensor of the scores' shape (the response mask).
         mu_low, mu_high: bounds in units of the batch std; ``math.inf`` disables a side.
@@ -113,7 +124,7 @@ def clip_b_mask(
 
 
 def clip_v_mask(
-    s_centered: torch.Tensor,
+    s_centered: torch.Tensor | TokenStats,
     advantages: torch.Tensor,
     valid: torch.Tensor,
     *,
@@ -126,7 +137,9 @@ def clip_v_mask(
 ) -> MaskResult:
     """Clip_V: keep token t when ``-mu_low*sigma' <= S_c,t <= mu_high*sigma'``, sigma' = std(S_c).
 
-    ``S_c = S* - E_p[S]`` from :func:`~entropy_discriminator.token_stats`.  Arguments as in
+    ``S_c = S* - E_p[S]`` from :func:`~entropy_discriminator.token_stats` (or the
+    :class:`~entropy_discriminator.TokenStats` itself: its ``s_centered`` is read and ``valid`` is
+    intersected with its ``valid``).  Arguments as in
     :func:`clip_b_mask`, with the same defaults (mu = 2.5, negative side, no cap).  The
     reference's settings for 7B models (mu = 8.5, ``max_frac=1e-4``) clip nothing in a batch of a
     few thousand tokens; pass ``cap_rule="reference"`` to cap as the reference does.
@@ -166,7 +179,7 @@ def apply_keep_mask(
 def _outlier_mask(
     method: str,
     name: str,
-    scores: torch.Tensor,
+    scores: torch.Tensor | TokenStats,
     advantages: torch.Tensor,
     valid: torch.Tensor,
     recentre: bool,
@@ -177,11 +190,13 @@ def _outlier_mask(
     cap_rule: str,
     group: Group,
 ) -> MaskResult:
+    scores, within = field_of(scores, name)
+
     def local() -> tuple[torch.Tensor, tuple]:
         params = _check_params(mu_low, mu_high, sides, max_frac, cap_rule)
         require_float(name, scores)
         checks = DataChecks()
-        valid_b = valid_mask(valid, scores.shape, checks)
+        valid_b = valid_mask(valid_within(valid, within), scores.shape, checks)
         adv = broadcast_advantages(advantages, scores.shape).to(scores.device)
         x = scores.to(torch.float64)
         total = torch.where(valid_b, x, 0.0).sum()

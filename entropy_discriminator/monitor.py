@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -16,10 +16,11 @@ from ._checks import (
     require_shape,
     require_tensor,
     valid_mask,
+    valid_within,
 )
 from .distributed import Group, kth_smallest, reduce_or_raise
 from .masks import MaskResult
-from .stats import TokenStats
+from .stats import TokenStats, field_of
 
 
 class EntropyMonitor:
@@ -50,13 +51,35 @@ class EntropyMonitor:
     def __init__(
         self, *, prefix: str = "entropy_disc/", percentiles: Sequence[float] = (10, 50, 90, 99), process_group: Group = None
     ) -> None:
+        self.prefix = prefix
+        self.percentiles = percentiles
+        self.process_group = process_group
+
+    @property
+    def prefix(self) -> str:
+        """The start of every metric name; checked whenever set."""
+        return self._prefix
+
+    @prefix.setter
+    def prefix(self, prefix: str) -> None:
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
-        qs = [real_number("percentiles", q, above=0, maximum=100) for q in percentiles]
-        self.prefix = prefix
-        self.percentiles = tuple(qs)
-        self._ranks = tuple(exact_fraction(q) / 100 for q in percentiles)
-        self.process_group = process_group
+        self._prefix = prefix
+
+    @property
+    def percentiles(self) -> tuple[float, ...]:
+        """The logged percentiles, each in ``(0, 100]``; checked (and their ranks recomputed) whenever set."""
+        return self._percentiles
+
+    @percentiles.setter
+    def percentiles(self, percentiles: Sequence[float]) -> None:
+        if isinstance(percentiles, (str, bytes)) or not isinstance(percentiles, Iterable):
+            raise TypeError(f"percentiles must be a sequence of numbers in (0, 100], e.g. (10, 50, 90), got "
+                            f"{percentiles!r} ({type(percentiles).__name__})")
+        values = list(percentiles)
+        qs = [real_number("percentiles", q, above=0, maximum=100) for q in values]
+        self._percentiles = tuple(qs)
+        self._ranks = tuple(exact_fraction(q) / 100 for q in values)
 
     def percentile_ranks(self, n: int) -> list[int]:
         """Nearest-rank order statistics of the percentiles for ``n`` values: ``ceil(q/100 * n)``.
@@ -80,25 +103,45 @@ class EntropyMonitor:
     ) -> dict[str, float]:
         """Metrics of one batch. Tensors share ``entropy``'s shape (``advantages`` may be ``[B]``).
 
-        ``mask`` must have been computed on this batch (over the same ``process_group``);
-        ``ratio`` (``pi / pi_sample``, per token) weights ``S_c`` in the covariance off-policy;
-        ``lr`` (a finite real number or 0-d tensor) turns the covariance into the predicted
-        entropy change.  NaN / inf at a valid position of any tensor raises ``ValueError``
-        naming it, on every rank of the process group.  Host synchronisations: one for the
-        sums and counts, one for the percentiles.
+        ``mask`` must have been computed on this batch over the same valid tokens (its
+        ``n_valid`` must equal the count here, else ``ValueError``: a mask built over positions
+        the statistics do not count, or the reverse, would give wrong shares) and the same
+        ``process_group``; ``ratio`` (``pi / pi_sample``, per token, finite and >= 0 at the valid
+        positions) weights ``S_c`` in the covariance off-policy; ``lr`` (a finite real number
+        >= 0 or 0-d tensor; 0 predicts no change) turns the covariance into the predicted entropy
+        change.  NaN / inf at a valid position of any tensor raises ``ValueError`` naming it, on
+        every rank of the process group.  Host synchronisations: one for the sums and counts,
+        one for the percentiles.
         """
+        return self._metrics(None, entropy=entropy, valid=valid, advantages=advantages, s_star=s_star,
+                             s_centered=s_centered, mask=mask, ratio=ratio, lr=lr)
+
+    def _metrics(
+        self,
+        within: torch.Tensor | None,
+        *,
+        entropy: torch.Tensor,
+        valid: torch.Tensor,
+        advantages: torch.Tensor | None,
+        s_star: torch.Tensor | None,
+        s_centered: torch.Tensor | None,
+        mask: MaskResult | None,
+        ratio: torch.Tensor | None,
+        lr: float | None,
+    ) -> dict[str, float]:
+        """:meth:`__call__` counting only the positions of ``valid`` inside ``within`` (a TokenStats' ``valid``)."""
         group = self.process_group
         has_adv, has_cov = advantages is not None, advantages is not None and s_centered is not None
         optional = (has_adv, s_star is not None, s_centered is not None, ratio is not None)
-        n_checks = 2 + sum(optional)
+        n_checks = 2 + sum(optional) + optional[3]  # ratio: finite and >= 0
         size = n_checks + 2 + 4 * has_adv + 2 * optional[1] + 2 * optional[2] + 2 * (mask is not None) + 3 * has_cov
 
         def local() -> tuple[torch.Tensor, tuple]:
-            lr_value = None if lr is None else real_number("lr", lr)
+            lr_value = None if lr is None else real_number("lr", lr, minimum=0)
             require_float("entropy", entropy)
             shape = entropy.shape
             checks = DataChecks()
-            valid_b = valid_mask(valid, shape, checks)
+            valid_b = valid_mask(valid_within(valid, within), shape, checks)
             h = self._masked("entropy", entropy, shape, valid_b)
             h_sum = h.sum()
             checks.finite("entropy", entropy, valid_b, witness=h_sum)
@@ -117,6 +160,9 @@ class EntropyMonitor:
                     masked[name] = x = self._masked(name, t, shape, valid_b)
                     sums[name] = x.sum()
                     checks.finite(name, t, valid_b, witness=sums[name])
+            if "ratio" in masked:  # r = pi / pi_sample: a negative one flips the sign of its token's term
+                checks.count("ratio must be >= 0 (pi / pi_sample); negative at {} valid position(s)",
+                             (masked["ratio"] < 0).sum())
             for name in ("s_star", "s_centered"):
                 if name in masked:
                     x = masked[name]
@@ -154,6 +200,12 @@ class EntropyMonitor:
                 out[f"{name}/mean"] = mean
                 out[f"{name}/std"] = math.sqrt(max(s2 / n - mean * mean, 0.0)) if n > 0 else math.nan
         if mask is not None:
+            if getattr(mask, "n_valid", n) != n:
+                raise ValueError(
+                    f"mask was computed over {mask.n_valid} valid token(s), these statistics count {int(n)}: build "
+                    "the mask over the same tokens (pass the TokenStats to clip_b_mask / clip_v_mask, or a response "
+                    "mask intersected with stats.valid)"
+                )
             h_kept, n_kept = next(total), next(total)
             out.update(self._mask_metrics(mask, n, h_sum, h_kept, n_kept))
         if has_cov:
@@ -171,11 +223,21 @@ class EntropyMonitor:
         mask: MaskResult | None = None,
         ratio: torch.Tensor | None = None,
         lr: float | None = None,
+        *,
+        valid: torch.Tensor | None = None,
     ) -> dict[str, float]:
-        """:meth:`__call__` on the fields of a :class:`~entropy_discriminator.TokenStats`."""
-        return self(
+        """:meth:`__call__` on the fields of a :class:`~entropy_discriminator.TokenStats`.
+
+        ``valid`` (optional, bool or 0/1 of the statistics' shape, e.g. a response mask) narrows
+        the tokens counted to those valid in both it and ``stats.valid``; None: ``stats.valid``.
+        """
+        if not isinstance(stats, TokenStats):
+            raise TypeError(f"stats must be a TokenStats (from entropy_discriminator.token_stats), got "
+                            f"{type(stats).__name__}; for separate tensors call the monitor itself")
+        return self._metrics(
+            stats.valid,
             entropy=stats.entropy,
-            valid=stats.valid,
+            valid=stats.valid if valid is None else valid,
             advantages=advantages,
             s_star=stats.s_star,
             s_centered=stats.s_centered,
@@ -184,19 +246,29 @@ class EntropyMonitor:
             lr=lr,
         )
 
-    def realised(self, entropy_before: torch.Tensor, entropy_after: torch.Tensor, valid: torch.Tensor) -> dict[str, float]:
+    def realised(
+        self,
+        entropy_before: torch.Tensor | TokenStats,
+        entropy_after: torch.Tensor | TokenStats,
+        valid: torch.Tensor,
+    ) -> dict[str, float]:
         """``delta_entropy/realised`` = mean(H after) - mean(H before) over the valid tokens of all ranks.
 
         Both entropies are of the same tokens (same shape), before and after the update; ``NaN``
-        when no token is valid.
+        when no token is valid.  Either may be the :class:`~entropy_discriminator.TokenStats`
+        itself: then only positions valid in ``valid`` and in its ``valid`` count (an ignored
+        position holds entropy 0, which would dilute the mean).
         """
+        entropy_before, before_valid = field_of(entropy_before, "entropy")
+        entropy_after, after_valid = field_of(entropy_after, "entropy")
 
         def local() -> tuple[torch.Tensor, DataChecks]:
             require_float("entropy_before", entropy_before)
             require_float("entropy_after", entropy_after)
             require_shape("entropy_after", entropy_after, entropy_before.shape, "entropy_before")
             checks = DataChecks()
-            valid_b = valid_mask(valid, entropy_before.shape, checks)
+            counted = valid_within(valid_within(valid, before_valid), after_valid)
+            valid_b = valid_mask(counted, entropy_before.shape, checks)
             checks.finite("entropy_before", entropy_before, valid_b)
             checks.finite("entropy_after", entropy_after, valid_b)
             diff = torch.where(valid_b, entropy_after.to(torch.float64) - entropy_before.to(torch.float64), 0.0)

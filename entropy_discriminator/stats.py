@@ -65,6 +65,24 @@ class TokenStats:
     valid: torch.Tensor
 
 
+def field_of(value: object, field: str) -> tuple[object, torch.Tensor | None]:
+    """``(value.<field>, value.valid)`` when ``value`` is a :class:`TokenStats`, else ``(value, None)``.
+
+    How the masks, the monitor and :func:`~entropy_discriminator.batch_entropy_change` take either a
+    score tensor or the statistics it comes from; with the statistics, their ``valid`` is
+    intersected with the caller's mask (:func:`~entropy_discriminator._checks.valid_within`).
+    """
+    if isinstance(value, TokenStats):
+        return getattr(value, field), value.valid
+    return value, None
+
+
+#: How far below 0 an entropy, and above 0 a log-probability, :func:`discriminator_score` accepts as rounding
+#: (nats): two roundings of half a bfloat16 spacing at magnitudes in [16, 32) (logsumexp and E_p[z] of
+#: bf16 logits), 1/16 each.  Beyond it the input is not an entropy / a log-probability (e.g. a negated one).
+SCORE_SLACK = 0.125
+
+
 def discriminator_score(logp: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
     """``S* = exp(logp) * (entropy + logp)`` from what every framework already logs.
 
@@ -73,10 +91,20 @@ def discriminator_score(logp: torch.Tensor, entropy: torch.Tensor) -> torch.Tens
     the masks then refuse at a valid position).  ``logp`` and ``entropy`` must broadcast
     (``ValueError`` naming both otherwise); the result has their broadcast shape.  Clip_B needs
     nothing more.
+
+    ``entropy`` must be ``>= -SCORE_SLACK`` and ``logp <= SCORE_SLACK`` (:data:`SCORE_SLACK`,
+    0.125 nats of rounding) at every entry, else ``ValueError`` naming the argument and the count
+    (one host synchronisation; pad positions must hold in-range values, e.g. 0).
     """
     require_float("logp", logp)
     require_float("entropy", entropy)
     common_shape(logp=logp, entropy=entropy)
+    out_of_range = torch.stack([(entropy < -SCORE_SLACK).sum(), (logp > SCORE_SLACK).sum()]).tolist()
+    for (name, rule), n in zip((("entropy", f">= -{SCORE_SLACK}: an entropy is >= 0 nats"),
+                                ("logp", f"<= {SCORE_SLACK}: a log-probability is <= 0")), out_of_range):
+        if n:
+            raise ValueError(f"{name} must be {rule} (up to rounding); {n} entr{'y is' if n == 1 else 'ies are'} "
+                             "outside")
     dtype = torch.float64 if torch.float64 in (logp.dtype, entropy.dtype) else torch.float32
     lp, h = logp.to(dtype), entropy.to(dtype)
     p = lp.exp()

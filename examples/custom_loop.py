@@ -74,7 +74,8 @@ def sample(model: TinyLM, prompts: torch.Tensor, gen: torch.Generator, temperatu
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--method", choices=["none", "clip_b", "clip_v"], default="clip_v")
     parser.add_argument(
         "--mu-low", type=float, default=DEFAULT_MU, help=f"lower bound in batch stds (default {DEFAULT_MU}, the library's)"

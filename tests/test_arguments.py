@@ -140,7 +140,7 @@ def test_config_from_mapping_names_the_field_of_a_bad_string():
         ed.EntropyDiscConfig.from_mapping({"mu_low": "abc"})
     with pytest.raises(ValueError, match=r"entropy_disc\.max_frac"):
         ed.EntropyDiscConfig.from_mapping({"max_frac": "lots"})
-    cfg = ed.EntropyDiscConfig.from_mapping({"mu_low": "3", "max_frac": "1e-3", "mu_high": "inf"})
+    cfg = ed.EntropyDiscConfig.from_mapping({"method": "clip_b", "mu_low": "3", "max_frac": "1e-3", "mu_high": "inf"})
     assert (cfg.mu_low, cfg.max_frac, cfg.mu_high) == (3.0, 1e-3, math.inf)
 
 

@@ -13,6 +13,7 @@ machine (an explicit ``bf16=True`` still gets transformers' error).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_availab
 from trl import GRPOConfig
 
 from entropy_discriminator import EntropyDiscConfig
+from entropy_discriminator._checks import did_you_mean
 from entropy_discriminator.autopilot import DEFAULT_GAIN, DEFAULT_MAX_STEP
 
 from ._patch import ensure_args_patch
@@ -37,7 +39,9 @@ class EntropyDiscGRPOConfig(GRPOConfig):
 
     The ``entropy_disc_*`` fields map one-to-one onto :class:`EntropyDiscConfig` (``mask_source``
     is the adapter's own option); ``__post_init__`` validates them, checks the TRL version and
-    makes ``GRPOTrainer`` read them (module docstring).
+    makes ``GRPOTrainer`` read them (module docstring).  After that, assigning an ``entropy_disc_*``
+    field validates it at once (``ValueError`` naming it, the field left as it was), and assigning
+    an ``entropy_disc_*`` name that is not a field raises ``AttributeError`` naming the closest one.
     """
 
     entropy_disc_method: str = field(
@@ -113,6 +117,21 @@ class EntropyDiscGRPOConfig(GRPOConfig):
         validate_options(self.entropy_disc_config(), self.entropy_disc_mask_source)
         check_trl_version()
         ensure_args_patch()
+        object.__setattr__(self, _CHECKED, True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith(_PREFIX) and name not in _ENTROPY_DISC_FIELDS:
+            raise AttributeError(f"EntropyDiscGRPOConfig has no setting {name!r}"
+                                 f"{did_you_mean(name, _ENTROPY_DISC_FIELDS)}")
+        if name not in _ENTROPY_DISC_FIELDS or not self.__dict__.get(_CHECKED, False):
+            return super().__setattr__(name, value)
+        before = self.__dict__[name]
+        super().__setattr__(name, value)
+        try:
+            validate_options(self.entropy_disc_config(), self.entropy_disc_mask_source)
+        except (TypeError, ValueError):
+            super().__setattr__(name, before)
+            raise
 
     def entropy_disc_config(self) -> EntropyDiscConfig:
         """The core :class:`EntropyDiscConfig` these fields describe."""
@@ -134,6 +153,13 @@ class EntropyDiscGRPOConfig(GRPOConfig):
             eta=self.entropy_disc_eta,
             form=self.entropy_disc_form,
         )
+
+
+_PREFIX = "entropy_disc_"
+#: The ``entropy_disc_*`` fields (every other name is TRL's / transformers').
+_ENTROPY_DISC_FIELDS = frozenset(f.name for f in dataclasses.fields(EntropyDiscGRPOConfig) if f.name.startswith(_PREFIX))
+#: Instance flag set at the end of ``__post_init__``: from then on every ``entropy_disc_*`` assignment is validated.
+_CHECKED = "_entropy_disc_checked"
 
 
 def _bf16_accelerator() -> bool:

@@ -38,7 +38,7 @@ def _example():
 
 def main(argv: list[str]) -> None:
     split = argv.index("--") if "--" in argv else len(argv)
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
     parser.add_argument("--out_dir", required=True)
     parser.add_argument("--methods", default=",".join(RUNS))
     own, common = parser.parse_args(argv[:split]), argv[split + 1:]

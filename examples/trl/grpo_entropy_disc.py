@@ -141,7 +141,7 @@ def summarise(history: list[dict]) -> dict[str, dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = TrlParser((ExampleArguments, EntropyDiscGRPOConfig))
+    parser = TrlParser((ExampleArguments, EntropyDiscGRPOConfig), allow_abbrev=False)
     parser.set_defaults(  # a reasonable single-GPU GSM8K run; every one can be overridden by a flag
         learning_rate=1e-6, num_generations=8, per_device_train_batch_size=8, gradient_accumulation_steps=2,
         max_completion_length=512, max_steps=200, logging_steps=1, beta=0.0, temperature=1.0,

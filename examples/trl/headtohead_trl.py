@@ -439,7 +439,8 @@ def entropy_figure(curves: dict[str, dict[int, float]], out: Path) -> Path | Non
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--seeds", default="0/1/2", help="'/'-separated evaluation seeds (>= 3 for item 6)")
     ap.add_argument("--steps", type=int, default=None, help="RL steps (default: the last checkpoint)")
     ap.add_argument("--checkpoints", default="/".join(map(str, CHECKPOINTS)), help="'/'-separated RL step counts, 0 = start")

@@ -22,7 +22,7 @@ from entropy_discriminator.adapters.trl import EntropyDiscGRPOConfig, unpatch
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = TrlParser((GRPOScriptArguments, EntropyDiscGRPOConfig, ModelConfig, DatasetMixtureConfig))
+    parser = TrlParser((GRPOScriptArguments, EntropyDiscGRPOConfig, ModelConfig, DatasetMixtureConfig), allow_abbrev=False)
     script_args, training_args, model_args, dataset_args = parser.parse_args_and_config(args=argv)
     try:
         trl_grpo_main(script_args, training_args, model_args, dataset_args)

@@ -249,7 +249,7 @@ def compare(mo: dict, seen: list[dict], v_local: int, checks: dict, report: dict
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("out", nargs="?", default=".")

@@ -113,7 +113,7 @@ def training_args(micro: int, total: int, n_per_prompt: int = N_PER_PROMPT, pack
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--fallback", action="store_true",
                         help="patch the adapter only after the old-log-prob forward (trainer built before the "
                              "patch): its round runs the fallback no-grad pass; default: patched before, statistics "

@@ -232,7 +232,7 @@ def in_batch_order(captured, seqs):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--out", required=True)
     parser.add_argument(
         "--variants", default="default",

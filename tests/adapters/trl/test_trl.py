@@ -83,7 +83,7 @@ def test_config_fields_are_cli_flags():
     assert (cfg.method, cfg.mu_low, cfg.mu_high, cfg.sides, cfg.max_frac, cfg.mask_mode, cfg.chunk_size) == (
         "clip_v", 3.5, math.inf, "both", None, "drop_token", 64)
     assert args.entropy_disc_mask_source == "generation"
-    assert EntropyDiscGRPOConfig(output_dir="/tmp/x", report_to="none", use_cpu=True,
+    assert EntropyDiscGRPOConfig(output_dir="/tmp/x", report_to="none", use_cpu=True, entropy_disc_method="clip_b",
                                  entropy_disc_max_frac="1e-3").entropy_disc_config().max_frac == 1e-3
 
 
