@@ -44,6 +44,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOTrainer, TrlParser
 
+from entropy_discriminator import EntropyDiscConfig, save_batch
 from entropy_discriminator.adapters.trl import EntropyDiscGRPOConfig, EntropyDiscGRPOTrainer, patch
 
 SYSTEM_PROMPT = (
@@ -63,6 +64,9 @@ class ExampleArguments:
     tiny_hidden: int = field(default=64, metadata={"help": "--tiny: hidden size."})
     tiny_layers: int = field(default=2, metadata={"help": "--tiny: layers."})
     summary_json: str | None = field(default=None, metadata={"help": "Write log history and a summary here."})
+    save_batch: str | None = field(default=None, metadata={
+        "help": "Save the first masked batch's mask inputs here, for entropy-discriminator suggest-mu --batch "
+                "(clip_b / clip_v; this process's share of the batch)."})
 
 
 def _number(text: str) -> float | None:
@@ -128,6 +132,32 @@ def build(ex: ExampleArguments, args: EntropyDiscGRPOConfig) -> GRPOTrainer:
     return GRPOTrainer(args=args, **kwargs)
 
 
+def save_first_batch(path: str) -> None:
+    """Save the first batch the adapter masks (its ``EntropyDiscConfig.compute_mask`` inputs) to ``path``.
+
+    For choosing mu (docs/choosing-mu.md): ``entropy-discriminator suggest-mu --batch PATH`` then gives the mu that
+    clips a target share of it.  Wraps the config class's method for this process only; later batches are not saved.
+    """
+    original = EntropyDiscConfig.compute_mask
+
+    def compute_mask(self: EntropyDiscConfig, *, advantages, valid, s_star=None, s_centered=None, **kwargs):
+        if not pathlib.Path(path).exists() and s_star is not None and s_centered is not None:
+            save_batch(path, s_star=s_star, s_centered=s_centered, advantages=advantages, valid=valid)
+        return original(self, advantages=advantages, valid=valid, s_star=s_star, s_centered=s_centered, **kwargs)
+
+    EntropyDiscConfig.compute_mask = compute_mask
+
+
+def effect(history: list[dict]) -> str:
+    """One line: the clipped share over the logged steps and the token entropy at the first and last step."""
+    rows = [h for h in history if "entropy_disc/entropy/mean" in h]
+    if not rows:
+        return "no entropy_disc/* metrics were logged"
+    frac = [h.get("entropy_disc/clip/frac", 0.0) for h in rows]
+    return (f"clipped {sum(frac) / len(frac):.2%} of the tokens (mean over {len(rows)} steps); entropy "
+            f"{rows[0]['entropy_disc/entropy/mean']:.3f} -> {rows[-1]['entropy_disc/entropy/mean']:.3f} nats/token")
+
+
 def summarise(history: list[dict]) -> dict[str, dict[str, float]]:
     """First and last logged values of the headline metrics."""
     keys = ("reward", "entropy", "entropy_disc/entropy/mean", "entropy_disc/clip/frac", "entropy_disc/clip/n_clipped",
@@ -145,16 +175,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.set_defaults(  # a reasonable single-GPU GSM8K run; every one can be overridden by a flag
         learning_rate=1e-6, num_generations=8, per_device_train_batch_size=8, gradient_accumulation_steps=2,
         max_completion_length=512, max_steps=200, logging_steps=1, beta=0.0, temperature=1.0,
-        disable_dropout=True, report_to="none", save_strategy="no",
+        disable_dropout=True, report_to="none",
     )
     if "--tiny" in (sys.argv[1:] if argv is None else argv):  # minutes, not hours, on a CPU
-        parser.set_defaults(max_completion_length=16, max_steps=20)
+        parser.set_defaults(max_completion_length=16, max_steps=20, learning_rate=3e-3)
     ex, args = parser.parse_args_and_config(args=argv)
+    if ex.save_batch:
+        save_first_batch(ex.save_batch)
     trainer = build(ex, args)
     trainer.train()
     summary = summarise(trainer.state.log_history)
     if trainer.accelerator.is_main_process:
         print(json.dumps({"method": args.entropy_disc_method, **summary}, indent=1))
+        print(f"{args.entropy_disc_method}: {effect(trainer.state.log_history)}")
         if ex.summary_json:
             pathlib.Path(ex.summary_json).write_text(json.dumps(
                 {"method": args.entropy_disc_method, "summary": summary, "log_history": trainer.state.log_history},
