@@ -14,7 +14,7 @@ from .monitor import EntropyMonitor
 from .recipe import MuSuggestion, mu_for_share, save_batch
 from .stats import TokenStats, discriminator_score, token_stats
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "AutopilotResult",
