@@ -139,8 +139,9 @@ def train(args: argparse.Namespace, method: str, log: list[dict[str, float]]) ->
                                  valid=response_mask)
         scores = {"clip_b": stats.s_star, "clip_v": stats.s_centered}.get(method)
         if mu_low is None and scores is not None:  # <- entropy-discriminator: mu that clips the target share of batch 0
-            mu_low = ed.mu_for_share(scores, adv, response_mask, target_share=args.target_share, method=method).mu
-            print(f"  {method}: mu_low {mu_low:g} clips {args.target_share:.1%} of batch 0 (ed.mu_for_share)")
+            found = ed.mu_for_share(scores, adv, response_mask, target_share=args.target_share, method=method)
+            mu_low = found.mu
+            print(f"  {method}: mu_low {mu_low:g} clips {found.share:.2%} of batch 0 (ed.mu_for_share)")
         mask = None  # <- entropy-discriminator: the keep-mask of this batch (Clip_V, Clip_B or the autopilot's)
         if method == "clip_v":
             mask = ed.clip_v_mask(stats.s_centered, adv, response_mask, mu_low=mu_low)  # <- entropy-discriminator

@@ -19,16 +19,22 @@ recomputes the mask per micro-batch from the current policy.
 Both masks default to mu = 2.5 with no cap (README "Defaults"); the reference's 7B-model setting is
 ``--entropy_disc_mu_low 8.5 --entropy_disc_max_frac 1e-4 --entropy_disc_cap_rule reference``.
 
+Choosing mu for your model (docs/choosing-mu.md): ``--max_steps 1 --save_batch batch.pt`` saves the first batch
+the adapter masks; ``entropy-discriminator suggest-mu --batch batch.pt`` gives the mu that clips a target share.
+
 ``--tiny`` runs the same code path without the hub: a randomly initialised Llama
 (``--tiny_hidden``/``--tiny_layers``), an in-memory tokenizer and "what is x plus y" prompts
-(``examples/trl/tiny.py``), on any machine, CPU included (bf16 is used only where the device has it;
-``--tiny`` also shortens the defaults to 20 steps of 16-token completions)::
+(``examples/trl/tiny.py``), on any machine, CPU included (bf16 is used only where the device has it).
+``--tiny`` also changes the defaults to 12 steps of 16-token completions at lr 1e-2 (entropy moves within
+them) and, for Clip_B / Clip_V, mu 1.0 (``TINY_MU``: the library's 2.5 clips nothing there).  About two minutes
+on a 2-core CPU; ``examples/trl/compare_tiny.py`` runs it once per method and compares::
 
     python examples/trl/grpo_entropy_disc.py --tiny --output_dir out/tiny --entropy_disc_method clip_v
 
 The metrics (``entropy_disc/entropy/mean``, ``entropy_disc/clip/frac``, ``reward``, ...) go to
-TRL's logs (``--report_to`` wandb/tensorboard/none); ``--summary_json`` also writes the log history
-and a short summary of the first and last logged steps.
+TRL's logs (``--report_to`` wandb/tensorboard/none) and, with checkpoints (``--save_steps N``), to each
+checkpoint's ``trainer_state.json`` (``entropy-discriminator plot`` draws them); ``--summary_json`` also writes
+the log history and a short summary of the first and last logged steps.
 """
 
 from __future__ import annotations
