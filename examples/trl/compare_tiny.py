@@ -2,7 +2,7 @@
 
 No hub access needed (a locally built random Llama; see ``tiny.py``); runs on CPU (float32 there) or a GPU.
 Each ``--tiny`` run is 12 steps at lr 1e-2; the masks use mu 1.0, what ``entropy-discriminator suggest-mu`` gave
-on the tiny run's first batch.  The two methods below took 4.4 minutes on a busy 2-core CPU::
+on the tiny run's first batch.  The two methods below took 4.4 and 5.5 minutes on a busy 2-core CPU::
 
     python examples/trl/compare_tiny.py --out_dir out/cmp --methods none,clip_v
 
