@@ -39,7 +39,8 @@ def format_summary(summary: dict[str, float]) -> str:
         f"steps logged                {summary['steps']:.0f}",
         f"entropy (nats/token)        {summary['entropy_first']:.4f} -> {summary['entropy_last']:.4f} (first -> last)",
         f"clipped share               mean {summary['clip_frac_mean']:.4f}, median {summary['clip_frac_median']:.4f}; "
-        f"{summary['steps_clipping_none']:.0f} step(s) clipped none",
+        f"{summary['steps_clipping_none']:.0f} step(s) clipped none"
+        if math.isfinite(summary["clip_frac_mean"]) else "clipped share               not logged (no mask)",
     ]
     if math.isfinite(summary["dH_corr"]):
         lines.append(f"corr(predicted, realised dH) {summary['dH_corr']:.3f}")

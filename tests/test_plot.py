@@ -108,3 +108,5 @@ def test_suggest_mu_from_a_run_says_which_way(tmp_path, capsys):
     monitor_only.write_text(json.dumps({"step": 1, "entropy_disc/entropy/mean": 1.0}))
     assert main(["suggest-mu", "--run", str(monitor_only)]) == 2
     assert "logs no entropy_disc/clip/frac" in capsys.readouterr().err
+    assert main(["plot", str(monitor_only), "--out", str(tmp_path / "m.png")]) == 0
+    assert "clipped share               not logged (no mask)" in capsys.readouterr().out
