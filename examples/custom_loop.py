@@ -136,7 +136,7 @@ def train(args: argparse.Namespace, method: str, log: list[dict[str, float]]) ->
             stats = ed.token_stats(logits, completion, temperature=args.temperature)  # <- entropy-discriminator
         if step == 0 and args.save_batch and method == args.method:  # the first batch of the controlled run
             ed.save_batch(args.save_batch, s_star=stats.s_star, s_centered=stats.s_centered, advantages=adv,
-                                 valid=response_mask)
+                          valid=response_mask)
         scores = {"clip_b": stats.s_star, "clip_v": stats.s_centered}.get(method)
         if mu_low is None and scores is not None:  # <- entropy-discriminator: mu that clips the target share of batch 0
             found = ed.mu_for_share(scores, adv, response_mask, target_share=args.target_share, method=method)
