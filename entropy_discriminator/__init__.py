@@ -11,9 +11,10 @@ from .dynamics import batch_entropy_change, entropy_change_logit, entropy_change
 from .hidden import token_stats_from_hidden
 from .masks import MaskResult, apply_keep_mask, clip_b_mask, clip_v_mask
 from .monitor import EntropyMonitor
+from .recipe import MuSuggestion, mu_for_share, save_batch
 from .stats import TokenStats, discriminator_score, token_stats
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "AutopilotResult",
@@ -21,6 +22,7 @@ __all__ = [
     "EntropyDiscConfig",
     "EntropyMonitor",
     "MaskResult",
+    "MuSuggestion",
     "TokenStats",
     "apply_keep_mask",
     "autopilot_mask",
@@ -30,6 +32,8 @@ __all__ = [
     "discriminator_score",
     "entropy_change_logit",
     "entropy_change_step",
+    "mu_for_share",
+    "save_batch",
     "token_stats",
     "token_stats_from_hidden",
 ]

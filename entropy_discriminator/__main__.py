@@ -20,6 +20,7 @@ from typing import Any
 
 from . import EntropyDiscConfig, __version__
 from .demo.runner import PRESETS, DemoOptions
+from .run_commands import add_plot, add_suggest_mu
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -263,7 +264,7 @@ def _run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 
 
 #: Every command: a function that adds its parser (with ``run=``) to the top-level subparsers.
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_demo, _add_compare]
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_demo, _add_compare, add_suggest_mu, add_plot]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -13,23 +14,57 @@ from pathlib import Path
 import pytest
 import torch
 
+import entropy_discriminator as ed
+from entropy_discriminator.__main__ import main as ed_main
+from entropy_discriminator.recipe import load_batch
+from entropy_discriminator.runlog import read_run
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_custom_loop_example_runs_and_prints_metrics():
-    """One torch thread by default (as the demo), and ``lr`` reaches the monitor: the predicted entropy
-    change is logged next to the realised one."""
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "custom_loop.py"), "--method", "clip_v", "--steps", "3", "--prompts", "4"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    ).stdout
+def _custom_loop(*argv: str) -> str:
+    return subprocess.run([sys.executable, str(ROOT / "examples" / "custom_loop.py"), *argv], capture_output=True,
+                          text=True, timeout=600, check=True).stdout
+
+
+def _summary(out: str) -> dict[str, tuple[float, float]]:
+    """``{method: (clipped share, last entropy)}`` from the summary the custom loop prints."""
+    found = re.findall(r"^  (\w+) +clipped +([\d.]+)% of the tokens .* entropy [\d.]+ -> ([\d.]+)$", out, re.M)
+    return {method: (float(share) / 100, float(last)) for method, share, last in found}
+
+
+def test_custom_loop_default_clips_tokens_and_holds_entropy(tmp_path):
+    """The default run (Clip_V, mu chosen on batch 0 for 2 %) clips tokens and ends with another entropy than the
+    vanilla GRPO run it prints beside it; ``lr`` reaches the monitor; the log it writes plots."""
+    log = tmp_path / "run.jsonl"
+    out = _custom_loop("--steps", "8", "--log-jsonl", str(log), "--save-batch", str(tmp_path / "batch.pt"))
     assert "entropy_disc/clip/frac" in out and "entropy_disc/cov/adv_s_centered" in out
     assert "entropy_disc/delta_entropy/predicted" in out and "entropy_disc/delta_entropy/realised" in out
     assert "1 torch thread(s)" in out
-    assert out.count("step ") == 2  # step 0 and the last step
+    summary = _summary(out)
+    assert set(summary) == {"clip_v", "none"}, out
+    assert summary["clip_v"][0] > 0 and summary["none"][0] == 0
+    assert summary["clip_v"][1] != summary["none"][1]
+    mu = float(re.search(r"clip_v: mu_low ([\d.e+-]+) clips", out).group(1))
+    batch = load_batch(tmp_path / "batch.pt")  # the batch mu was chosen on: the real mask clips the target there
+    share = ed.clip_v_mask(batch["s_centered"], batch["advantages"], batch["valid"], mu_low=mu).clip_frac
+    assert abs(share - 0.02) <= 1 / batch["valid"].sum().item()
+    rows = read_run(log)
+    assert len(rows) == 8 and all(r["clip/frac"] >= 0 for r in rows)
+    assert ed_main(["plot", str(log), "--out", str(tmp_path / "run.png")]) == 0
+
+
+@pytest.mark.parametrize("argv, method", [(["--method", "clip_b"], "clip_b"), (["--autopilot", "hold"], "autopilot")])
+def test_custom_loop_clip_b_and_autopilot_clip_tokens(argv, method):
+    """``--method clip_b`` (mu chosen on batch 0) and ``--autopilot hold`` drop tokens: not the same as ``none``."""
+    summary = _summary(_custom_loop(*argv, "--steps", "4", "--no-baseline"))
+    assert set(summary) == {method} and summary[method][0] > 0
+
+
+def test_custom_loop_refuses_method_with_autopilot():
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "custom_loop.py"), "--method", "clip_b",
+                          "--autopilot", "hold"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "give --method or --autopilot, not both" in run.stderr
 
 
 def _code(line: str) -> str:
@@ -39,7 +74,7 @@ def _code(line: str) -> str:
 
 def test_readme_diff_is_the_working_code_of_custom_loop():
     """Every line of the README's custom-loop diff, added or context, is a line of examples/custom_loop.py
-    (issue 24: the diff passed ``policy(seq)`` logits against the completion labels, without the shift)."""
+    (an earlier diff passed ``policy(seq)`` logits against the completion labels, without the shift)."""
     readme = (ROOT / "README.md").read_text()
     diff = readme.split("```diff", 1)[1].split("```", 1)[0]
     lines = [line for line in diff.splitlines() if line.strip()]
@@ -123,3 +158,34 @@ def test_adapter_without_its_framework_names_the_extra(framework):
     assert run.returncode != 0
     assert f"ImportError: entropy_discriminator.adapters.{framework} needs" in run.stderr
     assert f"pip install -e '.[{framework}]'" in run.stderr
+
+
+def test_wheel_and_sdist_build_from_the_clone_and_the_wheel_installs(tmp_path):
+    """The clone builds a wheel and an sdist (setuptools' PEP 517 hooks, no network) with the one version of
+    ``entropy_discriminator/_version.py``; the wheel installed in a fresh virtual environment runs
+    ``entropy-discriminator --version``."""
+    src = tmp_path / "src"
+    skip = shutil.ignore_patterns(".git", ".nox", "__pycache__", "*.egg-info", "build", "dist", "reproduction", "*out")
+    shutil.copytree(ROOT, src, ignore=skip)
+    dist = tmp_path / "dist"
+    hooks = ("from setuptools import build_meta as b; import pathlib, sys; d = sys.argv[1]; "
+             "pathlib.Path(d, 'names').write_text(b.build_wheel(d) + ' ' + b.build_sdist(d))")
+    subprocess.run([sys.executable, "-c", hooks, str(dist)], cwd=src, capture_output=True, timeout=600, check=True)
+    names = (dist / "names").read_text().split()
+    version = ed.__version__
+    assert names[0] == f"entropy_discriminator-{version}-py3-none-any.whl"
+    assert names[1].replace("-", "_", 1) == f"entropy_discriminator-{version}.tar.gz"  # setuptools < 69: a hyphen
+    assert f'__version__ = "{version}"' in (ROOT / "entropy_discriminator" / "_version.py").read_text()
+    assert "version =" not in (ROOT / "pyproject.toml").read_text().split("[project]", 1)[1].split("\n[", 1)[0]
+    assert f"## {version}" in (ROOT / "CHANGELOG.md").read_text()
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
+    python = venv / "bin" / "python"
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(dist / names[0])],
+                   check=True, timeout=300, cwd=tmp_path)
+    out = subprocess.run([str(venv / "bin" / "entropy-discriminator"), "--version"], capture_output=True, text=True,
+                         timeout=300, check=True, cwd=tmp_path).stdout
+    assert out.strip() == f"entropy-discriminator {version}"
+    where = subprocess.run([str(python), "-c", "import entropy_discriminator as e; print(e.__file__)"],
+                           capture_output=True, text=True, check=True, cwd=tmp_path).stdout
+    assert where.startswith(str(venv)), where  # the installed wheel, not the clone

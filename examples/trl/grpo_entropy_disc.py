@@ -19,16 +19,22 @@ recomputes the mask per micro-batch from the current policy.
 Both masks default to mu = 2.5 with no cap (README "Defaults"); the reference's 7B-model setting is
 ``--entropy_disc_mu_low 8.5 --entropy_disc_max_frac 1e-4 --entropy_disc_cap_rule reference``.
 
+Choosing mu for your model (docs/choosing-mu.md): ``--max_steps 1 --save_batch batch.pt`` saves the first batch
+the adapter masks; ``entropy-discriminator suggest-mu --batch batch.pt`` gives the mu that clips a target share.
+
 ``--tiny`` runs the same code path without the hub: a randomly initialised Llama
 (``--tiny_hidden``/``--tiny_layers``), an in-memory tokenizer and "what is x plus y" prompts
-(``examples/trl/tiny.py``), on any machine, CPU included (bf16 is used only where the device has it;
-``--tiny`` also shortens the defaults to 20 steps of 16-token completions)::
+(``examples/trl/tiny.py``), on any machine, CPU included (bf16 is used only where the device has it).
+``--tiny`` also changes the defaults to 12 steps of 16-token completions at lr 1e-2 (entropy moves within
+them) and, for Clip_B / Clip_V, mu 1.0 (``TINY_MU``: the library's 2.5 clips nothing there).  About two minutes
+on a 2-core CPU; ``examples/trl/compare_tiny.py`` runs it once per method and compares::
 
     python examples/trl/grpo_entropy_disc.py --tiny --output_dir out/tiny --entropy_disc_method clip_v
 
 The metrics (``entropy_disc/entropy/mean``, ``entropy_disc/clip/frac``, ``reward``, ...) go to
-TRL's logs (``--report_to`` wandb/tensorboard/none); ``--summary_json`` also writes the log history
-and a short summary of the first and last logged steps.
+TRL's logs (``--report_to`` wandb/tensorboard/none) and, with checkpoints (``--save_steps N``), to each
+checkpoint's ``trainer_state.json`` (``entropy-discriminator plot`` draws them); ``--summary_json`` also writes
+the log history and a short summary of the first and last logged steps.
 """
 
 from __future__ import annotations
@@ -44,8 +50,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOTrainer, TrlParser
 
+from entropy_discriminator import EntropyDiscConfig, save_batch
 from entropy_discriminator.adapters.trl import EntropyDiscGRPOConfig, EntropyDiscGRPOTrainer, patch
 
+#: ``--tiny`` defaults.  TINY_MU: what ``entropy-discriminator suggest-mu --batch`` gives on the tiny run's first
+#: batch (``--save_batch``) for about 5 % with Clip_V (1 % to 2 % with Clip_B); the library's 2.5 clips nothing there.
+TINY_STEPS, TINY_LR, TINY_MU = 12, 1e-2, 1.0
 SYSTEM_PROMPT = (
     "Solve the math problem step by step. Put the final answer, a number only, on the last line after '####'."
 )
@@ -63,6 +73,9 @@ class ExampleArguments:
     tiny_hidden: int = field(default=64, metadata={"help": "--tiny: hidden size."})
     tiny_layers: int = field(default=2, metadata={"help": "--tiny: layers."})
     summary_json: str | None = field(default=None, metadata={"help": "Write log history and a summary here."})
+    save_batch: str | None = field(default=None, metadata={
+        "help": "Save the first masked batch's mask inputs here, for entropy-discriminator suggest-mu --batch "
+                "(clip_b / clip_v; this process's share of the batch)."})
 
 
 def _number(text: str) -> float | None:
@@ -128,6 +141,32 @@ def build(ex: ExampleArguments, args: EntropyDiscGRPOConfig) -> GRPOTrainer:
     return GRPOTrainer(args=args, **kwargs)
 
 
+def save_first_batch(path: str) -> None:
+    """Save the first batch the adapter masks (its ``EntropyDiscConfig.compute_mask`` inputs) to ``path``.
+
+    For choosing mu (docs/choosing-mu.md): ``entropy-discriminator suggest-mu --batch PATH`` then gives the mu that
+    clips a target share of it.  Wraps the config class's method for this process only; later batches are not saved.
+    """
+    original = EntropyDiscConfig.compute_mask
+
+    def compute_mask(self: EntropyDiscConfig, *, advantages, valid, s_star=None, s_centered=None, **kwargs):
+        if not pathlib.Path(path).exists() and s_star is not None and s_centered is not None:
+            save_batch(path, s_star=s_star, s_centered=s_centered, advantages=advantages, valid=valid)
+        return original(self, advantages=advantages, valid=valid, s_star=s_star, s_centered=s_centered, **kwargs)
+
+    EntropyDiscConfig.compute_mask = compute_mask
+
+
+def effect(history: list[dict]) -> str:
+    """One line: the clipped share over the logged steps and the token entropy at the first and last step."""
+    rows = [h for h in history if "entropy_disc/entropy/mean" in h]
+    if not rows:
+        return "no entropy_disc/* metrics were logged"
+    frac = [h.get("entropy_disc/clip/frac", 0.0) for h in rows]
+    return (f"clipped {sum(frac) / len(frac):.2%} of the tokens (mean over {len(rows)} steps); entropy "
+            f"{rows[0]['entropy_disc/entropy/mean']:.3f} -> {rows[-1]['entropy_disc/entropy/mean']:.3f} nats/token")
+
+
 def summarise(history: list[dict]) -> dict[str, dict[str, float]]:
     """First and last logged values of the headline metrics."""
     keys = ("reward", "entropy", "entropy_disc/entropy/mean", "entropy_disc/clip/frac", "entropy_disc/clip/n_clipped",
@@ -145,16 +184,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.set_defaults(  # a reasonable single-GPU GSM8K run; every one can be overridden by a flag
         learning_rate=1e-6, num_generations=8, per_device_train_batch_size=8, gradient_accumulation_steps=2,
         max_completion_length=512, max_steps=200, logging_steps=1, beta=0.0, temperature=1.0,
-        disable_dropout=True, report_to="none", save_strategy="no",
+        disable_dropout=True, report_to="none",
     )
-    if "--tiny" in (sys.argv[1:] if argv is None else argv):  # minutes, not hours, on a CPU
-        parser.set_defaults(max_completion_length=16, max_steps=20)
+    given = sys.argv[1:] if argv is None else argv
+    if "--tiny" in given:  # minutes, not hours, on a CPU, with a learning rate at which entropy moves
+        parser.set_defaults(max_completion_length=16, max_steps=TINY_STEPS, learning_rate=TINY_LR)
+        if any(method in given for method in ("clip_b", "clip_v")):
+            parser.set_defaults(entropy_disc_mu_low=TINY_MU)
     ex, args = parser.parse_args_and_config(args=argv)
+    if ex.save_batch:
+        save_first_batch(ex.save_batch)
     trainer = build(ex, args)
     trainer.train()
     summary = summarise(trainer.state.log_history)
     if trainer.accelerator.is_main_process:
         print(json.dumps({"method": args.entropy_disc_method, **summary}, indent=1))
+        print(f"{args.entropy_disc_method}: {effect(trainer.state.log_history)}")
         if ex.summary_json:
             pathlib.Path(ex.summary_json).write_text(json.dumps(
                 {"method": args.entropy_disc_method, "summary": summary, "log_history": trainer.state.log_history},

@@ -1,7 +1,7 @@
-"""The TRL examples' documented CPU commands run as written on a machine without a GPU (issue 24).
+"""The TRL examples' documented CPU commands run as written on a machine without a GPU.
 
-Each runs in a fresh process with no CUDA device visible, with only ``--max_steps`` shortened; before
-issue 24 they stopped at once with transformers' "Your setup doesn't support bf16/gpu".
+Each runs in a fresh process with no CUDA device visible, with only ``--max_steps`` shortened (earlier they
+stopped at once with transformers' "Your setup doesn't support bf16/gpu").
 """
 
 from __future__ import annotations
@@ -9,8 +9,11 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
+
+from entropy_discriminator.__main__ import main as cli
 
 from entropy_discriminator.adapters.trl import EntropyDiscGRPOConfig
 
@@ -23,21 +26,36 @@ def run(*argv: str) -> subprocess.CompletedProcess:
 
 
 def test_tiny_example_runs_on_cpu_as_documented(tmp_path):
-    """``grpo_entropy_disc.py --tiny`` without ``--use_cpu`` or ``--bf16 False``."""
-    done = run(str(EXAMPLES / "grpo_entropy_disc.py"), "--tiny", "--output_dir", str(tmp_path / "out"),
-               "--entropy_disc_method", "clip_v", "--max_steps", "2", "--summary_json", str(tmp_path / "s.json"))
+    """``grpo_entropy_disc.py --tiny`` without ``--use_cpu`` or ``--bf16 False``: its default mu clips tokens, it
+    prints the effect, ``--save_steps`` writes checkpoints whose ``trainer_state.json`` the plot command reads, and
+    ``--save_batch`` writes a batch that ``suggest-mu`` reads."""
+    out = tmp_path / "out"
+    done = run(str(EXAMPLES / "grpo_entropy_disc.py"), "--tiny", "--output_dir", str(out), "--entropy_disc_method",
+               "clip_v", "--max_steps", "2", "--save_steps", "2", "--summary_json", str(tmp_path / "s.json"),
+               "--save_batch", str(tmp_path / "batch.pt"))
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "s.json").read_text())["summary"]
     assert summary["last"]["entropy_disc/tokens/valid"] > 0
     assert summary["last"]["entropy_disc/entropy/mean"] > 0
+    assert summary["mean"]["entropy_disc/clip/frac"] > 0  # --tiny's mu (TINY_MU) acts
+    printed = re.search(r"^clip_v: clipped ([\d.]+)% of the tokens", done.stdout, re.M)
+    assert printed and float(printed.group(1)) > 0, done.stdout[-2000:]
+    state = out / "checkpoint-2" / "trainer_state.json"
+    assert state.is_file(), sorted(p.name for p in out.iterdir())
+    assert cli(["plot", str(state), "--out", str(tmp_path / "run.png")]) == 0
+    assert cli(["suggest-mu", "--batch", str(tmp_path / "batch.pt"), "--method", "clip_v"]) == 0
 
 
 def test_compare_tiny_runs_on_cpu_as_documented(tmp_path):
+    """The comparison shows the effect: Clip_V clips tokens, and its entropy differs from ``none``'s."""
     done = run(str(EXAMPLES / "compare_tiny.py"), "--out_dir", str(tmp_path), "--methods", "none,clip_v",
-               "--", "--max_steps", "2", "--tiny_hidden", "64")
+               "--", "--max_steps", "3")
     assert done.returncode == 0, done.stderr[-3000:]
     table = json.loads((tmp_path / "table.json").read_text())
-    assert set(table) == {"none", "clip_v"} and "entropy_disc/clip/frac" in table["clip_v"]["mean"]
+    assert set(table) == {"none", "clip_v"}
+    assert table["clip_v"]["mean"]["entropy_disc/clip/frac"] > 0 and table["none"]["mean"]["entropy_disc/clip/frac"] == 0
+    assert table["clip_v"]["last"]["entropy_disc/entropy/mean"] != table["none"]["last"]["entropy_disc/entropy/mean"]
+    assert "clip_v: clipped" in done.stdout and "nats/token against none" in done.stdout
 
 
 def test_readme_config_line_works_on_this_machine(tmp_path):
