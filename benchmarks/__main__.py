@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--h", type=int, nargs="*", default=[], help="restrict to these hidden sizes (2048, 3584, 4096)")
     from . import fused_vs_cublas
 
-    fused_vs_cublas.add_parser(sub)
+    fused_vs_cublas.add_command(sub)
     m = sub.add_parser("masks", allow_abbrev=False, help="the public mask and monitor calls")
     m.add_argument("--n", type=int, nargs="+", default=[16384, 262144, 1048576], help="tokens per batch (multiples of 1024)")
     m.add_argument("--rep-ms", type=int, default=100, help="do_bench repetition budget per measurement")

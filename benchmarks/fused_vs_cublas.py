@@ -187,7 +187,7 @@ def sweep(heads, ns: list[int], dtypes: list[str], out: Path, names: list[str] |
                     del hidden, weight, labels
 
 
-def add_parser(sub) -> None:
+def add_command(sub) -> None:
     p = sub.add_parser("fused-vs-cublas", allow_abbrev=False, help="fused hidden -> statistics vs cuBLAS matmul alone and the unfused pair")
     p.add_argument("--n", type=int, nargs="+", default=[4096, 16384, 65536])
     p.add_argument("--h", type=int, nargs="*", default=[], help="restrict to these hidden sizes")
