@@ -67,6 +67,6 @@ ARGS=(
 if [[ "$METHOD" == clip_v ]]; then ARGS+=(+entropy_disc.max_frac=1e-4 +entropy_disc.cap_rule=reference); fi
 
 "${PYTHON:-python3}" "$(dirname "$0")/_preflight.py" "$N_GPUS" "$TRAIN" "$VAL" \
-    "convert DAPO-Math-17k to verl parquet (e.g. verl's recipe/dapo data preparation) and set TRAIN / VAL" >&2
+    "convert DAPO-Math-17k to verl parquet (e.g. verl's recipe/dapo data preparation) and set TRAIN / VAL" -- "${ARGS[@]}" "$@" >&2
 
 PYTHONUNBUFFERED=1 exec "${PYTHON:-python3}" -m verl.trainer.main_ppo "${ARGS[@]}" "$@"
