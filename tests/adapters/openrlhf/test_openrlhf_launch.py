@@ -39,10 +39,9 @@ from ray_local import STALE_ADDRESS, bootstrap_file, plain_init_outcome  # noqa:
 
 from entropy_discriminator.adapters.openrlhf import _experience, _patch  # noqa: E402
 
-#: The example's sizes shrunk to the tiny model, one (declared) GPU shared by the colocated actor and
-#: reference, no vLLM engine, no TensorBoard.
+#: The example's sizes shrunk to the tiny model, no vLLM engine, no TensorBoard; the examples' own default of
+#: one GPU (shared by the colocated models) is kept.
 SHRUNK = [
-    "--actor.num_gpus_per_node", "1", "--ref.num_gpus_per_node", "1", "--critic.num_gpus_per_node", "1",
     "--vllm.num_engines", "0", "--data.max_len", "128", "--rollout.max_new_tokens", "16",
     "--data.max_samples", "8", "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "2",
     "--train.batch_size", "4", "--train.micro_batch_size", "1", "--logger.tensorboard_dir", "",
@@ -61,13 +60,12 @@ def launch(tmp: Path, script: str, method: str, settings: dict) -> tuple[subproc
     (tmp / "reward.py").write_text(REWARD)
     ours = [str(x) for k, v in settings.items() for x in (f"--entropy_disc.{k}", v)]
     argv += [
-        *SHRUNK, "--actor.model_name_or_path", str(model), "--critic.model_name_or_path", str(model),
+        *SHRUNK, "--actor.model_name_or_path", str(model),
         "--reward.remote_url", str(tmp / "reward.py"), "--data.prompt_dataset", str(write_prompts_jsonl(tmp / "p.jsonl", 8)),
         "--ckpt.output_dir", str(tmp / "out"), "--ckpt.path", str(tmp / "out" / "ckpt"), *ours,
     ]
-    if script == "grpo.sh":  # GRPO trains no critic: drop the critic path just added
-        i = argv.index("--critic.model_name_or_path")
-        del argv[i: i + 2]
+    if script == "ppo_gae.sh":  # its critic starts from the policy
+        argv += ["--critic.model_name_or_path", str(model)]
     probes = tmp / "probe"
     probes.mkdir()
     env = {
