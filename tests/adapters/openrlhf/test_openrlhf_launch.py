@@ -78,7 +78,7 @@ def launch(tmp: Path, script: str, method: str, settings: dict) -> tuple[subproc
         "HF_HUB_OFFLINE": "1",
     }
     proc = subprocess.run([sys.executable, "-m", "entropy_discriminator.adapters.openrlhf", *argv], cwd=tmp, env=env,
-                          capture_output=True, text=True, timeout=420)
+                          capture_output=True, text=True, timeout=900)
     return proc, [json.loads(p.read_text()) for p in sorted(probes.iterdir())]
 
 

@@ -85,7 +85,7 @@ def launch(tmp: Path, script: str, extra: list[str] = (), *, control: bool = Fal
         "HF_HUB_OFFLINE": "1",
     }
     proc = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *overrides], cwd=tmp, env=env,
-                          capture_output=True, text=True, timeout=420)
+                          capture_output=True, text=True, timeout=900)
     records = [json.loads(p.read_text()) | {"file": p.name} for p in sorted(probes.iterdir())]
     return proc, [r for r in records if r["file"].startswith("plan")], [r for r in records if r["file"].startswith("worker")]
 
