@@ -40,7 +40,8 @@ VERL_090_MISSING = ["cachetools", "fastapi", "uvicorn"]
 @nox.session
 @nox.parametrize("release", VERL_RELEASES)
 def verl(session: nox.Session, release: str) -> None:
-    """The verl adapter against a real CPU install of ``verl[verl-core]`` (oldest and newest supported release).
+    """The verl adapter against a real CPU install of ``verl[verl-core]`` (oldest and newest supported release),
+    including the example launches through verl's ``main_ppo`` into its Ray workers (test_verl_launch.py).
 
     torch is installed first and pinned again with verl so that verl's loose ``torch``
     requirement can never pull a CUDA build.  verl 0.9.0 has no ``verl-core`` extra; the
@@ -79,13 +80,14 @@ def trl(session: nox.Session, release: str) -> None:
 
 # OpenRLHF as far as a CPU allows: the package without its requirements (flash-attn 2.8.3 is
 # source-only and needs CUDA; vllm is GPU-only), plus what its model, loss, replay-buffer and
-# Ray-trainer modules import, pinned as each release pins them. The tests stand in for flash_attn,
-# ring_flash_attn and vllm, and list them. The oldest and the newest supported release are tested.
+# Ray-trainer modules import, pinned as each release pins them (datasets: the launch test's
+# PPOTrainer loads its prompts through it). The tests stand in for flash_attn, ring_flash_attn and
+# vllm, and list them. The oldest and the newest supported release are tested.
 OPENRLHF_RELEASES = {
     "0.10.2": ["transformers==5.5.4", "ray==2.48.0", "deepspeed==0.18.9"],
     "0.11.2": ["transformers==5.15.0", "ray==2.55.0", "deepspeed==0.19.6"],
 }
-OPENRLHF_CPU_DEPS = ["peft", "torchdata", "pylatexenc", "aiohttp", "pillow", "tqdm", "einops"]
+OPENRLHF_CPU_DEPS = ["peft", "torchdata", "pylatexenc", "aiohttp", "pillow", "tqdm", "einops", "datasets"]
 
 
 @nox.session
@@ -95,7 +97,9 @@ def openrlhf(session: nox.Session, release: str) -> None:
 
     deepspeed (imported by OpenRLHF's trainer) is an sdist: built without build isolation against
     the pinned CPU torch, no ops compiled.  The tests run a tiny random Llama through the patched
-    ``ActorPPOTrainer.ppo_train`` (configuration matrix), a local Ray cluster and 2-process gloo runs.
+    ``ActorPPOTrainer.ppo_train`` (configuration matrix), a local Ray cluster, 2-process gloo runs, and
+    the example launches through the adapter's launcher into OpenRLHF's policy actor
+    (test_openrlhf_launch.py).
     """
     *pins, deepspeed = OPENRLHF_RELEASES[release]
     session.install(TORCH, "setuptools", "wheel")

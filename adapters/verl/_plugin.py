@@ -4,6 +4,10 @@ Loading it (1) wraps verl's config validation with the adapter's start-up check 
 which passes every config that does not mention the adapter unchanged, and (2) arranges for the
 adapter's trainer names to be registered once verl itself imports ``verl.trainer.ppo.v1``: a
 one-shot import hook, so ``import verl`` does not pull in verl's trainer stack.
+
+verl catches an exception raised while it loads a plugin and logs it at DEBUG only, after which
+``entropy_disc`` options are ignored without a word.  So a failure here is logged at ERROR (with
+its traceback and what it means for the run) before it propagates to verl.
 """
 
 from __future__ import annotations
@@ -16,12 +20,16 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from ._startup import install_startup_check
-from ._support import unsupported_reason
-
 _V1_PACKAGE = "verl.trainer.ppo.v1"
 _TRAINER_MODULE = f"{__package__}._trainer"
 _logger = logging.getLogger(__name__)
+#: Logged at ERROR when loading the plugin fails.
+LOAD_FAILED = (
+    "entropy_disc: the verl plugin failed to load, so this process runs verl without the adapter: an "
+    "adapter trainer mode fails in verl's trainer lookup, and entropy_disc options with verl's own trainer "
+    "modes are ignored without any check. Fix the error below (python examples/verl/_preflight.py reports it "
+    "too)."
+)
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
@@ -50,6 +58,8 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
 
 def _import_trainers() -> None:
     """Import ``_trainer``, which registers its trainers at its end (if it is importing v1 itself, it will)."""
+    from ._support import unsupported_reason
+
     reason = unsupported_reason()
     if reason is not None:
         _logger.warning("entropy_disc trainers not registered: %s", reason)
@@ -59,6 +69,8 @@ def _import_trainers() -> None:
 
 def on_plugin_load() -> None:
     """What loading the entry point does: the start-up check, and the trainers' registration (now or on import)."""
+    from ._startup import install_startup_check
+
     install_startup_check()
     if _V1_PACKAGE in sys.modules:
         _import_trainers()
@@ -66,4 +78,8 @@ def on_plugin_load() -> None:
         sys.meta_path.insert(0, _RegisterAfterImport())
 
 
-on_plugin_load()
+try:
+    on_plugin_load()
+except Exception:
+    _logger.error(LOAD_FAILED, exc_info=True)
+    raise

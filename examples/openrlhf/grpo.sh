@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # GPU only (a Ray cluster of CUDA machines, see below).
 # GRPO (group_norm advantages, no critic) with a rule-based reward function and Clip_B or Clip_V,
-# OpenRLHF 0.11.2, hybrid engine on one node of 8 GPUs.  The flags are OpenRLHF's own
+# OpenRLHF 0.11.2, hybrid engine (actor, reference and vLLM colocated) on N_GPUS GPUs of one node
+# (default 1, with Qwen2.5-0.5B-Instruct; the 8-GPU setting: N_GPUS=8 MODEL=Qwen/Qwen2.5-7B-Instruct).  The flags are OpenRLHF's own
 # (python -m openrlhf.cli.train_ppo_ray --help) plus --entropy_disc.*
 # (python -m entropy_discriminator.adapters.openrlhf --entropy_disc.help).
 #
 #   bash examples/openrlhf/grpo.sh clip_b      # Clip_B: clip A<0 tokens with S* < mean - 2.5 std
 #   bash examples/openrlhf/grpo.sh clip_v      # Clip_V: clip A<0 tokens with S_c < -2.5 std
 #
-# Needs a running Ray cluster of CUDA machines (ray start --head --num-gpus 8) whose nodes all have
+# Needs a running Ray cluster of CUDA machines (ray start --head --num-gpus N_GPUS) whose nodes all have
 # this package with OpenRLHF: `pip install -e ".[openrlhf]"` from a clone of this repository, run on
 # the CUDA machine (OpenRLHF's flash-attn dependency builds from source; it fails on a CPU-only machine), and REWARD_FN: a Python file defining OpenRLHF's
 # reward_func(queries, prompts, labels) (see OpenRLHF's README, "reward function").
-# Environment: MODEL, REWARD_FN, DATA, INPUT_KEY, LABEL_KEY, OUT, RAY_DASHBOARD, WANDB_KEY (optional).
+# Environment: N_GPUS, MODEL, REWARD_FN, DATA, INPUT_KEY, LABEL_KEY, OUT, RAY_DASHBOARD, WANDB_KEY (optional).
 # ED_PRINT_ARGS=1 prints the argument list (NUL-separated) instead of launching (used by the tests).
 set -euo pipefail
 
@@ -27,7 +28,8 @@ esac
 # action_mask, and so from every term (the launcher refuses zero_pg here).
 ED_FLAGS+=(--entropy_disc.mask_mode drop_token)
 
-MODEL=${MODEL:-Qwen/Qwen2.5-7B-Instruct}
+N_GPUS=${N_GPUS:-1}
+MODEL=${MODEL:-Qwen/Qwen2.5-0.5B-Instruct}
 REWARD_FN=${REWARD_FN:-./reward_func.py}
 DATA=${DATA:-your/math-prompts}
 INPUT_KEY=${INPUT_KEY:-prompt}
@@ -35,9 +37,9 @@ LABEL_KEY=${LABEL_KEY:-answer}
 OUT=${OUT:-./ckpt/grpo_${METHOD}}
 
 ARGS=(
-  --ref.num_nodes 1 --ref.num_gpus_per_node 8
-  --actor.num_nodes 1 --actor.num_gpus_per_node 8
-  --vllm.num_engines 8 --vllm.tensor_parallel_size 1 --vllm.gpu_memory_utilization 0.6
+  --ref.num_nodes 1 --ref.num_gpus_per_node "$N_GPUS"
+  --actor.num_nodes 1 --actor.num_gpus_per_node "$N_GPUS"
+  --vllm.num_engines "$N_GPUS" --vllm.tensor_parallel_size 1 --vllm.gpu_memory_utilization 0.6
   --train.colocate_all --vllm.enable_sleep --ds.enable_sleep --vllm.enforce_eager
   --actor.model_name_or_path "$MODEL"
   --reward.remote_url "$REWARD_FN"

@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # GPU only (a Ray cluster of CUDA machines, see below).
-# PPO with GAE (actor + critic + reward model) and Clip_B or Clip_V, OpenRLHF 0.11.2, hybrid engine on
-# one node of 8 GPUs.  The flags are OpenRLHF's own (python -m openrlhf.cli.train_ppo_ray --help) plus
+# PPO with GAE (actor + critic, reference, a reward model or a rule-based reward function) and Clip_B or
+# Clip_V, OpenRLHF 0.11.2, hybrid engine (every model and vLLM colocated) on N_GPUS GPUs of one node
+# (default 1, with Qwen2.5-0.5B-Instruct and the rule-based REWARD_FN; the 8-GPU setting: N_GPUS=8
+# MODEL=OpenRLHF/Llama-3-8b-sft-mixture REWARD_MODEL=OpenRLHF/Llama-3-8b-rm-700k
+# DATA=OpenRLHF/prompt-collection-v0.1 INPUT_KEY=context_messages).  The flags are OpenRLHF's own
+# (python -m openrlhf.cli.train_ppo_ray --help) plus
 # --entropy_disc.* (python -m entropy_discriminator.adapters.openrlhf --entropy_disc.help).
 #
 #   bash examples/openrlhf/ppo_gae.sh clip_b      # Clip_B: clip A<0 tokens with S* < mean - 2.5 std
 #   bash examples/openrlhf/ppo_gae.sh clip_v      # Clip_V: clip A<0 tokens with S_c < -2.5 std
 #
-# Needs a running Ray cluster of CUDA machines (ray start --head --num-gpus 8) whose nodes all have
+# Needs a running Ray cluster of CUDA machines (ray start --head --num-gpus N_GPUS) whose nodes all have
 # this package with OpenRLHF: `pip install -e ".[openrlhf]"` from a clone of this repository, run on
 # the CUDA machine (OpenRLHF's flash-attn dependency builds from source; it fails on a CPU-only machine) (the Ray workers import the adapter).
-# Environment: MODEL, REWARD_MODEL, DATA, INPUT_KEY, OUT, RAY_DASHBOARD, WANDB_KEY (optional).
+# Environment: N_GPUS, MODEL, REWARD_MODEL (a reward model; unset: REWARD_FN, a Python file defining
+# OpenRLHF's reward_func(queries, prompts, labels)), DATA, INPUT_KEY, LABEL_KEY, OUT, RAY_DASHBOARD,
+# WANDB_KEY (optional).
 # ED_PRINT_ARGS=1 prints the argument list (NUL-separated) instead of launching (used by the tests).
 set -euo pipefail
 
@@ -21,21 +27,23 @@ case "$METHOD" in
   *) echo "usage: $0 clip_b|clip_v" >&2; exit 2 ;;
 esac
 
-MODEL=${MODEL:-OpenRLHF/Llama-3-8b-sft-mixture}
-REWARD_MODEL=${REWARD_MODEL:-OpenRLHF/Llama-3-8b-rm-700k}
-DATA=${DATA:-OpenRLHF/prompt-collection-v0.1}
-INPUT_KEY=${INPUT_KEY:-context_messages}
+N_GPUS=${N_GPUS:-1}
+MODEL=${MODEL:-Qwen/Qwen2.5-0.5B-Instruct}
+REWARD_MODEL=${REWARD_MODEL:-}
+REWARD_FN=${REWARD_FN:-./reward_func.py}
+DATA=${DATA:-your/math-prompts}
+INPUT_KEY=${INPUT_KEY:-prompt}
+LABEL_KEY=${LABEL_KEY:-answer}
 OUT=${OUT:-./ckpt/ppo_gae_${METHOD}}
 
 ARGS=(
-  --ref.num_nodes 1 --ref.num_gpus_per_node 8
-  --reward.num_nodes 1 --reward.num_gpus_per_node 8
-  --critic.num_nodes 1 --critic.num_gpus_per_node 8
-  --actor.num_nodes 1 --actor.num_gpus_per_node 8
-  --vllm.num_engines 4 --vllm.tensor_parallel_size 2 --vllm.gpu_memory_utilization 0.5
+  --ref.num_nodes 1 --ref.num_gpus_per_node "$N_GPUS"
+  --reward.num_nodes 1 --reward.num_gpus_per_node "$N_GPUS"
+  --critic.num_nodes 1 --critic.num_gpus_per_node "$N_GPUS"
+  --actor.num_nodes 1 --actor.num_gpus_per_node "$N_GPUS"
+  --vllm.num_engines "$N_GPUS" --vllm.tensor_parallel_size 1 --vllm.gpu_memory_utilization 0.5
   --train.colocate_all --vllm.enable_sleep --ds.enable_sleep --vllm.enforce_eager
   --actor.model_name_or_path "$MODEL"
-  --reward.model_name_or_path "$REWARD_MODEL"
   --algo.advantage.estimator gae --algo.advantage.gamma 1.0 --algo.advantage.lambd 0.95
   --algo.kl.init_coef 0.01
   --data.prompt_dataset "$DATA" --data.input_key "$INPUT_KEY" --data.apply_chat_template
@@ -44,11 +52,16 @@ ARGS=(
   --train.batch_size 128 --train.micro_batch_size 4 --train.max_epochs 1 --train.num_episodes 1
   --ds.zero_stage 3 --ds.param_dtype bf16 --actor.gradient_checkpointing_enable
   --actor.adam.lr 5e-7 --critic.adam.lr 9e-6
-  --reward.normalize_enable
   --ckpt.output_dir "$OUT" --ckpt.path "$OUT/checkpoints" --ckpt.save_hf
   --logger.tensorboard_dir "$OUT/tensorboard"
   "${ED_FLAGS[@]}"
 )
+if [[ -n "$REWARD_MODEL" ]]; then
+  ARGS+=(--reward.model_name_or_path "$REWARD_MODEL" --reward.normalize_enable)
+else
+  # no reward model, so the critic starts from the policy (OpenRLHF otherwise takes the reward model)
+  ARGS+=(--reward.remote_url "$REWARD_FN" --data.label_key "$LABEL_KEY" --critic.model_name_or_path "$MODEL")
+fi
 if [[ -n "${WANDB_KEY:-}" ]]; then ARGS+=(--logger.wandb.key "$WANDB_KEY"); fi
 
 if [[ "${ED_PRINT_ARGS:-0}" == 1 ]]; then printf '%s\0' "${ARGS[@]}"; exit 0; fi

@@ -63,5 +63,5 @@ else
 fi
 
 "${PYTHON:-python3}" "$(dirname "$0")/_preflight.py" "$N_GPUS" "$DATA_DIR/train.parquet" "$DATA_DIR/test.parquet" \
-    "prepare GSM8K with verl's examples/data_preprocess/gsm8k.py --local_dir $DATA_DIR (or set DATA_DIR)" >&2
+    "prepare GSM8K with verl's examples/data_preprocess/gsm8k.py --local_dir $DATA_DIR (or set DATA_DIR)" -- "${ARGS[@]}" "$@" >&2
 PYTHONUNBUFFERED=1 exec "${PYTHON:-python3}" -m verl.trainer.main_ppo "${ARGS[@]}" "$@"

@@ -447,6 +447,33 @@ def test_example_scripts_are_accepted_by_openrlhf(script, method, monkeypatch):
     assert json.loads(seen["runtime_env"]["env_vars"][adapter.CONFIG_ENV])["config"]["method"] == method
 
 
+def _example_flags(script: str, method: str, **env: str) -> dict[str, str | None]:
+    """The example's OpenRLHF flags as ``{flag: value}`` (``None`` for a switch), as its launch passes them."""
+    out = subprocess.run(["bash", str(EXAMPLES / script), method], env={**os.environ, "ED_PRINT_ARGS": "1", **env},
+                         capture_output=True, check=True).stdout.decode().split("\0")[:-1]
+    flags: dict[str, str | None] = {}
+    for i, token in enumerate(out):
+        if token.startswith("--"):
+            value = out[i + 1] if i + 1 < len(out) and not out[i + 1].startswith("--") else None
+            flags[token] = value
+    return flags
+
+
+@pytest.mark.parametrize("script", ["ppo_gae.sh", "grpo.sh"])
+@pytest.mark.parametrize("n_gpus", [None, "8"])
+def test_example_scripts_run_on_one_gpu_by_default(script, n_gpus):
+    """Every model group asks for N_GPUS GPUs (default 1), colocated with the vLLM engines that fill them, so the
+    launch never waits for GPUs the machine lacks (OpenRLHF's own default is 8 per group)."""
+    flags = _example_flags(script, "clip_v", **({} if n_gpus is None else {"N_GPUS": n_gpus}))
+    want = n_gpus or "1"
+    groups = [f for f in flags if f.endswith(".num_gpus_per_node")]
+    assert {"--actor.num_gpus_per_node", "--ref.num_gpus_per_node"} <= set(groups)
+    assert all(flags[f] == want for f in groups) and "--train.colocate_all" in flags
+    assert int(flags["--vllm.num_engines"]) * int(flags["--vllm.tensor_parallel_size"]) == int(want)
+    if n_gpus is None:
+        assert flags["--actor.model_name_or_path"] == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
 def _ratio_loss_reference(log_probs, old, adv, mask, keep, mode, token_level):
     """Core path: per-token PPO loss, ``apply_keep_mask``, then OpenRLHF's aggregation rule."""
     ratio = (log_probs - old).clamp(-20, 20).exp()

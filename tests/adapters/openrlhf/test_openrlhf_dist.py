@@ -27,6 +27,8 @@ from test_openrlhf import (  # noqa: E402  (skips or fails like it without OpenR
     training_args,
 )
 
+from ray_local import LOCAL  # noqa: E402  (conftest.py puts tests/adapters on sys.path)
+
 from entropy_discriminator import EntropyDiscConfig  # noqa: E402
 from entropy_discriminator.adapters import openrlhf as adapter  # noqa: E402
 from entropy_discriminator.adapters.openrlhf._round import begin_round  # noqa: E402
@@ -61,7 +63,7 @@ def test_ray_workers_patch_through_setup_hook():
         state = p._STATE.config
         return pending, loaded, p.is_patched(), None if state is None else (state.method, state.mu_low, state.mask_mode)
 
-    ray.init(num_cpus=1, include_dashboard=False, runtime_env=adapter.runtime_env(cfg), log_to_driver=False)
+    ray.init(num_cpus=1, runtime_env=adapter.runtime_env(cfg), **LOCAL)
     try:
         remote = ray.remote(probe)
         pending, loaded, patched, _ = ray.get(remote.remote(False))

@@ -80,3 +80,19 @@ def test_paper_recipe(method):
     ed = check_config(cfg).options
     assert ed.method == method and ed.resolved()[0] == {"clip_b": 2.5, "clip_v": 8.5}[method]
     assert ed.mask_mode == "zero_pg"  # no KL loss, no entropy bonus, vanilla loss: zero_pg is exact
+
+
+@pytest.mark.parametrize(
+    "script", ["grpo_clip_b.sh", "grpo_clip_v.sh", "ppo_gae_clip_b.sh", "ppo_gae_clip_v.sh", "dapo_math_qwen2.5_7b_paper.sh"]
+)
+def test_every_example_runs_on_one_gpu_by_default(script):
+    """verl's resource pool asks for trainer.n_gpus_per_node GPUs; the default is one, and vLLM's tensor parallel
+    size fits in it (the paper's recipe: 2 on its 8 GPUs, with N_GPUS=8)."""
+    cfg = composed(overrides_of(script))
+    assert cfg.trainer.n_gpus_per_node == 1 and cfg.trainer.nnodes == 1
+    assert cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 1
+    if script.startswith("dapo"):
+        assert cfg.actor_rollout_ref.actor.fsdp_config.param_offload is True
+        eight = composed(overrides_of(script, N_GPUS="8"))
+        assert eight.trainer.n_gpus_per_node == 8 and eight.actor_rollout_ref.rollout.tensor_model_parallel_size == 2
+        assert eight.actor_rollout_ref.actor.fsdp_config.param_offload is False

@@ -1,0 +1,130 @@
+"""Loaded by every Python process of the OpenRLHF launch test (its directory is put on ``PYTHONPATH``:
+the launcher, and through Ray's inherited environment every Ray worker); never by the library.
+
+1. Stand-ins, only where the module is not installed and only for an import made by OpenRLHF's own
+   code, for the modules a CPU machine cannot install (as in test_openrlhf.py): ``flash_attn``
+   (imported by ``openrlhf/models/ring_attn_utils.py``), ``ring_flash_attn`` and ``vllm`` (imported by
+   ``openrlhf/trainer/ray/__init__.py``).  They are empty modules: the launch stops before any of
+   them is called.  transformers is imported first, so that its own availability checks see the
+   real environment.  The ``vllm`` stand-in has ``__version__`` "0.29.0" (OpenRLHF 0.11.2's pin), which
+   ``PolicyModelActor.init_model_from_pretrained`` reads before its process group.
+2. The probe: once ``openrlhf.utils.deepspeed.deepspeed`` has executed, ``DeepspeedStrategy.
+   setup_distributed`` (the first thing ``PolicyModelActor.init_model_from_pretrained`` does) writes
+   what the process holds into ``$ED_LAUNCH_PROBE_DIR/worker-<pid>.json``: the Ray actor classes on
+   the stack, whether the adapter's patch is live (``is_patched()``, the wrapped ``ppo_train`` and
+   ``Actor.forward``) and the settings it carries; then the real call runs, which on a CPU stops at
+   ``torch.cuda.set_device(local_rank)``; its error is written too.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import sys
+
+_STAND_INS = ("flash_attn", "ring_flash_attn", "vllm")
+_PROBED = "openrlhf.utils.deepspeed.deepspeed"
+_VLLM_VERSION = "0.29.0"
+
+
+def _importer_is_openrlhf() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if not (name.startswith("importlib") or name == __name__ or frame.f_code.co_filename.startswith("<frozen")):
+            return name.startswith("openrlhf")
+        frame = frame.f_back
+    return False
+
+
+class _StandIn(importlib.abc.Loader):
+    def create_module(self, spec):
+        from unittest.mock import MagicMock
+
+        module = MagicMock(name=spec.name)
+        module.__spec__, module.__name__, module.__path__ = spec, spec.name, []
+        if spec.name == "vllm":  # PolicyModelActor reads it before its process group (the release OpenRLHF pins)
+            module.__version__ = _VLLM_VERSION
+        return module
+
+    def exec_module(self, module) -> None:
+        pass
+
+
+class _ProbingLoader(importlib.abc.Loader):
+    def __init__(self, loader) -> None:
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        cls = module.DeepspeedStrategy
+        cls.setup_distributed = _probe(cls.setup_distributed)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        root = fullname.split(".")[0]
+        if root in _STAND_INS:
+            if fullname == root and (_installed(root) or not _importer_is_openrlhf()):
+                return None
+            if fullname != root and not isinstance(getattr(sys.modules.get(root), "__loader__", None), _StandIn):
+                return None
+            import transformers.modeling_utils  # noqa: F401  (its checks see the real environment first)
+
+            return importlib.machinery.ModuleSpec(fullname, _StandIn(), is_package=True)
+        if fullname == _PROBED:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None and spec.loader is not None:
+                    spec.loader = _ProbingLoader(spec.loader)
+                    return spec
+        return None
+
+
+def _installed(root: str) -> bool:
+    return importlib.machinery.PathFinder.find_spec(root) is not None
+
+
+def _probe(original):
+    @functools.wraps(original)
+    def setup_distributed(self, *args, **kwargs):
+        from entropy_discriminator.adapters.openrlhf import _patch
+
+        selves, frame = [], sys._getframe(1)
+        while frame is not None:
+            obj = frame.f_locals.get("self")
+            if obj is not None:
+                selves.append(f"{type(obj).__module__}.{type(obj).__qualname__}")
+            frame = frame.f_back
+        module = sys.modules.get(_patch.TRAINER_MODULE)
+        config = _patch._STATE.config
+        record = {
+            "pid": os.getpid(), "selves": selves, "patched": _patch.is_patched(),
+            "ppo_train": module.ActorPPOTrainer.ppo_train.__code__.co_filename if module else None,
+            "forward": module.Actor.forward.__code__.co_filename if module else None,
+            "settings": None if config is None else {k: getattr(config, k) for k in
+                                                     ("method", "mu_low", "mu_high", "sides", "mask_mode")},
+            "realised": _patch._STATE.realised,
+        }
+        try:
+            return original(self, *args, **kwargs)
+        except Exception as exc:
+            record["error"] = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            with open(os.path.join(os.environ["ED_LAUNCH_PROBE_DIR"], f"worker-{os.getpid()}.json"), "w") as f:
+                json.dump(record, f)
+
+    return setup_distributed
+
+
+if os.environ.get("ED_LAUNCH_PROBE_DIR"):
+    sys.meta_path.insert(0, _Finder())
