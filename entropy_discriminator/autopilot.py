@@ -77,14 +77,14 @@ from .stats import TokenStats
 AUTOPILOT_PREFIX = "entropy_disc/autopilot/"
 #: Gain ``k`` of the feedback law.  With Adam (``beta1 = 0.9``) a step's own gradient is a tenth of the step,
 #: the rest is momentum the law's carry reports, so the error's projected rest point moves by ``k / (1 - beta1)``
-#: of the error per step: 0.1 is 1 there, and a tenth of the error per step for SGD without momentum.
-DEFAULT_GAIN = 0.1
+#: of the error per step: 0.05 is a half there (a twentieth per step for SGD without momentum).
+DEFAULT_GAIN = 0.05
 #: Largest desired entropy change of one step, in nats/token, either direction.
 DEFAULT_MAX_STEP = 0.02
 #: Default cap on the dropped share of the valid tokens.
 DEFAULT_MAX_FRAC = 0.05
 #: Weight of the new measurement in the smoothed entropy reading (1: no smoothing).
-DEFAULT_SMOOTHING = 0.3
+DEFAULT_SMOOTHING = 0.2
 #: Version of :meth:`EntropyAutopilot.state_dict`'s layout.
 STATE_VERSION = 2
 _NO_POSITION = float(2**53)  # padding position: after every real one (positions are exact in float64 below 2**53)

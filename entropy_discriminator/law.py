@@ -398,6 +398,7 @@ def token_terms(
     preconditioner: str = "state",
     grads: Sequence[torch.Tensor | None] | None = None,
     grad_scale: float = 1.0,
+    entropy_grads: Sequence[torch.Tensor | None] | None = None,
 ) -> TokenTerms:
     """Per-token contributions to the entropy change of the optimizer's next step, and its carry.
 
@@ -406,15 +407,19 @@ def token_terms(
     (``preconditioner``, ``grads``, ``grad_scale`` as there; ``"state"`` is the one usable before the backward,
     from the optimizer's second step on), ``w = P ⊙ ∇θH_B``, one :func:`logit_tangents` and
     :func:`token_contributions` with ``weights`` ``ω_t``.  Cost: one forward and one backward of ``H_B``, one
-    forward-mode product.  For the step whose loss gradient is ``Σ_t ∂L/∂z_t`` with
-    ``∂L/∂z_t = -(ω_t/T)(e_k - p_t)``, ``carry + Σ c_t`` equals :func:`step_entropy_change` to rounding.
+    forward-mode product.  ``entropy_grads`` (``∇θH_B`` aligned with ``named_params``' values, e.g. from the
+    training forward's logits, ``retain_graph=True``) skips that forward and backward.  For the step whose loss
+    gradient is ``Σ_t ∂L/∂z_t`` with ``∂L/∂z_t = -(ω_t/T)(e_k - p_t)``, ``carry + Σ c_t`` equals
+    :func:`step_entropy_change` to rounding.
     """
     names = list(named_params)
     ps = [named_params[k] for k in names]
-    with torch.enable_grad():
-        z = fn(dict(named_params))
-        h = batch_mean_entropy(z, valid, temperature=temperature)
-        gh = torch.autograd.grad(h, ps, allow_unused=True)
+    if entropy_grads is None:
+        with torch.enable_grad():
+            h = batch_mean_entropy(fn(dict(named_params)), valid, temperature=temperature)
+            gh = torch.autograd.grad(h, ps, allow_unused=True)
+    else:
+        gh = _aligned("entropy_grads", entropy_grads, ps)
     lin = linearise_step(optimizer, ps, grads=grads, preconditioner=preconditioner, grad_scale=grad_scale)
     w, carry = lin.direction(gh)
     z, dz = logit_tangents(fn, {k: p.detach() for k, p in zip(names, ps)}, dict(zip(names, w)))
