@@ -374,24 +374,32 @@ def run_jobs(work: Sequence[tuple[str, int, str]], steps: int, out: Path, *, job
 
 
 def law_table(records: Sequence[dict]) -> list[dict[str, object]]:
-    """Per set-up (records of plain GRPO, ``tag == "validate"``): slope and r of each prediction against the
-    realised same-batch change, and the seconds per optimizer step of each path."""
+    """Per set-up: slope and r of each prediction against the realised same-batch change, and the seconds per
+    optimizer step of each path; rows ``GRPO`` (plain GRPO, ``tag == "validate"``), ``autopilot`` (the autopilot
+    runs, where tokens are dropped) and ``autopilot, from step 2`` (without each run's first optimizer step: Adam's
+    first step, with no second moment yet, is sign-like, ``lr g / |g|``, and not additive over tokens)."""
     rows = []
     for setup in SETUPS:
-        recs = [r for r in records if r["setup"] == setup and r["tag"] == "validate"]
-        if not recs:
-            continue
-        real = [r["real_dH"] for r in recs]
-        row: dict[str, object] = {"setup": setup, "steps": len(recs)}
-        for key in ("exact_dH", "token_dH", "calibrated_dH", "cor4_dH"):
-            f = fit([r[key] for r in recs], real)
-            row[f"{key}_slope"], row[f"{key}_r"] = f["slope"], f["r"]
-        for key in ("sec_step", "sec_entropy_grad", "sec_exact", "sec_token"):
-            row[key] = statistics.mean(r[key] for r in recs)
-        ratios = [abs(r["real_dH"]) / abs(r["cor4_dH"]) for r in recs if r["cor4_dH"]]
-        row["real_to_cor4_median"] = statistics.median(ratios) if ratios else math.nan
-        rows.append(row)
+        for runs, pick in (("GRPO", lambda r: r["tag"] == "validate"), ("autopilot", lambda r: r["tag"] in TARGETS),
+                           ("autopilot, from step 2",
+                            lambda r: r["tag"] in TARGETS and (r["step"], r["mb"]) != (1, 0))):
+            recs = [r for r in records if r["setup"] == setup and pick(r)]
+            if recs:
+                rows.append(_law_row(setup, runs, recs))
     return rows
+
+
+def _law_row(setup: str, runs: str, recs: Sequence[dict]) -> dict[str, object]:
+    real = [r["real_dH"] for r in recs]
+    row: dict[str, object] = {"setup": setup, "runs": runs, "steps": len(recs)}
+    for key in ("exact_dH", "token_dH", "calibrated_dH", "cor4_dH"):
+        f = fit([r[key] for r in recs], real)
+        row[f"{key}_slope"], row[f"{key}_r"] = f["slope"], f["r"]
+    for key in ("sec_step", "sec_entropy_grad", "sec_exact", "sec_token"):
+        row[key] = statistics.mean(r[key] for r in recs)
+    ratios = [abs(r["real_dH"]) / abs(r["cor4_dH"]) for r in recs if r["cor4_dH"]]
+    row["real_to_cor4_median"] = statistics.median(ratios) if ratios else math.nan
+    return row
 
 
 def autopilot_table(records: Sequence[dict], warm_share: float = 0.2) -> list[dict[str, object]]:
@@ -449,7 +457,7 @@ def report(records: Sequence[dict], out: Path) -> dict[str, object]:
     ``autopilot_<setup>.png`` under ``out``; returns the two tables."""
     out.mkdir(parents=True, exist_ok=True)
     lt, at = law_table(records), autopilot_table(records)
-    law_cols = ["setup", "steps", "exact_dH_slope", "exact_dH_r", "token_dH_slope", "token_dH_r", "calibrated_dH_slope",
+    law_cols = ["setup", "runs", "steps", "exact_dH_slope", "exact_dH_r", "token_dH_slope", "token_dH_r", "calibrated_dH_slope",
                 "calibrated_dH_r", "cor4_dH_r", "real_to_cor4_median", "sec_step", "sec_entropy_grad", "sec_exact", "sec_token"]
     (out / "law.md").write_text(markdown(lt, law_cols) + "\n")
     ap_cols = ["setup", "target", "seed", "h0", "target_final", "median_abs_err", "tolerance", "ok_err", "acting_steps",
