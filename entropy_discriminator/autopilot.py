@@ -1,50 +1,50 @@
 """Entropy autopilot: each step, drop the fewest tokens so that the predicted entropy change meets a target.
 
-The paper's first-order law (Corollaries 4 and 4.1) writes the change of the batch-mean token
-entropy after one policy-gradient step as a sum of per-token terms.  The autopilot (issue 23)
-sets a desired change for the step from the measured entropy (a feedback law toward a user
-target) and drops, from the loss, the tokens with the largest entropy-*decreasing* terms until
-the predicted change of the kept tokens reaches it.  See docs/autopilot.md.
+The first-order law writes the change of the batch-mean token entropy in one optimizer step as a sum of
+per-token terms plus a carry (:mod:`entropy_discriminator.law`).  The autopilot sets a desired change for
+the step from a smoothed entropy reading (a feedback law toward a user target) and drops, from the loss,
+the tokens whose terms stand between the predicted change and that target: the most entropy-decreasing
+ones when the entropy must rise, the most entropy-increasing ones when it must fall.  See docs/autopilot.md.
 
-Estimator
----------
-Per valid token ``t`` of the whole batch (all ranks of the process group), with ``a_t = A_t``,
-``y_t = r_t * S_c,t`` (``r = pi / pi_sample``, 1 on-policy), ``N`` the number of valid tokens::
+Per-token terms
+---------------
+Per valid token ``t`` of the whole batch (all ranks of the process group), ``N`` valid tokens, either
 
-    form="cov"  (Cor. 4 / 4.1):  c_t = -(eta / N) * (a_t - a_bar) * (y_t - y_bar)
-    form="mean" (eq. 23):        c_t = -(eta / N) * a_t * y_t        (Theorem 2's own term)
+* given (``terms=``, ``carry=``): the law's terms for the optimizer used (:func:`~entropy_discriminator.law.token_terms`,
+  in nats; ``carry`` is the change of the step without this step's gradient, e.g. Adam's momentum), or
+* Corollary 4's cheap score, scaled by ``kappa`` (``scale``, e.g. a :class:`~entropy_discriminator.law.Calibration`'s),
+  with ``a_t = A_t``, ``y_t = r_t * S_c,t``::
 
-``a_bar`` and ``y_bar`` are the means over all ``N`` valid tokens.  Over the full batch the terms
-sum to :func:`~entropy_discriminator.batch_entropy_change` (``-eta Cov_B(A, r S_c)`` for
-``"cov"``).  Dropping a set ``D`` the way ``apply_keep_mask(mode="zero_pg")`` does (a dropped
-token loses its policy-gradient term, the loss normaliser stays ``N``) gives the prediction::
+      form="cov"  (Cor. 4 / 4.1):  c_t = -kappa (eta / N) (a_t - a_bar) (y_t - y_bar)
+      form="mean" (eq. 23):        c_t = -kappa (eta / N) a_t y_t
 
-    P(D) = P_0 - sum_{t in D} c_t,      P_0 = -eta * (S_ay / N - (S_a / N) (S_y / N))   ("cov")
-                                        P_0 = -eta * S_ay / N                           ("mean")
+  (``a_bar``, ``y_bar``: means over all ``N`` valid tokens), ``carry = 0``.
 
-with ``N``, ``a_bar`` and ``y_bar`` those of the *full* batch (the centring is Corollary 2's
-noise correction, held fixed so that the prediction stays a sum of per-token terms and the
-selection below is exact).  ``P(D)`` is the first-order change of the mean entropy over all ``N``
-tokens; in the tabular case with ``form="mean"`` it is exact to ``O(eta^2)``.  Under
-``mode="drop_token"`` the kept tokens' steps grow by ``N / (N - |D|)`` (at most ``1 / (1 -
-max_frac)``), a gain error the feedback law absorbs (docs/autopilot.md).
+Dropping a set ``D`` the way ``apply_keep_mask(mode="zero_pg")`` does (a dropped token loses its
+policy-gradient term, the loss normaliser stays ``N``) gives the prediction::
+
+    P(D) = P_0 - sum_{t in D} c_t,      P_0 = carry + sum_t c_t
+
+(with the full batch's ``N``, ``a_bar``, ``y_bar``, so ``P`` stays a sum of per-token terms and the selection
+below is exact).  Under ``mode="drop_token"`` the kept tokens' steps grow by ``N / (N - |D|)``, a gain error
+the feedback absorbs.
 
 Selection
 ---------
-Candidates: valid tokens whose advantage has a sign allowed by ``sides`` (zero-advantage tokens
-never) and whose term is entropy-decreasing, ``c_t < 0``.  They are ordered by ``c_t`` ascending
-(most decreasing first), ties by the smaller flat position in the concatenated batch; ``L = min(
-#candidates, cap_limit(max_frac, N))``.  With ``P_j = P_0 + cumsum(-c_(1), ..., -c_(L))[j]`` (one
-float64 ``torch.cumsum`` over the ordered list, the same array on every rank), the first ``j*``
-candidates are dropped::
+If ``target > P_0`` the candidates are the tokens with ``c_t < 0`` (dropping one raises ``P``), if
+``target < P_0`` those with ``c_t > 0``; in both cases only valid tokens whose advantage has a sign allowed by
+``sides`` (zero-advantage tokens never).  They are ordered by ``|c_t|`` descending, ties by the smaller flat
+position in the concatenated batch; ``L = min(#candidates, cap_limit(max_frac, N))``.  With ``P_j = P_0 -
+cumsum(c_(1), ..., c_(L))[j]`` (one float64 ``torch.cumsum`` over the ordered list, the same array on every
+rank), the first ``j*`` candidates are dropped::
 
-    j* = 0                                 if P_0 >= target
-    j* = min{ j in 1..L : P_j >= target }  if that set is not empty
-    j* = L                                 otherwise (the cap, or the candidates, ran out)
+    j* = 0                                          if P_0 == target
+    j* = min{ j in 1..L : P_j has crossed target }  if that set is not empty
+    j* = L                                          otherwise (the cap, or the candidates, ran out)
 
-Across ranks each rank sends its own first ``L`` candidates (the global first ``L`` are among
-them) with one ``all_gather``: the selection equals the one-process selection on the
-concatenated batch (up to the float64 rounding of the all-reduced sums, as for the masks).
+Across ranks each rank sends its own first ``L`` candidates (the global first ``L`` are among them) with one
+``all_gather``: the selection equals the one-process selection on the concatenated batch (up to the float64
+rounding of the all-reduced sums, as for the masks).
 """
 
 from __future__ import annotations
@@ -69,20 +69,26 @@ from ._checks import (
 )
 from .distributed import Group, _lexsort_desc, all_gather_cat, reduce_or_raise
 from .dynamics import FORMS, covariance_terms
+from .law import Calibration
 from .masks import SIDES, MaskResult, cap_limit
 from .stats import TokenStats
 
 #: Prefix of :meth:`AutopilotResult.metrics`' keys.
 AUTOPILOT_PREFIX = "entropy_disc/autopilot/"
-#: Proportional gain ``k`` of the feedback law: the error shrinks by ``1 - k`` per step when the law holds.
-DEFAULT_GAIN = 0.5
+#: Gain ``k`` of the feedback law.  With Adam (``beta1 = 0.9``) a step's own gradient is a tenth of the step,
+#: the rest is momentum the law's carry reports, so the error's projected rest point moves by ``k / (1 - beta1)``
+#: of the error per step: 0.05 is a half there (a twentieth per step for SGD without momentum).
+DEFAULT_GAIN = 0.05
 #: Largest desired entropy change of one step, in nats/token, either direction.
 DEFAULT_MAX_STEP = 0.02
 #: Default cap on the dropped share of the valid tokens.
 DEFAULT_MAX_FRAC = 0.05
+#: Weight of the new measurement in the smoothed entropy reading (1: no smoothing).
+DEFAULT_SMOOTHING = 0.2
 #: Version of :meth:`EntropyAutopilot.state_dict`'s layout.
-STATE_VERSION = 1
+STATE_VERSION = 2
 _NO_POSITION = float(2**53)  # padding position: after every real one (positions are exact in float64 below 2**53)
+_SETTINGS = ("target_entropy", "decay_steps", "gain", "max_step", "max_frac", "sides", "form", "smoothing")
 
 
 @dataclass(frozen=True)
@@ -96,9 +102,11 @@ class AutopilotResult:
     was not met and more candidates than the cap existed.
 
     ``entropy``: measured batch-mean token entropy ``H_t`` (nats/token, NaN when not given or no
-    valid token); ``target_entropy``: ``H*_t`` of the law (NaN outside the controller);
-    ``target_dh``: the desired change of this step (NaN for an empty batch);
-    ``predicted_dh_before`` / ``_after``: ``P_0`` and ``P(D)`` of the module docstring.
+    valid token); ``entropy_smoothed``: the reading ``Ĥ_t`` the law used (NaN outside the controller);
+    ``target_entropy``: ``H*_t`` of the law (NaN outside the controller); ``target_dh``: the desired
+    change of this step (NaN for an empty batch); ``predicted_dh_before`` / ``_after``: ``P_0`` and
+    ``P(D)`` of the module docstring (nats when the terms are the law's or ``scale`` is calibrated);
+    ``scale``: ``kappa`` of the cheap score (NaN when ``terms`` were given).
     """
 
     mask: MaskResult
@@ -107,6 +115,8 @@ class AutopilotResult:
     target_dh: float
     predicted_dh_before: float
     predicted_dh_after: float
+    entropy_smoothed: float = math.nan
+    scale: float = math.nan
 
     @property
     def keep(self) -> torch.Tensor:
@@ -122,10 +132,12 @@ class AutopilotResult:
         """The step's numbers under ``entropy_disc/autopilot/*`` (the same keys on every batch)."""
         values = {
             "entropy": self.entropy,
+            "entropy_smoothed": self.entropy_smoothed,
             "target_entropy": self.target_entropy,
             "target_dh": self.target_dh,
             "predicted_dh_before": self.predicted_dh_before,
             "predicted_dh_after": self.predicted_dh_after,
+            "scale": self.scale,
             "dropped_frac": self.dropped_frac,
             "n_dropped": self.mask.n_clipped,
             "capped": float(self.mask.capped),
@@ -138,43 +150,50 @@ def autopilot_mask(
     advantages: torch.Tensor,
     valid: torch.Tensor,
     *,
-    lr: float,
+    lr: float | None = None,
     target_dh: float,
     ratio: torch.Tensor | None = None,
     max_frac: float | None = DEFAULT_MAX_FRAC,
     sides: str = "negative",
     form: str = "cov",
+    terms: torch.Tensor | None = None,
+    carry: float = 0.0,
+    scale: float = 1.0,
     process_group: Group = None,
 ) -> AutopilotResult:
-    """Drop the fewest tokens so that the predicted entropy change of the kept ones is ``>= target_dh``.
+    """Drop the fewest tokens so that the predicted entropy change of the step meets ``target_dh``.
 
-    The estimator and the selection rule are in the module docstring; this is the selection for a
-    given target (the :class:`EntropyAutopilot` sets the target by feedback).
+    The terms and the selection rule are in the module docstring; this is the selection for a given target
+    (the :class:`EntropyAutopilot` sets the target by feedback).
 
     Args:
         s_centered: ``S_c = S* - E_p[S]``, ``[B, T]`` (or any shape), any float dtype (read as float64).
         advantages: ``[B]`` per sequence or per token with ``s_centered``'s shape.
         valid: bool or 0/1 tensor of ``s_centered``'s shape.
-        lr: ``eta`` of ``alpha = eta * r * A`` (a finite real > 0, see
-            :func:`~entropy_discriminator.batch_entropy_change`).
+        lr: ``eta`` of the cheap score (a finite real > 0; required without ``terms``, ignored with them).
         target_dh: the desired predicted change (nats/token), a finite real.
-        ratio: ``r = pi / pi_sample`` per token, ``s_centered``'s shape (None: 1).
+        ratio: ``r = pi / pi_sample`` per token, ``s_centered``'s shape, finite and ``>= 0`` (None: 1).
         max_frac: cap on the dropped share (:func:`~entropy_discriminator.masks.cap_limit`,
             ``floor(max_frac * N)`` tokens; None: no cap).
         sides: advantage sign whose tokens may be dropped: ``negative``, ``positive`` or ``both``.
-        form: ``"cov"`` (default, Corollaries 4 / 4.1) or ``"mean"`` (eq. 23).
+        form: ``"cov"`` (default, Corollaries 4 / 4.1) or ``"mean"`` (eq. 23), for the cheap score.
+        terms: the law's per-token terms ``c_t`` (:func:`~entropy_discriminator.law.token_terms`), float,
+            ``s_centered``'s shape, finite at valid positions; None: the cheap score.
+        carry: the law's carry (the same number on every rank; only with ``terms``).
+        scale: ``kappa`` of the cheap score (a finite real > 0; only without ``terms``).
         process_group: everything is global over this group; a bad argument or value on one rank
             raises the same ``ValueError`` / ``TypeError`` on every rank.
 
     Returns:
-        :class:`AutopilotResult` (``entropy`` and ``target_entropy`` NaN).  An empty batch keeps
-        everything with ``P_0 = P(D) = 0``.
+        :class:`AutopilotResult` (``entropy``, ``entropy_smoothed`` and ``target_entropy`` NaN).  An empty batch
+        keeps everything with ``P_0 = P(D) = 0``.
     """
     target = real_number("target_dh", target_dh)
     return _select(
         s_centered, advantages, valid, None, lr=lr, ratio=ratio, max_frac=max_frac, sides=sides, form=form,
-        process_group=process_group, law=lambda h: (math.nan, target),
-    )
+        terms=terms, carry=carry, scale=scale, process_group=process_group,
+        law=lambda h: (math.nan, math.nan, target),
+    )  # fmt: skip
 
 
 def _select(
@@ -183,23 +202,35 @@ def _select(
     valid: torch.Tensor,
     entropy: torch.Tensor | None,
     *,
-    lr: float,
+    lr: float | None,
     ratio: torch.Tensor | None,
     max_frac: float | None,
     sides: str,
     form: str,
+    terms: torch.Tensor | None,
+    carry: float,
+    scale: float,
     process_group: Group,
-    law: Callable[[float], tuple[float, float]],
+    law: Callable[[float], tuple[float, float, float]],
 ) -> AutopilotResult:
-    """The selection of the module docstring; ``law(H_t)`` gives ``(H*_t, target_dh)`` once ``H_t`` is reduced.
+    """The selection of the module docstring; ``law(H_t)`` gives ``(Ĥ_t, H*_t, target_dh)`` once ``H_t`` is reduced.
 
     Collectives: one all-reduce of the checks and sums; when something must be dropped, one
     all-gather of the per-rank counts and one of the candidates (``[L, 3]`` float64 per rank).
     """
-    n_checks = 3 + (ratio is not None) + (entropy is not None)
+    n_checks = 3 + (ratio is not None) * 2 + (entropy is not None) + (terms is not None)
 
     def local() -> tuple[torch.Tensor, tuple]:
-        eta = real_number("lr", lr, above=0)
+        if terms is None:
+            if lr is None:
+                raise ValueError("lr is required for the cheap score (no terms given): a finite real > 0")
+            eta = real_number("lr", lr, above=0)
+            kappa = real_number("scale", scale, above=0)
+            if carry != 0:
+                raise ValueError(f"carry is the law's, given with terms only; got {carry!r} without terms")
+        else:
+            eta, kappa = math.nan, math.nan
+            real_number("carry", carry)
         if max_frac is not None:
             real_number("max_frac", max_frac, minimum=0, maximum=1)
         one_of("sides", sides, SIDES)
@@ -214,38 +245,52 @@ def _select(
             require_float("ratio", ratio)
             require_shape("ratio", ratio, shape, "s_centered")
             checks.finite("ratio", ratio, valid_b)
+            checks.count("ratio must be >= 0 (pi / pi_sample); negative at {} valid position(s)",
+                          (valid_b & (ratio < 0)).sum())
             y = y * ratio.to(device=y.device, dtype=torch.float64)
         checks.finite("s_centered", s_centered, valid_b)
-        terms = covariance_terms(a, y, valid_b)
-        checks.finite("advantages", a, valid_b, witness=terms[1])
+        sums = covariance_terms(a, y, valid_b)
+        checks.finite("advantages", a, valid_b, witness=sums[1])
         h_sum = torch.zeros((), dtype=torch.float64, device=y.device)
         if entropy is not None:
             require_float("entropy", entropy)
             require_shape("entropy", entropy, shape, "s_centered")
             h_sum = torch.where(valid_b, entropy.to(device=y.device, dtype=torch.float64), 0.0).sum()
             checks.finite("entropy", entropy, valid_b, witness=h_sum)
+        c_sum = torch.zeros((), dtype=torch.float64, device=y.device)
+        c = None
+        if terms is not None:
+            require_float("terms", terms)
+            require_shape("terms", terms, shape, "s_centered")
+            c = torch.where(valid_b, terms.to(device=y.device, dtype=torch.float64), 0.0)
+            c_sum = c.sum()
+            checks.finite("terms", terms, valid_b, witness=c_sum)
         pos, neg = valid_b & (a > 0), valid_b & (a < 0)
         counts = [pos.sum().to(torch.float64), neg.sum().to(torch.float64)]
-        payload = torch.cat([torch.stack(checks.witnesses()), terms, torch.stack([h_sum, *counts])])
-        return payload, (checks, eta, valid_b, a, y, pos, neg)
+        payload = torch.cat([torch.stack(checks.witnesses()), sums, torch.stack([h_sum, c_sum, *counts])])
+        return payload, (checks, eta, kappa, valid_b, a, y, c, pos, neg)
 
-    values, (checks, eta, valid_b, a, y, pos, neg) = reduce_or_raise(local, n_checks + 7, process_group)
+    values, (checks, eta, kappa, valid_b, a, y, c, pos, neg) = reduce_or_raise(local, n_checks + 8, process_group)
     checks.verdict(values[:n_checks], process_group)
-    n, s_a, s_y, s_ay, h_sum, n_pos, n_neg = values[n_checks:]
+    n, s_a, s_y, s_ay, h_sum, c_sum, n_pos, n_neg = values[n_checks:]
     nothing = torch.zeros_like(valid_b)
     if n == 0:
-        return _result(nothing, 0, 0, 0, 0, 0, False, math.nan, math.nan, math.nan, 0.0, 0.0)
+        return _result(nothing, 0, 0, 0, 0, 0, False, math.nan, math.nan, math.nan, math.nan, 0.0, 0.0, kappa)
     h = h_sum / n if entropy is not None else math.nan
-    h_target, target = law(h)
-    a_bar, y_bar = (s_a / n, s_y / n) if form == "cov" else (0.0, 0.0)
-    p0 = -eta * (s_ay / n - a_bar * y_bar)
+    h_read, h_target, target = law(h)
+    if c is None:
+        a_bar, y_bar = (s_a / n, s_y / n) if form == "cov" else (0.0, 0.0)
+        p0 = -kappa * eta * (s_ay / n - a_bar * y_bar)
+        c = -(kappa * eta / n) * ((a - a_bar) * (y - y_bar))
+    else:
+        p0 = float(carry) + float(c_sum)
     limit = cap_limit(max_frac, int(n))
-    if p0 >= target:
-        return _result(nothing, n, n_pos, n_neg, 0, 0, False, h, h_target, target, p0, p0)
+    if p0 == target:
+        return _result(nothing, n, n_pos, n_neg, 0, 0, False, h, h_read, h_target, target, p0, p0, kappa)
 
-    c = -(eta / n) * ((a - a_bar) * (y - y_bar))
+    raise_ = target > p0  # drop entropy-decreasing tokens (c < 0) to raise P, else entropy-increasing ones
     eligible = {"negative": neg, "positive": pos, "both": pos | neg}[sides]
-    flat = (eligible & (c < 0)).reshape(-1)
+    flat = (eligible & valid_b & ((c < 0) if raise_ else (c > 0))).reshape(-1)
     idx = torch.nonzero(flat).reshape(-1)
     n_local = idx.numel() if limit is None else min(limit, idx.numel())
     sizes = all_gather_cat(torch.tensor([[flat.numel(), n_local, idx.numel()]], device=idx.device), process_group)
@@ -255,7 +300,7 @@ def _select(
     limit = n_cand if limit is None else min(limit, n_cand)
 
     position = idx + offset
-    score = -c.reshape(-1)[idx]  # > 0: how much dropping the token raises the prediction
+    score = c.reshape(-1)[idx].abs()  # > 0: how far dropping the token moves the prediction toward the target
     order = _lexsort_desc(score, position)[:n_local]
     is_pos = pos.reshape(-1)[idx[order]].to(torch.float64)
     rows = torch.stack([score[order], position[order].to(torch.float64), is_pos], 1)
@@ -264,8 +309,9 @@ def _select(
         rows = torch.cat([rows, filler.expand(k_pad - n_local, 3)])
     everyone = all_gather_cat(rows, process_group) if k_pad else rows
     ranked = everyone[_lexsort_desc(everyone[:, 0], everyone[:, 1].to(torch.int64))[:limit]]
-    predicted = p0 + torch.cumsum(ranked[:, 0], 0)  # P_1 .. P_L
-    meets = predicted >= target
+    sign = 1.0 if raise_ else -1.0
+    predicted = p0 + sign * torch.cumsum(ranked[:, 0], 0)  # P_1 .. P_L
+    meets = (predicted >= target) if raise_ else (predicted <= target)
     met = bool(meets.any())
     j = int(torch.argmax(meets.to(torch.int8))) + 1 if met else limit
     chosen = ranked[:j]
@@ -275,7 +321,7 @@ def _select(
     capped = not met and n_cand > limit
     after = float(predicted[j - 1]) if j else p0
     dropped = dropped.reshape(valid_b.shape)
-    return _result(dropped, n, n_pos, n_neg, j, n_drop_pos, capped, h, h_target, target, p0, after)
+    return _result(dropped, n, n_pos, n_neg, j, n_drop_pos, capped, h, h_read, h_target, target, p0, after, kappa)
 
 
 def _result(
@@ -287,10 +333,12 @@ def _result(
     n_drop_pos: int,
     capped: bool,
     h: float,
+    h_read: float,
     h_target: float,
     target: float,
     before: float,
     after: float,
+    kappa: float,
 ) -> AutopilotResult:
     """An :class:`AutopilotResult` whose ``MaskResult`` keeps every token but ``dropped`` (counts are global)."""
     mask = MaskResult(
@@ -298,39 +346,44 @@ def _result(
         n_valid=int(n), n_valid_pos=int(n_pos), n_valid_neg=int(n_neg), n_clipped=n_drop,
         n_clipped_pos=n_drop_pos, n_clipped_neg=n_drop - n_drop_pos, capped=capped,
     )  # fmt: skip
-    return AutopilotResult(mask, h, h_target, target, before, after)
+    return AutopilotResult(mask, h, h_target, target, before, after, h_read, kappa)
 
 
 class EntropyAutopilot:
     """Feedback controller holding the batch-mean token entropy at a target by dropping tokens.
 
-    Law (step ``t`` = number of non-empty batches seen before this one; ``H_t`` the measured
-    batch-mean entropy of this batch, ``H_0`` that of the first)::
+    Law (step ``t`` = number of non-empty batches seen before this one; ``H_t`` the measured batch-mean
+    entropy of this batch, ``H_0`` that of the first; ``P_{t-1}`` the previous step's predicted change
+    ``predicted_dh_after``; ``s`` = ``smoothing``)::
 
+        Ĥ_0 = H_0,   Ĥ_t = (1 - s) (Ĥ_{t-1} + P_{t-1}) + s H_t        (the smoothed reading)
         H*_t = H_0                                     target_entropy="hold"
         H*_t = H_end                                   target_entropy=H_end, decay_steps=None
         H*_t = H_0 + (H_end - H_0) * min(t, D) / D     target_entropy=H_end, decay_steps=D
-        target_dh_t = clip((H*_{t+1} - H*_t) - gain * (H_t - H*_t), -max_step, max_step)
+        target_dh_t = clip((H*_{t+1} - H*_t) - gain * (Ĥ_t - H*_t), -max_step, max_step)
 
-    and :func:`autopilot_mask` with ``target_dh_t`` selects the tokens to drop.  If the realised
-    change equals ``g`` times the prediction and the prediction meets the target, the error
-    ``e_t = H_t - H*_t`` obeys ``e_{t+1} = (1 - g * gain) e_t``: it converges for
-    ``0 < g * gain < 2`` and without changing sign for ``g * gain <= 1``; the default gain 0.5
-    keeps that for a step size ``lr`` off by up to 2x (and stable up to 4x).  The controller
-    only drops tokens, so it can slow or reverse a decrease of entropy but never lowers it: above
-    the target with a predicted increase it drops nothing.  No integral term: the actuator is
-    saturated (cap, one direction) much of the time, where an integrator would wind up.
+    and :func:`autopilot_mask` with ``target_dh_t`` selects the tokens to drop, in either direction.  A batch
+    is a new sample of prompts, so ``H_t`` is noisy; ``Ĥ`` follows it through the law's own prediction of the
+    step taken, which is measured on the same tokens.  If the prediction is the law's (``terms``, or the cheap
+    score calibrated to nats) and the selection meets the target, the error ``e = Ĥ - H*`` shrinks by
+    ``1 - gain`` per step without momentum; with Adam the step also carries momentum (the law's ``carry``)
+    and ``gain / (1 - beta1)`` is the share of the error the projected rest point moves per step
+    (docs/autopilot.md).  Saturation (the cap, or no candidate) leaves the error to the free dynamics;
+    nothing accumulates.
 
     Args:
-        target_entropy: ``"hold"`` (hold ``H_0``) or ``H_end`` in nats/token (a finite real >= 0).
+        target_entropy: ``"hold"`` (hold ``H_0``) or ``H_end`` in nats/token (a finite real >= 0, at most
+            ``log(vocab_size)`` when that is given).
         decay_steps: ramp linearly from ``H_0`` to ``H_end`` over this many steps (int >= 1;
             only with a number ``target_entropy``).
         gain: ``k`` in ``(0, 1]``.
         max_step: the band of ``target_dh`` (nats/token per step, > 0, ``inf`` allowed).
+        smoothing: ``s`` in ``(0, 1]`` (1: the raw batch reading).
+        vocab_size: the vocabulary size ``V`` when known (an int >= 2): a target above ``log V`` is refused.
         max_frac, sides, form, process_group: as in :func:`autopilot_mask`.
 
-    The controller's memory (``step``, ``H_0``) is :meth:`state_dict`; restoring it continues
-    the run bit for bit.  Every rank holds the same state (the entropy is reduced globally).
+    The controller's memory (``step``, ``H_0``, ``Ĥ``, ``P``, the calibration of the cheap score) is
+    :meth:`state_dict`; restoring it continues the run bit for bit.  Every rank holds the same state.
     """
 
     def __init__(
@@ -343,6 +396,8 @@ class EntropyAutopilot:
         max_frac: float | None = DEFAULT_MAX_FRAC,
         sides: str = "negative",
         form: str = "cov",
+        smoothing: float = DEFAULT_SMOOTHING,
+        vocab_size: int | None = None,
         process_group: Group = None,
     ) -> None:
         if isinstance(target_entropy, str):
@@ -350,6 +405,14 @@ class EntropyAutopilot:
             self.target_entropy: float | None = None
         else:
             self.target_entropy = real_number("target_entropy", target_entropy, minimum=0)
+        if vocab_size is not None:
+            vocab_size = integer("vocab_size", vocab_size, minimum=2)
+            if self.target_entropy is not None and self.target_entropy > math.log(vocab_size):
+                raise ValueError(
+                    f"target_entropy {self.target_entropy:g} nats is above log(vocab_size) = {math.log(vocab_size):.4g}, "
+                    "the largest entropy a distribution over the vocabulary can have"
+                )
+        self.vocab_size = vocab_size
         if decay_steps is not None:
             if self.target_entropy is None:
                 raise ValueError("decay_steps needs a number target_entropy (a ramp from H_0 to it), not 'hold'")
@@ -362,9 +425,17 @@ class EntropyAutopilot:
         self.max_frac = max_frac
         self.sides = one_of("sides", sides, SIDES)
         self.form = one_of("form", form, FORMS)
+        self.smoothing = real_number("smoothing", smoothing, above=0, maximum=1)
         self.process_group = process_group
+        self.calibration = Calibration()
         self.step_count = 0
         self.h_start: float | None = None
+        self.h_smooth: float | None = None
+        self.last_predicted = 0.0
+
+    def settings(self) -> dict[str, Any]:
+        """The settings a saved state must match (plain Python values)."""
+        return {name: getattr(self, name) for name in _SETTINGS}
 
     def target_entropy_at(self, step: int, h_start: float) -> float:
         """``H*_step`` of the law, given the starting entropy ``H_0 = h_start``."""
@@ -374,12 +445,19 @@ class EntropyAutopilot:
             return self.target_entropy
         return h_start + (self.target_entropy - h_start) * (min(step, self.decay_steps) / self.decay_steps)
 
-    def _law(self, h: float) -> tuple[float, float]:
-        """``(H*_t, target_dh_t)`` of the class docstring for the measured ``H_t = h`` (``H_0 = h`` on the first batch)."""
+    def _reading(self, h: float) -> float:
+        """``Ĥ_t`` of the class docstring for the measured ``H_t = h``."""
+        if self.h_smooth is None:
+            return h
+        return (1 - self.smoothing) * (self.h_smooth + self.last_predicted) + self.smoothing * h
+
+    def _law(self, h: float) -> tuple[float, float, float]:
+        """``(Ĥ_t, H*_t, target_dh_t)`` of the class docstring for the measured ``H_t = h``."""
         h_start = h if self.h_start is None else self.h_start
+        read = self._reading(h)
         now, nxt = self.target_entropy_at(self.step_count, h_start), self.target_entropy_at(self.step_count + 1, h_start)
-        desired = (nxt - now) - self.gain * (h - now)
-        return now, min(max(desired, -self.max_step), self.max_step)
+        desired = (nxt - now) - self.gain * (read - now)
+        return read, now, min(max(desired, -self.max_step), self.max_step)
 
     def step(
         self,
@@ -388,50 +466,99 @@ class EntropyAutopilot:
         s_centered: torch.Tensor,
         entropy: torch.Tensor,
         valid: torch.Tensor,
-        lr: float,
+        lr: float | None = None,
         ratio: torch.Tensor | None = None,
+        terms: torch.Tensor | None = None,
+        carry: float = 0.0,
     ) -> AutopilotResult:
         """One batch: measure ``H_t``, set ``target_dh_t`` by the law, select the tokens to drop.
 
-        Call once per training batch, before the update, every rank in the same order.
-        ``entropy``: per-token entropy (nats), ``s_centered``'s shape; the other arguments as in
-        :func:`autopilot_mask`.  Advances the state (``step`` + 1, ``H_0`` on the first batch)
-        unless the batch has no valid token, which is a no-op (everything kept, state unchanged).
+        Call once per optimizer step, before it, every rank in the same order.  ``entropy``: per-token entropy
+        (nats), ``s_centered``'s shape; ``terms`` / ``carry``: the law's (:func:`~entropy_discriminator.law.token_terms`)
+        or None for the cheap score scaled by :attr:`calibration` (update it with :meth:`calibrate`); the other
+        arguments as in :func:`autopilot_mask`.  Advances the state unless the batch has no valid token, which is
+        a no-op (everything kept, state unchanged).
         """
         res = _select(
             s_centered, advantages, valid, entropy, lr=lr, ratio=ratio, max_frac=self.max_frac, sides=self.sides,
-            form=self.form, process_group=self.process_group, law=self._law,
+            form=self.form, terms=terms, carry=carry, scale=self.calibration.scale, process_group=self.process_group,
+            law=self._law,
         )  # fmt: skip
         if res.mask.n_valid:
             if self.h_start is None:
                 self.h_start = res.entropy
+            self.h_smooth = res.entropy_smoothed
+            self.last_predicted = res.predicted_dh_after
             self.step_count += 1
         return res
 
+    def calibrate(self, cheap: float, exact: float) -> float:
+        """Feed one same-batch pair to :attr:`calibration` (``cheap`` = ``-lr Cov_B(A, r S_c)`` of the step
+        taken, ``exact`` = the law's prediction of it, e.g. :func:`~entropy_discriminator.law.step_entropy_change`);
+        returns the new ``kappa``."""
+        return self.calibration.update(cheap, exact)
+
     def from_stats(
-        self, stats: TokenStats, advantages: torch.Tensor, *, lr: float, ratio: torch.Tensor | None = None
+        self,
+        stats: TokenStats,
+        advantages: torch.Tensor,
+        *,
+        lr: float | None = None,
+        ratio: torch.Tensor | None = None,
+        terms: torch.Tensor | None = None,
+        carry: float = 0.0,
     ) -> AutopilotResult:
         """:meth:`step` on the fields of a :class:`~entropy_discriminator.TokenStats`."""
-        return self.step(
-            advantages, s_centered=stats.s_centered, entropy=stats.entropy, valid=stats.valid, lr=lr, ratio=ratio
-        )
+        if not isinstance(stats, TokenStats):
+            raise TypeError(
+                f"stats must be a TokenStats (from token_stats(logits, labels)), got {type(stats).__name__}; "
+                "with separate tensors call step(advantages, s_centered=..., entropy=..., valid=..., lr=...)"
+            )
+        return self.step(advantages, s_centered=stats.s_centered, entropy=stats.entropy, valid=stats.valid, lr=lr,
+                         ratio=ratio, terms=terms, carry=carry)  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
-        """The controller's memory as plain Python values: ``{"version", "step", "h_start"}`` (picklable)."""
-        return {"version": STATE_VERSION, "step": self.step_count, "h_start": self.h_start}
+        """The controller's memory as plain Python values (picklable, ``torch.load(weights_only=True)``-safe):
+        ``{"version", "settings", "step", "h_start", "h_smooth", "last_predicted", "calibration"}``."""
+        return {"version": STATE_VERSION, "settings": self.settings(), "step": self.step_count,
+                "h_start": self.h_start, "h_smooth": self.h_smooth, "last_predicted": self.last_predicted,
+                "calibration": self.calibration.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output; ``ValueError`` / ``TypeError`` naming the bad entry."""
+        """Restore :meth:`state_dict`'s output; ``ValueError`` / ``TypeError`` naming the bad entry.
+
+        A state of another layout version, or saved by a controller with other settings, is refused (by the
+        setting's name): it would continue a different law.
+        """
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a mapping from state_dict(), got {type(state).__name__}")
-        if set(state) != {"version", "step", "h_start"}:
-            raise ValueError(f"state must have the keys ['h_start', 'step', 'version'], got {sorted(map(str, state))}")
-        if state["version"] != STATE_VERSION:
-            raise ValueError(f"state['version'] must be {STATE_VERSION}, got {state['version']!r}")
+        if "version" in state and state["version"] != STATE_VERSION:
+            raise ValueError(
+                f"state['version'] is {state['version']!r}, this autopilot's is {STATE_VERSION}: the state was saved "
+                "by an earlier autopilot (another law and state layout) and cannot continue this one; start fresh"
+            )
+        keys = {"version", "settings", "step", "h_start", "h_smooth", "last_predicted", "calibration"}
+        if set(state) != keys:
+            raise ValueError(f"state must have the keys {sorted(keys)}, got {sorted(map(str, state))}")
+        settings = state["settings"]
+        if not isinstance(settings, Mapping) or set(settings) != set(_SETTINGS):
+            raise ValueError(f"state['settings'] must have the keys {sorted(_SETTINGS)}, got {settings!r}")
+        for name in _SETTINGS:
+            if settings[name] != getattr(self, name):
+                raise ValueError(
+                    f"state['settings']['{name}'] is {settings[name]!r} but this autopilot has {getattr(self, name)!r}: "
+                    "the state was saved by a controller with other settings"
+                )
         step = integer("state['step']", state["step"], minimum=0)
-        h_start = state["h_start"]
+        h_start, h_smooth = state["h_start"], state["h_smooth"]
         if h_start is not None:
             h_start = real_number("state['h_start']", h_start, minimum=0)
-        if (step == 0) != (h_start is None):
-            raise ValueError(f"state['h_start'] must be None exactly when state['step'] is 0, got {state!r}")
-        self.step_count, self.h_start = step, h_start
+        if h_smooth is not None:
+            h_smooth = real_number("state['h_smooth']", h_smooth)
+        if (step == 0) != (h_start is None) or (h_start is None) != (h_smooth is None):
+            raise ValueError(f"state['h_start'] and state['h_smooth'] must be None exactly when state['step'] is 0, got {state!r}")
+        last = real_number("state['last_predicted']", state["last_predicted"])
+        calibration = Calibration(forgetting=self.calibration.forgetting)
+        calibration.load_state_dict(state["calibration"])
+        self.step_count, self.h_start, self.h_smooth, self.last_predicted = step, h_start, h_smooth, last
+        self.calibration = calibration

@@ -43,7 +43,8 @@ class EntropyMonitor:
     * ``clip/frac``, ``clip/frac_adv_pos``, ``clip/frac_adv_neg``, ``clip/n_clipped``,
       ``clip/threshold_low``, ``clip/threshold_high`` (finite ones), ``clip/capped``;
     * ``cov/adv_s_centered`` = ``Cov_B(A, r S_c)``; ``delta_entropy/predicted`` =
-      ``-lr * Cov_B(A, r S_c)`` (Corollaries 4, 4.1); ``delta_entropy/realised`` from
+      ``-lr * Cov_B(A, r S_c)`` (Corollaries 4, 4.1; times ``scale`` when given, then also
+      ``delta_entropy/scale``); ``delta_entropy/realised`` from
       :meth:`realised`;
     * ``tokens/valid``, ``tokens/adv_pos``, ``tokens/adv_neg``.
     """
@@ -100,6 +101,7 @@ class EntropyMonitor:
         mask: MaskResult | None = None,
         ratio: torch.Tensor | None = None,
         lr: float | None = None,
+        scale: float | None = None,
     ) -> dict[str, float]:
         """Metrics of one batch. Tensors share ``entropy``'s shape (``advantages`` may be ``[B]``).
 
@@ -109,12 +111,14 @@ class EntropyMonitor:
         ``process_group``; ``ratio`` (``pi / pi_sample``, per token, finite and >= 0 at the valid
         positions) weights ``S_c`` in the covariance off-policy; ``lr`` (a finite real number
         >= 0 or 0-d tensor; 0 predicts no change) turns the covariance into the predicted entropy
-        change.  NaN / inf at a valid position of any tensor raises ``ValueError`` naming it, on
-        every rank of the process group.  Host synchronisations: one for the sums and counts,
-        one for the percentiles.
+        change; ``scale`` (``kappa`` of a :class:`~entropy_discriminator.law.Calibration`, a finite
+        real > 0, with ``lr``) puts it in nats: ``delta_entropy/predicted = -kappa lr Cov_B`` and
+        ``delta_entropy/scale = kappa``.  NaN / inf at a valid position of any tensor raises
+        ``ValueError`` naming it, on every rank of the process group.  Host synchronisations: one
+        for the sums and counts, one for the percentiles.
         """
         return self._metrics(None, entropy=entropy, valid=valid, advantages=advantages, s_star=s_star,
-                             s_centered=s_centered, mask=mask, ratio=ratio, lr=lr)
+                             s_centered=s_centered, mask=mask, ratio=ratio, lr=lr, scale=scale)
 
     def _metrics(
         self,
@@ -128,6 +132,7 @@ class EntropyMonitor:
         mask: MaskResult | None,
         ratio: torch.Tensor | None,
         lr: float | None,
+        scale: float | None,
     ) -> dict[str, float]:
         """:meth:`__call__` counting only the positions of ``valid`` inside ``within`` (a TokenStats' ``valid``)."""
         group = self.process_group
@@ -138,6 +143,10 @@ class EntropyMonitor:
 
         def local() -> tuple[torch.Tensor, tuple]:
             lr_value = None if lr is None else real_number("lr", lr, minimum=0)
+            if scale is not None:
+                if lr is None:
+                    raise ValueError("scale calibrates the prediction -lr Cov_B: give lr with it")
+                lr_value *= real_number("scale", scale, above=0)
             require_float("entropy", entropy)
             shape = entropy.shape
             checks = DataChecks()
@@ -214,6 +223,8 @@ class EntropyMonitor:
             out["cov/adv_s_centered"] = cov
             if lr_value is not None:
                 out["delta_entropy/predicted"] = -lr_value * cov
+                if scale is not None:
+                    out["delta_entropy/scale"] = float(scale)
         return {self.prefix + k: float(v) for k, v in out.items()}
 
     def from_stats(
@@ -223,6 +234,7 @@ class EntropyMonitor:
         mask: MaskResult | None = None,
         ratio: torch.Tensor | None = None,
         lr: float | None = None,
+        scale: float | None = None,
         *,
         valid: torch.Tensor | None = None,
     ) -> dict[str, float]:
@@ -244,6 +256,7 @@ class EntropyMonitor:
             mask=mask,
             ratio=ratio,
             lr=lr,
+            scale=scale,
         )
 
     def realised(

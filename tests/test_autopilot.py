@@ -1,4 +1,4 @@
-"""Entropy autopilot (issue 23): selection against a plain float64 reference, the law, the state,
+"""Entropy autopilot: selection against a plain float64 reference, the law, the state,
 stability on tabular softmax dynamics, and 1 = 2 = 3 gloo ranks."""
 
 from __future__ import annotations
@@ -24,34 +24,41 @@ from entropy_discriminator.autopilot import AUTOPILOT_PREFIX
 # ---- plain float64 reference of the selection (module docstring of entropy_discriminator.autopilot) ----
 
 
-def reference_select(s, a, valid, ratio, *, lr, target, max_frac, sides, form):
+def reference_select(s, a, valid, ratio, *, lr, target, max_frac, sides, form, terms=None, carry=0.0, scale=1.0):
     """Flat Python lists in, ``(keep, n_drop, n_drop_pos, capped, p0, after)`` out.
 
-    Same operation order as documented: ``P_0 = -lr (S_ay/N - a_bar y_bar)``, ``c_t = -(lr/N) ((a - a_bar)(y - y_bar))``,
-    ``P_j = P_0 + (s_1 + ... + s_j)`` with ``s = -c`` summed left to right, candidates by ``(c, position)``.
+    Same operation order as documented: cheap score ``c_t = -kappa (lr/N) ((a - a_bar)(y - y_bar))`` and
+    ``P_0 = -kappa lr (S_ay/N - a_bar y_bar)``, or the given ``terms`` with ``P_0 = carry + sum c``; candidates
+    ``c < 0`` when ``target > P_0`` else ``c > 0``, by ``(-|c|, position)``; ``P_j = P_0 -/+ (|c_1| + ... + |c_j|)``
+    summed left to right.
     """
     n = sum(valid)
     keep = [True] * len(s)
     if n == 0:
         return keep, 0, 0, False, 0.0, 0.0
-    y = [si * ri for si, ri in zip(s, ratio)]
-    s_a = sum(ai for ai, v in zip(a, valid) if v)
-    s_y = sum(yi for yi, v in zip(y, valid) if v)
-    s_ay = sum(ai * yi for ai, yi, v in zip(a, y, valid) if v)
-    a_bar, y_bar = (s_a / n, s_y / n) if form == "cov" else (0.0, 0.0)
-    p0 = -lr * (s_ay / n - a_bar * y_bar)
-    if p0 >= target:
+    if terms is None:
+        y = [si * ri for si, ri in zip(s, ratio)]
+        s_a = sum(ai for ai, v in zip(a, valid) if v)
+        s_y = sum(yi for yi, v in zip(y, valid) if v)
+        s_ay = sum(ai * yi for ai, yi, v in zip(a, y, valid) if v)
+        a_bar, y_bar = (s_a / n, s_y / n) if form == "cov" else (0.0, 0.0)
+        p0 = -scale * lr * (s_ay / n - a_bar * y_bar)
+        c = [-(scale * lr / n) * ((ai - a_bar) * (yi - y_bar)) for ai, yi in zip(a, y)]
+    else:
+        c = [ti if v else 0.0 for ti, v in zip(terms, valid)]
+        p0 = carry + sum(c)
+    if p0 == target:
         return keep, 0, 0, False, p0, p0
+    up = target > p0
     allowed = {"negative": lambda x: x < 0, "positive": lambda x: x > 0, "both": lambda x: x != 0}[sides]
-    c = [-(lr / n) * ((ai - a_bar) * (yi - y_bar)) for ai, yi in zip(a, y)]
-    cand = sorted((c[i], i) for i in range(len(s)) if valid[i] and allowed(a[i]) and c[i] < 0)
+    cand = sorted((-abs(c[i]), i) for i in range(len(s)) if valid[i] and allowed(a[i]) and (c[i] < 0 if up else c[i] > 0))
     limit = len(cand) if max_frac is None else min(len(cand), math.floor(Fraction(str(max_frac)) * n))
     cum, after, chosen, met = 0.0, p0, [], False
-    for ci, i in cand[:limit]:
-        cum += -ci
-        after = p0 + cum
+    for neg_abs, i in cand[:limit]:
+        cum += -neg_abs
+        after = p0 + cum if up else p0 - cum
         chosen.append(i)
-        if after >= target:
+        if (after >= target) if up else (after <= target):
             met = True
             break
     for i in chosen:
@@ -67,9 +74,12 @@ def _compare(s, a, valid, ratio, kw, exact):
     res = _run_mask(s, a, valid, ratio, **kw)
     a_tok = a if a.shape == s.shape else a[:, None].expand(s.shape)
     r = torch.ones_like(s) if ratio is None else ratio
+    terms = kw.get("terms")
     keep, n_drop, n_pos, capped, p0, after = reference_select(
         s.reshape(-1).tolist(), a_tok.reshape(-1).tolist(), valid.reshape(-1).tolist(), r.reshape(-1).tolist(),
-        lr=kw["lr"], target=kw["target_dh"], max_frac=kw["max_frac"], sides=kw["sides"], form=kw["form"],
+        lr=kw.get("lr"), target=kw["target_dh"], max_frac=kw["max_frac"], sides=kw["sides"], form=kw["form"],
+        terms=None if terms is None else terms.reshape(-1).tolist(), carry=kw.get("carry", 0.0),
+        scale=kw.get("scale", 1.0),
     )  # fmt: skip
     assert res.keep.reshape(-1).tolist() == keep
     assert (res.mask.n_clipped, res.mask.n_clipped_pos, res.mask.capped) == (n_drop, n_pos, capped)
@@ -108,6 +118,11 @@ def test_selection_equals_reference_on_dyadic_data(data, b, t, per_token, with_r
     p0 = ed.batch_entropy_change(a, s, valid, lr=lr, ratio=ratio, form=form)
     kw = dict(lr=lr, target_dh=p0 + target / 64, max_frac=max_frac, sides=sides, form=form)  # a target near P_0
     _compare(s, a, valid, ratio, kw, exact=True)
+    # scaled by kappa = 2 (exact in binary), and given per-token terms with a carry (the law's path)
+    _compare(s, a, valid, ratio, {**kw, "scale": 2.0, "target_dh": 2 * p0 + target / 64}, exact=True)
+    terms = torch.tensor(ints(-6, 6, b * t), dtype=torch.float64).reshape(b, t) / 8
+    kw_terms = dict(target_dh=target / 32 - 0.5, max_frac=max_frac, sides=sides, form=form, terms=terms, carry=0.25)
+    _compare(s, a, valid, ratio, kw_terms, exact=True)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -165,12 +180,13 @@ def test_nothing_dropped_when_the_prediction_meets_the_target_and_empty_batch_is
     assert res.keep.all() and res.predicted_dh_after == res.predicted_dh_before == p0
     assert not ed.autopilot_mask(s, a, valid, lr=1.0, target_dh=p0 + 1, max_frac=None).keep.all()
     ctrl = ed.EntropyAutopilot("hold")
+    fresh = ctrl.state_dict()
     empty = ctrl.step(a, s_centered=s, entropy=torch.ones(2, 3), valid=torch.zeros(2, 3), lr=1.0)
     assert empty.keep.all() and empty.mask.n_valid == 0 and math.isnan(empty.entropy)
-    assert ctrl.state_dict() == {"version": 1, "step": 0, "h_start": None}
+    assert ctrl.state_dict() == fresh and fresh["step"] == 0 and fresh["h_start"] is None
     assert set(empty.metrics()) == {AUTOPILOT_PREFIX + k for k in (
-        "entropy", "target_entropy", "target_dh", "predicted_dh_before", "predicted_dh_after", "dropped_frac",
-        "n_dropped", "capped")}  # fmt: skip
+        "entropy", "entropy_smoothed", "target_entropy", "target_dh", "predicted_dh_before", "predicted_dh_after",
+        "scale", "dropped_frac", "n_dropped", "capped")}  # fmt: skip
 
 
 # ---- the feedback law ----------------------------------------------------------------------------
@@ -185,9 +201,11 @@ def _law_batch(h: float):
 @pytest.mark.parametrize(
     "kwargs, entropies, want",  # want: (H*_t, target_dh_t) for each step, computed by hand
     [
-        (dict(target_entropy="hold", max_step=0.03), [2.0, 1.9, 2.1], [(2.0, 0.0), (2.0, 0.03), (2.0, -0.03)]),
-        (dict(target_entropy=1.0, max_step=0.1), [2.0, 1.02, 0.9], [(1.0, -0.1), (1.0, -0.01), (1.0, 0.05)]),
-        (dict(target_entropy=1.0, decay_steps=4, gain=1.0, max_step=math.inf), [2.0, 1.8, 1.5, 1.2, 1.0, 1.0],
+        (dict(target_entropy="hold", max_step=0.03, gain=0.5, smoothing=1.0), [2.0, 1.9, 2.1],
+         [(2.0, 0.0), (2.0, 0.03), (2.0, -0.03)]),
+        (dict(target_entropy=1.0, max_step=0.1, gain=0.5, smoothing=1.0), [2.0, 1.02, 0.9],
+         [(1.0, -0.1), (1.0, -0.01), (1.0, 0.05)]),
+        (dict(target_entropy=1.0, decay_steps=4, gain=1.0, max_step=math.inf, smoothing=1.0), [2.0, 1.8, 1.5, 1.2, 1.0, 1.0],
          [(2.0, -0.25), (1.75, -0.3), (1.5, -0.25), (1.25, -0.2), (1.0, 0.0), (1.0, 0.0)]),
     ],
 )  # fmt: skip
@@ -198,8 +216,11 @@ def test_law_gives_the_documented_target(kwargs, entropies, want):
         res = ctrl.step(adv, s_centered=s, entropy=ent, valid=torch.ones(4, 6), lr=0.1)
         assert res.entropy == pytest.approx(h, abs=1e-15)
         assert (res.target_entropy, res.target_dh) == (pytest.approx(h_star, abs=1e-12), pytest.approx(dh, abs=1e-12))
-        assert res.predicted_dh_after >= res.target_dh or res.mask.capped
-        assert ctrl.state_dict() == {"version": 1, "step": step + 1, "h_start": pytest.approx(entropies[0])}
+        up = 1.0 if res.target_dh > res.predicted_dh_before else -1.0  # met (crossed), or the cap / candidates ran out
+        assert up * (res.predicted_dh_after - res.target_dh) >= 0 or res.mask.capped or res.mask.n_clipped > 0
+        state = ctrl.state_dict()
+        assert (state["step"], state["h_start"], state["h_smooth"]) == (step + 1, pytest.approx(entropies[0]),
+                                                                       pytest.approx(h))  # smoothing 1: the reading
         metrics = res.metrics()
         assert metrics[AUTOPILOT_PREFIX + "target_dh"] == res.target_dh
         assert metrics[AUTOPILOT_PREFIX + "dropped_frac"] == res.mask.n_clipped / 24
@@ -257,7 +278,7 @@ def free_run():
 @pytest.mark.parametrize("case", ["hold", "below", "decay"])
 def test_controller_reaches_and_holds_the_target_on_tabular_dynamics(case, free_run):
     h0 = free_run[0]
-    kw = dict(sides="both", max_frac=0.3)
+    kw = dict(sides="both", max_frac=0.3, gain=0.5, smoothing=1.0)  # SGD without momentum: the gain acts directly
     ctrl = {"hold": lambda: ed.EntropyAutopilot("hold", **kw),
             "below": lambda: ed.EntropyAutopilot(h0 - 0.15, **kw),
             "decay": lambda: ed.EntropyAutopilot(h0 - 0.15, decay_steps=30, **kw)}[case]()  # fmt: skip
@@ -279,7 +300,7 @@ def test_holding_offset_is_second_order_in_the_step_size():
     ~4x when eta halves (so the band is the law's error, not the controller's)."""
     offsets = []
     for eta in (ETA, ETA / 2):
-        hs = tabular_run(ed.EntropyAutopilot("hold", sides="both", max_frac=0.3), 40, eta=eta)[0]
+        hs = tabular_run(ed.EntropyAutopilot("hold", sides="both", max_frac=0.3, gain=0.5, smoothing=1.0), 40, eta=eta)[0]
         offsets.append(sum(hs[20:]) / 20 - hs[0])
     assert offsets[0] < 0 and 3 < offsets[0] / offsets[1] < 5, offsets
 
@@ -371,15 +392,82 @@ def test_bad_entropy_and_state_raise_naming_the_entry():
     ctrl = ed.EntropyAutopilot()
     with pytest.raises(ValueError, match="entropy"):
         ctrl.step(a, s_centered=s, entropy=torch.full((2, 3), math.nan), valid=valid, lr=1.0)
-    for state, name in [
-        ({"version": 2, "step": 0, "h_start": None}, "version"),
-        ({"version": 1, "step": -1, "h_start": None}, "step"),
-        ({"version": 1, "step": 3, "h_start": None}, "h_start"),
-        ({"version": 1, "step": 0}, "keys"),
+    good = ctrl.state_dict()
+    for change, name in [
+        ({"version": 1}, r"state\['version'\] is 1, this autopilot's is 2: the state was saved by an earlier autopilot"),
+        ({"step": -1}, "step"),
+        ({"step": 3}, "h_start"),
+        ({"last_predicted": math.nan}, "last_predicted"),
+        ({"calibration": {"version": 1}}, "keys"),
     ]:
         with pytest.raises(ValueError, match=name):
-            ctrl.load_state_dict(state)
-    assert ctrl.state_dict() == {"version": 1, "step": 0, "h_start": None}
+            ctrl.load_state_dict({**good, **change})
+    with pytest.raises(ValueError, match="keys"):
+        ctrl.load_state_dict({k: v for k, v in good.items() if k != "h_smooth"})
+    with pytest.raises(ValueError, match="keys"):  # the earlier layout, without a version entry
+        ctrl.load_state_dict({"step": 0, "h_start": None})
+    assert ctrl.state_dict() == good
+
+
+@pytest.mark.parametrize("setting, value", [("gain", 0.2), ("max_frac", 0.1), ("sides", "both"), ("smoothing", 1.0),
+                                            ("target_entropy", 0.5)])
+def test_a_state_saved_with_other_settings_is_refused_by_name(setting, value):
+    s, a, valid = _ok()
+    saved = ed.EntropyAutopilot(**{setting: value})
+    saved.step(a, s_centered=s + 0.1, entropy=torch.ones(2, 3), valid=valid, lr=1.0)
+    with pytest.raises(ValueError, match=rf"state\['settings'\]\['{setting}'\] is .* but this autopilot has"):
+        ed.EntropyAutopilot().load_state_dict(saved.state_dict())
+    same = ed.EntropyAutopilot(**{setting: value})
+    same.load_state_dict(saved.state_dict())
+    assert same.state_dict() == saved.state_dict()
+
+
+def test_bad_ratio_target_and_stats_are_refused_by_name():
+    s, a, valid = _ok()
+    ctrl = ed.EntropyAutopilot()
+    with pytest.raises(ValueError, match=r"ratio must be >= 0 \(pi / pi_sample\); negative at 1 valid position"):
+        ctrl.step(a, s_centered=s, entropy=torch.ones(2, 3), valid=valid, lr=1.0,
+                  ratio=torch.tensor([[1.0, -0.5, 1.0], [1.0, 1.0, 1.0]]))
+    with pytest.raises(ValueError, match="ratio contains NaN"):
+        ctrl.step(a, s_centered=s, entropy=torch.ones(2, 3), valid=valid, lr=1.0, ratio=torch.full((2, 3), math.nan))
+    assert ctrl.state_dict()["step"] == 0
+    with pytest.raises(ValueError, match=r"target_entropy 1e\+06 nats is above log\(vocab_size\) = 4.159"):
+        ed.EntropyAutopilot(1e6, vocab_size=64)
+    assert ed.EntropyAutopilot(4.0, vocab_size=64).target_entropy == 4.0
+    with pytest.raises(ValueError, match="vocab_size"):
+        ed.EntropyAutopilot(1.0, vocab_size=1)
+    with pytest.raises(TypeError, match=r"stats must be a TokenStats \(from token_stats\(logits, labels\)\), got Tensor"):
+        ctrl.from_stats(s, a, lr=1.0)
+    with pytest.raises(ValueError, match="lr is required for the cheap score"):
+        ctrl.step(a, s_centered=s, entropy=torch.ones(2, 3), valid=valid)
+    with pytest.raises(ValueError, match="carry is the law's, given with terms only"):
+        ed.autopilot_mask(s, a, valid, lr=1.0, target_dh=0.0, carry=0.1)
+    with pytest.raises(ValueError, match="terms contains NaN"):
+        ed.autopilot_mask(s, a, valid, target_dh=0.0, terms=torch.full((2, 3), math.nan))
+
+
+def test_the_law_terms_drive_the_selection_in_both_directions():
+    """With the law's terms the autopilot drops entropy-decreasing tokens to raise the prediction and
+    entropy-increasing ones to lower it; the calibrated cheap score is kappa times Corollary 4."""
+    s, a, valid = _ok()
+    terms = torch.tensor([[-0.3, 0.2, 0.1], [-0.1, 0.4, -0.2]], dtype=torch.float64)
+    up = ed.autopilot_mask(s, torch.tensor([1.0, -1.0]), valid, target_dh=0.5, terms=terms, carry=0.1,
+                           sides="both", max_frac=None)
+    assert up.predicted_dh_before == pytest.approx(0.2) and up.predicted_dh_after == pytest.approx(0.5)
+    assert up.keep.tolist() == [[False, True, True], [True, True, True]]
+    down = ed.autopilot_mask(s, torch.tensor([1.0, -1.0]), valid, target_dh=-0.3, terms=terms, carry=0.1,
+                             sides="both", max_frac=None)
+    assert down.predicted_dh_after == pytest.approx(-0.4)
+    assert down.keep.tolist() == [[True, False, True], [True, False, True]]
+    ctrl = ed.EntropyAutopilot("hold")
+    for x, y in [(1e-6, 2e-3), (-2e-6, -4e-3)]:
+        ctrl.calibrate(x, y)
+    assert ctrl.calibration.scale == pytest.approx(2e3)
+    g = torch.Generator().manual_seed(0)
+    sc, adv = torch.randn(4, 5, generator=g, dtype=torch.float64), torch.randn(4, generator=g, dtype=torch.float64)
+    res = ctrl.step(adv, s_centered=sc, entropy=torch.ones(4, 5), valid=torch.ones(4, 5), lr=1e-4)
+    assert res.scale == pytest.approx(2e3)
+    assert res.predicted_dh_before == pytest.approx(2e3 * ed.batch_entropy_change(adv, sc, torch.ones(4, 5), lr=1e-4))
 
 
 # ---- 1 = 2 = 3 gloo ranks --------------------------------------------------------------------------
@@ -446,7 +534,12 @@ def test_sharded_batch_selects_what_one_process_selects(world, tmp_path):
             assert (got_mask.n_valid, got_mask.n_clipped, got_mask.n_clipped_pos, got_mask.capped) == (
                 mask.n_valid, mask.n_clipped, mask.n_clipped_pos, mask.capped), key  # fmt: skip
             assert got_metrics == pytest.approx(metrics, rel=1e-12, abs=1e-15, nan_ok=True), key
-            assert got_state == pytest.approx(state, rel=1e-12) if state else got_state is None
+            if state is None:
+                assert got_state is None
+                continue
+            numbers = ("h_start", "h_smooth", "last_predicted")
+            assert {k: v for k, v in got_state.items() if k not in numbers} == {k: v for k, v in state.items() if k not in numbers}
+            assert [got_state[k] for k in numbers] == pytest.approx([state[k] for k in numbers], rel=1e-12, abs=1e-15), key
     assert all(single[name, step][1].n_clipped > 0 for name in ("hold_both", "decay_neg_cap") for step in range(4))
     assert all(single["capped", step][1].capped for step in range(4))
     assert any(single["decay_neg_cap", step][1].capped for step in range(4))

@@ -127,7 +127,9 @@ def test_build_autopilot_carries_every_setting():
     assert isinstance(pilot, ed.EntropyAutopilot)
     assert (pilot.target_entropy, pilot.decay_steps, pilot.gain, pilot.max_step, pilot.max_frac, pilot.sides,
             pilot.form, pilot.process_group) == (0.5, 20, 0.3, 0.05, 0.2, "both", "mean", group)
-    assert pilot.state_dict() == {"version": autopilot.STATE_VERSION, "step": 0, "h_start": None}
+    state = pilot.state_dict()
+    assert (state["version"], state["step"], state["h_start"]) == (autopilot.STATE_VERSION, 0, None)
+    assert state["settings"] == pilot.settings() and state["settings"]["gain"] == 0.3
     default = C(method="autopilot").build_autopilot()
     assert default.target_entropy is None and default.max_frac == autopilot.DEFAULT_MAX_FRAC == 0.05
     assert C(method="autopilot", max_frac=None).build_autopilot().max_frac is None

@@ -5,15 +5,14 @@ Stepping: where Clip_B / Clip_V compute their mask (:mod:`._patch`: once per gen
 in the first training forward of the batch), :func:`step` calls
 ``EntropyAutopilot.from_stats(stats, advantages, lr=eta, ratio=r)`` instead, global over the
 data-parallel group: ``stats`` (B, T) the adapter's statistics of the generating policy,
-``advantages`` TRL's (B,), ``eta = config.step_size(args.learning_rate)``, ``r`` (B, T) vLLM's
+``advantages`` TRL's (B,), ``eta =`` :func:`step_size` (``entropy_disc.eta`` or ``args.learning_rate``), ``r`` (B, T) vLLM's
 importance-sampling ratio ``pi_trainer / pi_vllm`` when TRL applies one to the loss (its
 ``importance_sampling_ratio``; (B, 1) in the sequence modes, broadcast), else None (r = 1: the
 statistics are those of the policy that generated the batch).  The keep-mask reaches the loss
 exactly like the masks' (``zero_pg`` or ``drop_token``); the controller's metrics
 ``entropy_disc/autopilot/*`` go to TRL's logs next to the monitor's.
 
-State with the checkpoint: after every step the controller's ``state_dict()`` (plain ints and
-floats) is written to ``trainer.state.stateful_callbacks[STATE_KEY]``, so it is part of the
+State with the checkpoint: after every step the controller's ``state_dict()`` (plain JSON values) is written to ``trainer.state.stateful_callbacks[STATE_KEY]``, so it is part of the
 ``trainer_state.json`` of every checkpoint Trainer saves (rank 0 writes it; every rank holds the
 same state).  On ``train(resume_from_checkpoint=...)`` Trainer loads that file into a new
 ``trainer.state``; :func:`sync`, run before the first generation of every ``train()`` call,
@@ -36,6 +35,22 @@ from ._mask import process_group
 
 #: Key of the controller's ``state_dict()`` in ``TrainerState.stateful_callbacks`` (trainer_state.json).
 STATE_KEY = "EntropyDiscAutopilot"
+
+
+def step_size(config: Any, learning_rate: object) -> float:
+    """The law's step size: ``entropy_disc.eta`` when set, else TRL's ``learning_rate`` (> 0).
+
+    ``ValueError`` in one sentence when neither gives a finite real > 0 (e.g. ``learning_rate=0``).
+    """
+    if config.eta is None:
+        value = learning_rate.item() if isinstance(learning_rate, torch.Tensor) else learning_rate
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
+        if not ok:
+            raise ValueError(
+                f"entropy_disc.eta is None and TRL's learning rate is {value!r}, so the autopilot has no step size "
+                "for its law: set learning_rate > 0, or entropy_disc.eta (--entropy_disc_eta) to a finite real > 0"
+            )
+    return config.step_size(learning_rate)
 
 
 def sync(trainer: Any, state: Any) -> None:
@@ -75,7 +90,7 @@ def step(trainer: Any, state: Any, stats: TokenStats, advantages: torch.Tensor,
     ``trainer.state`` for the next checkpoint.
     """
     config = state.config
-    result = state.autopilot.from_stats(stats, advantages, lr=config.step_size(trainer.args.learning_rate),
+    result = state.autopilot.from_stats(stats, advantages, lr=step_size(config, trainer.args.learning_rate),
                                         ratio=ratio)
     trainer.state.stateful_callbacks[STATE_KEY] = state.autopilot.state_dict()
     if config.log_metrics:

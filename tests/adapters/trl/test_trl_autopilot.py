@@ -101,7 +101,8 @@ def test_autopilot_fields_refused_with_the_masks():
 def test_no_step_size_is_refused_before_generation(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(GRPOTrainer, "_generate", lambda self, *a, **k: calls.append(1))
-    with pytest.raises(ValueError, match=r"entropy_disc\.eta is None.*learning rate"):
+    with pytest.raises(ValueError, match=r"entropy_disc\.eta is None and TRL's learning rate is 0\.0, so the autopilot "
+                                         r"has no step size for its law: set learning_rate > 0, or entropy_disc\.eta"):
         make_trainer(tmp_path, cls=EntropyDiscGRPOTrainer, learning_rate=0.0, entropy_disc_method="autopilot")
     trainer = make_trainer(tmp_path, cls=GRPOTrainer, learning_rate=0.0, entropy_disc_method="autopilot")
     with pytest.raises(ValueError, match=r"entropy_disc\.eta is None"):  # stock trainer: on its first step
