@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .. import EntropyDiscConfig, EntropyMonitor, apply_keep_mask, batch_entropy_change, clip_b_mask, clip_v_mask, token_stats
+from .. import EntropyDiscConfig, EntropyMonitor, apply_keep_mask, batch_entropy_change, clip_b_mask, clip_v_mask, law, token_stats
 from .model import ModelConfig, TinyGPT
 from .task import VOCAB_SIZE, AdditionTask
 
@@ -39,7 +39,7 @@ class ArmSpec:
     ``method``: ``none`` (vanilla GRPO), ``clip_b``, ``clip_v`` (core masks with ``mu_low``,
     ``max_frac``, ``sides``), ``autopilot`` (:class:`~entropy_discriminator.EntropyAutopilot` toward
     ``target_entropy``, ``"hold"`` or nats/token, with ``max_frac`` (None: its default cap 0.05) and
-    ``sides``; its step size is the arm's learning rate) or ``sign`` (Figure 1: ``action`` ``only`` keeps just, or ``mask`` drops
+    ``sides``; its per-token terms are the law's for the arm's Adam, :func:`entropy_discriminator.law.token_terms`) or ``sign`` (Figure 1: ``action`` ``only`` keeps just, or ``mask`` drops
     just, the tokens of ``sample_sign`` samples (``pos``: A > 0, ``neg``: A < 0) whose ``S*`` has sign
     ``s_sign`` (``pos``: S* > 0, ``neg``: S* < 0); ``only`` also drops every other token).
     """
@@ -215,6 +215,27 @@ def _mean_entropy_grad(model: TinyGPT, seq: torch.Tensor, valid: torch.Tensor, c
     return list(torch.autograd.grad(hbar, list(model.parameters())))
 
 
+def _law_terms(model: TinyGPT, opt: torch.optim.Optimizer, seq: torch.Tensor, resp: torch.Tensor, adv: torch.Tensor,
+               valid: torch.Tensor, cfg: TrainConfig, prompt_len: int) -> dict[str, object]:
+    """The autopilot's inputs from the law for Adam (:func:`entropy_discriminator.law.token_terms`): per-token terms of
+    the loss ``sum_t -A_t log p_t / N`` and the carry, with Adam's preconditioner set by this step's unmasked
+    gradient (one extra backward)."""
+    named = dict(model.named_parameters())
+    params = list(named.values())
+
+    def fn(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.func.functional_call(model, p, (seq[:, :-1],))[:, prompt_len - 1 :].float()
+
+    logits = fn(named)
+    weights = (adv[:, None] * valid / valid.sum().clamp_min(1)).double()
+    logp = torch.log_softmax(logits / cfg.temperature, -1).gather(-1, resp[..., None])[..., 0]
+    grads = torch.autograd.grad(-(weights.float() * logp).sum(), params, retain_graph=True)
+    grads_h = torch.autograd.grad(law.batch_mean_entropy(logits, valid, temperature=cfg.temperature), params)
+    res = law.token_terms(opt, named, fn, resp, weights, valid, temperature=cfg.temperature, grads=grads,
+                          entropy_grads=grads_h)
+    return {"terms": res.terms, "carry": res.carry}
+
+
 def run_arm(
     state: dict[str, torch.Tensor],
     cfg: TrainConfig,
@@ -257,7 +278,7 @@ def run_arm(
             mask = clip_v_mask(stats.s_centered, adv, valid, mu_low=arm.mu_low, sides=arm.sides, max_frac=arm.max_frac)
             keep = mask.keep
         elif pilot is not None:
-            mask = pilot.from_stats(stats, adv, lr=cfg.lr).mask
+            mask = pilot.from_stats(stats, adv, **_law_terms(model, opt, seq, resp, adv, valid, cfg, p_len)).mask
             keep = mask.keep
         elif arm.method == "sign":
             keep = _sign_keep(arm, stats.s_star, adv)
