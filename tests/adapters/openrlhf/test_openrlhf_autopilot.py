@@ -106,8 +106,11 @@ def fill(trainer, actor, seed: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("mode", ["zero_pg", "drop_token"])
 def test_controller_steps_each_round_its_mask_reaches_the_loss_and_its_metrics_the_status(mode, monkeypatch):
+    """Calibration every 2nd round: the after-update pass feeds (cheap, realised) to the controller's own
+    calibration; a core controller fed the same pairs selects the same tokens, and the logged prediction is
+    kappa times the cheap score."""
     rec = Recorder(monkeypatch)
-    cfg = EntropyDiscConfig(**CONFIG, mask_mode=mode)
+    cfg = EntropyDiscConfig(**CONFIG, mask_mode=mode, calibrate_every=2)
     adapter.patch(cfg)
     actor, trainer = autopilot_trainer(monkeypatch)
     rec.watch_loss(trainer)
@@ -126,8 +129,15 @@ def test_controller_steps_each_round_its_mask_reaches_the_loss_and_its_metrics_t
             assert status[key] == value, key
         assert {f"entropy_disc/autopilot/{k}" for k in KEYS} <= set(status) and "policy_loss" in status
         assert status["entropy_disc/clip/n_clipped"] == want.metrics()["entropy_disc/autopilot/n_dropped"]
-        assert _autopilot.state_of(actor.model) == reference.state_dict() == {
-            "version": 1, "step": rnd + 1, "h_start": reference.h_start}
+        kappa = reference.calibration.scale  # before this round's pair
+        assert status["entropy_disc/law/scale"] == kappa and (kappa == 1.0) == (rnd == 0)
+        assert status["entropy_disc/delta_entropy/predicted"] == kappa * status["entropy_disc/delta_entropy/cheap"]
+        assert status["entropy_disc/delta_entropy/cheap"] == state.cheap
+        assert state.calibrate == (rnd % 2 == 0) and ("entropy_disc/delta_entropy/realised" in status) == state.calibrate
+        if state.calibrate:  # the same-batch pair, as the adapter fed it
+            reference.calibrate(state.cheap, status["entropy_disc/delta_entropy/realised"])
+        assert _autopilot.state_of(actor.model) == reference.state_dict()
+        assert (reference.state_dict()["version"], reference.state_dict()["step"]) == (2, rnd + 1)
         # the mask in the buffer and in what PolicyLoss received: dropped tokens have A = 0 (zero_pg)
         # or leave the action mask (drop_token); kept tokens are untouched
         drop = (~state.mask.keep).split([m.numel() for m in masks])
@@ -162,7 +172,7 @@ def test_state_is_restored_from_a_loaded_client_state_and_refused_without_it(mon
     cfg = EntropyDiscConfig(**CONFIG)
     adapter.patch(cfg)  # wraps the load_ckpt above
     strategy = strategy_cls.__new__(strategy_cls)
-    saved = {"version": 1, "step": 5, "h_start": 2.5}
+    saved = EntropyDiscConfig(**CONFIG).build_autopilot().state_dict() | {"step": 5, "h_start": 2.5, "h_smooth": 2.4}
     for result, outcome in ((("ckpt/global_step5", {"global_step": 5, _autopilot.STATE_KEY: saved}), saved),
                             ((None, {}), None),  # OpenRLHF's "no checkpoint found": a fresh controller
                             (("ckpt/global_step5", {"global_step": 5}), ValueError)):
@@ -174,7 +184,7 @@ def test_state_is_restored_from_a_loaded_client_state_and_refused_without_it(mon
                 built_trainer_for(actor, monkeypatch)
             continue
         trainer = built_trainer_for(actor, monkeypatch)
-        want = outcome or {"version": 1, "step": 0, "h_start": None}
+        want = outcome or EntropyDiscConfig(**CONFIG).build_autopilot().state_dict()
         assert _autopilot.state_of(trainer.actor.model) == want
 
 
@@ -201,7 +211,8 @@ def test_save_ckpt_adds_the_state_to_the_client_state(monkeypatch):
     client = {"global_step": 1}
     strategy.save_ckpt(actor.model, "dir", "global_step1", 3, 1000, client)  # PolicyModelActor.save_checkpoint's call
     strategy.save_ckpt(tiny_actor(seed=1).model, "dir", "global_step1", client_state=client)  # e.g. a critic
-    assert seen[0] == {"global_step": 1, _autopilot.STATE_KEY: _autopilot.state_of(actor.model)}
+    law = {"version": 1, "batches": 1, "calibration": None}  # kappa in the controller's own state
+    assert seen[0] == {"global_step": 1, _autopilot.STATE_KEY: _autopilot.state_of(actor.model), _autopilot.LAW_KEY: law}
     assert seen[0][_autopilot.STATE_KEY]["step"] == 1 and seen[1] == client == {"global_step": 1}
 
 
@@ -252,7 +263,11 @@ def test_resumed_run_continues_the_uninterrupted_one_bit_for_bit(tmp_path):
     full, resumed = result["full"], result["resumed"]
     assert [r["state"]["step"] for r in full] == [1, 2, 3, 4]
     assert result["states"]["entry"] == full[1]["state"]  # saved with OpenRLHF's client states, after step 2
-    assert {"global_step", "episode", _autopilot.STATE_KEY} <= set(result["states"]["keys"])
+    assert {"global_step", "episode", _autopilot.STATE_KEY, _autopilot.LAW_KEY} <= set(result["states"]["keys"])
+    assert result["states"]["law"] == {"version": 1, "batches": 2, "calibration": None}  # kappa: in the controller's
+    realised = "entropy_disc/delta_entropy/realised"
+    assert [realised in r["status"] for r in full] == [True, False, False, True]  # calibration rounds 1 and 4
+    assert full[0]["state"]["calibration"]["count"] == 1 and full[1]["status"]["entropy_disc/law/scale"] != 1.0
     assert sum(r["status"]["entropy_disc/autopilot/n_dropped"] for r in full) > 0
     for want, got in zip(full[2:], resumed):  # masks, metrics, loss, weights, state: bit for bit
         assert got["keep"] == want["keep"]
