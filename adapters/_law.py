@@ -14,12 +14,17 @@ feeds the pair ``(cheap, realised)`` to a :class:`~entropy_discriminator.law.Cal
 * ``delta_entropy/cheap``: ``cheap`` (always, when ``eta`` is known);
 * ``delta_entropy/predicted``: ``kappa * cheap``, nats (only with ``calibrate_every > 0``; 0 turns the
   calibration off and the raw score is logged as ``delta_entropy/cheap`` alone);
-* ``law/scale``: ``kappa`` (1 until the first calibration batch);
-* ``delta_entropy/realised``: on calibration batches, the measured change.
+* ``delta_entropy/scale``: ``kappa`` (1 until the first calibration batch);
+* ``delta_entropy/realised`` and ``delta_entropy/scale_skipped`` (0 or 1): on calibration batches, the
+  measured change and whether its pair was left out (below).
 
 With method ``"autopilot"`` the scale is the controller's own :attr:`EntropyAutopilot.calibration`
 (:meth:`LawScale.bind`), so the controller's selection reads the same ``kappa``; its state travels in the
-controller's state, and :class:`LawScale`'s state holds the schedule.
+controller's state, and :class:`LawScale`'s state holds the schedule.  The controller selects with
+``kappa > 0`` only (a non-positive one would invert its selection): a pair that would bring the fit to
+``kappa <= 0`` (the measured change opposes the cheap score's sign strongly enough) is not fed to it, and the
+batch logs ``delta_entropy/scale_skipped = 1``.  Without the autopilot every pair is fed and ``kappa`` is the
+plain least-squares fit, of either sign.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ from entropy_discriminator.law import Calibration
 CHEAP_KEY = "delta_entropy/cheap"
 PREDICTED_KEY = "delta_entropy/predicted"
 REALISED_KEY = "delta_entropy/realised"
-SCALE_KEY = "law/scale"
+SCALE_KEY = "delta_entropy/scale"
+SKIPPED_KEY = "delta_entropy/scale_skipped"
 #: Version of :meth:`LawScale.state_dict`'s layout.
 STATE_VERSION = 1
 
@@ -76,15 +82,23 @@ class LawScale:
         self.batches += 1
         return due
 
-    def feed(self, cheap: float, realised: float) -> float:
-        """Add one same-batch pair (skipped when either is NaN: a batch without a valid token); returns ``kappa``."""
-        if math.isfinite(cheap) and math.isfinite(realised):
-            self.calibration.update(cheap, realised)
-        return self.scale
+    def feed(self, cheap: float, realised: float) -> bool:
+        """Add one same-batch pair; False when it was left out: either is NaN (a batch without a valid token), or,
+        bound to a controller, the fit with it would have ``kappa <= 0`` (module docstring)."""
+        if not (math.isfinite(cheap) and math.isfinite(realised)):
+            return False
+        calibration = self.calibration
+        if self._pilot is not None:
+            trial = Calibration(forgetting=calibration.forgetting)
+            trial.load_state_dict(calibration.state_dict())
+            if trial.update(cheap, realised) <= 0:
+                return False
+        calibration.update(cheap, realised)
+        return True
 
     def metrics(self, cheap: float | None, prefix: str = "entropy_disc/") -> dict[str, float]:
         """``delta_entropy/cheap``, and with the calibration on ``delta_entropy/predicted = kappa * cheap`` and
-        ``law/scale``; nothing when ``cheap`` is None (no step size known)."""
+        ``delta_entropy/scale``; nothing when ``cheap`` is None (no step size known)."""
         if cheap is None:
             return {}
         out = {prefix + CHEAP_KEY: float(cheap)}
@@ -124,10 +138,8 @@ def cheap_change(
     process_group: Any = None,
 ) -> float | None:
     """``-eta Cov_B(A, r S_c)`` (``form="cov"``) or ``-eta E_B[A r S_c]`` over the valid tokens of the group
-    (:func:`~entropy_discriminator.batch_entropy_change`); None when ``eta`` is None; NaN for no valid token."""
+    (:func:`~entropy_discriminator.batch_entropy_change`); None when ``eta`` is None; 0 for no valid token."""
     if eta is None:
         return None
-    if not bool(torch.as_tensor(valid).any()) and process_group is None:
-        return math.nan
     return batch_entropy_change(advantages, s_centered, valid, lr=eta, ratio=ratio, form=form,
                                 process_group=process_group)

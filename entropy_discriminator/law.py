@@ -395,7 +395,7 @@ def token_terms(
     valid: torch.Tensor,
     *,
     temperature: float = 1.0,
-    preconditioner: str = "state",
+    preconditioner: str | None = None,
     grads: Sequence[torch.Tensor | None] | None = None,
     grad_scale: float = 1.0,
     entropy_grads: Sequence[torch.Tensor | None] | None = None,
@@ -404,8 +404,8 @@ def token_terms(
 
     ``z = fn(named_params)`` are the logits of the batch's tokens ``[B, T, V]``; one backward of
     ``H_B`` (:func:`batch_mean_entropy` of ``z`` over ``valid`` at ``temperature``), :func:`linearise_step`
-    (``preconditioner``, ``grads``, ``grad_scale`` as there; ``"state"`` is the one usable before the backward,
-    from the optimizer's second step on), ``w = P ⊙ ∇θH_B``, one :func:`logit_tangents` and
+    (``preconditioner``, ``grads``, ``grad_scale`` as there; default ``"step"`` when ``grads`` are given, e.g. this
+    step's unmasked loss gradient, else ``"state"``, usable before any backward from the optimizer's second step on), ``w = P ⊙ ∇θH_B``, one :func:`logit_tangents` and
     :func:`token_contributions` with ``weights`` ``ω_t``.  Cost: one forward and one backward of ``H_B``, one
     forward-mode product.  ``entropy_grads`` (``∇θH_B`` aligned with ``named_params``' values, e.g. from the
     training forward's logits, ``retain_graph=True``) skips that forward and backward.  For the step whose loss
@@ -420,6 +420,8 @@ def token_terms(
             gh = torch.autograd.grad(h, ps, allow_unused=True)
     else:
         gh = _aligned("entropy_grads", entropy_grads, ps)
+    if preconditioner is None:
+        preconditioner = "state" if grads is None else "step"
     lin = linearise_step(optimizer, ps, grads=grads, preconditioner=preconditioner, grad_scale=grad_scale)
     w, carry = lin.direction(gh)
     z, dz = logit_tangents(fn, {k: p.detach() for k, p in zip(names, ps)}, dict(zip(names, w)))

@@ -42,7 +42,8 @@ class EntropyMonitor:
     * ``clip/frac``, ``clip/frac_adv_pos``, ``clip/frac_adv_neg``, ``clip/n_clipped``,
       ``clip/threshold_low``, ``clip/threshold_high`` (finite ones), ``clip/capped``;
     * ``cov/adv_s_centered`` = ``Cov_B(A, r S_c)``; ``delta_entropy/predicted`` =
-      ``-lr * Cov_B(A, r S_c)`` (Corollaries 4, 4.1); ``delta_entropy/realised`` from
+      ``-lr * Cov_B(A, r S_c)`` (Corollaries 4, 4.1; times ``scale`` when given, then also
+      ``delta_entropy/scale``); ``delta_entropy/realised`` from
       :meth:`realised`;
     * ``tokens/valid``, ``tokens/adv_pos``, ``tokens/adv_neg``.
     """
@@ -77,13 +78,16 @@ class EntropyMonitor:
         mask: MaskResult | None = None,
         ratio: torch.Tensor | None = None,
         lr: float | None = None,
+        scale: float | None = None,
     ) -> dict[str, float]:
         """Metrics of one batch. Tensors share ``entropy``'s shape (``advantages`` may be ``[B]``).
 
         ``mask`` must have been computed on this batch (over the same ``process_group``);
         ``ratio`` (``pi / pi_sample``, per token) weights ``S_c`` in the covariance off-policy;
         ``lr`` (a finite real number or 0-d tensor) turns the covariance into the predicted
-        entropy change.  NaN / inf at a valid position of any tensor raises ``ValueError``
+        entropy change; ``scale`` (``kappa`` of a :class:`~entropy_discriminator.law.Calibration`, a finite
+        real > 0, with ``lr``) puts it in nats: ``delta_entropy/predicted = -kappa lr Cov_B`` and
+        ``delta_entropy/scale = kappa``.  NaN / inf at a valid position of any tensor raises ``ValueError``
         naming it, on every rank of the process group.  Host synchronisations: one for the
         sums and counts, one for the percentiles.
         """
@@ -95,6 +99,10 @@ class EntropyMonitor:
 
         def local() -> tuple[torch.Tensor, tuple]:
             lr_value = None if lr is None else real_number("lr", lr)
+            if scale is not None:
+                if lr is None:
+                    raise ValueError("scale calibrates the prediction -lr Cov_B: give lr with it")
+                lr_value *= real_number("scale", scale, above=0)
             require_float("entropy", entropy)
             shape = entropy.shape
             checks = DataChecks()
@@ -162,6 +170,8 @@ class EntropyMonitor:
             out["cov/adv_s_centered"] = cov
             if lr_value is not None:
                 out["delta_entropy/predicted"] = -lr_value * cov
+                if scale is not None:
+                    out["delta_entropy/scale"] = float(scale)
         return {self.prefix + k: float(v) for k, v in out.items()}
 
     def from_stats(
@@ -171,6 +181,7 @@ class EntropyMonitor:
         mask: MaskResult | None = None,
         ratio: torch.Tensor | None = None,
         lr: float | None = None,
+        scale: float | None = None,
     ) -> dict[str, float]:
         """:meth:`__call__` on the fields of a :class:`~entropy_discriminator.TokenStats`."""
         return self(
@@ -182,6 +193,7 @@ class EntropyMonitor:
             mask=mask,
             ratio=ratio,
             lr=lr,
+            scale=scale,
         )
 
     def realised(self, entropy_before: torch.Tensor, entropy_after: torch.Tensor, valid: torch.Tensor) -> dict[str, float]:

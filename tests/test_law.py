@@ -248,3 +248,20 @@ def test_calibration_is_least_squares_through_zero_and_round_trips():
         law.Calibration().load_state_dict(cal.state_dict())
     with pytest.raises(ValueError, match="exact"):
         cal.update(1.0, math.nan)
+
+
+def test_monitor_reports_the_calibrated_prediction_in_nats():
+    g = torch.Generator().manual_seed(0)
+    h = torch.rand(3, 4, generator=g)
+    sc = torch.randn(3, 4, generator=g)
+    adv = torch.randn(3, generator=g)
+    valid = torch.ones(3, 4, dtype=torch.bool)
+    mon = ed.EntropyMonitor()
+    plain = mon(entropy=h, valid=valid, advantages=adv, s_centered=sc, lr=1e-4)
+    cal = mon(entropy=h, valid=valid, advantages=adv, s_centered=sc, lr=1e-4, scale=2500.0)
+    assert "entropy_disc/delta_entropy/scale" not in plain and cal["entropy_disc/delta_entropy/scale"] == 2500.0
+    assert cal["entropy_disc/delta_entropy/predicted"] == pytest.approx(2500.0 * plain["entropy_disc/delta_entropy/predicted"])
+    with pytest.raises(ValueError, match="give lr with it"):
+        mon(entropy=h, valid=valid, advantages=adv, s_centered=sc, scale=2.0)
+    with pytest.raises(ValueError, match="scale"):
+        mon(entropy=h, valid=valid, advantages=adv, s_centered=sc, lr=1e-4, scale=-1.0)

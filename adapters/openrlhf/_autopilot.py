@@ -132,7 +132,9 @@ def bind(trainer: Any, config: EntropyDiscConfig, group: Any) -> Bound:
     if bound is not None:
         if bound.config != config:
             pilot = config.build_autopilot(group, vocab_size=_vocab_size(trainer))
-            pilot.load_state_dict(bound.pilot.state_dict())
+            state = bound.pilot.state_dict()
+            state["settings"] = pilot.settings()  # the new settings, deliberately: the same memory continues
+            pilot.load_state_dict(state)
             bound = _BOUND[engine] = Bound(pilot, config)
         return bound
     step_size(trainer.strategy.args, config)  # a missing step size is refused before any work

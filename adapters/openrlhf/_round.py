@@ -53,7 +53,7 @@ from entropy_discriminator import (
     apply_keep_mask,
     token_stats,
 )
-from .._law import PREDICTED_KEY, REALISED_KEY, cheap_change
+from .._law import PREDICTED_KEY, REALISED_KEY, SKIPPED_KEY, cheap_change
 from ._checks import check_training_args
 from entropy_discriminator.distributed import Group, all_gather_cat, all_reduce
 
@@ -423,7 +423,7 @@ def end_round(trainer: Any, config: EntropyDiscConfig, state: RoundState) -> dic
         from ._autopilot import law_scale
 
         scale = law_scale(trainer, config, dp_group(trainer.strategy))
-        scale.feed(state.cheap, out[monitor.prefix + REALISED_KEY])
+        out[monitor.prefix + SKIPPED_KEY] = float(not scale.feed(state.cheap, out[monitor.prefix + REALISED_KEY]))
     return out
 
 

@@ -5,15 +5,14 @@ Stepping: where Clip_B / Clip_V compute their mask (:mod:`._patch`: once per gen
 in the first training forward of the batch), :func:`step` calls
 ``EntropyAutopilot.from_stats(stats, advantages, lr=eta, ratio=r)`` instead, global over the
 data-parallel group: ``stats`` (B, T) the adapter's statistics of the generating policy,
-``advantages`` TRL's (B,), ``eta = config.step_size(args.learning_rate)``, ``r`` (B, T) vLLM's
+``advantages`` TRL's (B,), ``eta =`` :func:`step_size` (``entropy_disc.eta`` or ``args.learning_rate``), ``r`` (B, T) vLLM's
 importance-sampling ratio ``pi_trainer / pi_vllm`` when TRL applies one to the loss (its
 ``importance_sampling_ratio``; (B, 1) in the sequence modes, broadcast), else None (r = 1: the
 statistics are those of the policy that generated the batch).  The keep-mask reaches the loss
 exactly like the masks' (``zero_pg`` or ``drop_token``); the controller's metrics
 ``entropy_disc/autopilot/*`` go to TRL's logs next to the monitor's.
 
-State with the checkpoint: after every step the controller's ``state_dict()`` (plain ints and
-floats) is written to ``trainer.state.stateful_callbacks[STATE_KEY]``, so it is part of the
+State with the checkpoint: after every step the controller's ``state_dict()`` (plain JSON values) is written to ``trainer.state.stateful_callbacks[STATE_KEY]``, so it is part of the
 ``trainer_state.json`` of every checkpoint Trainer saves (rank 0 writes it; every rank holds the
 same state).  On ``train(resume_from_checkpoint=...)`` Trainer loads that file into a new
 ``trainer.state``; :func:`sync`, run before the first generation of every ``train()`` call,
@@ -34,7 +33,7 @@ from transformers import TrainerCallback
 
 from entropy_discriminator import EntropyMonitor, MaskResult, TokenStats
 
-from .._law import REALISED_KEY, LawScale, cheap_change
+from .._law import REALISED_KEY, SKIPPED_KEY, LawScale, cheap_change
 from ._mask import loss_mask, process_group
 from ._stats import restrict
 
@@ -55,6 +54,22 @@ class PendingCalibration:
     entropy: torch.Tensor
     valid: torch.Tensor
     cheap: float
+
+
+def step_size(config: Any, learning_rate: object) -> float:
+    """The law's step size: ``entropy_disc.eta`` when set, else TRL's ``learning_rate`` (> 0).
+
+    ``ValueError`` in one sentence when neither gives a finite real > 0 (e.g. ``learning_rate=0``).
+    """
+    if config.eta is None:
+        value = learning_rate.item() if isinstance(learning_rate, torch.Tensor) else learning_rate
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
+        if not ok:
+            raise ValueError(
+                f"entropy_disc.eta is None and TRL's learning rate is {value!r}, so the autopilot has no step size "
+                "for its law: set learning_rate > 0, or entropy_disc.eta (--entropy_disc_eta) to a finite real > 0"
+            )
+    return config.step_size(learning_rate)
 
 
 def sync(trainer: Any, state: Any) -> None:
@@ -94,7 +109,7 @@ def step(trainer: Any, state: Any, stats: TokenStats, advantages: torch.Tensor,
     ``trainer.state`` for the next checkpoint.
     """
     config = state.config
-    result = state.autopilot.from_stats(stats, advantages, lr=config.step_size(trainer.args.learning_rate),
+    result = state.autopilot.from_stats(stats, advantages, lr=step_size(config, trainer.args.learning_rate),
                                         ratio=ratio)
     trainer.state.stateful_callbacks[STATE_KEY] = state.autopilot.state_dict()
     if config.log_metrics:
@@ -144,11 +159,11 @@ class _AfterUpdate(TrainerCallback):
             calibrate_pending(trainer, self.state, _extra_pass)
 
 
-def step_size(trainer: Any, state: Any) -> float | None:
-    """``eta`` of the cheap prediction (:meth:`EntropyDiscConfig.step_size` of ``args.learning_rate``), None
-    when there is none (``learning_rate`` 0 and no ``entropy_disc.eta``: no cheap prediction, no calibration)."""
+def law_step_size(trainer: Any, state: Any) -> float | None:
+    """``eta`` of the cheap prediction (:func:`step_size`), None when there is none (``learning_rate`` 0 and no
+    ``entropy_disc.eta``, which only the autopilot refuses: then no cheap prediction and no calibration)."""
     try:
-        return state.config.step_size(trainer.args.learning_rate)
+        return step_size(state.config, trainer.args.learning_rate)
     except ValueError:
         return None
 
@@ -156,9 +171,9 @@ def step_size(trainer: Any, state: Any) -> float | None:
 def law_batch(trainer: Any, state: Any, stats: TokenStats, advantages: torch.Tensor, batch: dict[str, Any]) -> dict[str, float]:
     """Count one statistics batch with the law scale: its cheap prediction ``-eta Cov_B(A, r S_c)`` (global over
     the group; ``r`` as the autopilot's), and, on a calibration batch, park it for :func:`calibrate_pending`.
-    Returns the scale's metrics (``delta_entropy/cheap``, ``/predicted``, ``law/scale``)."""
+    Returns the scale's metrics (``delta_entropy/cheap``, ``/predicted``, ``/scale``)."""
     group = process_group(trainer)
-    cheap = cheap_change(advantages, stats.s_centered, stats.valid, eta=step_size(trainer, state),
+    cheap = cheap_change(advantages, stats.s_centered, stats.valid, eta=law_step_size(trainer, state),
                          ratio=sampling_ratio(batch, stats.valid.shape), form=state.config.form, process_group=group)
     if state.law.tick() and cheap is not None:
         parked = {k: batch[k].detach() for k in _PASS_KEYS}
@@ -182,7 +197,7 @@ def calibrate_pending(trainer: Any, state: Any, extra_pass: Callable[[Any, Any, 
     after = restrict(after, loss_mask(pending.batch))
     monitor = EntropyMonitor(process_group=process_group(trainer))
     realised = monitor.realised(pending.entropy, after.entropy, pending.valid & after.valid)
-    state.law.feed(pending.cheap, realised[monitor.prefix + REALISED_KEY])
+    realised[monitor.prefix + SKIPPED_KEY] = float(not state.law.feed(pending.cheap, realised[monitor.prefix + REALISED_KEY]))
     trainer.state.stateful_callbacks[LAW_KEY] = state.law.state_dict()
     if state.autopilot is not None:
         trainer.state.stateful_callbacks[STATE_KEY] = state.autopilot.state_dict()

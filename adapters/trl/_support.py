@@ -134,7 +134,9 @@ def plan(trainer: GRPOTrainer, config: EntropyDiscConfig, mask_source: str) -> P
     if not masking and not config.log_metrics:
         return Plan(MONITOR_OFF)
     if config.method == "autopilot":
-        config.step_size(trainer.args.learning_rate)
+        from ._autopilot import step_size
+
+        step_size(config, trainer.args.learning_rate)
     text_config = trainer.model.config.get_text_config()
     for name in LOGIT_TRANSFORMS:
         value = getattr(text_config, name, None)

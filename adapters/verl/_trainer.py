@@ -49,7 +49,7 @@ from verl.workers.utils.padding import response_from_nested, response_to_nested
 
 from entropy_discriminator import EntropyAutopilot, EntropyMonitor, MaskResult, discriminator_score
 
-from .._law import CHEAP_KEY, PREDICTED_KEY, REALISED_KEY, LawScale, cheap_change
+from .._law import CHEAP_KEY, PREDICTED_KEY, REALISED_KEY, SKIPPED_KEY, LawScale, cheap_change
 from . import _autopilot
 from ._engine import SEQ_FIELDS, STATS_CHUNK, STATS_FLAG, STATS_IMPL
 from ._support import BASE_MODES, TRAINER_MODES, check_config
@@ -313,9 +313,10 @@ class EntropyDiscTrainerMixin:
         width = pending.entropy.shape[1]
         after = torch.nn.functional.pad(after, (0, max(0, width - after.shape[1])))[:, :width]
         realised = self._entropy_disc_monitor.realised(pending.entropy, after, pending.valid)
-        self.entropy_disc_law.feed(pending.cheap, realised[self._entropy_disc_monitor.prefix + REALISED_KEY])
+        fed = self.entropy_disc_law.feed(pending.cheap, realised[self._entropy_disc_monitor.prefix + REALISED_KEY])
         if self.entropy_disc.log_metrics:
             metrics.update(realised)
+            metrics[self._entropy_disc_monitor.prefix + SKIPPED_KEY] = float(not fed)
 
     def _save_checkpoint(self) -> None:
         """verl's checkpoint of this global step, the autopilot's and the law scale's state first (:mod:`._autopilot`)."""

@@ -9,9 +9,9 @@ the step):
 * ``real_dH``: the realised change of the tokens' mean entropy;
 * ``exact_dH``: ``∇θH_B · Δθ`` of the step taken (:func:`~entropy_discriminator.law.step_entropy_change`,
   after the backward and the clipping, before ``optimizer.step()``);
-* ``token_dH``: the per-token path the autopilot uses, computed before the backward
-  (:func:`~entropy_discriminator.law.token_terms`: Adam's preconditioner of the previous step, the previous step's
-  clipping factor), summed over the kept tokens, plus its carry;
+* ``token_dH``: the per-token path the autopilot uses, computed before the masked backward
+  (:func:`~entropy_discriminator.law.token_terms` with Adam's preconditioner and the clipping factor of this step's
+  unmasked gradient, one extra backward), summed over the kept tokens, plus its carry;
 * ``cor4_dH``: Corollary 4's ``-lr Cov_B(A keep, r S_c)``; ``calibrated_dH``: the same times ``kappa`` of a
   :class:`~entropy_discriminator.law.Calibration` fed by the earlier steps' ``exact_dH`` (out of sample);
 * seconds spent in each path and in the plain step (forward, backward, optimizer step).
@@ -207,13 +207,13 @@ def run(env: Env, steps: int, *, pilot: EntropyAutopilot | None = None, tag: str
 
             t0 = time.perf_counter()
             weights = (adv * ratio.detach() * ~clipped / n).double()  # ω_t: -∂L/∂log p_t of the token-mean loss
-            first = not opt.state
-            grads = None
-            if first:  # Adam has no second moment yet: this step's (unmasked) gradient sets the preconditioner
-                grads = torch.autograd.grad((pg * valid).sum() / n, plist, retain_graph=True)
+            # this step's unmasked gradient sets Adam's second moment and the clipping factor of the preconditioner
+            grads = torch.autograd.grad((pg * valid).sum() / n, plist, retain_graph=True)
+            if env.grad_clip is not None:
+                norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+                clip_factor = min(1.0, env.grad_clip / (norm + 1e-6))
             terms = law.token_terms(opt, params, lambda p: env.logits(p, seq), resp, weights, valid,
-                                    preconditioner="step" if first else "state", grads=grads, grad_scale=clip_factor,
-                                    entropy_grads=gh)
+                                    grads=grads, grad_scale=clip_factor, entropy_grads=gh)
             t_token = time.perf_counter() - t0
 
             res = None
@@ -228,8 +228,7 @@ def run(env: Env, steps: int, *, pilot: EntropyAutopilot | None = None, tag: str
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if env.grad_clip is not None:
-                norm = float(torch.nn.utils.clip_grad_norm_(plist, env.grad_clip))
-                clip_factor = min(1.0, env.grad_clip / (norm + 1e-6))
+                torch.nn.utils.clip_grad_norm_(plist, env.grad_clip)
             t_bwd = time.perf_counter() - t0
 
             t0 = time.perf_counter()
@@ -274,29 +273,35 @@ def fit(pred: Sequence[float], real: Sequence[float]) -> dict[str, float]:
     return {"slope": slope, "r": r, "n": len(pred)}
 
 
-def _job(job: tuple[str, int, int, tuple[str, ...], bool, str]) -> list[dict[str, float]]:
-    """One (setup, seed): warm up once, then plain GRPO (``"validate"``) and/or each autopilot target."""
-    setup, seed, steps, arms, quick, sink = job
+def _warm(job: tuple[str, int, bool, str]) -> str:
+    """Warm up one (setup, seed) on one thread and save its weights under ``folder``; returns the path."""
+    setup, seed, quick, folder = job
+    torch.set_num_threads(1)
+    path = Path(folder) / f"{setup}_{seed}.pt"
+    if not path.exists():
+        t0 = time.perf_counter()
+        env = make_env(setup, seed, quick=quick)
+        torch.save(env.model.state_dict(), path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").rename(path)
+        print(f"[{setup} seed {seed}] warm-up {time.perf_counter() - t0:.0f}s", flush=True)
+    return str(path)
+
+
+def _job(job: tuple[str, int, int, str, bool, str, str]) -> list[dict[str, float]]:
+    """One (setup, seed, arm) from the seed's saved warm start: plain GRPO (``"validate"``) or an autopilot target."""
+    setup, seed, steps, arm, quick, sink, folder = job
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    base = make_env(setup, seed, quick=quick)
-    start = {k: v.detach().clone() for k, v in base.model.state_dict().items()}
-    out = []
-    for arm in arms:
-        base.model.load_state_dict(start)
-        env = _fresh_streams(base, setup, seed)
-        pilot = None
-        if arm != "validate":
-            pilot = _pilot(arm)
-        recs = run(env, steps, pilot=pilot, tag=arm)
-        for r in recs:
-            r["seed"] = seed
-        out += recs
-        with open(sink, "a") as f:
-            for r in recs:
-                f.write(json.dumps(r) + "\n")
-    print(f"[{setup} seed {seed}] {len(arms)} arm(s) in {time.perf_counter() - t0:.0f}s", flush=True)
-    return out
+    env = make_env(setup, seed, quick=True)  # the tiny warm-up is replaced by the saved one
+    env.model.load_state_dict(torch.load(Path(folder) / f"{setup}_{seed}.pt", weights_only=True))
+    env = _fresh_streams(env, setup, seed)
+    recs = run(env, steps, pilot=None if arm == "validate" else _pilot(arm), tag=arm)
+    for r in recs:
+        r["seed"] = seed
+    with open(sink, "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in recs))
+    print(f"[{setup} seed {seed} {arm}] {steps} steps in {time.perf_counter() - t0:.0f}s", flush=True)
+    return recs
 
 
 def _pilot(arm: str) -> EntropyAutopilot:
@@ -345,17 +350,23 @@ def _reseeded_head(env: Env, setup: str, seed: int) -> Env:
     return replace(env, sample=sample, generator=sample_gen)
 
 
-def run_jobs(setups: Sequence[str], seeds: Sequence[int], steps: int, arms: Sequence[str], out: Path, *, jobs: int,
-             quick: bool = False) -> list[dict[str, float]]:
-    """Every (setup, seed) job, ``jobs`` at a time; records appended to ``out/runs.jsonl`` as each arm lands."""
+def run_jobs(work: Sequence[tuple[str, int, str]], steps: int, out: Path, *, jobs: int, quick: bool = False
+             ) -> list[dict[str, float]]:
+    """Every ``(setup, seed, arm)`` of ``work``, ``jobs`` processes at a time: first each (setup, seed)'s warm-up
+    (saved under ``out/warm``, reused when present), then the arms; records appended to ``out/runs.jsonl`` as each
+    arm lands."""
     out.mkdir(parents=True, exist_ok=True)
+    (out / "warm").mkdir(exist_ok=True)
     sink = out / "runs.jsonl"
-    work = [(s, seed, steps, tuple(arms), quick, str(sink)) for s in setups for seed in seeds]
+    warm = sorted({(s, seed, quick, str(out / "warm")) for s, seed, _ in work})
+    runs = [(s, seed, steps, arm, quick, str(sink), str(out / "warm")) for s, seed, arm in work]
     if jobs <= 1:
-        results = [_job(w) for w in work]
+        [_warm(w) for w in warm]
+        results = [_job(w) for w in runs]
     else:
-        with mp.get_context("spawn").Pool(min(jobs, len(work))) as pool:
-            results = pool.map(_job, work, chunksize=1)
+        with mp.get_context("spawn").Pool(min(jobs, len(runs))) as pool:
+            pool.map(_warm, warm, chunksize=1)
+            results = pool.map(_job, runs, chunksize=1)
     return [r for rs in results for r in rs]
 
 
@@ -363,24 +374,32 @@ def run_jobs(setups: Sequence[str], seeds: Sequence[int], steps: int, arms: Sequ
 
 
 def law_table(records: Sequence[dict]) -> list[dict[str, object]]:
-    """Per set-up (records of plain GRPO, ``tag == "validate"``): slope and r of each prediction against the
-    realised same-batch change, and the seconds per optimizer step of each path."""
+    """Per set-up: slope and r of each prediction against the realised same-batch change, and the seconds per
+    optimizer step of each path; rows ``GRPO`` (plain GRPO, ``tag == "validate"``), ``autopilot`` (the autopilot
+    runs, where tokens are dropped) and ``autopilot, from step 2`` (without each run's first optimizer step: Adam's
+    first step, with no second moment yet, is sign-like, ``lr g / |g|``, and not additive over tokens)."""
     rows = []
     for setup in SETUPS:
-        recs = [r for r in records if r["setup"] == setup and r["tag"] == "validate"]
-        if not recs:
-            continue
-        real = [r["real_dH"] for r in recs]
-        row: dict[str, object] = {"setup": setup, "steps": len(recs)}
-        for key in ("exact_dH", "token_dH", "calibrated_dH", "cor4_dH"):
-            f = fit([r[key] for r in recs], real)
-            row[f"{key}_slope"], row[f"{key}_r"] = f["slope"], f["r"]
-        for key in ("sec_step", "sec_entropy_grad", "sec_exact", "sec_token"):
-            row[key] = statistics.mean(r[key] for r in recs)
-        ratios = [abs(r["real_dH"]) / abs(r["cor4_dH"]) for r in recs if r["cor4_dH"]]
-        row["real_to_cor4_median"] = statistics.median(ratios) if ratios else math.nan
-        rows.append(row)
+        for runs, pick in (("GRPO", lambda r: r["tag"] == "validate"), ("autopilot", lambda r: r["tag"] in TARGETS),
+                           ("autopilot, from step 2",
+                            lambda r: r["tag"] in TARGETS and (r["step"], r["mb"]) != (1, 0))):
+            recs = [r for r in records if r["setup"] == setup and pick(r)]
+            if recs:
+                rows.append(_law_row(setup, runs, recs))
     return rows
+
+
+def _law_row(setup: str, runs: str, recs: Sequence[dict]) -> dict[str, object]:
+    real = [r["real_dH"] for r in recs]
+    row: dict[str, object] = {"setup": setup, "runs": runs, "steps": len(recs)}
+    for key in ("exact_dH", "token_dH", "calibrated_dH", "cor4_dH"):
+        f = fit([r[key] for r in recs], real)
+        row[f"{key}_slope"], row[f"{key}_r"] = f["slope"], f["r"]
+    for key in ("sec_step", "sec_entropy_grad", "sec_exact", "sec_token"):
+        row[key] = statistics.mean(r[key] for r in recs)
+    ratios = [abs(r["real_dH"]) / abs(r["cor4_dH"]) for r in recs if r["cor4_dH"]]
+    row["real_to_cor4_median"] = statistics.median(ratios) if ratios else math.nan
+    return row
 
 
 def autopilot_table(records: Sequence[dict], warm_share: float = 0.2) -> list[dict[str, object]]:
@@ -438,7 +457,7 @@ def report(records: Sequence[dict], out: Path) -> dict[str, object]:
     ``autopilot_<setup>.png`` under ``out``; returns the two tables."""
     out.mkdir(parents=True, exist_ok=True)
     lt, at = law_table(records), autopilot_table(records)
-    law_cols = ["setup", "steps", "exact_dH_slope", "exact_dH_r", "token_dH_slope", "token_dH_r", "calibrated_dH_slope",
+    law_cols = ["setup", "runs", "steps", "exact_dH_slope", "exact_dH_r", "token_dH_slope", "token_dH_r", "calibrated_dH_slope",
                 "calibrated_dH_r", "cor4_dH_r", "real_to_cor4_median", "sec_step", "sec_entropy_grad", "sec_exact", "sec_token"]
     (out / "law.md").write_text(markdown(lt, law_cols) + "\n")
     ap_cols = ["setup", "target", "seed", "h0", "target_final", "median_abs_err", "tolerance", "ok_err", "acting_steps",
@@ -505,7 +524,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--out", type=Path, required=True)
         p.add_argument("--quick", action="store_true", help="tiny warm-ups (tests)")
         if name == "autopilot":
-            p.add_argument("--validate-too", action="store_true", help="also plain GRPO on each seed")
+            p.add_argument("--validate-too", default="", help="set-ups (comma-separated) whose first seed also runs "
+                           "plain GRPO for the same-batch table")
     p = sub.add_parser("report", allow_abbrev=False)
     p.add_argument("runs", type=Path, nargs="+")
     p.add_argument("--out", type=Path, required=True)
@@ -523,8 +543,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",") if s]
     if args.steps < 3:
         parser.error(f"--steps must be >= 3, got {args.steps}")
-    arms = ["validate"] if args.cmd == "validate" else (["validate"] if args.validate_too else []) + list(TARGETS)
-    records = run_jobs(setups, seeds, args.steps, arms, args.out, jobs=args.jobs, quick=args.quick)
+    if args.cmd == "validate":
+        work = [(s, seed, "validate") for s in setups for seed in seeds]
+    else:
+        work = [(s, seed, arm) for s in setups for seed in seeds for arm in TARGETS]
+        work = [(s, seeds[0], "validate") for s in args.validate_too.split(",") if s] + work
+    records = run_jobs(work, args.steps, args.out, jobs=args.jobs, quick=args.quick)
     tables = report(records, args.out)
     print((args.out / "law.md").read_text())
     if args.cmd == "autopilot":

@@ -130,12 +130,13 @@ def test_controller_steps_each_round_its_mask_reaches_the_loss_and_its_metrics_t
         assert {f"entropy_disc/autopilot/{k}" for k in KEYS} <= set(status) and "policy_loss" in status
         assert status["entropy_disc/clip/n_clipped"] == want.metrics()["entropy_disc/autopilot/n_dropped"]
         kappa = reference.calibration.scale  # before this round's pair
-        assert status["entropy_disc/law/scale"] == kappa and (kappa == 1.0) == (rnd == 0)
+        assert status["entropy_disc/delta_entropy/scale"] == kappa and (kappa == 1.0) == (rnd == 0)
         assert status["entropy_disc/delta_entropy/predicted"] == kappa * status["entropy_disc/delta_entropy/cheap"]
         assert status["entropy_disc/delta_entropy/cheap"] == state.cheap
         assert state.calibrate == (rnd % 2 == 0) and ("entropy_disc/delta_entropy/realised" in status) == state.calibrate
-        if state.calibrate:  # the same-batch pair, as the adapter fed it
+        if state.calibrate and not status["entropy_disc/delta_entropy/scale_skipped"]:  # the pair the adapter fed
             reference.calibrate(state.cheap, status["entropy_disc/delta_entropy/realised"])
+        assert reference.calibration.scale > 0
         assert _autopilot.state_of(actor.model) == reference.state_dict()
         assert (reference.state_dict()["version"], reference.state_dict()["step"]) == (2, rnd + 1)
         # the mask in the buffer and in what PolicyLoss received: dropped tokens have A = 0 (zero_pg)
@@ -172,7 +173,7 @@ def test_state_is_restored_from_a_loaded_client_state_and_refused_without_it(mon
     cfg = EntropyDiscConfig(**CONFIG)
     adapter.patch(cfg)  # wraps the load_ckpt above
     strategy = strategy_cls.__new__(strategy_cls)
-    saved = EntropyDiscConfig(**CONFIG).build_autopilot().state_dict() | {"step": 5, "h_start": 2.5, "h_smooth": 2.4}
+    saved = {**cfg.build_autopilot().state_dict(), "step": 5, "h_start": 2.5, "h_smooth": 2.5}
     for result, outcome in ((("ckpt/global_step5", {"global_step": 5, _autopilot.STATE_KEY: saved}), saved),
                             ((None, {}), None),  # OpenRLHF's "no checkpoint found": a fresh controller
                             (("ckpt/global_step5", {"global_step": 5}), ValueError)):
@@ -184,7 +185,7 @@ def test_state_is_restored_from_a_loaded_client_state_and_refused_without_it(mon
                 built_trainer_for(actor, monkeypatch)
             continue
         trainer = built_trainer_for(actor, monkeypatch)
-        want = outcome or EntropyDiscConfig(**CONFIG).build_autopilot().state_dict()
+        want = outcome or cfg.build_autopilot().state_dict()
         assert _autopilot.state_of(trainer.actor.model) == want
 
 
@@ -267,7 +268,7 @@ def test_resumed_run_continues_the_uninterrupted_one_bit_for_bit(tmp_path):
     assert result["states"]["law"] == {"version": 1, "batches": 2, "calibration": None}  # kappa: in the controller's
     realised = "entropy_disc/delta_entropy/realised"
     assert [realised in r["status"] for r in full] == [True, False, False, True]  # calibration rounds 1 and 4
-    assert full[0]["state"]["calibration"]["count"] == 1 and full[1]["status"]["entropy_disc/law/scale"] != 1.0
+    assert full[0]["state"]["calibration"]["count"] == 1 and full[1]["status"]["entropy_disc/delta_entropy/scale"] != 1.0
     assert sum(r["status"]["entropy_disc/autopilot/n_dropped"] for r in full) > 0
     for want, got in zip(full[2:], resumed):  # masks, metrics, loss, weights, state: bit for bit
         assert got["keep"] == want["keep"]

@@ -105,7 +105,8 @@ def test_autopilot_fields_refused_with_the_masks():
 def test_no_step_size_is_refused_before_generation(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(GRPOTrainer, "_generate", lambda self, *a, **k: calls.append(1))
-    with pytest.raises(ValueError, match=r"entropy_disc\.eta is None.*learning rate"):
+    with pytest.raises(ValueError, match=r"entropy_disc\.eta is None and TRL's learning rate is 0\.0, so the autopilot "
+                                         r"has no step size for its law: set learning_rate > 0, or entropy_disc\.eta"):
         make_trainer(tmp_path, cls=EntropyDiscGRPOTrainer, learning_rate=0.0, entropy_disc_method="autopilot")
     trainer = make_trainer(tmp_path, cls=GRPOTrainer, learning_rate=0.0, entropy_disc_method="autopilot")
     with pytest.raises(ValueError, match=r"entropy_disc\.eta is None"):  # stock trainer: on its first step
@@ -253,13 +254,14 @@ def test_stock_trainer_and_patch_carry_the_state_too(steps, tmp_path):
 
 @pytest.fixture
 def feeds(monkeypatch):
-    """Every pair the adapter feeds to the law scale: ``(controller steps taken so far, cheap, realised)``."""
+    """Every pair the adapter offers the law scale: ``(cheap, realised, fed)``."""
     seen = []
     real = LawScale.feed
 
     def record(self, cheap, realised):
-        seen.append((cheap, realised))
-        return real(self, cheap, realised)
+        fed = real(self, cheap, realised)
+        seen.append((cheap, realised, fed))
+        return fed
 
     monkeypatch.setattr(LawScale, "feed", record)
     return seen
@@ -280,19 +282,22 @@ def test_kappa_is_fed_from_the_same_batch_and_scales_the_logged_prediction(route
     logs = [h for h in trainer.state.log_history if "entropy_disc/autopilot/target_dh" in h]
     for i, ((stats, adv, _, keep), log) in enumerate(zip(steps, logs)):
         kappa = replay.calibration.scale
-        assert log["entropy_disc/law/scale"] == kappa and (kappa == 1.0) == (i == 0)
+        assert log["entropy_disc/delta_entropy/scale"] == kappa
         cheap = batch_entropy_change(adv, stats.s_centered, stats.valid, lr=2.0)
         assert log["entropy_disc/delta_entropy/cheap"] == pytest.approx(cheap, rel=1e-12, abs=1e-15)
         assert log["entropy_disc/delta_entropy/predicted"] == pytest.approx(kappa * log["entropy_disc/delta_entropy/cheap"],
                                                                             rel=1e-12, abs=1e-15)
         assert torch.equal(replay.from_stats(stats, adv, lr=2.0).keep, keep)
         assert feeds[i][0] == pytest.approx(cheap, rel=1e-12, abs=1e-15) and math.isfinite(feeds[i][1])
-        replay.calibrate(*feeds[i])
-    realised = [h["entropy_disc/delta_entropy/realised"] for h in trainer.state.log_history
-                if "entropy_disc/delta_entropy/realised" in h]
-    assert realised == [r for _, r in feeds] and any(r != 0 for r in realised)
+        if feeds[i][2]:  # a pair that keeps kappa > 0 (the controller's selection needs it) was fed
+            replay.calibrate(*feeds[i][:2])
+        assert replay.calibration.scale > 0
+    realised = [(h["entropy_disc/delta_entropy/realised"], h["entropy_disc/delta_entropy/scale_skipped"])
+                for h in trainer.state.log_history if "entropy_disc/delta_entropy/realised" in h]
+    assert realised == [(r, float(not fed)) for _, r, fed in feeds] and any(r != 0 for r, _ in realised)
     state = trainer._entropy_disc_state
-    assert state.autopilot.state_dict() == replay.state_dict() and state.autopilot.calibration.count == generations
+    assert state.autopilot.state_dict() == replay.state_dict()
+    assert state.autopilot.calibration.count == sum(fed for *_, fed in feeds)
     assert trainer.state.stateful_callbacks[ed_autopilot.LAW_KEY] == {"version": 1, "batches": generations,
                                                                       "calibration": None}
 
@@ -308,7 +313,7 @@ def test_kappa_without_the_autopilot_is_saved_and_restored(feeds, tmp_path):
     saved = json.loads((tmp_path / "a" / "checkpoint-2" / "trainer_state.json").read_text())["stateful_callbacks"]
     law = saved[ed_autopilot.LAW_KEY]
     assert law["batches"] == 2 and law["calibration"]["count"] == 1
-    assert law["calibration"]["s_xy"] == feeds[0][0] * feeds[0][1]
+    assert law["calibration"]["s_xy"] == feeds[0][0] * feeds[0][1] and all(fed for *_, fed in feeds)
     resumed = make_trainer(tmp_path / "a", **kw)
     resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
     assert _ed_logs(resumed)[-2:] == _ed_logs(full)[-2:]

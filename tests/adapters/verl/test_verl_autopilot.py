@@ -400,7 +400,8 @@ def test_resume_without_the_controllers_state_is_refused_before_work(queue, tmp_
     # training from step 0 over the same folder is a fresh start
     fresh = Run(tmp_path / "ckpt", monkeypatch, "trainer.resume_mode=disable", tag="refuse3")
     assert fresh.trainer.global_steps == 0
-    assert fresh.trainer.entropy_disc_autopilot.state_dict() == {"version": 1, "step": 0, "h_start": None}
+    fresh_state = fresh.trainer.entropy_disc_autopilot.state_dict()
+    assert (fresh_state["step"], fresh_state["h_start"]) == (0, None)
     # a state file of another step is refused too
     (tmp_path / "ckpt" / "global_step_2" / STATE_FILE).write_text(
         json.dumps({"global_step": 1, "autopilot": {"version": 1, "step": 1, "h_start": 0.5}}))
