@@ -93,12 +93,13 @@ def load_law(folder: str | None) -> dict[str, Any] | None:
 
 
 def vocab_size(config: DictConfig) -> int | None:
-    """The policy's vocabulary size from its Hugging Face config (``actor_rollout_ref.model.path``), None when it
-    cannot be read here (the driver loads no weights; a target above ``log V`` is then not checked)."""
+    """The policy's vocabulary size from the Hugging Face config in the local folder ``actor_rollout_ref.model.path``
+    (the driver loads no weights); None for a path that is no local folder (a hub name: nothing is downloaded for
+    this) or a config without one: a target above ``log V`` is then not checked."""
     from transformers import AutoConfig
 
     path = OmegaConf.select(config, "actor_rollout_ref.model.path", default=None)
-    if not isinstance(path, str):
+    if not isinstance(path, str) or not os.path.isdir(path):
         return None
     remote = bool(OmegaConf.select(config, "actor_rollout_ref.model.trust_remote_code", default=False))
     try:
