@@ -22,7 +22,7 @@ client_states)`` -> ``DeepspeedStrategy.save_ckpt(engine, dir, tag, max_num, max
 strategy methods:
 
 * ``save_ckpt`` of the policy's engine adds ``client_state[STATE_KEY] = controller.state_dict()``
-  (``{"version", "step", "h_start"}``, plain Python values), on every rank (every rank holds the same
+  (version 2, plain Python values) and its law scale's under :data:`LAW_KEY`, on every rank (every rank holds the same
   state; DeepSpeed writes the client state with the model states);
 * ``load_ckpt`` remembers what it returned for that engine; the patched ``ActorPPOTrainer.__init__``
   (:func:`bind`) builds the controller and restores it from ``states[STATE_KEY]``. A checkpoint that

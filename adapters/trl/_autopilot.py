@@ -1,5 +1,17 @@
 """The entropy autopilot (``method="autopilot"``) in ``GRPOTrainer``: one controller per trainer,
-stepped once per training batch, its state in every Trainer checkpoint.
+stepped once per training batch, its state in every Trainer checkpoint; and, for every method, the
+scale ``kappa`` of the cheap prediction (:mod:`.._law`).
+
+Law scale: :func:`law_batch` counts each statistics batch, logs ``entropy_disc/delta_entropy/cheap``
+(``-eta Cov_B(A, r S_c)`` of the batch, global over the group), ``/predicted = kappa * cheap`` and
+``/scale``, and parks every ``calibrate_every``-th batch; once the updates that used it are done
+(:class:`_AfterUpdate`, at the end of the optimizer step that exhausted its generation batch)
+:func:`calibrate_pending` re-reads that batch's entropy with TRL's own log-prob pass (no grad, the
+statistics captured as before the update) and feeds ``(cheap, realised)``.  Why the realised change
+and not ``law.step_entropy_change``: a generation batch spans ``steps_per_generation x num_iterations``
+micro-batches of possibly several optimizer steps, and under FSDP / DeepSpeed the parameters and the
+optimizer state are sharded; the realised change of the same tokens needs neither.  The scale's state
+is ``stateful_callbacks[LAW_KEY]`` of ``trainer_state.json``.
 
 Stepping: where Clip_B / Clip_V compute their mask (:mod:`._patch`: once per generation batch, or
 in the first training forward of the batch), :func:`step` calls

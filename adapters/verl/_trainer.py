@@ -25,9 +25,19 @@ parts (``train_batch_size / parameter_sync_step`` prompts, which verl requires t
 ``ppo_mini_batch_size``), each with its own advantage step and actor update (and its own
 autopilot step).
 
-Checkpoints (method ``autopilot`` only): ``_save_checkpoint`` adds the controller's state to verl's
-``global_step_N`` folder, ``_load_checkpoint`` restores it, ``__init__`` refuses a resume whose
-folder lacks it (:mod:`._autopilot`).
+Law scale (every method, :mod:`.._law`): the advantage step logs ``entropy_disc/delta_entropy/cheap``
+(``-eta Cov_B(A, r S_c)``), ``/predicted = kappa * cheap`` and ``/scale``; on every
+``calibrate_every``-th batch, after ``_update_actor``, the driver runs the actor group's
+``compute_log_prob`` once more on the same batch (as verl's old-policy pass: ``calculate_entropy``, no
+loss, the rollout temperature), takes the realised change of verl's own ``entropy`` field over the
+batch's response tokens, feeds ``(cheap, realised)`` and restores the ``entropy`` / ``log_probs`` fields
+that pass rewrote.  Why the realised change: under FSDP (and Megatron) the parameters and the optimizer
+state are sharded over the workers and the driver holds neither, so the exact ``grad H . dtheta`` of
+``law.step_entropy_change`` has no seam here; the realised change of the same tokens needs one forward.
+
+Checkpoints: ``_save_checkpoint`` adds the controller's state (method ``autopilot``) and the law scale's
+to verl's ``global_step_N`` folder, ``_load_checkpoint`` restores them, ``__init__`` refuses a resume
+whose folder lacks the controller's (:mod:`._autopilot`).
 """
 
 from __future__ import annotations
