@@ -278,9 +278,9 @@ class EntropyDiscTrainerMixin:
             ratio=ratio,
             lr=lr if math.isfinite(lr) else None,
         )
-        batch_metrics.pop(self._entropy_disc_monitor.prefix + PREDICTED_KEY, None)  # the law scale's below
-        law = getattr(self, "entropy_disc_law", None)
+        law = getattr(self, "entropy_disc_law", None)  # duck-typed drivers (benchmarks) have none
         if law is not None and s_centered is not None:
+            batch_metrics.pop(self._entropy_disc_monitor.prefix + PREDICTED_KEY, None)  # the law scale's below
             cheap = cheap_change(adv, s_centered, valid, eta=self._entropy_disc_eta(), ratio=ratio,
                                  form=self.entropy_disc.form)
             batch_metrics.update(law.metrics(cheap, self._entropy_disc_monitor.prefix))

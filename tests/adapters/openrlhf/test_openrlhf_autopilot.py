@@ -237,17 +237,19 @@ def test_missing_step_size_is_refused_before_work(monkeypatch):
 def test_launcher_parses_the_autopilot_flags_and_hands_them_to_the_workers(monkeypatch, capsys):
     argv = ["--actor.model_name_or_path", "m", "--entropy_disc.method", "autopilot", "--entropy_disc.target_entropy",
             "0.8", "--entropy_disc.decay_steps", "50", "--entropy_disc.gain", "0.25", "--entropy_disc.eta", "1e-6",
-            "--entropy_disc.max_step", "inf", "--entropy_disc.form", "mean", "--entropy_disc.sides", "both"]
+            "--entropy_disc.max_step", "inf", "--entropy_disc.form", "mean", "--entropy_disc.sides", "both",
+            "--entropy_disc.smoothing", "0.5", "--entropy_disc.calibrate_every", "3"]
     cfg, _, rest = adapter.parse(argv)
     assert rest == ["--actor.model_name_or_path", "m"]
     assert cfg == EntropyDiscConfig(method="autopilot", target_entropy=0.8, decay_steps=50, gain=0.25, eta=1e-6,
-                                    max_step=float("inf"), form="mean", sides="both")
+                                    max_step=float("inf"), form="mean", sides="both", smoothing=0.5, calibrate_every=3)
     assert adapter.parse(["--entropy_disc.method", "autopilot"])[0] == EntropyDiscConfig(method="autopilot")
     env = adapter.runtime_env(cfg)
     payload = json.loads(env["env_vars"][adapter.CONFIG_ENV])["config"]
     assert EntropyDiscConfig.from_mapping(payload) == cfg
     for bad in (["--entropy_disc.target_entropy", "-1"], ["--entropy_disc.decay_steps", "x"],
-                ["--entropy_disc.method", "clip_b", "--entropy_disc.gain", "0.3"]):
+                ["--entropy_disc.method", "clip_b", "--entropy_disc.gain", "0.3"],
+                ["--entropy_disc.calibrate_every", "-1"], ["--entropy_disc.smoothing", "0"]):
         with pytest.raises(SystemExit):
             adapter.parse(["--entropy_disc.method", "autopilot", *bad])
         assert "entropy_disc." in capsys.readouterr().err
