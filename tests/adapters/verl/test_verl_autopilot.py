@@ -345,7 +345,7 @@ def test_controller_steps_in_verls_loop_its_metrics_are_logged_and_its_mask_reac
         valid = x["response_mask"].bool()
         h_after = x["entropy"] * math.exp(run.actor.thetas[s - 1] - run.actor.old_thetas[s - 1])
         want = float(((h_after - x["entropy"]).double() * valid).sum() / valid.sum())
-        assert run.logged[s][LAW + "realised"] == pytest.approx(want, rel=1e-5, abs=1e-9)
+        assert run.logged[s][LAW + "realised"] == pytest.approx(want, rel=1e-3, abs=1e-7)  # float32 entropies
         assert torch.equal(got["keep"], ref.keep)
         assert {k: v for k, v in got["metrics"].items() if k.startswith(PREFIX)} == ref.metrics()
         for key, value in ref.metrics().items():  # through verl's step() aggregation into Tracking.log
