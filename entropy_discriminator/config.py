@@ -32,12 +32,14 @@ MASK_ONLY = {"mu_low": None, "mu_high": math.inf, "cap_rule": "share"}
 #: Fields of the autopilot and their defaults: a non-default value is refused with ``"clip_b"``/``"clip_v"``.
 AUTOPILOT_ONLY: dict[str, Any] = {
     "target_entropy": "hold", "decay_steps": None, "gain": _autopilot.DEFAULT_GAIN,
-    "max_step": _autopilot.DEFAULT_MAX_STEP, "eta": None, "form": "cov",
+    "max_step": _autopilot.DEFAULT_MAX_STEP, "eta": None, "form": "cov", "smoothing": _autopilot.DEFAULT_SMOOTHING,
 }
 #: Fields that only act through a mask or the autopilot, and their defaults: with method ``"none"`` a value other
 #: than these (or, for ``max_frac``, None: no cap, what ``"auto"`` means for the masks) is refused, since the run
 #: would silently only monitor.
 CONTROL_ONLY: dict[str, Any] = {**MASK_ONLY, "sides": "negative", "mask_mode": "zero_pg", **AUTOPILOT_ONLY}
+#: Default of ``calibrate_every``: one calibration batch in ten (the adapters' cost: one no-grad forward of that batch).
+DEFAULT_CALIBRATE_EVERY = 10
 
 
 @dataclass
@@ -90,6 +92,12 @@ class EntropyDiscConfig:
             real > 0).  None (default): the adapter passes its optimizer's configured learning
             rate (TRL: ``args.learning_rate``, the schedule's peak; see :meth:`step_size`).
         form: autopilot: ``"cov"`` (Corollaries 4 / 4.1, default) or ``"mean"`` (eq. 23).
+        smoothing: autopilot: weight of the new batch's entropy in the controller's smoothed
+            reading, in ``(0, 1]`` (1: the raw batch reading; default 0.2).
+        calibrate_every: every this many statistics batches the adapter measures the realised
+            entropy change of that batch's tokens and feeds the scale ``kappa`` that puts the
+            cheap prediction ``-eta Cov_B(A, r S_c)`` in nats (int >= 0; 0: off, the adapters then
+            log the cheap score as ``delta_entropy/cheap`` only; docs/adapters/law-and-autopilot.md).
     """
 
     method: str = "none"
@@ -108,6 +116,8 @@ class EntropyDiscConfig:
     max_step: float = _autopilot.DEFAULT_MAX_STEP
     eta: float | None = None
     form: str = "cov"
+    smoothing: float = _autopilot.DEFAULT_SMOOTHING
+    calibrate_every: int = DEFAULT_CALIBRATE_EVERY
 
     def __setattr__(self, name: str, value: Any) -> None:
         check = _FIELD_CHECKS.get(name)
@@ -214,11 +224,12 @@ class EntropyDiscConfig:
             raise ValueError("entropy_disc.method='clip_v' needs s_centered (token_stats over the full vocabulary)")
         return clip_v_mask(s_centered, advantages, valid, **kwargs)
 
-    def build_autopilot(self, process_group: Group = None) -> EntropyAutopilot:
+    def build_autopilot(self, process_group: Group = None, *, vocab_size: int | None = None) -> EntropyAutopilot:
         """A fresh :class:`~entropy_discriminator.EntropyAutopilot` with these settings (method ``"autopilot"``).
 
         ``max_frac="auto"`` becomes the autopilot's default cap, 0.05.  ``process_group``: the
-        group its statistics are reduced over (None: this process's batch alone).  The step size
+        group its statistics are reduced over (None: this process's batch alone).  ``vocab_size``:
+        the policy's vocabulary size when the adapter knows it (a target above its log is refused).  The step size
         is given per batch: ``from_stats(stats, advantages, lr=self.step_size(lr), ratio=r)``.
         """
         if self.method != "autopilot":
@@ -226,7 +237,8 @@ class EntropyDiscConfig:
         max_frac = _autopilot.DEFAULT_MAX_FRAC if self.max_frac == "auto" else self.max_frac
         return EntropyAutopilot(
             self.target_entropy, decay_steps=self.decay_steps, gain=self.gain, max_step=self.max_step,
-            max_frac=max_frac, sides=self.sides, form=self.form, process_group=process_group,
+            max_frac=max_frac, sides=self.sides, form=self.form, smoothing=self.smoothing, vocab_size=vocab_size,
+            process_group=process_group,
         )  # fmt: skip
 
     def step_size(self, learning_rate: float) -> float:
@@ -329,6 +341,8 @@ _TEXT_KINDS: dict[str, tuple[type, tuple[str, ...], bool]] = {
     "gain": (float, (), False),
     "max_step": (float, (), False),
     "eta": (float, (), True),
+    "smoothing": (float, (), False),
+    "calibrate_every": (int, (), False),
 }
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
@@ -368,4 +382,6 @@ _FIELD_CHECKS = {
     "max_step": lambda name, value: real_number(name, value, finite=False, above=0),
     "eta": _eta,
     "form": _choice(FORMS),
+    "smoothing": lambda name, value: real_number(name, value, above=0, maximum=1),
+    "calibrate_every": lambda name, value: integer(name, value, minimum=0),
 }

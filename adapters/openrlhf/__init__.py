@@ -24,10 +24,16 @@ OpenRLHF logs (console, wandb, TensorBoard). Details: ``_round.py``.
 ``method="autopilot"`` steps the policy's ``EntropyAutopilot`` once per round instead, on the same
 statistics and OpenRLHF's per-token advantages, ``eta = entropy_disc.eta`` or ``--actor.adam.lr``,
 ``r = 1``: ``keep = pilot.from_stats(stats [N], advantages [N], lr=eta).mask.keep`` reaches the loss
-like the masks, ``entropy_disc/autopilot/*`` join the status dict. Its state (``{"version", "step",
-"h_start"}``) rides in the client state of the actor's DeepSpeed checkpoints (``DeepspeedStrategy.save_ckpt``
+like the masks, ``entropy_disc/autopilot/*`` join the status dict. Its state (``state_dict()``, version 2)
+rides in the client state of the actor's DeepSpeed checkpoints (``DeepspeedStrategy.save_ckpt``
 / ``load_ckpt``, key ``entropy_disc_autopilot``) and is restored when ``ActorPPOTrainer`` is built after
 ``--ckpt.load_enable`` loaded one; a loaded checkpoint without it is refused there (``_autopilot.py``).
+
+Every method: ``entropy_disc/delta_entropy/cheap`` is the round's ``-eta Cov_B(A, S_c)``; every
+``calibrate_every``-th round (default 10) the after-update pass measures the realised change of the round's
+tokens and feeds ``kappa`` (``entropy_disc/delta_entropy/predicted = kappa * cheap``, ``/scale``), whose state
+rides in the same client state under ``entropy_disc_law`` (``adapters/_law.py``,
+docs/adapters/law-and-autopilot.md).
 
 Packed samples and ring attention are served from the actor's own packed / per-rank logits (see
 ``_round.stats_in_batch_layout``). Combinations a mask mode cannot serve exactly (``zero_pg`` with the

@@ -22,7 +22,7 @@ client_states)`` -> ``DeepspeedStrategy.save_ckpt(engine, dir, tag, max_num, max
 strategy methods:
 
 * ``save_ckpt`` of the policy's engine adds ``client_state[STATE_KEY] = controller.state_dict()``
-  (``{"version", "step", "h_start"}``, plain Python values), on every rank (every rank holds the same
+  (version 2, plain Python values) and its law scale's under :data:`LAW_KEY`, on every rank (every rank holds the same
   state; DeepSpeed writes the client state with the model states);
 * ``load_ckpt`` remembers what it returned for that engine; the patched ``ActorPPOTrainer.__init__``
   (:func:`bind`) builds the controller and restores it from ``states[STATE_KEY]``. A checkpoint that
@@ -42,8 +42,12 @@ import torch
 
 from entropy_discriminator import EntropyAutopilot, EntropyDiscConfig, MaskResult, TokenStats
 
+from .._law import LawScale
+
 #: Key of the controller's ``state_dict()`` in the client state of the actor's DeepSpeed checkpoints.
 STATE_KEY = "entropy_disc_autopilot"
+#: Key of the :class:`~.._law.LawScale` state (calibration schedule and, without the autopilot, ``kappa``).
+LAW_KEY = "entropy_disc_law"
 
 
 @dataclass
@@ -58,12 +62,31 @@ class Bound:
 _BOUND: "weakref.WeakKeyDictionary[Any, Bound]" = weakref.WeakKeyDictionary()
 #: engine -> ``(load_path, client_states)`` returned by the last ``load_ckpt`` of it
 _LOADED: "weakref.WeakKeyDictionary[Any, tuple[Any, dict]]" = weakref.WeakKeyDictionary()
+#: policy engine -> the scale of its cheap prediction (every method)
+_SCALES: "weakref.WeakKeyDictionary[Any, LawScale]" = weakref.WeakKeyDictionary()
 
 
 def clear() -> None:
-    """Forget every controller and loaded client state (``unpatch``)."""
+    """Forget every controller, scale and loaded client state (``unpatch``)."""
     _BOUND.clear()
     _LOADED.clear()
+    _SCALES.clear()
+
+
+def law_scale(trainer: Any, config: EntropyDiscConfig, group: Any) -> LawScale:
+    """The :class:`~.._law.LawScale` of ``trainer``'s policy engine, built on first use and restored from the
+    client state its ``load_ckpt`` returned (key :data:`LAW_KEY`, when present); with method ``"autopilot"``
+    bound to the controller's calibration.  A changed ``calibrate_every`` takes effect, the state kept."""
+    engine = _engine(trainer)
+    scale = _SCALES.get(engine)
+    if scale is None:
+        scale = _SCALES[engine] = LawScale(config.calibrate_every)
+        loaded = _LOADED.get(engine)
+        if loaded is not None and loaded[0] is not None and (loaded[1] or {}).get(LAW_KEY) is not None:
+            scale.load_state_dict(loaded[1][LAW_KEY])
+    scale.every = config.calibrate_every
+    scale.bind(bind(trainer, config, group).pilot if config.method == "autopilot" else None)
+    return scale
 
 
 def learning_rate(args: Any) -> float | None:
@@ -92,6 +115,13 @@ def _engine(trainer: Any) -> Any:
     return trainer.actor.model
 
 
+def _vocab_size(trainer: Any) -> int | None:
+    """The policy's vocabulary size from its Hugging Face config (None when not found)."""
+    model = getattr(_engine(trainer), "module", _engine(trainer))
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return size if isinstance(size, int) and size >= 2 else None
+
+
 def bind(trainer: Any, config: EntropyDiscConfig, group: Any) -> Bound:
     """The controller of ``trainer``'s policy engine, built on first use (see the module doc):
     restored from the client state its ``load_ckpt`` returned, if any; ``ValueError`` when a loaded
@@ -101,14 +131,14 @@ def bind(trainer: Any, config: EntropyDiscConfig, group: Any) -> Bound:
     bound = _BOUND.get(engine)
     if bound is not None:
         if bound.config != config:
-            pilot = config.build_autopilot(group)
+            pilot = config.build_autopilot(group, vocab_size=_vocab_size(trainer))
             state = bound.pilot.state_dict()
             state["settings"] = pilot.settings()  # the new settings, deliberately: the same memory continues
             pilot.load_state_dict(state)
             bound = _BOUND[engine] = Bound(pilot, config)
         return bound
     step_size(trainer.strategy.args, config)  # a missing step size is refused before any work
-    pilot = config.build_autopilot(group)
+    pilot = config.build_autopilot(group, vocab_size=_vocab_size(trainer))
     _restore(pilot, _LOADED.get(engine))
     bound = _BOUND[engine] = Bound(pilot, config)
     return bound
@@ -148,16 +178,21 @@ def state_of(engine: Any) -> dict[str, Any] | None:
 
 def wrap_save_ckpt(original: Callable[..., Any]) -> Callable[..., Any]:
     """``DeepspeedStrategy.save_ckpt`` that adds the controller's state of the saved engine (if it has a
-    controller) to ``client_state`` under :data:`STATE_KEY` (a copy; the caller's dict is unchanged)."""
+    controller) to ``client_state`` under :data:`STATE_KEY` and its law scale's under :data:`LAW_KEY`
+    (a copy; the caller's dict is unchanged)."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def save_ckpt(self: Any, *args: Any, **kwargs: Any) -> Any:
         bound_args = signature.bind(self, *args, **kwargs)
-        state = state_of(bound_args.arguments.get("model"))
-        if state is not None:
+        engine = bound_args.arguments.get("model")
+        state, scale = state_of(engine), _SCALES.get(engine)
+        if state is not None or scale is not None:
             client_state = dict(bound_args.arguments.get("client_state") or {})
-            client_state[STATE_KEY] = state
+            if state is not None:
+                client_state[STATE_KEY] = state
+            if scale is not None:
+                client_state[LAW_KEY] = scale.state_dict()
             bound_args.arguments["client_state"] = client_state
         return original(*bound_args.args, **bound_args.kwargs)
 
@@ -180,6 +215,9 @@ def wrap_load_ckpt(original: Callable[..., Any]) -> Callable[..., Any]:
         bound = _BOUND.get(engine)
         if bound is not None:
             _restore(bound.pilot, _LOADED[engine])
+        scale = _SCALES.get(engine)
+        if scale is not None and result[0] is not None and (result[1] or {}).get(LAW_KEY) is not None:
+            scale.load_state_dict(result[1][LAW_KEY])
         return result
 
     return load_ckpt

@@ -25,7 +25,8 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 
 from entropy_discriminator import EntropyDiscConfig
-from entropy_discriminator.autopilot import DEFAULT_GAIN, DEFAULT_MAX_STEP
+from entropy_discriminator.autopilot import DEFAULT_GAIN, DEFAULT_MAX_STEP, DEFAULT_SMOOTHING
+from entropy_discriminator.config import DEFAULT_CALIBRATE_EVERY
 from entropy_discriminator.config import METHODS
 from entropy_discriminator.masks import CAP_RULES, MASK_MODES, SIDES
 from entropy_discriminator.stats import IMPLS
@@ -95,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="autopilot: step size of the law dH ~ -eta Cov(A, S_c) (default: --actor.adam.lr)")
     g.add_argument("--entropy_disc.form", dest="form", choices=("cov", "mean"), default="cov",
                    help="autopilot: cov (Corollaries 4 / 4.1, default) or mean (eq. 23)")
+    g.add_argument("--entropy_disc.smoothing", dest="smoothing", default=str(DEFAULT_SMOOTHING),
+                   help=f"autopilot: weight of the new batch's entropy in the smoothed reading, (0, 1] (default {DEFAULT_SMOOTHING})")
+    g.add_argument("--entropy_disc.calibrate_every", dest="calibrate_every", default=str(DEFAULT_CALIBRATE_EVERY),
+                   help="every this many rounds, one no-grad pass after the update measures the round's realised entropy "
+                   f"change and calibrates delta_entropy/predicted in nats; 0: off (default {DEFAULT_CALIBRATE_EVERY})")
     g.add_argument("--entropy_disc.no_metrics", dest="log_metrics", action="store_false",
                    help="do not add entropy_disc/* metrics to OpenRLHF's logs")
     g.add_argument("--entropy_disc.realised", dest="realised", action="store_true",

@@ -137,10 +137,10 @@ def _wrap(original: Any) -> Any:
             return original(self, kl_ctl, *args, **kwargs)
         state = begin_round(self, config)
         status = original(self, kl_ctl, *args, **kwargs)
+        after = end_round(self, config, state) if (realised and config.log_metrics) or state.calibrate else {}
         if config.log_metrics:
             status.update(state.metrics)
-            if realised:
-                status.update(end_round(self, config, state))
+            status.update(after)
         return status
 
     setattr(ppo_train, _WRAPPER_FLAG, True)

@@ -53,6 +53,7 @@ from entropy_discriminator import (
     apply_keep_mask,
     token_stats,
 )
+from .._law import PREDICTED_KEY, REALISED_KEY, SKIPPED_KEY, cheap_change
 from ._checks import check_training_args
 from entropy_discriminator.distributed import Group, all_gather_cat, all_reduce
 
@@ -68,6 +69,9 @@ class RoundState:
     stats: TokenStats  # flat over all samples' action columns, on the compute device
     mask: MaskResult | None
     metrics: dict[str, float] = field(default_factory=dict)
+    #: ``-eta Cov_B(A, S_c)`` of the round (None without a step size) and whether it is a calibration round
+    cheap: float | None = None
+    calibrate: bool = False
     #: ``"forward"``: taken in make_experience's old-policy forward; ``"pass"``: the fallback pass
     source: str = "forward"
 
@@ -366,21 +370,42 @@ def begin_round(trainer: Any, config: EntropyDiscConfig) -> RoundState:
         )
     if mask is not None:
         apply_keep(items, mask.keep, config.mask_mode)
+    from ._autopilot import law_scale
+
+    scale = law_scale(trainer, config, group)
+    eta = _law_step_size(trainer, config)
+    cheap = cheap_change(advantages, stats.s_centered, stats.valid, eta=eta, form=config.form, process_group=group)
+    calibrate = scale.tick() and cheap is not None
     forward_s, _ = STORE.take_timing()
     metrics: dict[str, float] = {}
     if config.log_metrics:
         monitor = EntropyMonitor(process_group=group)
         metrics = monitor.from_stats(stats, advantages=advantages, mask=mask, lr=_current_lr(trainer))
+        metrics.pop(monitor.prefix + PREDICTED_KEY, None)  # replaced by the law scale's (cheap, kappa * cheap)
+        metrics.update(scale.metrics(cheap, monitor.prefix))
         metrics.update(pilot_metrics)
         metrics[monitor.prefix + "stats/from_forward"] = float(source == "forward")
         metrics[monitor.prefix + "timing/stats_in_forward"] = forward_s
         metrics[monitor.prefix + "timing/stats_pass"] = time.perf_counter() - started
-    return RoundState(valids=valids, stats=stats, mask=mask, metrics=metrics, source=source)
+    return RoundState(valids=valids, stats=stats, mask=mask, metrics=metrics, source=source, cheap=cheap,
+                      calibrate=calibrate)
+
+
+def _law_step_size(trainer: Any, config: EntropyDiscConfig) -> float | None:
+    """``eta`` of the cheap prediction: the autopilot's step size (``entropy_disc.eta`` or ``--actor.adam.lr``),
+    None where there is none (``--actor.optim muon`` without ``entropy_disc.eta``: no cheap prediction)."""
+    from ._autopilot import step_size
+
+    try:
+        return step_size(trainer.strategy.args, config)
+    except ValueError:
+        return None
 
 
 def end_round(trainer: Any, config: EntropyDiscConfig, state: RoundState) -> dict[str, float]:
     """``entropy_disc/delta_entropy/realised``: mean entropy change of the round's tokens after the
-    update, from a second no-grad pass over the same samples (same valid tokens as before)."""
+    update, from a second no-grad pass over the same samples (same valid tokens as before).  On a
+    calibration round it feeds ``(cheap, realised)`` to the law scale (:mod:`.._law`)."""
     items = trainer.replay_buffer.items
     after = replay_buffer_stats(
         trainer.actor,
@@ -393,7 +418,13 @@ def end_round(trainer: Any, config: EntropyDiscConfig, state: RoundState) -> dic
         sync_group=dist.group.WORLD if dist.is_available() and dist.is_initialized() else None,
     )
     monitor = EntropyMonitor(process_group=dp_group(trainer.strategy))
-    return monitor.realised(state.stats.entropy, after.entropy, state.stats.valid)
+    out = monitor.realised(state.stats.entropy, after.entropy, state.stats.valid)
+    if state.calibrate:
+        from ._autopilot import law_scale
+
+        scale = law_scale(trainer, config, dp_group(trainer.strategy))
+        out[monitor.prefix + SKIPPED_KEY] = float(not scale.feed(state.cheap, out[monitor.prefix + REALISED_KEY]))
+    return out
 
 
 def _current_lr(trainer: Any) -> float | None:

@@ -1,5 +1,17 @@
 """The entropy autopilot (``method="autopilot"``) in ``GRPOTrainer``: one controller per trainer,
-stepped once per training batch, its state in every Trainer checkpoint.
+stepped once per training batch, its state in every Trainer checkpoint; and, for every method, the
+scale ``kappa`` of the cheap prediction (:mod:`.._law`).
+
+Law scale: :func:`law_batch` counts each statistics batch, logs ``entropy_disc/delta_entropy/cheap``
+(``-eta Cov_B(A, r S_c)`` of the batch, global over the group), ``/predicted = kappa * cheap`` and
+``/scale``, and parks every ``calibrate_every``-th batch; once the updates that used it are done
+(:class:`_AfterUpdate`, at the end of the optimizer step that exhausted its generation batch)
+:func:`calibrate_pending` re-reads that batch's entropy with TRL's own log-prob pass (no grad, the
+statistics captured as before the update) and feeds ``(cheap, realised)``.  Why the realised change
+and not ``law.step_entropy_change``: a generation batch spans ``steps_per_generation x num_iterations``
+micro-batches of possibly several optimizer steps, and under FSDP / DeepSpeed the parameters and the
+optimizer state are sharded; the realised change of the same tokens needs neither.  The scale's state
+is ``stateful_callbacks[LAW_KEY]`` of ``trainer_state.json``.
 
 Stepping: where Clip_B / Clip_V compute their mask (:mod:`._patch`: once per generation batch, or
 in the first training forward of the batch), :func:`step` calls
@@ -25,16 +37,35 @@ the run and ignores it.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
+from transformers import TrainerCallback
 
-from entropy_discriminator import MaskResult, TokenStats
+from entropy_discriminator import EntropyMonitor, MaskResult, TokenStats
 
-from ._mask import process_group
+from .._law import REALISED_KEY, SKIPPED_KEY, LawScale, cheap_change
+from ._mask import loss_mask, process_group
+from ._stats import restrict
 
 #: Key of the controller's ``state_dict()`` in ``TrainerState.stateful_callbacks`` (trainer_state.json).
 STATE_KEY = "EntropyDiscAutopilot"
+#: Key of the law scale's ``state_dict()`` (:mod:`.._law`: schedule, and ``kappa`` without the autopilot).
+LAW_KEY = "EntropyDiscLawScale"
+#: The inputs of TRL's log-prob pass that the after-update pass of a calibration batch reads again.
+_PASS_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+
+
+@dataclass
+class PendingCalibration:
+    """A calibration batch waiting for its after-update pass: its inputs, its entropy before the update
+    (``(B, T)``, from the statistics), the valid tokens and its cheap prediction."""
+
+    batch: dict[str, torch.Tensor]
+    entropy: torch.Tensor
+    valid: torch.Tensor
+    cheap: float
 
 
 def step_size(config: Any, learning_rate: object) -> float:
@@ -70,7 +101,7 @@ def sync(trainer: Any, state: Any) -> None:
             "autopilot, or by an older adapter); the controller's state (its step and starting entropy) cannot be "
             "restored. Resume from a checkpoint of an autopilot run, or start training from step 0."
         )
-    pilot = state.config.build_autopilot(process_group(trainer))
+    pilot = state.config.build_autopilot(process_group(trainer), vocab_size=vocab_size(trainer))
     if saved is not None:
         pilot.load_state_dict(saved)
     state.autopilot, state.autopilot_run = pilot, run
@@ -97,3 +128,91 @@ def step(trainer: Any, state: Any, stats: TokenStats, advantages: torch.Tensor,
         for key, value in result.metrics().items():
             trainer._metrics["train"][key].append(value)
     return result.mask
+
+
+def vocab_size(trainer: Any) -> int | None:
+    """The policy's vocabulary size from its Hugging Face config (None when not found)."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return size if isinstance(size, int) and size >= 2 else None
+
+
+def sync_law(trainer: Any, state: Any) -> None:
+    """Bind the law scale (:mod:`.._law`) to this ``train()`` call's ``trainer.state``: restored from its
+    :data:`LAW_KEY` entry when there is one (a resume), else fresh; bound to the controller's calibration
+    with method ``"autopilot"`` (call after :func:`sync`).  A pending calibration of another call is dropped."""
+    run = trainer.state
+    if state.law_run is run:
+        return
+    scale = LawScale(state.config.calibrate_every)
+    scale.bind(state.autopilot)
+    saved = run.stateful_callbacks.get(LAW_KEY)
+    if saved is not None:
+        scale.load_state_dict(saved)
+    state.law, state.law_run, state.law_pending = scale, run, None
+    if not any(isinstance(cb, _AfterUpdate) and cb.trainer is trainer for cb in trainer.callback_handler.callbacks):
+        trainer.add_callback(_AfterUpdate(trainer, state))
+
+
+class _AfterUpdate(TrainerCallback):
+    """Runs a parked calibration batch's after-update pass at the end of the optimizer step that used the last
+    of its generation batch (TRL generates anew every ``steps_per_generation * num_iterations`` micro-batches),
+    before Trainer logs and saves that step, so a checkpoint holds ``kappa`` with every pair fed."""
+
+    def __init__(self, trainer: Any, state: Any) -> None:
+        self.trainer, self.state = trainer, state
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self.trainer
+        every = trainer.args.steps_per_generation * trainer.num_iterations
+        if self.state.law_pending is not None and trainer._step % every == 0:
+            from ._patch import _extra_pass
+
+            calibrate_pending(trainer, self.state, _extra_pass)
+
+
+def law_step_size(trainer: Any, state: Any) -> float | None:
+    """``eta`` of the cheap prediction (:func:`step_size`), None when there is none (``learning_rate`` 0 and no
+    ``entropy_disc.eta``, which only the autopilot refuses: then no cheap prediction and no calibration)."""
+    try:
+        return step_size(state.config, trainer.args.learning_rate)
+    except ValueError:
+        return None
+
+
+def law_batch(trainer: Any, state: Any, stats: TokenStats, advantages: torch.Tensor, batch: dict[str, Any]) -> dict[str, float]:
+    """Count one statistics batch with the law scale: its cheap prediction ``-eta Cov_B(A, r S_c)`` (global over
+    the group; ``r`` as the autopilot's), and, on a calibration batch, park it for :func:`calibrate_pending`.
+    Returns the scale's metrics (``delta_entropy/cheap``, ``/predicted``, ``/scale``)."""
+    group = process_group(trainer)
+    cheap = cheap_change(advantages, stats.s_centered, stats.valid, eta=law_step_size(trainer, state),
+                         ratio=sampling_ratio(batch, stats.valid.shape), form=state.config.form, process_group=group)
+    if state.law.tick() and cheap is not None:
+        parked = {k: batch[k].detach() for k in _PASS_KEYS}
+        if batch.get("tool_mask") is not None:
+            parked["tool_mask"] = batch["tool_mask"].detach()
+        state.law_pending = PendingCalibration(parked, stats.entropy.detach(), stats.valid.clone(), cheap)
+    trainer.state.stateful_callbacks[LAW_KEY] = state.law.state_dict()
+    return state.law.metrics(cheap)
+
+
+def calibrate_pending(trainer: Any, state: Any, extra_pass: Callable[[Any, Any, dict[str, Any]], None]) -> None:
+    """The after-update pass of a parked calibration batch (``extra_pass``: TRL's own no-grad log-prob pass with
+    the statistics captured, as before the update), ``(cheap, realised)`` fed to the scale; logs
+    ``delta_entropy/realised``.  Runs after every update the batch took part in: at the end of the step that
+    exhausted its generation batch (:class:`_AfterUpdate`), else at the next training generation."""
+    pending, state.law_pending = state.law_pending, None
+    if pending is None:
+        return
+    extra_pass(trainer, state, pending.batch)
+    after, state.captured = state.captured, None
+    after = restrict(after, loss_mask(pending.batch))
+    monitor = EntropyMonitor(process_group=process_group(trainer))
+    realised = monitor.realised(pending.entropy, after.entropy, pending.valid & after.valid)
+    realised[monitor.prefix + SKIPPED_KEY] = float(not state.law.feed(pending.cheap, realised[monitor.prefix + REALISED_KEY]))
+    trainer.state.stateful_callbacks[LAW_KEY] = state.law.state_dict()
+    if state.autopilot is not None:
+        trainer.state.stateful_callbacks[STATE_KEY] = state.autopilot.state_dict()
+    if state.config.log_metrics:
+        for key, value in realised.items():
+            trainer._metrics["train"][key].append(float(value))

@@ -23,7 +23,8 @@ from trl import GRPOConfig
 
 from entropy_discriminator import EntropyDiscConfig
 from entropy_discriminator._checks import did_you_mean
-from entropy_discriminator.autopilot import DEFAULT_GAIN, DEFAULT_MAX_STEP
+from entropy_discriminator.autopilot import DEFAULT_GAIN, DEFAULT_MAX_STEP, DEFAULT_SMOOTHING
+from entropy_discriminator.config import DEFAULT_CALIBRATE_EVERY
 
 from ._patch import ensure_args_patch
 from ._support import check_trl_version, validate_options
@@ -110,6 +111,16 @@ class EntropyDiscGRPOConfig(GRPOConfig):
         default="cov", metadata=_help("autopilot: 'cov' (Corollaries 4 / 4.1) or 'mean' (eq. 23).")
     )
 
+    entropy_disc_smoothing: float = field(
+        default=DEFAULT_SMOOTHING,
+        metadata=_help("autopilot: weight of the new batch's entropy in the controller's smoothed reading, (0, 1]."),
+    )
+    entropy_disc_calibrate_every: int = field(
+        default=DEFAULT_CALIBRATE_EVERY,
+        metadata=_help("Every this many statistics batches, one no-grad pass over that batch after its update measures "
+                       "the realised entropy change and calibrates delta_entropy/predicted in nats (0: off)."),
+    )
+
     def __post_init__(self) -> None:
         if self.bf16 is None and not self.fp16 and not self.use_cpu and not _bf16_accelerator():
             self.bf16 = False  # TRL's default bf16 needs a bf16 GPU (module docstring)
@@ -152,6 +163,8 @@ class EntropyDiscGRPOConfig(GRPOConfig):
             max_step=self.entropy_disc_max_step,
             eta=self.entropy_disc_eta,
             form=self.entropy_disc_form,
+            smoothing=self.entropy_disc_smoothing,
+            calibrate_every=self.entropy_disc_calibrate_every,
         )
 
 

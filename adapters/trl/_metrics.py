@@ -10,8 +10,10 @@ from entropy_discriminator import EntropyMonitor, MaskResult, TokenStats
 
 
 def log_metrics(trainer: Any, stats: TokenStats, advantages: torch.Tensor, mask: MaskResult | None,
-                group: Any) -> None:
-    """The monitor's metrics of one batch (global over ``group``) appended to ``trainer._metrics["train"]``."""
+                group: Any, law: dict[str, float] | None = None) -> None:
+    """The monitor's metrics of one batch (global over ``group``) and the law scale's ``law`` (``delta_entropy/cheap``,
+    ``/predicted``, ``/scale``; :mod:`.._law`) appended to ``trainer._metrics["train"]``."""
     metrics = EntropyMonitor(process_group=group).from_stats(stats, advantages=advantages, mask=mask)
+    metrics.update(law or {})
     for key, value in metrics.items():
         trainer._metrics["train"][key].append(float(value))

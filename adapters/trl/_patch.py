@@ -34,6 +34,7 @@ from trl import GRPOTrainer
 
 from entropy_discriminator import EntropyAutopilot, EntropyDiscConfig, MaskResult, TokenStats
 
+from .._law import LawScale
 from .._patching import PatchSet
 from . import _autopilot
 from ._mask import KEEP_KEY, apply_keep, compute_mask, keep_advantages, kept_token_count, loss_mask, process_group
@@ -71,7 +72,9 @@ class AdapterState:
     computed, ``pending_source`` the buffered dict it copies; ``cached`` keeps
     ``(buffered dict, keep)`` so later ``num_iterations`` passes over that dict reuse the mask.
     ``autopilot``: method ``"autopilot"``'s controller, bound by :func:`._autopilot.sync` to the
-    ``trainer.state`` of the running ``train()`` call, ``autopilot_run``.
+    ``trainer.state`` of the running ``train()`` call, ``autopilot_run``; ``law`` the scale of the
+    cheap prediction (:func:`._autopilot.sync_law`, ``law_run``), ``law_pending`` a calibration batch
+    waiting for its after-update pass.
     """
 
     config: EntropyDiscConfig
@@ -84,6 +87,9 @@ class AdapterState:
     cached: tuple[dict[str, Any], torch.Tensor | None] | None = field(default=None, init=False)
     autopilot: EntropyAutopilot | None = field(default=None, init=False)
     autopilot_run: Any = field(default=None, init=False)
+    law: LawScale | None = field(default=None, init=False)
+    law_run: Any = field(default=None, init=False)
+    law_pending: _autopilot.PendingCalibration | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         validate_options(self.config, self.mask_source)
@@ -115,6 +121,8 @@ def _generate(trainer: Any, state: AdapterState, original: Callable, inputs: Any
     route = start(trainer, state).route
     if state.config.method == "autopilot":
         _autopilot.sync(trainer, state)
+    _autopilot.sync_law(trainer, state)
+    _autopilot.calibrate_pending(trainer, state, _extra_pass)
     state.capture_next = route == OLD_PASS
     try:
         batch = original(trainer, inputs)
@@ -161,8 +169,9 @@ def _mask_generation_batch(trainer: Any, state: AdapterState, batch: dict[str, A
         batch[KEEP_KEY] = result.keep.bool()
         if state.config.mask_mode == "drop_token":
             batch["num_items_in_batch"] = kept_token_count(trainer, batch, batch[KEEP_KEY])
+    law = _autopilot.law_batch(trainer, state, stats, batch["advantages"], batch)
     if state.config.log_metrics:
-        log_metrics(trainer, stats, batch["advantages"], result, group)
+        log_metrics(trainer, stats, batch["advantages"], result, group, law)
     return batch
 
 
@@ -219,8 +228,9 @@ def _mask_micro_batch(trainer: Any, state: AdapterState, parked: dict[str, Any],
         parked["advantages"] = keep_advantages(advantages, result.keep.bool())
     if state.plan.route == TRAINING_FORWARD:
         state.cached = (state.pending_source, None if result is None else result.keep.bool())
+    law = _autopilot.law_batch(trainer, state, stats, advantages, parked)
     if state.config.log_metrics:
-        log_metrics(trainer, stats, advantages, result, group)
+        log_metrics(trainer, stats, advantages, result, group, law)
 
 
 # ------------------------------------------------------------------------------------------------- wrappers

@@ -36,12 +36,16 @@ import json
 import os
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from entropy_discriminator import EntropyAutopilot
 
+from .._law import LawScale
+
 #: The controller's file in verl's ``global_step_N`` checkpoint folder.
 STATE_FILE = "entropy_disc_autopilot.json"
+#: The law scale's file (:mod:`.._law`; every method) in the same folder.
+LAW_FILE = "entropy_disc_law.json"
 
 
 def step_folder(config: DictConfig, global_step: int) -> str:
@@ -54,13 +58,55 @@ def save(pilot: EntropyAutopilot, folder: str, global_step: int) -> str:
 
     JSON keeps the state exactly (``h_start`` is written with ``repr``, which round-trips a float).
     """
+    return _write(folder, STATE_FILE, {"global_step": int(global_step), "autopilot": pilot.state_dict()})
+
+
+def save_law(scale: LawScale, folder: str, global_step: int) -> str:
+    """Write ``{"global_step", "law": scale.state_dict()}`` to ``folder/LAW_FILE`` atomically; its path."""
+    return _write(folder, LAW_FILE, {"global_step": int(global_step), "law": scale.state_dict()})
+
+
+def _write(folder: str, name: str, payload: dict[str, Any]) -> str:
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, STATE_FILE)
+    path = os.path.join(folder, name)
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        json.dump({"global_step": int(global_step), "autopilot": pilot.state_dict()}, f)
+        json.dump(payload, f)
     os.replace(tmp, path)
     return path
+
+
+def load_law(folder: str | None) -> dict[str, Any] | None:
+    """The law scale's state saved in ``folder`` (None from step 0, or for a checkpoint without :data:`LAW_FILE`:
+    the scale then starts afresh at ``kappa = 1``, which changes only the logged prediction's size until the next
+    calibration batch); ``ValueError`` when the file's ``global_step`` is not the folder's."""
+    step = folder_step(folder)
+    path = None if step == 0 else os.path.join(folder, LAW_FILE)
+    if path is None or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        saved = json.load(f)
+    if not isinstance(saved, dict) or saved.get("global_step") != step or "law" not in saved:
+        raise ValueError(f"{path} must hold {{'global_step': {step}, 'law': ...}} for the checkpoint of global step "
+                         f"{step}, got {saved!r}")
+    return saved["law"]
+
+
+def vocab_size(config: DictConfig) -> int | None:
+    """The policy's vocabulary size from the Hugging Face config in the local folder ``actor_rollout_ref.model.path``
+    (the driver loads no weights); None for a path that is no local folder (a hub name: nothing is downloaded for
+    this) or a config without one: a target above ``log V`` is then not checked."""
+    from transformers import AutoConfig
+
+    path = OmegaConf.select(config, "actor_rollout_ref.model.path", default=None)
+    if not isinstance(path, str) or not os.path.isdir(path):
+        return None
+    remote = bool(OmegaConf.select(config, "actor_rollout_ref.model.trust_remote_code", default=False))
+    try:
+        size = getattr(AutoConfig.from_pretrained(path, trust_remote_code=remote), "vocab_size", None)
+    except (OSError, ValueError):  # not a local folder or hub name readable here: the check is skipped
+        return None
+    return size if isinstance(size, int) and size >= 2 else None
 
 
 def resume_folder(config: DictConfig) -> str | None:

@@ -25,9 +25,19 @@ parts (``train_batch_size / parameter_sync_step`` prompts, which verl requires t
 ``ppo_mini_batch_size``), each with its own advantage step and actor update (and its own
 autopilot step).
 
-Checkpoints (method ``autopilot`` only): ``_save_checkpoint`` adds the controller's state to verl's
-``global_step_N`` folder, ``_load_checkpoint`` restores it, ``__init__`` refuses a resume whose
-folder lacks it (:mod:`._autopilot`).
+Law scale (every method, :mod:`.._law`): the advantage step logs ``entropy_disc/delta_entropy/cheap``
+(``-eta Cov_B(A, r S_c)``), ``/predicted = kappa * cheap`` and ``/scale``; on every
+``calibrate_every``-th batch, after ``_update_actor``, the driver runs the actor group's
+``compute_log_prob`` once more on the same batch (as verl's old-policy pass: ``calculate_entropy``, no
+loss, the rollout temperature), takes the realised change of verl's own ``entropy`` field over the
+batch's response tokens, feeds ``(cheap, realised)`` and restores the ``entropy`` / ``log_probs`` fields
+that pass rewrote.  Why the realised change: under FSDP (and Megatron) the parameters and the optimizer
+state are sharded over the workers and the driver holds neither, so the exact ``grad H . dtheta`` of
+``law.step_entropy_change`` has no seam here; the realised change of the same tokens needs one forward.
+
+Checkpoints: ``_save_checkpoint`` adds the controller's state (method ``autopilot``) and the law scale's
+to verl's ``global_step_N`` folder, ``_load_checkpoint`` restores them, ``__init__`` refuses a resume
+whose folder lacks the controller's (:mod:`._autopilot`).
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ from verl.workers.utils.padding import response_from_nested, response_to_nested
 
 from entropy_discriminator import EntropyAutopilot, EntropyMonitor, MaskResult, discriminator_score
 
+from .._law import CHEAP_KEY, PREDICTED_KEY, REALISED_KEY, SKIPPED_KEY, LawScale, cheap_change
 from . import _autopilot
 from ._engine import SEQ_FIELDS, STATS_CHUNK, STATS_FLAG, STATS_IMPL
 from ._support import BASE_MODES, TRAINER_MODES, check_config
@@ -94,6 +105,16 @@ class _PendingMask:
     keep: torch.Tensor  # bool [B, T_resp], padded like to_padded_tensor()
 
 
+@dataclass
+class _PendingCalibration:
+    """A calibration batch waiting for its after-update pass (:mod:`.._law`)."""
+
+    keys: tuple[str, ...]
+    entropy: torch.Tensor  # float [B, T_resp]: verl's own old-pass entropy (the after pass reads the same field)
+    valid: torch.Tensor  # bool [B, T_resp]
+    cheap: float
+
+
 class EntropyDiscTrainerMixin:
     """Mix in front of a verl V1 ``PPOTrainer`` subclass: ``class T(EntropyDiscTrainerMixin, PPOTrainerSync)``.
 
@@ -119,7 +140,11 @@ class EntropyDiscTrainerMixin:
         self.entropy_disc_autopilot: EntropyAutopilot | None = None
         if plan.options.method == "autopilot":
             _autopilot.require_state(_autopilot.resume_folder(config))  # before any worker starts
-            self.entropy_disc_autopilot = plan.options.build_autopilot()
+            self.entropy_disc_autopilot = plan.options.build_autopilot(vocab_size=_autopilot.vocab_size(config))
+        #: The scale of the cheap prediction (every method; the autopilot's calibration with method autopilot).
+        self.entropy_disc_law = LawScale(plan.options.calibrate_every)
+        self.entropy_disc_law.bind(self.entropy_disc_autopilot)
+        self._entropy_disc_calibration: _PendingCalibration | None = None
         _alias_mode_options(config)
         super().__init__(config)
 
@@ -186,6 +211,12 @@ class EntropyDiscTrainerMixin:
             metrics.update(batch_metrics)
         if mask is not None:
             self._entropy_disc_pending = _PendingMask(keys=tuple(batch.keys), keep=mask.keep)
+        self._entropy_disc_calibration = None
+        cheap = batch_metrics.get(self._entropy_disc_monitor.prefix + CHEAP_KEY)
+        if self.entropy_disc_law.tick() and cheap is not None:
+            self._entropy_disc_calibration = _PendingCalibration(
+                keys=tuple(batch.keys), entropy=padded["entropy"].float(), valid=padded["response_mask"].bool(),
+                cheap=cheap)
         return batch
 
     def entropy_disc_step(
@@ -247,37 +278,94 @@ class EntropyDiscTrainerMixin:
             ratio=ratio,
             lr=lr if math.isfinite(lr) else None,
         )
+        law = getattr(self, "entropy_disc_law", None)  # duck-typed drivers (benchmarks) have none
+        if law is not None and s_centered is not None:
+            batch_metrics.pop(self._entropy_disc_monitor.prefix + PREDICTED_KEY, None)  # the law scale's below
+            cheap = cheap_change(adv, s_centered, valid, eta=self._entropy_disc_eta(), ratio=ratio,
+                                 form=self.entropy_disc.form)
+            batch_metrics.update(law.metrics(cheap, self._entropy_disc_monitor.prefix))
         batch_metrics.update(pilot_metrics)
         return mask, batch_metrics
 
+    def _entropy_disc_eta(self) -> float | None:
+        """``eta`` of the cheap prediction: the autopilot's step size, else ``options.step_size(actor.optim.lr)``;
+        None when there is none (no cheap prediction, no calibration)."""
+        if self.entropy_disc_plan.eta is not None:
+            return self.entropy_disc_plan.eta
+        try:
+            return self.entropy_disc.step_size(self.config.actor_rollout_ref.actor.optim.lr)
+        except ValueError:
+            return None
+
+    def _entropy_disc_calibrate(self, batch: Any, metrics: dict) -> None:
+        """The after-update pass of a calibration batch: verl's own log-prob/entropy pass over the same batch
+        (``calculate_entropy``, no loss, the rollout temperature, as its old-policy pass), the realised change
+        of the same tokens' mean entropy, fed with the cheap prediction to the law scale.  The fields the pass
+        writes (``entropy``, ``log_probs``) are restored afterwards."""
+        pending, self._entropy_disc_calibration = self._entropy_disc_calibration, None
+        if pending is None or pending.keys != tuple(batch.keys):
+            return
+        names = ["entropy", "log_probs"]
+        original = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=names)
+        extra = {"calculate_entropy": True, "compute_loss": False,
+                 "temperature": self.config.actor_rollout_ref.rollout.temperature}
+        batch.extra_info.update(extra)
+        try:
+            out = self.actor_rollout_wg.compute_log_prob(batch)
+        finally:
+            for key in extra:
+                batch.extra_info.pop(key, None)
+        for key in extra:
+            out.extra_info.pop(key, None)
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["entropy", "response_mask"])
+        after = torch.nested.to_padded_tensor(response_from_nested(data["entropy"], data["response_mask"]), 0.0).float()
+        tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=original.select(*names))
+        width = pending.entropy.shape[1]
+        after = torch.nn.functional.pad(after, (0, max(0, width - after.shape[1])))[:, :width]
+        realised = self._entropy_disc_monitor.realised(pending.entropy, after, pending.valid)
+        fed = self.entropy_disc_law.feed(pending.cheap, realised[self._entropy_disc_monitor.prefix + REALISED_KEY])
+        if self.entropy_disc.log_metrics:
+            metrics.update(realised)
+            metrics[self._entropy_disc_monitor.prefix + SKIPPED_KEY] = float(not fed)
+
     def _save_checkpoint(self) -> None:
-        """verl's checkpoint of this global step, the autopilot's state first (see :mod:`._autopilot`)."""
+        """verl's checkpoint of this global step, the autopilot's and the law scale's state first (:mod:`._autopilot`)."""
+        folder = _autopilot.step_folder(self.config, self.global_steps)
         if self.entropy_disc_autopilot is not None:
-            folder = _autopilot.step_folder(self.config, self.global_steps)
             _autopilot.save(self.entropy_disc_autopilot, folder, self.global_steps)
+        _autopilot.save_law(self.entropy_disc_law, folder, self.global_steps)
         return super()._save_checkpoint()
 
     def _load_checkpoint(self) -> None:
         """verl's resume, then the autopilot's state from the same folder (a fresh controller from step 0)."""
-        if self.entropy_disc_autopilot is None:
-            return super()._load_checkpoint()
         folder = _autopilot.resume_folder(self.config)
-        saved = _autopilot.load(folder)  # refuses a missing state before verl loads anything
-        super()._load_checkpoint()
-        if self.global_steps != _autopilot.folder_step(folder):
-            raise RuntimeError(
-                f"entropy_disc: verl resumed at global step {self.global_steps}, but the adapter read the "
-                f"autopilot's state for {folder!r}; refusing to continue with a state of another step"
-            )
-        pilot = self.entropy_disc.build_autopilot()
-        if saved is not None:
-            pilot.load_state_dict(saved)
-        self.entropy_disc_autopilot = pilot
+        law = _autopilot.load_law(folder)
+        if self.entropy_disc_autopilot is None:
+            super()._load_checkpoint()
+        else:
+            saved = _autopilot.load(folder)  # refuses a missing state before verl loads anything
+            super()._load_checkpoint()
+            if self.global_steps != _autopilot.folder_step(folder):
+                raise RuntimeError(
+                    f"entropy_disc: verl resumed at global step {self.global_steps}, but the adapter read the "
+                    f"autopilot's state for {folder!r}; refusing to continue with a state of another step"
+                )
+            pilot = self.entropy_disc.build_autopilot(vocab_size=_autopilot.vocab_size(self.config))
+            if saved is not None:
+                pilot.load_state_dict(saved)
+            self.entropy_disc_autopilot = pilot
+        scale = LawScale(self.entropy_disc.calibrate_every)
+        scale.bind(self.entropy_disc_autopilot)
+        if law is not None:
+            scale.load_state_dict(law)
+        self.entropy_disc_law = scale
 
     def _update_actor(self, batch: Any, metrics: dict) -> Any:
         pending, self._entropy_disc_pending = self._entropy_disc_pending, None
         if not self.entropy_disc.enabled:
-            return super()._update_actor(batch, metrics)
+            out = super()._update_actor(batch, metrics)
+            self._entropy_disc_calibrate(batch, metrics)
+            return out
         if pending is None or pending.keys != tuple(batch.keys):
             raise RuntimeError(
                 "entropy_disc: the actor update got a batch whose mask was not computed in the advantage step "
@@ -288,9 +376,11 @@ class EntropyDiscTrainerMixin:
         masked = apply_mask(dict(original.items()), pending.keep, self.entropy_disc.mask_mode)
         tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=TensorDict(masked, batch_size=len(batch)))
         try:
-            return super()._update_actor(batch, metrics)
+            out = super()._update_actor(batch, metrics)
         finally:
             tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=original.select(*names))
+        self._entropy_disc_calibrate(batch, metrics)
+        return out
 
 
 def _require_finite_expected(s_expected: torch.Tensor, valid: torch.Tensor) -> None:

@@ -33,7 +33,8 @@ from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[3]
 ROUNDS, SAVE_AFTER, N, MICRO, LR = 4, 2, 8, 4, 5e-3
-CONFIG = dict(method="autopilot", sides="both", max_frac=0.3, mask_mode="zero_pg")
+#: calibrate_every=3: rounds 1 and 4 calibrate; a resume at round 3 that lost the schedule would calibrate there
+CONFIG = dict(method="autopilot", sides="both", max_frac=0.3, mask_mode="zero_pg", calibrate_every=3)
 
 
 def training_args(ckpt_path: str, load: bool) -> SimpleNamespace:
@@ -171,7 +172,8 @@ def main(out: str, port: str) -> None:
         adapter.patch(EntropyDiscConfig(**CONFIG))  # a new job: fresh process state, as a restarted worker
         worker = new_worker(model_dir, ckpt, load=True)
         states = worker.get_checkpoint_states()
-        result["states"] = {"keys": sorted(states), "entry": states.get("entropy_disc_autopilot")}
+        result["states"] = {"keys": sorted(states), "entry": states.get("entropy_disc_autopilot"),
+                            "law": states.get("entropy_disc_law")}
         result["resumed"] = [run_round(worker, step) for step in range(SAVE_AFTER + 1, ROUNDS + 1)]
         adapter.unpatch()
 

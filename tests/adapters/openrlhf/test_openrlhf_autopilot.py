@@ -106,8 +106,11 @@ def fill(trainer, actor, seed: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("mode", ["zero_pg", "drop_token"])
 def test_controller_steps_each_round_its_mask_reaches_the_loss_and_its_metrics_the_status(mode, monkeypatch):
+    """Calibration every 2nd round: the after-update pass feeds (cheap, realised) to the controller's own
+    calibration; a core controller fed the same pairs selects the same tokens, and the logged prediction is
+    kappa times the cheap score."""
     rec = Recorder(monkeypatch)
-    cfg = EntropyDiscConfig(**CONFIG, mask_mode=mode)
+    cfg = EntropyDiscConfig(**CONFIG, mask_mode=mode, calibrate_every=2)
     adapter.patch(cfg)
     actor, trainer = autopilot_trainer(monkeypatch)
     rec.watch_loss(trainer)
@@ -126,8 +129,16 @@ def test_controller_steps_each_round_its_mask_reaches_the_loss_and_its_metrics_t
             assert status[key] == value, key
         assert {f"entropy_disc/autopilot/{k}" for k in KEYS} <= set(status) and "policy_loss" in status
         assert status["entropy_disc/clip/n_clipped"] == want.metrics()["entropy_disc/autopilot/n_dropped"]
+        kappa = reference.calibration.scale  # before this round's pair
+        assert status["entropy_disc/delta_entropy/scale"] == kappa
+        assert status["entropy_disc/delta_entropy/predicted"] == kappa * status["entropy_disc/delta_entropy/cheap"]
+        assert status["entropy_disc/delta_entropy/cheap"] == state.cheap
+        assert state.calibrate == (rnd % 2 == 0) and ("entropy_disc/delta_entropy/realised" in status) == state.calibrate
+        if state.calibrate and not status["entropy_disc/delta_entropy/scale_skipped"]:  # the pair the adapter fed
+            reference.calibrate(state.cheap, status["entropy_disc/delta_entropy/realised"])
+        assert reference.calibration.scale > 0
         assert _autopilot.state_of(actor.model) == reference.state_dict()
-        assert reference.state_dict()["step"] == rnd + 1
+        assert (reference.state_dict()["version"], reference.state_dict()["step"]) == (2, rnd + 1)
         # the mask in the buffer and in what PolicyLoss received: dropped tokens have A = 0 (zero_pg)
         # or leave the action mask (drop_token); kept tokens are untouched
         drop = (~state.mask.keep).split([m.numel() for m in masks])
@@ -201,7 +212,8 @@ def test_save_ckpt_adds_the_state_to_the_client_state(monkeypatch):
     client = {"global_step": 1}
     strategy.save_ckpt(actor.model, "dir", "global_step1", 3, 1000, client)  # PolicyModelActor.save_checkpoint's call
     strategy.save_ckpt(tiny_actor(seed=1).model, "dir", "global_step1", client_state=client)  # e.g. a critic
-    assert seen[0] == {"global_step": 1, _autopilot.STATE_KEY: _autopilot.state_of(actor.model)}
+    law = {"version": 1, "batches": 1, "calibration": None}  # kappa in the controller's own state
+    assert seen[0] == {"global_step": 1, _autopilot.STATE_KEY: _autopilot.state_of(actor.model), _autopilot.LAW_KEY: law}
     assert seen[0][_autopilot.STATE_KEY]["step"] == 1 and seen[1] == client == {"global_step": 1}
 
 
@@ -225,17 +237,19 @@ def test_missing_step_size_is_refused_before_work(monkeypatch):
 def test_launcher_parses_the_autopilot_flags_and_hands_them_to_the_workers(monkeypatch, capsys):
     argv = ["--actor.model_name_or_path", "m", "--entropy_disc.method", "autopilot", "--entropy_disc.target_entropy",
             "0.8", "--entropy_disc.decay_steps", "50", "--entropy_disc.gain", "0.25", "--entropy_disc.eta", "1e-6",
-            "--entropy_disc.max_step", "inf", "--entropy_disc.form", "mean", "--entropy_disc.sides", "both"]
+            "--entropy_disc.max_step", "inf", "--entropy_disc.form", "mean", "--entropy_disc.sides", "both",
+            "--entropy_disc.smoothing", "0.5", "--entropy_disc.calibrate_every", "3"]
     cfg, _, rest = adapter.parse(argv)
     assert rest == ["--actor.model_name_or_path", "m"]
     assert cfg == EntropyDiscConfig(method="autopilot", target_entropy=0.8, decay_steps=50, gain=0.25, eta=1e-6,
-                                    max_step=float("inf"), form="mean", sides="both")
+                                    max_step=float("inf"), form="mean", sides="both", smoothing=0.5, calibrate_every=3)
     assert adapter.parse(["--entropy_disc.method", "autopilot"])[0] == EntropyDiscConfig(method="autopilot")
     env = adapter.runtime_env(cfg)
     payload = json.loads(env["env_vars"][adapter.CONFIG_ENV])["config"]
     assert EntropyDiscConfig.from_mapping(payload) == cfg
     for bad in (["--entropy_disc.target_entropy", "-1"], ["--entropy_disc.decay_steps", "x"],
-                ["--entropy_disc.method", "clip_b", "--entropy_disc.gain", "0.3"]):
+                ["--entropy_disc.method", "clip_b", "--entropy_disc.gain", "0.3"],
+                ["--entropy_disc.calibrate_every", "-1"], ["--entropy_disc.smoothing", "0"]):
         with pytest.raises(SystemExit):
             adapter.parse(["--entropy_disc.method", "autopilot", *bad])
         assert "entropy_disc." in capsys.readouterr().err
@@ -252,7 +266,13 @@ def test_resumed_run_continues_the_uninterrupted_one_bit_for_bit(tmp_path):
     full, resumed = result["full"], result["resumed"]
     assert [r["state"]["step"] for r in full] == [1, 2, 3, 4]
     assert result["states"]["entry"] == full[1]["state"]  # saved with OpenRLHF's client states, after step 2
-    assert {"global_step", "episode", _autopilot.STATE_KEY} <= set(result["states"]["keys"])
+    assert {"global_step", "episode", _autopilot.STATE_KEY, _autopilot.LAW_KEY} <= set(result["states"]["keys"])
+    assert result["states"]["law"] == {"version": 1, "batches": 2, "calibration": None}  # kappa: in the controller's
+    realised = "entropy_disc/delta_entropy/realised"
+    assert [realised in r["status"] for r in full] == [True, False, False, True]  # calibration rounds 1 and 4
+    fed = not full[0]["status"]["entropy_disc/delta_entropy/scale_skipped"]  # round 1's pair (kappa > 0 kept)
+    assert full[0]["state"]["calibration"]["count"] == int(fed)
+    assert (full[1]["status"]["entropy_disc/delta_entropy/scale"] != 1.0) == fed
     assert sum(r["status"]["entropy_disc/autopilot/n_dropped"] for r in full) > 0
     for want, got in zip(full[2:], resumed):  # masks, metrics, loss, weights, state: bit for bit
         assert got["keep"] == want["keep"]

@@ -161,13 +161,16 @@ def test_stats_from_make_experience_equal_previous_pass(layout, packing, monkeyp
     stats_equal_previous_pass(state, actor, items, valids, micro=4)
 
 
-@pytest.mark.parametrize("method,mode,realised", [("clip_b", "zero_pg", False), ("clip_v", "drop_token", False),
-                                                  ("none", "zero_pg", False), ("clip_b", "zero_pg", True)])
-def test_round_runs_no_extra_policy_forward(method, mode, realised, monkeypatch):
+@pytest.mark.parametrize("method,mode,realised,calibrate", [
+    ("clip_b", "zero_pg", False, 0), ("clip_v", "drop_token", False, 0), ("none", "zero_pg", False, 0),
+    ("clip_b", "zero_pg", True, 0), ("none", "zero_pg", False, 1)])
+def test_round_runs_no_extra_policy_forward(method, mode, realised, calibrate, monkeypatch):
     """Real ``ppo_train``, patched: the policy's model runs only the update's grad-enabled forwards
-    (one per micro-batch and epoch), plus, only with ``realised``, the after-update pass."""
+    (one per micro-batch and epoch), plus, only with ``realised`` or on a calibration round of the law
+    scale (``calibrate_every``; the first round is one), the after-update pass."""
     actor = tiny_actor()
-    cfg = EntropyDiscConfig(method=method, mu_low=0.5, max_frac=None, sides="both", mask_mode=mode)
+    cfg = EntropyDiscConfig(method=method, mu_low=0.5, max_frac=None, sides="both", mask_mode=mode,
+                            calibrate_every=calibrate)
     adapter.patch(cfg, realised=realised)
     trainer = built_trainer(actor, monkeypatch, epochs=2, micro=2)
     for batch in make_experience(actor, rollout_batch(5, n=8), micro=4):
@@ -176,7 +179,7 @@ def test_round_runs_no_extra_policy_forward(method, mode, realised, monkeypatch)
     status = trainer.ppo_train(0.0)
     n_update = 2 * (8 // 2)  # epochs x micro-batches
     assert counter.calls[:n_update] == [True] * n_update
-    if realised:  # the optional after-update pass: 8 samples in micro-batches of 2, no grad
+    if realised or calibrate:  # the optional after-update pass: 8 samples in micro-batches of 2, no grad
         assert counter.calls[n_update:] == [False] * 4
         assert "entropy_disc/delta_entropy/realised" in status
     else:

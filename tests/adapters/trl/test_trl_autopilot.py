@@ -1,5 +1,6 @@
-"""``method="autopilot"`` in the real TRL ``GRPOTrainer`` (issue 23 items 2 and 3): flags, refusals,
-one controller step per training batch with the adapter's statistics, and its state through TRL's
+"""``method="autopilot"`` in the real TRL ``GRPOTrainer``: flags, refusals, one controller step per
+training batch with the adapter's statistics, the scale ``kappa`` of the cheap prediction fed from the
+realised change of the same batch, and the controller's and the scale's state through TRL's
 checkpoint/resume (bit for bit against the run that was not interrupted)."""
 
 from __future__ import annotations
@@ -14,13 +15,16 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer, TrlParser
 
 import entropy_discriminator.adapters.trl._autopilot as ed_autopilot
-from entropy_discriminator import EntropyAutopilot, EntropyDiscConfig
+from entropy_discriminator import EntropyAutopilot, EntropyDiscConfig, batch_entropy_change
+from entropy_discriminator.adapters._law import LawScale
 from entropy_discriminator.adapters.trl import EntropyDiscGRPOConfig, EntropyDiscGRPOTrainer, patch, unpatch
 
-#: Settings under which the tiny model's batches drop tokens every step: a target above the entropy
-#: (the law asks for +max_step) and eta large enough that a few tokens' terms can meet it.
-PILOT = dict(entropy_disc_method="autopilot", entropy_disc_target_entropy="5.0", entropy_disc_eta=2.0,
-             entropy_disc_sides="both", entropy_disc_max_frac="0.25")
+#: Settings under which the tiny model's batches drop tokens every step: a target near log V = log 24 (the
+#: law asks for a rise) and eta large enough that a few tokens' terms can meet it.
+PILOT = dict(entropy_disc_method="autopilot", entropy_disc_target_entropy="3.1", entropy_disc_eta=2.0,
+             entropy_disc_sides="both", entropy_disc_max_frac="0.25", entropy_disc_calibrate_every=1)
+#: The same without calibration: kappa stays 1, so a core controller replays the steps from the statistics alone.
+RAW = {**PILOT, "entropy_disc_calibrate_every": 0}
 #: Routes: the first training forward (zero_pg, one micro-batch per generation batch) and one extra
 #: no-grad pass over the generation batch (drop_token); TRL's own old pass (steps_per_generation 2).
 ROUTES = {
@@ -121,13 +125,13 @@ def test_one_step_per_batch_with_the_adapters_statistics(route, steps, tmp_path)
     fresh core controller (eta = entropy_disc_eta, r = 1) gives the same keep-masks and metrics, and
     the masks reach TRL's logs (clip fraction = dropped share)."""
     trainer = make_trainer(tmp_path, cls=EntropyDiscGRPOTrainer, max_steps=4, max_completion_length=8,
-                           **PILOT, **ROUTES[route])
+                           **RAW, **ROUTES[route])
     trainer.train()
     state = trainer._entropy_disc_state
     assert state.plan.route == route
     generations = 4 // trainer.args.steps_per_generation
     assert len(steps) == generations and state.autopilot.state_dict()["step"] == generations
-    replay = EntropyAutopilot(5.0, sides="both", max_frac=0.25)
+    replay = EntropyAutopilot(3.1, sides="both", max_frac=0.25)
     logs = [h for h in trainer.state.log_history if "entropy_disc/autopilot/target_dh" in h]
     assert len(logs) == generations
     dropped = 0
@@ -145,9 +149,9 @@ def test_one_step_per_batch_with_the_adapters_statistics(route, steps, tmp_path)
 
 def test_default_step_size_is_the_learning_rate(steps, tmp_path):
     trainer = make_trainer(tmp_path, cls=EntropyDiscGRPOTrainer, max_steps=2, learning_rate=3e-3,
-                           **{**PILOT, "entropy_disc_eta": None})
+                           **{**RAW, "entropy_disc_eta": None})
     trainer.train()
-    replay = EntropyAutopilot(5.0, sides="both", max_frac=0.25)
+    replay = EntropyAutopilot(3.1, sides="both", max_frac=0.25)
     for stats, adv, _, keep in steps:
         assert torch.equal(replay.from_stats(stats, adv, lr=3e-3).keep, keep)
 
@@ -231,10 +235,10 @@ def test_resume_without_controller_state_is_refused_before_generation(tmp_path, 
 def test_stock_trainer_and_patch_carry_the_state_too(steps, tmp_path):
     """A stock GRPOTrainer given the config (class patch) and an instance patch step and save the
     controller like the subclass."""
-    stock = make_trainer(tmp_path / "s", cls=GRPOTrainer, max_steps=2, **PILOT)
+    stock = make_trainer(tmp_path / "s", cls=GRPOTrainer, max_steps=2, **RAW)
     stock.train()
     unpatch()
-    core = EntropyDiscGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, **PILOT)
+    core = EntropyDiscGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, **RAW)
     unpatch()
     inst = patch(make_trainer(tmp_path / "i", cls=GRPOTrainer, config_cls=GRPOConfig, max_steps=2),
                  core.entropy_disc_config())
@@ -243,3 +247,92 @@ def test_stock_trainer_and_patch_carry_the_state_too(steps, tmp_path):
     for trainer in (stock, inst):
         assert trainer.state.stateful_callbacks[ed_autopilot.STATE_KEY]["step"] == 2
     assert all(torch.equal(a[3], b[3]) for a, b in zip(steps[:2], steps[2:]))
+
+
+# ---------------------------------------------------------------------------------------------- law scale
+
+
+@pytest.fixture
+def feeds(monkeypatch):
+    """Every pair the adapter offers the law scale: ``(cheap, realised, fed)``."""
+    seen = []
+    real = LawScale.feed
+
+    def record(self, cheap, realised):
+        fed = real(self, cheap, realised)
+        seen.append((cheap, realised, fed))
+        return fed
+
+    monkeypatch.setattr(LawScale, "feed", record)
+    return seen
+
+
+@pytest.mark.parametrize("route", ["training_forward", "old_pass"])
+def test_kappa_is_fed_from_the_same_batch_and_scales_the_logged_prediction(route, steps, feeds, tmp_path):
+    """calibrate_every=1: after each batch's update the adapter measures the realised change of that batch's
+    tokens (logged as delta_entropy/realised) and feeds (cheap, realised); the controller selects with that
+    kappa (a core controller fed the same pairs replays every mask); each logged delta_entropy/predicted is
+    kappa times delta_entropy/cheap, and cheap is -eta Cov_B(A, S_c) of the batch's statistics."""
+    trainer = make_trainer(tmp_path, cls=EntropyDiscGRPOTrainer, max_steps=4, max_completion_length=8,
+                           **PILOT, **ROUTES[route])
+    trainer.train()
+    generations = 4 // trainer.args.steps_per_generation
+    assert len(steps) == generations and len(feeds) == generations  # every batch, after its last update
+    replay = EntropyAutopilot(3.1, sides="both", max_frac=0.25)
+    logs = [h for h in trainer.state.log_history if "entropy_disc/autopilot/target_dh" in h]
+    for i, ((stats, adv, _, keep), log) in enumerate(zip(steps, logs)):
+        kappa = replay.calibration.scale
+        assert log["entropy_disc/delta_entropy/scale"] == kappa
+        cheap = batch_entropy_change(adv, stats.s_centered, stats.valid, lr=2.0)
+        assert log["entropy_disc/delta_entropy/cheap"] == pytest.approx(cheap, rel=1e-12, abs=1e-15)
+        assert log["entropy_disc/delta_entropy/predicted"] == pytest.approx(kappa * log["entropy_disc/delta_entropy/cheap"],
+                                                                            rel=1e-12, abs=1e-15)
+        assert torch.equal(replay.from_stats(stats, adv, lr=2.0).keep, keep)
+        assert feeds[i][0] == pytest.approx(cheap, rel=1e-12, abs=1e-15) and math.isfinite(feeds[i][1])
+        if feeds[i][2]:  # a pair that keeps kappa > 0 (the controller's selection needs it) was fed
+            replay.calibrate(*feeds[i][:2])
+        assert replay.calibration.scale > 0
+    realised = [(h["entropy_disc/delta_entropy/realised"], h["entropy_disc/delta_entropy/scale_skipped"])
+                for h in trainer.state.log_history if "entropy_disc/delta_entropy/realised" in h]
+    assert realised == [(r, float(not fed)) for _, r, fed in feeds] and any(r != 0 for r, _ in realised)
+    state = trainer._entropy_disc_state
+    assert state.autopilot.state_dict() == replay.state_dict()
+    assert state.autopilot.calibration.count == sum(fed for *_, fed in feeds)
+    assert trainer.state.stateful_callbacks[ed_autopilot.LAW_KEY] == {"version": 1, "batches": generations,
+                                                                      "calibration": None}
+
+
+def test_kappa_without_the_autopilot_is_saved_and_restored(feeds, tmp_path):
+    """Method clip_b, calibrate_every=2: kappa lives in the law scale's own state, written into every
+    checkpoint's trainer_state.json and restored on resume (the resumed run logs what the full run logged)."""
+    kw = dict(cls=EntropyDiscGRPOTrainer, max_steps=4, max_completion_length=8, save_strategy="steps", save_steps=2,
+              entropy_disc_method="clip_b", entropy_disc_mu_low=1.0, entropy_disc_calibrate_every=2)
+    full = make_trainer(tmp_path / "a", **kw)
+    full.train()
+    assert len(feeds) == 2  # batches 1 and 3
+    saved = json.loads((tmp_path / "a" / "checkpoint-2" / "trainer_state.json").read_text())["stateful_callbacks"]
+    law = saved[ed_autopilot.LAW_KEY]
+    assert law["batches"] == 2 and law["calibration"]["count"] == 1
+    assert law["calibration"]["s_xy"] == feeds[0][0] * feeds[0][1] and all(fed for *_, fed in feeds)
+    resumed = make_trainer(tmp_path / "a", **kw)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    assert _ed_logs(resumed)[-2:] == _ed_logs(full)[-2:]
+    assert resumed.state.stateful_callbacks[ed_autopilot.LAW_KEY] == full.state.stateful_callbacks[ed_autopilot.LAW_KEY]
+
+
+@pytest.mark.parametrize("value", [-1, "often"])
+def test_a_bad_calibrate_every_is_refused_naming_it(value):
+    with pytest.raises(ValueError, match=r"entropy_disc\.calibrate_every must be an integer"):
+        EntropyDiscGRPOConfig(output_dir="/tmp/x", report_to="none", use_cpu=True, entropy_disc_calibrate_every=value)
+
+
+def test_target_above_log_vocab_is_refused_before_generation(tmp_path, monkeypatch):
+    """The adapter passes the policy's vocabulary size (24 here) to the controller: a target above log 24 fails
+    before any generation, naming the target."""
+    calls = []
+    monkeypatch.setattr(GRPOTrainer, "_generate", lambda self, *a, **k: calls.append(1))
+    trainer = make_trainer(tmp_path, cls=EntropyDiscGRPOTrainer, max_steps=1,
+                           **{**PILOT, "entropy_disc_target_entropy": "5.0"})
+    with pytest.raises(ValueError, match=r"target_entropy 5 nats is above log\(vocab_size\) = 3\.178"):
+        trainer.train()
+    assert not calls

@@ -114,8 +114,9 @@ CASES = [
 
 @pytest.mark.parametrize(("estimator", "method", "mode", "extra"), CASES)
 def test_advantage_step_gives_the_core_mask_and_update_sees_it(queue, estimator, method, mode, extra):
-    trainer = make_trainer(
-        [f"algorithm.adv_estimator={estimator}", f"+entropy_disc.method={method}", f"+entropy_disc.mask_mode={mode}", *extra]
+    trainer = make_trainer(  # calibrate_every=0: no after-update pass (the law scale: test_verl_autopilot.py)
+        [f"algorithm.adv_estimator={estimator}", f"+entropy_disc.method={method}", f"+entropy_disc.mask_mode={mode}",
+         "+entropy_disc.calibrate_every=0", *extra]
     )
     meta, raw = put_batch(f"{estimator}{method}{mode}", seed=len(estimator) + len(method) + len(mode))
     metrics: dict = {}
@@ -145,7 +146,8 @@ def test_advantage_step_gives_the_core_mask_and_update_sees_it(queue, estimator,
     assert metrics["entropy_disc/clip/frac"] == pytest.approx(ref.clip_frac)
     assert metrics["entropy_disc/clip/n_clipped"] == ref.n_clipped
     assert metrics["entropy_disc/tokens/valid"] == sum(raw["lens"])
-    assert "entropy_disc/cov/adv_s_centered" in metrics and "entropy_disc/delta_entropy/predicted" in metrics
+    assert "entropy_disc/cov/adv_s_centered" in metrics and "entropy_disc/delta_entropy/cheap" in metrics
+    assert "entropy_disc/delta_entropy/predicted" not in metrics  # calibration off: the raw score, named so
     assert metrics["entropy_disc/entropy/mean"] == pytest.approx(
         float(torch.cat(raw["ent"]).double().mean()), rel=1e-6
     )

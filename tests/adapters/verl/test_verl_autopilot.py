@@ -34,14 +34,16 @@ from verl.utils import tensordict_utils as tu  # noqa: E402
 
 import entropy_discriminator.adapters.verl as ed_verl  # noqa: E402
 from entropy_discriminator import EntropyDiscConfig, discriminator_score  # noqa: E402
-from entropy_discriminator.adapters.verl._autopilot import STATE_FILE  # noqa: E402
+from entropy_discriminator.adapters.verl._autopilot import LAW_FILE, STATE_FILE  # noqa: E402
 from entropy_discriminator.adapters.verl._engine import SEQ_FIELDS, STATS_FLAG  # noqa: E402
 
 CONFIG_DIR = str(Path(verl.__file__).parent / "trainer" / "config")
 N_PROMPTS, N_ROLLOUTS, PROMPT_LEN = 4, 4, 2
 STEPS = 4
 PILOT = ["+entropy_disc.method=autopilot", "+entropy_disc.sides=both", "+entropy_disc.max_frac=0.2",
-         "+entropy_disc.eta=0.5", "+entropy_disc.target_entropy=0.3", "+entropy_disc.decay_steps=3"]
+         "+entropy_disc.eta=0.5", "+entropy_disc.target_entropy=0.3", "+entropy_disc.decay_steps=3",
+         "+entropy_disc.calibrate_every=1"]
+LAW = "entropy_disc/delta_entropy/"
 PREFIX = "entropy_disc/autopilot/"
 
 
@@ -144,19 +146,25 @@ class FakeActor:
         self.theta = 0.0
         self.thetas: list[float] = []  # theta after each update
         self.old_thetas: list[float] = []  # theta of each old-policy pass
+        self.after_thetas: list[float] = []  # theta of each after-update pass (the law scale's calibration)
         self.cpu: dict[int, float] = {}  # separate_async's CPU copies of the weights (decoupled pi_old)
         self.updates: list[dict] = []
         self.loads: list[str] = []
         self.crash_at_update = crash_at_update
 
     def compute_log_prob(self, batch):
-        assert batch.extra_info.get(STATS_FLAG) is True  # the adapter asks for the hook's fields
         raw = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
                               select_fields=["raw_logp", "raw_entropy", "raw_s_expected"])
-        self.old_thetas.append(self.theta)
         scale = math.exp(self.theta)  # the "model": its entropies scale with exp(theta)
         ent = nested([e * scale for e in raw["raw_entropy"].unbind()])
         logp = nested(list(raw["raw_logp"].unbind()))
+        if batch.extra_info.get(STATS_FLAG) is None:  # the adapter's after-update pass: verl's own fields only
+            assert batch.extra_info.get("calculate_entropy") is True
+            self.after_thetas.append(self.theta)
+            return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
+                                   fields=tu.get_tensordict({"log_probs": logp, "entropy": ent}))
+        assert batch.extra_info.get(STATS_FLAG) is True  # the adapter asks for the hook's fields
+        self.old_thetas.append(self.theta)
         fields = {
             "log_probs": logp,
             "entropy": ent,
@@ -252,6 +260,7 @@ class Run:
         t.total_training_steps = t.steps_per_epoch = STEPS
         t._init_dump_executor()
         self.logged: dict[int, dict] = {}
+        self.states: dict[int, dict] = {}
         self.batches: dict[int, dict] = {}
         monkeypatch.setattr(trainer_base, "Tracking", lambda **kw: SimpleNamespace(log=self._log))
         inner = t.entropy_disc_step
@@ -270,6 +279,7 @@ class Run:
 
     def _log(self, data, step):
         self.logged[step] = dict(data)
+        self.states[step] = self.trainer.entropy_disc_autopilot.state_dict()  # after the step, as checkpointed
 
     def fit(self):
         self.trainer.fit(agent_loop_manager=None)
@@ -279,12 +289,15 @@ def entropy_disc_metrics(logged: dict) -> dict:
     return {k: v for k, v in logged.items() if k.startswith("entropy_disc/")}
 
 
-def reference_steps(batches: dict[int, dict], steps, *, with_ratio: bool = True) -> list:
-    """The core controller, fresh, stepped on the batches the driver saw (its own S_c, r and eta)."""
+def reference_steps(batches: dict[int, dict], steps, *, with_ratio: bool = True, logged: dict | None = None) -> list:
+    """The core controller, fresh, stepped on the batches the driver saw (its own S_c, r and eta), fed after each
+    step the law scale's pair the adapter logged (``logged``: what ``fit`` logged per step; None: no pairs)."""
     pilot = EntropyDiscConfig.from_mapping({k[len("+entropy_disc."):]: v for k, v in (p.split("=") for p in PILOT)})
     pilot = pilot.build_autopilot()
     out = []
     for s in steps:
+        if logged is not None and s - 1 in logged and not logged[s - 1][LAW + "scale_skipped"]:
+            pilot.calibrate(batches[s - 1]["metrics"][LAW + "cheap"], logged[s - 1][LAW + "realised"])
         x = batches[s]["inputs"]
         valid = x["response_mask"].bool()
         s_c = torch.where(valid, discriminator_score(x["old_log_probs"], x["entropy"]) - x["s_expected"], 0.0)
@@ -319,10 +332,20 @@ def test_controller_steps_in_verls_loop_its_metrics_are_logged_and_its_mask_reac
     t = run.trainer
     assert sorted(run.batches) == sorted(run.logged) == list(range(1, STEPS + 1))
     assert t.entropy_disc_autopilot.state_dict()["step"] == STEPS
-    refs = reference_steps(run.batches, range(1, STEPS + 1))
+    refs = reference_steps(run.batches, range(1, STEPS + 1), logged=run.logged)
     dropped = 0
+    # the law scale: each batch's realised change measured after its update (theta after it), fed with its cheap
+    # score; the logged prediction is kappa times the cheap score
+    assert run.actor.after_thetas == run.actor.thetas and len(run.actor.after_thetas) == STEPS
     for s, ref in zip(range(1, STEPS + 1), refs):
         got = run.batches[s]
+        assert got["metrics"][LAW + "scale"] == ref.scale
+        assert got["metrics"][LAW + "predicted"] == ref.scale * got["metrics"][LAW + "cheap"]
+        x = got["inputs"]
+        valid = x["response_mask"].bool()
+        h_after = x["entropy"] * math.exp(run.actor.thetas[s - 1] - run.actor.old_thetas[s - 1])
+        want = float(((h_after - x["entropy"]).double() * valid).sum() / valid.sum())
+        assert run.logged[s][LAW + "realised"] == pytest.approx(want, rel=1e-3, abs=1e-7)  # float32 entropies
         assert torch.equal(got["keep"], ref.keep)
         assert {k: v for k, v in got["metrics"].items() if k.startswith(PREFIX)} == ref.metrics()
         for key, value in ref.metrics().items():  # through verl's step() aggregation into Tracking.log
@@ -335,6 +358,7 @@ def test_controller_steps_in_verls_loop_its_metrics_are_logged_and_its_mask_reac
         assert torch.equal(seen["loss_mask"], got["inputs"]["response_mask"])
         dropped += ref.mask.n_clipped
     assert dropped > 0
+    assert sum(not run.logged[s][LAW + "scale_skipped"] for s in run.logged) >= 1 and refs[-1].scale != 1.0
     # the law saw r = pi_old / pi_rollout: without it the prediction differs
     (on_policy,) = reference_steps(run.batches, [1], with_ratio=False)
     assert on_policy.predicted_dh_before != refs[0].predicted_dh_before
@@ -346,7 +370,9 @@ def test_controller_steps_in_verls_loop_its_metrics_are_logged_and_its_mask_reac
         folder = tmp_path / "ckpt" / f"global_step_{s}"
         assert {"actor", "data.pt", STATE_FILE} <= {p.name for p in folder.iterdir()}
         saved = json.loads((folder / STATE_FILE).read_text())
-        assert saved == {"global_step": s, "autopilot": run.batches[s]["state"]}
+        assert saved == {"global_step": s, "autopilot": run.states[s]}
+        assert json.loads((folder / LAW_FILE).read_text()) == {
+            "global_step": s, "law": {"version": 1, "batches": s, "calibration": None}}
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == str(STEPS)
 
 
@@ -364,7 +390,8 @@ def test_resumed_run_continues_the_uninterrupted_run_bit_for_bit(queue, tmp_path
         "trainer.resume_mode=resume_path", f"trainer.resume_from_path={tmp_path / 'cut' / 'global_step_2'}"]
     resumed = Run(tmp_path / "cut", monkeypatch, *extra, tag=f"res{resume}")
     assert resumed.trainer.global_steps == 2
-    assert resumed.trainer.entropy_disc_autopilot.state_dict() == full.batches[2]["state"]
+    assert resumed.trainer.entropy_disc_autopilot.state_dict() == full.states[2]
+    assert resumed.trainer.entropy_disc_law.state_dict() == {"version": 1, "batches": 2, "calibration": None}
     assert resumed.actor.theta == full.actor.thetas[1]  # the stub model's weights came back with verl's actor load
     resumed.fit()
     assert sorted(resumed.batches) == [3, 4]

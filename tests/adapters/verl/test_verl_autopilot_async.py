@@ -58,6 +58,7 @@ def keys_of(parts: int, steps) -> list:
 @pytest.mark.parametrize("mode", list(MODES))
 def test_async_mode_steps_per_batch_or_part_and_resumes_bit_for_bit(queue, tmp_path, monkeypatch, mode):
     extra, parts = MODES[mode]
+    extra = [*extra, "+entropy_disc.calibrate_every=0"]  # the controller alone (the law scale: test_verl_autopilot.py)
     tag = "c" if parts == 1 else "s"
     full = Run(tmp_path / "full", monkeypatch, *extra, mode=mode, tag=f"{tag}full")
     full.fit()

@@ -1,0 +1,145 @@
+"""The cheap entropy prediction in nats, for every adapter: a scale ``kappa`` fed from the same batch.
+
+Corollary 4's cheap prediction of a batch, ``cheap = -eta Cov_B(A, r S_c)`` (``eta`` the step size of the
+law, :meth:`~entropy_discriminator.EntropyDiscConfig.step_size`), ranks the tokens but, under Adam and a
+network, misses the size of the change by orders of magnitude.  Every ``calibrate_every``-th statistics
+batch the adapter measures the realised change of the mean entropy of **that batch's tokens** (one no-grad
+forward over them after the update they were used for, the entropy read exactly as before the update) and
+feeds the pair ``(cheap, realised)`` to a :class:`~entropy_discriminator.law.Calibration`::
+
+    kappa = S_xy / S_xx,   S_xy <- rho S_xy + cheap * realised,   S_xx <- rho S_xx + cheap^2
+
+(least squares through 0 with forgetting ``rho = 0.9``).  Metrics (prefix ``entropy_disc/``):
+
+* ``delta_entropy/cheap``: ``cheap`` (always, when ``eta`` is known);
+* ``delta_entropy/predicted``: ``kappa * cheap``, nats (only with ``calibrate_every > 0``; 0 turns the
+  calibration off and the raw score is logged as ``delta_entropy/cheap`` alone);
+* ``delta_entropy/scale``: ``kappa`` (1 until the first calibration batch);
+* ``delta_entropy/realised`` and ``delta_entropy/scale_skipped`` (0 or 1): on calibration batches, the
+  measured change and whether its pair was left out (below).
+
+With method ``"autopilot"`` the scale is the controller's own :attr:`EntropyAutopilot.calibration`
+(:meth:`LawScale.bind`), so the controller's selection reads the same ``kappa``; its state travels in the
+controller's state, and :class:`LawScale`'s state holds the schedule.  The controller selects with
+``kappa > 0`` only (a non-positive one would invert its selection): a pair that would bring the fit to
+``kappa <= 0`` (the measured change opposes the cheap score's sign strongly enough) is not fed to it, and the
+batch logs ``delta_entropy/scale_skipped = 1``.  Without the autopilot every pair is fed and ``kappa`` is the
+plain least-squares fit, of either sign.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from entropy_discriminator import EntropyAutopilot, batch_entropy_change
+from entropy_discriminator._checks import integer
+from entropy_discriminator.law import Calibration
+
+#: Metric names (after the ``entropy_disc/`` prefix).
+CHEAP_KEY = "delta_entropy/cheap"
+PREDICTED_KEY = "delta_entropy/predicted"
+REALISED_KEY = "delta_entropy/realised"
+SCALE_KEY = "delta_entropy/scale"
+SKIPPED_KEY = "delta_entropy/scale_skipped"
+#: Version of :meth:`LawScale.state_dict`'s layout.
+STATE_VERSION = 1
+
+
+class LawScale:
+    """The calibration schedule and ``kappa`` of one trainer (module docstring).
+
+    ``every``: ``calibrate_every`` (int >= 0, 0 off).  Every rank holds the same state (the pairs it is
+    fed are global over the data-parallel group).
+    """
+
+    def __init__(self, every: int) -> None:
+        self.every = integer("calibrate_every", every, minimum=0)
+        self.batches = 0
+        self._own = Calibration()
+        self._pilot: EntropyAutopilot | None = None
+
+    @property
+    def calibration(self) -> Calibration:
+        """The bound controller's calibration, else this object's own."""
+        return self._own if self._pilot is None else self._pilot.calibration
+
+    @property
+    def scale(self) -> float:
+        """``kappa`` (1.0 before the first informative calibration batch)."""
+        return self.calibration.scale
+
+    def bind(self, pilot: EntropyAutopilot | None) -> None:
+        """Use ``pilot``'s calibration (the autopilot's selection reads it); None: this object's own."""
+        self._pilot = pilot
+
+    def tick(self) -> bool:
+        """Count one statistics batch; True when it is a calibration batch (the 1st, the ``every+1``-th, ...)."""
+        due = self.every > 0 and self.batches % self.every == 0
+        self.batches += 1
+        return due
+
+    def feed(self, cheap: float, realised: float) -> bool:
+        """Add one same-batch pair; False when it was left out: either is NaN (a batch without a valid token), or,
+        bound to a controller, the fit with it would have ``kappa <= 0`` (module docstring)."""
+        if not (math.isfinite(cheap) and math.isfinite(realised)):
+            return False
+        calibration = self.calibration
+        if self._pilot is not None:
+            trial = Calibration(forgetting=calibration.forgetting)
+            trial.load_state_dict(calibration.state_dict())
+            if trial.update(cheap, realised) <= 0:
+                return False
+        calibration.update(cheap, realised)
+        return True
+
+    def metrics(self, cheap: float | None, prefix: str = "entropy_disc/") -> dict[str, float]:
+        """``delta_entropy/cheap``, and with the calibration on ``delta_entropy/predicted = kappa * cheap`` and
+        ``delta_entropy/scale``; nothing when ``cheap`` is None (no step size known)."""
+        if cheap is None:
+            return {}
+        out = {prefix + CHEAP_KEY: float(cheap)}
+        if self.every > 0:
+            out[prefix + PREDICTED_KEY] = self.scale * float(cheap)
+            out[prefix + SCALE_KEY] = self.scale
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"version", "batches", "calibration"}`` (plain values; ``calibration`` None when bound to a controller,
+        whose own state carries it)."""
+        return {"version": STATE_VERSION, "batches": self.batches,
+                "calibration": None if self._pilot is not None else self._own.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; ``ValueError`` naming a bad entry."""
+        if not isinstance(state, Mapping) or set(state) != {"version", "batches", "calibration"}:
+            raise ValueError(f"law-scale state must have the keys ['batches', 'calibration', 'version'], got {state!r}")
+        if state["version"] != STATE_VERSION:
+            raise ValueError(f"law-scale state['version'] must be {STATE_VERSION}, got {state['version']!r}")
+        batches = integer("law-scale state['batches']", state["batches"], minimum=0)
+        if state["calibration"] is not None:
+            own = Calibration(forgetting=self._own.forgetting)
+            own.load_state_dict(state["calibration"])
+            self._own = own
+        self.batches = batches
+
+
+def cheap_change(
+    advantages: torch.Tensor,
+    s_centered: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    eta: float | None,
+    ratio: torch.Tensor | None = None,
+    form: str = "cov",
+    process_group: Any = None,
+) -> float | None:
+    """``-eta Cov_B(A, r S_c)`` (``form="cov"``) or ``-eta E_B[A r S_c]`` over the valid tokens of the group
+    (:func:`~entropy_discriminator.batch_entropy_change`); None when ``eta`` is None; 0 for no valid token."""
+    if eta is None:
+        return None
+    return batch_entropy_change(advantages, s_centered, valid, lr=eta, ratio=ratio, form=form,
+                                process_group=process_group)
