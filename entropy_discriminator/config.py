@@ -85,7 +85,7 @@ class EntropyDiscConfig:
             ``H_end`` in nats/token (a finite real >= 0).
         decay_steps: autopilot: ramp the target linearly from ``H_0`` to ``H_end`` over this many
             steps (int >= 1; needs a number ``target_entropy``); None: ``H_end`` from the start.
-        gain: autopilot: the feedback gain ``k`` in ``(0, 1]`` (default 0.5).
+        gain: autopilot: the feedback gain ``k`` in ``(0, 1]`` (default 0.05).
         max_step: autopilot: the largest desired entropy change of one step, nats/token (> 0,
             ``inf`` allowed; default 0.02).
         eta: autopilot: the step size ``eta`` of the law ``dH ~ -eta Cov_B(A, r S_c)`` (a finite
