@@ -7,6 +7,7 @@ import math
 import pytest
 
 from entropy_discriminator.demo import law_eval
+from entropy_discriminator.demo.records import load_jsonl
 
 
 def test_fit_is_least_squares_with_intercept_and_pearson():
@@ -21,7 +22,7 @@ def test_validate_and_autopilot_commands_write_their_tables(tmp_path, capsys):
     out = tmp_path / "law"
     assert law_eval.main(["autopilot", "--setups", "s1", "--seeds", "3", "--steps", "3", "--quick",
                           "--validate-too", "custom,s1", "--out", str(out)]) == 0
-    records = law_eval.read_records(out / "runs.jsonl")
+    records = load_jsonl(out / "runs.jsonl")
     tags = {(r["setup"], r["tag"]) for r in records}
     assert tags == {("custom", "validate"), ("s1", "validate"), ("s1", "above"), ("s1", "at"), ("s1", "below")}
     for r in records:  # the law's prediction of each optimizer step, on the same mini-batch

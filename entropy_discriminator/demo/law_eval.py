@@ -39,6 +39,7 @@ from torch.func import functional_call
 
 from .. import EntropyAutopilot, apply_keep_mask, batch_entropy_change, law, token_stats
 from ..baselines import ppo_clip_losses
+from .records import load_jsonl
 from .train import TrainConfig, group_advantages, warm_up
 
 #: The set-ups: the demo task, the custom loop, the autopilot evaluation's S1 and S2.
@@ -443,15 +444,6 @@ def markdown(rows: Sequence[dict], columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def read_records(path: Path) -> list[dict]:
-    """Records of ``runs.jsonl`` (or ``runs.jsonl.gz``)."""
-    import gzip
-
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def report(records: Sequence[dict], out: Path) -> dict[str, object]:
     """``law.md`` (same-batch table), ``autopilot.md`` (per target), and with matplotlib ``law.png`` and
     ``autopilot_<setup>.png`` under ``out``; returns the two tables."""
@@ -531,7 +523,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.cmd == "report":
-        records = [r for path in args.runs for r in read_records(path)]
+        records = load_jsonl(*args.runs)
         tables = report(records, args.out)
         print((args.out / "law.md").read_text())
         print((args.out / "autopilot.md").read_text())
