@@ -139,7 +139,6 @@ def make_env(setup: str, seed: int, *, quick: bool = False) -> Env:
             return functional_call(model, params, (seq[:, :-1],))[:, cl.PROMPT_LEN - 1 :]
 
         return Env(setup, model, 5e-4, 1, None, None, sample, model_logits, gen)
-    from .compare import rollout
     from .headtohead import warm_up_checkpoints
     from .model import TinyGPT
     from .protocol import parse_config
@@ -152,13 +151,8 @@ def make_env(setup: str, seed: int, *, quick: bool = False) -> Env:
     torch.manual_seed(seed)
     model = TinyGPT(cfg.model_config())
     model.load_state_dict(state)
-    prompt_gen, sample_gen = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)
+    sample, sample_gen = _head_sampler(cfg, task, model, seed)
     p_len = task.prompt_len
-
-    def sample() -> Batch:
-        x, t = task.sample(cfg.prompts_per_step, prompt_gen, split="train")
-        ro = rollout(model, None, task, x, t, cfg.group_size, sample_gen, "none", 0.25, torch.device("cpu"))
-        return Batch(ro.seq, ro.resp, ro.adv, ro.old_lp)
 
     def model_logits(params: dict[str, torch.Tensor], seq: torch.Tensor) -> torch.Tensor:
         return functional_call(model, params, (seq[:, :-1],))[:, p_len - 1 :].float()
@@ -335,20 +329,26 @@ def _fresh_streams(env: Env, setup: str, seed: int) -> Env:
 
 
 def _reseeded_head(env: Env, setup: str, seed: int) -> Env:
-    from .compare import rollout
     from .protocol import parse_config
 
     cfg = parse_config(HEAD_CONFIGS[setup])
-    task = cfg.task()
+    sample, sample_gen = _head_sampler(cfg, cfg.task(), env.model, seed)
+    return replace(env, sample=sample, generator=sample_gen)
+
+
+def _head_sampler(cfg, task, model: torch.nn.Module, seed: int) -> tuple[Callable[[], Batch], torch.Generator]:
+    """A set-up's rollout batches from ``model`` (prompt stream seeded ``seed``, sampling stream ``seed + 1``) and
+    the sampling generator."""
+    from .compare import rollout
+
     prompt_gen, sample_gen = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)
-    model = env.model
 
     def sample() -> Batch:
         x, t = task.sample(cfg.prompts_per_step, prompt_gen, split="train")
         ro = rollout(model, None, task, x, t, cfg.group_size, sample_gen, "none", 0.25, torch.device("cpu"))
         return Batch(ro.seq, ro.resp, ro.adv, ro.old_lp)
 
-    return replace(env, sample=sample, generator=sample_gen)
+    return sample, sample_gen
 
 
 def run_jobs(work: Sequence[tuple[str, int, str]], steps: int, out: Path, *, jobs: int, quick: bool = False
