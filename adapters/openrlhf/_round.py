@@ -38,6 +38,7 @@ columns, ``logits[:, :-1][:, -A:]`` score ``sequences[:, 1:][:, -A:]`` (see ``re
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -393,13 +394,15 @@ def begin_round(trainer: Any, config: EntropyDiscConfig) -> RoundState:
 
 def _law_step_size(trainer: Any, config: EntropyDiscConfig) -> float | None:
     """``eta`` of the cheap prediction: the autopilot's step size (``entropy_disc.eta`` or ``--actor.adam.lr``),
-    None where there is none (``--actor.optim muon`` without ``entropy_disc.eta``: no cheap prediction)."""
+    else the actor scheduler's current learning rate (what the monitor's prediction used before the law scale);
+    None where there is neither (no cheap prediction)."""
     from ._autopilot import step_size
 
     try:
         return step_size(trainer.strategy.args, config)
     except ValueError:
-        return None
+        lr = _current_lr(trainer)
+        return lr if lr is not None and math.isfinite(lr) and lr > 0 else None
 
 
 def end_round(trainer: Any, config: EntropyDiscConfig, state: RoundState) -> dict[str, float]:
