@@ -83,7 +83,7 @@ def field_of(value: object, field: str) -> tuple[object, torch.Tensor | None]:
 SCORE_SLACK = 0.125
 
 
-def discriminator_score(logp: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+def discriminator_score(logp: torch.Tensor, entropy: torch.Tensor, *, check: bool = True) -> torch.Tensor:
     """``S* = exp(logp) * (entropy + logp)`` from what every framework already logs.
 
     Equivalent torch: ``logp.exp() * (entropy + logp)``, computed in float32 (float64 stays float64),
@@ -94,21 +94,29 @@ def discriminator_score(logp: torch.Tensor, entropy: torch.Tensor) -> torch.Tens
 
     ``entropy`` must be ``>= -SCORE_SLACK`` and ``logp <= SCORE_SLACK`` (:data:`SCORE_SLACK`,
     0.125 nats of rounding) at every entry, else ``ValueError`` naming the argument and the count
-    (one host synchronisation; pad positions must hold in-range values, e.g. 0).
+    (one host synchronisation; pad positions must hold in-range values, e.g. 0).  ``check=False`` skips that
+    range check (no synchronisation), for entropies a framework computed itself, whose rounding can exceed the
+    slack (e.g. verl's vocabulary-parallel Megatron entropy from bf16 logits).
     """
     require_float("logp", logp)
     require_float("entropy", entropy)
     common_shape(logp=logp, entropy=entropy)
+    if check:
+        _check_score_domain(logp, entropy)
+    dtype = torch.float64 if torch.float64 in (logp.dtype, entropy.dtype) else torch.float32
+    lp, h = logp.to(dtype), entropy.to(dtype)
+    p = lp.exp()
+    return torch.where((p > 0) | torch.isnan(lp), p * (h + lp), torch.zeros((), dtype=dtype, device=p.device))
+
+
+def _check_score_domain(logp: torch.Tensor, entropy: torch.Tensor) -> None:
+    """``ValueError`` naming ``entropy`` / ``logp`` when an entry is below ``-SCORE_SLACK`` / above ``SCORE_SLACK``."""
     out_of_range = torch.stack([(entropy < -SCORE_SLACK).sum(), (logp > SCORE_SLACK).sum()]).tolist()
     for (name, rule), n in zip((("entropy", f">= -{SCORE_SLACK}: an entropy is >= 0 nats"),
                                 ("logp", f"<= {SCORE_SLACK}: a log-probability is <= 0")), out_of_range):
         if n:
             raise ValueError(f"{name} must be {rule} (up to rounding); {n} entr{'y is' if n == 1 else 'ies are'} "
-                             "outside")
-    dtype = torch.float64 if torch.float64 in (logp.dtype, entropy.dtype) else torch.float32
-    lp, h = logp.to(dtype), entropy.to(dtype)
-    p = lp.exp()
-    return torch.where((p > 0) | torch.isnan(lp), p * (h + lp), torch.zeros((), dtype=dtype, device=p.device))
+                             "outside (check=False skips this for a framework's own entropies)")
 
 
 def token_stats(

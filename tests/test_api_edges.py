@@ -279,6 +279,11 @@ def test_discriminator_score_refuses_negative_entropy_and_positive_logp_beyond_r
         ed.discriminator_score(-lp, h)  # negated log-probs (e.g. an NLL)
     nan = ed.discriminator_score(torch.tensor([math.nan, -math.inf]), torch.tensor([1.0, 1.0]))
     assert math.isnan(nan[0]) and nan[1] == 0.0  # NaN still propagates to the masks; p = 0 gives 0
+    # check=False (a framework's own entropies, whose rounding may exceed the slack): the formula, in float64
+    h_low = h - torch.tensor([0.0, 0.2, 0.0])
+    unchecked = ed.discriminator_score(lp, h_low, check=False)
+    want = lp.double().exp() * (h_low.double() + lp.double())
+    torch.testing.assert_close(unchecked.double(), want, rtol=1e-6, atol=1e-7)
 
 
 # --- errors that name the argument ----------------------------------------------------------------

@@ -248,7 +248,7 @@ class EntropyDiscTrainerMixin:
         zero = torch.zeros((), dtype=torch.float32)
         old_lp = torch.where(valid, old_log_probs.float(), zero)
         h = torch.where(valid, entropy.float(), zero)
-        s_star = discriminator_score(old_lp, h)
+        s_star = discriminator_score(old_lp, h, check=False)  # verl's own entropies: its rounding, not ours
         if s_expected is not None:
             _require_finite_expected(s_expected, valid)
         s_centered = None if s_expected is None else torch.where(valid, s_star - s_expected.float(), zero)
