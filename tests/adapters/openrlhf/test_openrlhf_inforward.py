@@ -169,8 +169,8 @@ def test_round_runs_no_extra_policy_forward(method, mode, realised, calibrate, m
     (one per micro-batch and epoch), plus, only with ``realised`` or on a calibration round of the law
     scale (``calibrate_every``; the first round is one), the after-update pass."""
     actor = tiny_actor()
-    cfg = EntropyDiscConfig(method=method, mu_low=0.5, max_frac=None, sides="both", mask_mode=mode,
-                            calibrate_every=calibrate)
+    mask = {} if method == "none" else {"mu_low": 0.5, "sides": "both", "mask_mode": mode}  # none: no mask settings
+    cfg = EntropyDiscConfig(method=method, max_frac=None, calibrate_every=calibrate, **mask)
     adapter.patch(cfg, realised=realised)
     trainer = built_trainer(actor, monkeypatch, epochs=2, micro=2)
     for batch in make_experience(actor, rollout_batch(5, n=8), micro=4):
