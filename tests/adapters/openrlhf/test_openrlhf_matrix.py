@@ -375,5 +375,6 @@ def test_launcher_refuses_before_ray_starts(setting, mode, monkeypatch, capsys):
     else:
         with pytest.raises(_StopAtRayInit):
             adapter.main(argv)
-    with pytest.raises(_StopAtRayInit):  # metrics only: nothing to refuse
-        adapter.main([a for a in argv if a not in ("clip_b", "--entropy_disc.method")])
+    metrics_only = [a for a in argv if a not in ("clip_b", "--entropy_disc.method", "--entropy_disc.mask_mode", mode)]
+    with pytest.raises(_StopAtRayInit):  # metrics only (no method, so no mask settings): nothing to refuse
+        adapter.main(metrics_only)
