@@ -260,7 +260,7 @@ def test_resumed_run_continues_the_uninterrupted_one_bit_for_bit(tmp_path):
     out = tmp_path / "result.json"
     port = str(29600 + os.getpid() % 300)
     proc = subprocess.run([sys.executable, str(HERE / "openrlhf_autopilot_resume.py"), str(out), port],
-                          cwd=HERE.parents[2], capture_output=True, text=True, timeout=600, check=False)
+                          cwd=HERE.parents[2], capture_output=True, text=True, timeout=1200, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     full, resumed = result["full"], result["resumed"]
