@@ -184,6 +184,7 @@ def law_batch(trainer: Any, state: Any, stats: TokenStats, advantages: torch.Ten
     """Count one statistics batch with the law scale: its cheap prediction ``-eta Cov_B(A, r S_c)`` (global over
     the group; ``r`` as the autopilot's), and, on a calibration batch, park it for :func:`calibrate_pending`.
     Returns the scale's metrics (``delta_entropy/cheap``, ``/predicted``, ``/scale``)."""
+    sync_law(trainer, state)
     group = process_group(trainer)
     cheap = cheap_change(advantages, stats.s_centered, stats.valid, eta=law_step_size(trainer, state),
                          ratio=sampling_ratio(batch, stats.valid.shape), form=state.config.form, process_group=group)

@@ -153,7 +153,9 @@ def _run(tmp_path, setup: str, method: str, mu: float) -> Recorder:
         max_completion_length=64, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no",
         learning_rate=1e-3, disable_dropout=True, seed=0, temperature=TEMPERATURE,
         entropy_disc_method=method, entropy_disc_mu_low=mu, entropy_disc_mu_high=mu,
-        entropy_disc_sides="both", entropy_disc_max_frac="none", **overrides,
+        entropy_disc_sides="both", entropy_disc_max_frac="none",
+        entropy_disc_calibrate_every=0,  # no after-update pass: the last log-prob pass is the one the adapter read
+        **overrides,
     )
     patch(Probe)
     ed_patch.compute_mask = record_mask
