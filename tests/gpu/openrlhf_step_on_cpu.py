@@ -41,6 +41,17 @@ def redirect_cuda_to_cpu() -> None:
     torch.cuda.synchronize = lambda *a: None
     torch.cuda.set_device = lambda *a: None
     device_mesh.init_device_mesh = lambda device_type, *a, **k: init_mesh("cpu", *a, **k)
+    skip_deepspeed_shm_op()
+
+
+def skip_deepspeed_shm_op() -> None:
+    """Keep DeepSpeed's CPU backend from JIT-building its shared-memory collective op on its first
+    ``init_distributed``: a C++ build of minutes on a small CPU machine, for one or two gloo ranks that
+    do not need it, and one whose lock file a killed build leaves behind (every later build then waits
+    on it forever).  DeepSpeed skips the op when its compatibility table says no."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 if __name__ == "__main__":

@@ -244,7 +244,8 @@ def test_unscored_buffer_falls_back_to_the_pass(monkeypatch):
     actor = tiny_actor()
     trainer = real_trainer(actor, filled_buffer(rollout_batch(5, n=6), 2, monkeypatch), epochs=1)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # ppo_train moves batches there
-    cfg = EntropyDiscConfig(method="clip_b", mu_low=0.5, max_frac=None, sides="both")
+    # calibrate_every=0: no after-update calibration pass, so the forwards counted are the pass and the update
+    cfg = EntropyDiscConfig(method="clip_b", mu_low=0.5, max_frac=None, sides="both", calibrate_every=0)
     adapter.patch(cfg)
     counter = ForwardCounter(actor.model)
     status = trainer.ppo_train(0.0)
