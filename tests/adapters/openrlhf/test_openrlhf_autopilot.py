@@ -40,7 +40,7 @@ from entropy_discriminator.adapters import openrlhf as adapter  # noqa: E402
 from entropy_discriminator.adapters.openrlhf import _autopilot, _round  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-LR = 0.5  # the SGD learning rate of the harness; --actor.adam.lr carries it to the law
+LR = 0.2  # the SGD learning rate of the harness; --actor.adam.lr carries it to the law
 KEYS = ("entropy", "target_entropy", "target_dh", "predicted_dh_before", "predicted_dh_after", "dropped_frac",
         "n_dropped", "capped")
 CONFIG = dict(method="autopilot", sides="both", max_frac=0.3)
