@@ -165,12 +165,16 @@ def _batch(logits: torch.Tensor, seq: torch.Tensor, resp: torch.Tensor, adv: tor
     return Batch(seq, resp, adv[:, None].expand(resp.shape).contiguous(), old_lp)
 
 
-def run(env: Env, steps: int, *, pilot: EntropyAutopilot | None = None, tag: str = "") -> list[dict[str, float]]:
+def run(env: Env, steps: int, *, pilot: EntropyAutopilot | None = None, tag: str = "", second_order: bool = False
+        ) -> list[dict[str, float]]:
     """``steps`` RL steps of ``env`` (``minibatches`` optimizer steps each); one record per optimizer step.
 
     Loss per mini-batch: PPO's clipped surrogate (plain ``-A r`` without ``ppo_clip``), keep-mask as ``zero_pg``,
     token mean; gradient norm clipped at ``grad_clip``; Adam.  With ``pilot`` the autopilot steps once per
-    optimizer step with the law's per-token terms of that mini-batch.
+    optimizer step with the law's per-token terms of that mini-batch, and each record also holds
+    ``autopilot_entropy_fixed``: the policy's mean token entropy, read with ``autopilot_entropy`` (before the step), on the fixed contexts of the first
+    mini-batch (whose entropy before any step is the autopilot's ``H_0``).  ``second_order`` adds ``exact2_dH``,
+    the first-order prediction plus :func:`~entropy_discriminator.law.step_entropy_curvature` of the same step.
     """
     model = env.model
     params = dict(model.named_parameters())
@@ -179,6 +183,7 @@ def run(env: Env, steps: int, *, pilot: EntropyAutopilot | None = None, tag: str
     cal = law.Calibration()
     clip_factor = 1.0
     records: list[dict[str, float]] = []
+    fixed: torch.Tensor | None = None  # the first mini-batch's sequences (autopilot runs)
     for step in range(1, steps + 1):
         batch = env.sample()
         for mb, idx in enumerate(torch.randperm(len(batch.seq), generator=env.generator).chunk(env.minibatches)):
@@ -214,6 +219,9 @@ def run(env: Env, steps: int, *, pilot: EntropyAutopilot | None = None, tag: str
             res = None
             keep = valid
             if pilot is not None:
+                fixed = seq if fixed is None else fixed
+                with torch.no_grad():
+                    h_fixed = float(token_stats(env.logits(params, fixed), fixed[:, -resp.shape[1]:]).entropy.double().mean())
                 res = pilot.step(adv, s_centered=stats.s_centered, entropy=stats.entropy, valid=valid,
                                  terms=terms.terms, carry=terms.carry)
                 keep = res.keep
@@ -227,8 +235,13 @@ def run(env: Env, steps: int, *, pilot: EntropyAutopilot | None = None, tag: str
             t_bwd = time.perf_counter() - t0
 
             t0 = time.perf_counter()
-            exact = law.step_entropy_change(opt, plist, gh)
+            delta = law.optimizer_step_delta(opt, plist)
+            exact = float(sum(float((h.double() * d).sum()) for h, d in zip(gh, delta) if h is not None))
             t_exact = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            curv = (law.step_entropy_curvature(lambda p: env.logits(p, seq), params, dict(zip(params, delta)), valid)
+                    if second_order else math.nan)
+            t_curv = time.perf_counter() - t0 if second_order else math.nan
 
             kept_w = (adv * keep).double()
             cor4 = batch_entropy_change(kept_w, stats.s_centered, valid, lr=env.lr, ratio=ratio.detach())
@@ -246,13 +259,15 @@ def run(env: Env, steps: int, *, pilot: EntropyAutopilot | None = None, tag: str
                 "setup": env.name, "tag": tag, "step": step, "mb": mb, "entropy": float(stats.entropy.double()[valid].mean()),
                 "real_dH": real, "exact_dH": exact, "token_dH": token_pred, "carry_dH": terms.carry, "cor4_dH": cor4,
                 "calibrated_dH": kappa * cor4, "kappa": kappa, "clip_factor": clip_factor, "dropped_frac": 1 - float(keep.sum()) / n,
-                "sec_step": t_fwd + t_bwd + t_step, "sec_entropy_grad": t_grad_h, "sec_exact": t_exact, "sec_token": t_token,
+                "exact2_dH": exact + curv, "sec_step": t_fwd + t_bwd + t_step, "sec_entropy_grad": t_grad_h,
+                "sec_exact": t_exact, "sec_second": t_curv, "sec_token": t_token,
             }  # fmt: skip
             if res is not None:
                 rec.update(autopilot_entropy=res.entropy, autopilot_entropy_smoothed=res.entropy_smoothed,
                            autopilot_target_entropy=res.target_entropy, autopilot_target_dh=res.target_dh,
                            autopilot_predicted_dh=res.predicted_dh_after, autopilot_dropped_frac=res.dropped_frac,
                            autopilot_capped=float(res.mask.capped))
+                rec["autopilot_entropy_fixed"] = h_fixed
             records.append(rec)
     return records
 
@@ -290,7 +305,7 @@ def _job(job: tuple[str, int, int, str, bool, str, str]) -> list[dict[str, float
     env = make_env(setup, seed, quick=True)  # the tiny warm-up is replaced by the saved one
     env.model.load_state_dict(torch.load(Path(folder) / f"{setup}_{seed}.pt", weights_only=True))
     env = _fresh_streams(env, setup, seed)
-    recs = run(env, steps, pilot=None if arm == "validate" else _pilot(arm), tag=arm)
+    recs = run(env, steps, pilot=None if arm == "validate" else _pilot(arm), tag=arm, second_order=arm == "validate")
     for r in recs:
         r["seed"] = seed
     with open(sink, "a") as f:
@@ -393,11 +408,13 @@ def law_table(records: Sequence[dict]) -> list[dict[str, object]]:
 def _law_row(setup: str, runs: str, recs: Sequence[dict]) -> dict[str, object]:
     real = [r["real_dH"] for r in recs]
     row: dict[str, object] = {"setup": setup, "runs": runs, "steps": len(recs)}
-    for key in ("exact_dH", "token_dH", "calibrated_dH", "cor4_dH"):
-        f = fit([r[key] for r in recs], real)
+    for key in ("exact_dH", "exact2_dH", "token_dH", "calibrated_dH", "cor4_dH"):
+        pairs = [(r[key], y) for r, y in zip(recs, real) if key in r and not math.isnan(r[key])]
+        f = fit(*zip(*pairs)) if len(pairs) > 2 else {"slope": math.nan, "r": math.nan}
         row[f"{key}_slope"], row[f"{key}_r"] = f["slope"], f["r"]
-    for key in ("sec_step", "sec_entropy_grad", "sec_exact", "sec_token"):
-        row[key] = statistics.mean(r[key] for r in recs)
+    for key in ("sec_step", "sec_entropy_grad", "sec_exact", "sec_second", "sec_token"):
+        vals = [r[key] for r in recs if key in r and not math.isnan(r[key])]
+        row[key] = statistics.mean(vals) if vals else math.nan
     ratios = [abs(r["real_dH"]) / abs(r["cor4_dH"]) for r in recs if r["cor4_dH"]]
     row["real_to_cor4_median"] = statistics.median(ratios) if ratios else math.nan
     return row
@@ -419,12 +436,16 @@ def autopilot_table(records: Sequence[dict], warm_share: float = 0.2) -> list[di
         h_star = {s: statistics.mean(r["autopilot_target_entropy"] for r in rs) for s, rs in per_step.items()}
         after = [s for s in steps if s > warm_share * len(steps)]
         err = statistics.median(abs(h[s] - h_star[s]) for s in after)
+        h_fixed = {s: statistics.mean(r["autopilot_entropy_fixed"] for r in rs) for s, rs in per_step.items()}
+        err_fixed = statistics.median(abs(h_fixed[s] - h_star[s]) for s in after)
+        noise = statistics.stdev(h[s] - h_star[s] for s in after)
         h0 = per_step[steps[0]][0]["autopilot_entropy"]
         acting = [r["autopilot_dropped_frac"] for r in recs if r["autopilot_dropped_frac"] > 0]
         inside = sum(0 < d < cap - 1e-12 and not r_capped for d, r_capped in
                      ((r["autopilot_dropped_frac"], r["autopilot_capped"]) for r in recs if r["autopilot_dropped_frac"] > 0))
         rows.append({"setup": setup, "target": tag, "seed": seed, "h0": h0, "target_final": h_star[steps[-1]],
                      "median_abs_err": err, "tolerance": max(0.02, 0.05 * h0), "ok_err": err <= max(0.02, 0.05 * h0),
+                     "sd_err": noise, "median_abs_err_fixed": err_fixed, "ok_err_fixed": err_fixed <= max(0.02, 0.05 * h0),
                      "acting_steps": len(acting), "share_inside": inside / len(acting) if acting else math.nan,
                      "ok_share": bool(acting) and inside / len(acting) >= 0.5,
                      "mean_dropped": statistics.mean(r["autopilot_dropped_frac"] for r in recs)})
@@ -449,10 +470,11 @@ def report(records: Sequence[dict], out: Path) -> dict[str, object]:
     ``autopilot_<setup>.png`` under ``out``; returns the two tables."""
     out.mkdir(parents=True, exist_ok=True)
     lt, at = law_table(records), autopilot_table(records)
-    law_cols = ["setup", "runs", "steps", "exact_dH_slope", "exact_dH_r", "token_dH_slope", "token_dH_r", "calibrated_dH_slope",
-                "calibrated_dH_r", "cor4_dH_r", "real_to_cor4_median", "sec_step", "sec_entropy_grad", "sec_exact", "sec_token"]
+    law_cols = ["setup", "runs", "steps", "exact_dH_slope", "exact_dH_r", "exact2_dH_slope", "exact2_dH_r", "token_dH_slope", "token_dH_r", "calibrated_dH_slope",
+                "calibrated_dH_r", "cor4_dH_r", "real_to_cor4_median", "sec_step", "sec_entropy_grad", "sec_exact", "sec_second", "sec_token"]
     (out / "law.md").write_text(markdown(lt, law_cols) + "\n")
-    ap_cols = ["setup", "target", "seed", "h0", "target_final", "median_abs_err", "tolerance", "ok_err", "acting_steps",
+    ap_cols = ["setup", "target", "seed", "h0", "target_final", "median_abs_err", "tolerance", "ok_err", "sd_err",
+               "median_abs_err_fixed", "ok_err_fixed", "acting_steps",
                "share_inside", "ok_share", "mean_dropped"]
     (out / "autopilot.md").write_text(markdown(at, ap_cols) + "\n")
     try:
