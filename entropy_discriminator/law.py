@@ -396,6 +396,52 @@ def step_entropy_curvature(
     return 0.5 * float(second)
 
 
+def logit_step_entropy_change(
+    fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    named_params: Mapping[str, torch.Tensor],
+    delta: Mapping[str, torch.Tensor],
+    valid: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    order: int = 2,
+) -> float:
+    """The step's entropy change with the network expanded in the step and the entropy taken exactly (float).
+
+    ``z = fn(θ)`` ``[..., V]``; ``δz = J Δθ`` and ``δ²z = Δθᵀ ∇²θz Δθ`` (per logit) along ``delta`` (as in
+    :func:`step_entropy_curvature`)::
+
+        ΔH_B ≈ H_B(z + δz [+ ½ δ²z]) - H_B(z)        order 1 [order 2]
+
+    with :func:`batch_mean_entropy` over ``valid`` at ``temperature``.  Exact to first [second] order in the
+    step, like :func:`step_entropy_change` [plus :func:`step_entropy_curvature`], but the softmax entropy, whose
+    curvature dominates when a step is large for the entropy that is left, is not expanded.  Cost: one forward and
+    one forward-mode product (order 1), or one forward-mode product over another (order 2); no backward.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    t = real_number("temperature", temperature, above=0)
+    if order not in (1, 2):
+        raise ValueError(f"order must be 1 or 2, got {order!r}")
+    if set(delta) != set(named_params):
+        raise ValueError(f"delta must have named_params' keys, got {sorted(set(delta) ^ set(named_params))} differing")
+    prim = {k: v.detach() for k, v in named_params.items()}
+    tang = {}
+    for k, v in prim.items():
+        require_shape(f"delta[{k!r}]", delta[k], v.shape, f"named_params[{k!r}]")
+        tang[k] = delta[k].detach().to(v.dtype)
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+        if order == 1:
+            z, dz = torch.func.jvp(fn, (prim,), (tang,))
+            moved = z.double() + dz.double()
+        else:
+            z = fn(prim)
+            dz, d2z = torch.func.jvp(lambda p: torch.func.jvp(fn, (p,), (tang,))[1], (prim,), (tang,))
+            moved = z.double() + dz.double() + 0.5 * d2z.double()
+        before = batch_mean_entropy(z.double(), valid, temperature=t)
+        after = batch_mean_entropy(torch.where(torch.isfinite(z), moved, z.double()), valid, temperature=t)
+    return float(after - before)
+
+
 def token_contributions(
     logits: torch.Tensor,
     tangents: torch.Tensor,
@@ -560,6 +606,7 @@ __all__ = [
     "TokenTerms",
     "batch_mean_entropy",
     "linearise_step",
+    "logit_step_entropy_change",
     "logit_tangents",
     "optimizer_step_delta",
     "step_entropy_change",

@@ -244,6 +244,62 @@ def test_second_order_term_is_half_the_curvature_along_the_step(name, seed, temp
     assert got == pytest.approx(reference, rel=tol, abs=tol * 1e-3)
 
 
+def _plain_entropy(z, valid, temperature):
+    """Mean softmax entropy in float64, ``0 log 0 = 0`` (for ``-inf`` logits)."""
+    p = torch.softmax(z.double() / temperature, -1)
+    logp = torch.where(p > 0, torch.log(p), 0.0)
+    return float(((-(p * logp).sum(-1)) * valid).sum() / valid.sum())
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 10_000), temperature=st.sampled_from([1.0, 0.6]), order=st.sampled_from([1, 2]),
+       dtype=st.sampled_from([torch.float64, torch.float32]))
+def test_logit_space_change_expands_the_network_and_not_the_entropy(seed, temperature, order, dtype):
+    """``H(z + δz [+ ½δ²z]) - H(z)`` with δz, δ²z the float64 central differences of the logits along Δθ."""
+    torch.manual_seed(seed)
+    model = TinyNet(7)
+    opt = torch.optim.Adam(list(model.parameters()), lr=0.05)
+    _train_steps(model, opt, seed, 2, temperature)
+    tokens, labels, adv, valid = _batch(seed + 5)
+    loss, _ = _pg_loss(model(tokens), labels, adv, valid, temperature)
+    opt.zero_grad()
+    loss.backward()
+    delta = law.optimizer_step_delta(opt, list(model.parameters()))
+    eps = 1e-4
+
+    def logits_at(e):
+        named = {k: v.detach() + e * d for (k, v), d in zip(model.named_parameters(), delta)}
+        with torch.no_grad():
+            return torch.func.functional_call(model, named, (tokens,))
+
+    zm, z0, zp = logits_at(-eps), logits_at(0.0), logits_at(eps)
+    moved = z0 + (zp - zm) / (2 * eps) + (0.5 * (zp - 2 * z0 + zm) / eps**2 if order == 2 else 0)
+    reference = _plain_entropy(moved, valid, temperature) - _plain_entropy(z0, valid, temperature)
+    model.to(dtype)
+    named = dict(model.named_parameters())
+    got = law.logit_step_entropy_change(lambda p: torch.func.functional_call(model, p, (tokens,)), named,
+                                        dict(zip(named, delta)), valid, temperature=temperature, order=order)
+    tol = 1e-5 if dtype == torch.float64 else 1e-3
+    assert got == pytest.approx(reference, rel=tol, abs=1e-7)
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 10_000), temperature=st.sampled_from([1.0, 1.7]))
+def test_logit_space_change_is_exact_on_tabular_logits(seed, temperature):
+    """Logits that are the parameters (``-inf`` entries kept): the prediction is the realised change, any step size."""
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(3, 4, 6, generator=gen, dtype=torch.float64) * 3
+    z[0, 0, 1] = -math.inf
+    step = torch.randn(3, 4, 6, generator=gen, dtype=torch.float64)
+    valid = torch.rand(3, 4, generator=gen) > 0.3
+    valid[0, 0] = True
+    realised = _plain_entropy(z + step, valid, temperature) - _plain_entropy(z, valid, temperature)
+    for order in (1, 2):
+        got = law.logit_step_entropy_change(lambda p: p["z"], {"z": z}, {"z": step}, valid, temperature=temperature,
+                                            order=order)
+        assert got == pytest.approx(realised, rel=1e-10, abs=1e-12)
+
+
 def test_both_orders_leave_a_third_order_remainder():
     """realised - (first + second order) shrinks ~8x when the learning rate halves."""
     errors = []
@@ -309,6 +365,9 @@ def test_refusals_name_the_argument():
     named = dict(model.named_parameters())
     with pytest.raises(ValueError, match="delta must have named_params' keys"):
         law.step_entropy_curvature(lambda p: p["out.bias"], named, {"out.bias": torch.zeros(5)}, torch.ones(5) > 0)
+    with pytest.raises(ValueError, match="order must be 1 or 2"):
+        law.logit_step_entropy_change(lambda p: p["z"], {"z": torch.zeros(2, 3)}, {"z": torch.zeros(2, 3)},
+                                      torch.ones(2) > 0, order=3)
     z = torch.zeros(2, 3, 4)
     with pytest.raises(ValueError, match="labels must lie in"):
         law.token_contributions(z, z, torch.full((2, 3), 4), torch.ones(2), torch.ones(2, 3, dtype=torch.bool))

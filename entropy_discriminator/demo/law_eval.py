@@ -9,6 +9,10 @@ the step):
 * ``real_dH``: the realised change of the tokens' mean entropy;
 * ``exact_dH``: ``∇θH_B · Δθ`` of the step taken (:func:`~entropy_discriminator.law.step_entropy_change`,
   after the backward and the clipping, before ``optimizer.step()``);
+* plain GRPO runs also: ``exact2_dH``, that plus ``½ Δθᵀ∇²θH_B Δθ``
+  (:func:`~entropy_discriminator.law.step_entropy_curvature`), and ``logit1_dH`` / ``logit2_dH``, the logits
+  expanded to first / second order in the same ``Δθ`` and the entropy taken exactly
+  (:func:`~entropy_discriminator.law.logit_step_entropy_change`), all before the step;
 * ``token_dH``: the per-token path the autopilot uses, computed before the masked backward
   (:func:`~entropy_discriminator.law.token_terms` with Adam's preconditioner and the clipping factor of this step's
   unmasked gradient, one extra backward), summed over the kept tokens, plus its carry;
@@ -242,6 +246,14 @@ def run(env: Env, steps: int, *, pilot: EntropyAutopilot | None = None, tag: str
             curv = (law.step_entropy_curvature(lambda p: env.logits(p, seq), params, dict(zip(params, delta)), valid)
                     if second_order else math.nan)
             t_curv = time.perf_counter() - t0 if second_order else math.nan
+            t0 = time.perf_counter()
+            logit1 = (law.logit_step_entropy_change(lambda p: env.logits(p, seq), params, dict(zip(params, delta)), valid, order=1)
+                      if second_order else math.nan)
+            t_l1 = time.perf_counter() - t0 if second_order else math.nan
+            t0 = time.perf_counter()
+            logit2 = (law.logit_step_entropy_change(lambda p: env.logits(p, seq), params, dict(zip(params, delta)), valid, order=2)
+                      if second_order else math.nan)
+            t_l2 = time.perf_counter() - t0 if second_order else math.nan
 
             kept_w = (adv * keep).double()
             cor4 = batch_entropy_change(kept_w, stats.s_centered, valid, lr=env.lr, ratio=ratio.detach())
@@ -259,7 +271,7 @@ def run(env: Env, steps: int, *, pilot: EntropyAutopilot | None = None, tag: str
                 "setup": env.name, "tag": tag, "step": step, "mb": mb, "entropy": float(stats.entropy.double()[valid].mean()),
                 "real_dH": real, "exact_dH": exact, "token_dH": token_pred, "carry_dH": terms.carry, "cor4_dH": cor4,
                 "calibrated_dH": kappa * cor4, "kappa": kappa, "clip_factor": clip_factor, "dropped_frac": 1 - float(keep.sum()) / n,
-                "exact2_dH": exact + curv, "sec_step": t_fwd + t_bwd + t_step, "sec_entropy_grad": t_grad_h,
+                "exact2_dH": exact + curv, "logit1_dH": logit1, "logit2_dH": logit2, "sec_logit1": t_l1, "sec_logit2": t_l2, "sec_step": t_fwd + t_bwd + t_step, "sec_entropy_grad": t_grad_h,
                 "sec_exact": t_exact, "sec_second": t_curv, "sec_token": t_token,
             }  # fmt: skip
             if res is not None:
@@ -408,11 +420,11 @@ def law_table(records: Sequence[dict]) -> list[dict[str, object]]:
 def _law_row(setup: str, runs: str, recs: Sequence[dict]) -> dict[str, object]:
     real = [r["real_dH"] for r in recs]
     row: dict[str, object] = {"setup": setup, "runs": runs, "steps": len(recs)}
-    for key in ("exact_dH", "exact2_dH", "token_dH", "calibrated_dH", "cor4_dH"):
+    for key in ("exact_dH", "exact2_dH", "logit1_dH", "logit2_dH", "token_dH", "calibrated_dH", "cor4_dH"):
         pairs = [(r[key], y) for r, y in zip(recs, real) if key in r and not math.isnan(r[key])]
         f = fit(*zip(*pairs)) if len(pairs) > 2 else {"slope": math.nan, "r": math.nan}
         row[f"{key}_slope"], row[f"{key}_r"] = f["slope"], f["r"]
-    for key in ("sec_step", "sec_entropy_grad", "sec_exact", "sec_second", "sec_token"):
+    for key in ("sec_step", "sec_entropy_grad", "sec_exact", "sec_second", "sec_logit1", "sec_logit2", "sec_token"):
         vals = [r[key] for r in recs if key in r and not math.isnan(r[key])]
         row[key] = statistics.mean(vals) if vals else math.nan
     ratios = [abs(r["real_dH"]) / abs(r["cor4_dH"]) for r in recs if r["cor4_dH"]]
@@ -423,8 +435,9 @@ def _law_row(setup: str, runs: str, recs: Sequence[dict]) -> dict[str, object]:
 def autopilot_table(records: Sequence[dict], warm_share: float = 0.2) -> list[dict[str, object]]:
     """Per (set-up, target, seed): the median over RL steps after the first ``warm_share`` of
     ``|H - H*|`` (``H``: the RL step's measured entropy, mean of its mini-batches' ``autopilot_entropy``), the
-    tolerance ``max(0.02, 0.05 H_0)``, and the share of acting steps (dropped share > 0) whose share is strictly
-    below the cap."""
+    tolerance ``max(0.02, 0.05 H_0)``, the standard deviation of ``H - H*`` over those steps, the same median for
+    the policy's entropy on the first mini-batch's fixed contexts (``autopilot_entropy_fixed``), and the share of
+    acting steps (dropped share > 0) whose share is strictly below the cap."""
     cap = AUTOPILOT_SETTINGS["max_frac"]
     rows = []
     keys = sorted({(r["setup"], r["tag"], r["seed"]) for r in records if r["tag"] in TARGETS})
@@ -470,8 +483,10 @@ def report(records: Sequence[dict], out: Path) -> dict[str, object]:
     ``autopilot_<setup>.png`` under ``out``; returns the two tables."""
     out.mkdir(parents=True, exist_ok=True)
     lt, at = law_table(records), autopilot_table(records)
-    law_cols = ["setup", "runs", "steps", "exact_dH_slope", "exact_dH_r", "exact2_dH_slope", "exact2_dH_r", "token_dH_slope", "token_dH_r", "calibrated_dH_slope",
-                "calibrated_dH_r", "cor4_dH_r", "real_to_cor4_median", "sec_step", "sec_entropy_grad", "sec_exact", "sec_second", "sec_token"]
+    law_cols = ["setup", "runs", "steps", "exact_dH_slope", "exact_dH_r", "exact2_dH_slope", "exact2_dH_r", "logit1_dH_slope",
+                "logit1_dH_r", "logit2_dH_slope", "logit2_dH_r", "token_dH_slope", "token_dH_r", "calibrated_dH_slope",
+                "calibrated_dH_r", "cor4_dH_r", "real_to_cor4_median", "sec_step", "sec_entropy_grad", "sec_exact", "sec_second", "sec_logit1", "sec_logit2",
+                "sec_token"]
     (out / "law.md").write_text(markdown(lt, law_cols) + "\n")
     ap_cols = ["setup", "target", "seed", "h0", "target_final", "median_abs_err", "tolerance", "ok_err", "sd_err",
                "median_abs_err_fixed", "ok_err_fixed", "acting_steps",
@@ -486,11 +501,13 @@ def report(records: Sequence[dict], out: Path) -> dict[str, object]:
         return {"law": lt, "autopilot": at}
     setups = [s for s in SETUPS if any(r["setup"] == s and r["tag"] == "validate" for r in records)]
     if setups:
-        fig, axes = plt.subplots(2, len(setups), figsize=(3.6 * len(setups), 6.4), squeeze=False)
+        kinds = (("exact_dH", "∇H·Δθ (first order)"), ("logit1_dH", "H(z + JΔθ) − H(z)"),
+                 ("logit2_dH", "H(z + JΔθ + ½Δθᵀ∇²zΔθ) − H(z)"), ("token_dH", "per-token path"))
+        fig, axes = plt.subplots(len(kinds), len(setups), figsize=(3.6 * len(setups), 3.2 * len(kinds)), squeeze=False)
         for j, setup in enumerate(setups):
             recs = [r for r in records if r["setup"] == setup and r["tag"] == "validate"]
             real = [r["real_dH"] for r in recs]
-            for i, (key, label) in enumerate((("exact_dH", "exact ∇H·Δθ"), ("token_dH", "per-token path"))):
+            for i, (key, label) in enumerate(kinds):
                 ax = axes[i][j]
                 pred = [r[key] for r in recs]
                 ax.scatter(pred, real, s=4, alpha=0.5)
