@@ -510,7 +510,7 @@ def report(records: Sequence[dict], out: Path) -> dict[str, object]:
             for i, (key, label) in enumerate(kinds):
                 ax = axes[i][j]
                 pred = [r[key] for r in recs]
-                ax.scatter(pred, real, s=4, alpha=0.5)
+                ax.scatter(pred, real, s=3, linewidths=0)
                 lim = max(max(map(abs, pred)), max(map(abs, real)))
                 ax.plot([-lim, lim], [-lim, lim], "k--", lw=0.7)
                 f = fit(pred, real)
@@ -519,27 +519,44 @@ def report(records: Sequence[dict], out: Path) -> dict[str, object]:
                 ax.set_ylabel("realised ΔH, same batch", fontsize=7)
                 ax.tick_params(labelsize=6)
         fig.tight_layout()
-        fig.savefig(out / "law.png", dpi=120)
-        plt.close(fig)
+        _save(fig, out / "law.png")
     for setup in sorted({r["setup"] for r in records if r["tag"] in TARGETS}):
         fig, axes = plt.subplots(2, len(TARGETS), figsize=(11, 5.5), squeeze=False)
         for j, tag in enumerate(TARGETS):
             recs = [r for r in records if r["setup"] == setup and r["tag"] == tag]
-            for seed in sorted({r["seed"] for r in recs}):
+            for seed in sorted({r["seed"] for r in recs}):  # per RL step: the mean of its mini-batches
                 rs = [r for r in recs if r["seed"] == seed]
-                x = [r["step"] + r["mb"] / 2 for r in rs]
-                axes[0][j].plot(x, [r["autopilot_entropy"] for r in rs], lw=0.5, alpha=0.6)
-                axes[0][j].plot(x, [r["autopilot_target_entropy"] for r in rs], "k--", lw=0.8)
-                axes[1][j].plot(x, [r["autopilot_dropped_frac"] for r in rs], lw=0.5, alpha=0.6)
+                x = sorted({r["step"] for r in rs})
+                mean = {k: [statistics.mean(r[k] for r in rs if r["step"] == s) for s in x]
+                        for k in ("autopilot_entropy", "autopilot_target_entropy", "autopilot_dropped_frac")}
+                axes[0][j].plot(x, mean["autopilot_entropy"], lw=0.6)
+                axes[0][j].plot(x, mean["autopilot_target_entropy"], "k--", lw=0.8)
+                axes[1][j].plot(x, mean["autopilot_dropped_frac"], lw=0.6)
             axes[0][j].set_title(f"{setup}, target {tag} the start", fontsize=9)
             axes[0][j].set_ylabel("entropy (solid) vs target (dashed)", fontsize=7)
             axes[1][j].axhline(AUTOPILOT_SETTINGS["max_frac"], color="r", lw=0.7, ls=":")
-            axes[1][j].set_ylabel("dropped share (cap dotted)", fontsize=7)
+            axes[1][j].set_ylabel("dropped share, mean of the RL step (cap dotted)", fontsize=7)
             axes[1][j].set_xlabel("RL step", fontsize=7)
         fig.tight_layout()
-        fig.savefig(out / f"autopilot_{setup}.png", dpi=120)
-        plt.close(fig)
+        _save(fig, out / f"autopilot_{setup}.png")
     return {"law": lt, "autopilot": at}
+
+
+def _save(fig, path: Path) -> None:
+    """Write ``fig`` as a PNG of at most 64 colours (small records), with Pillow when present; closes it."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    try:
+        from PIL import Image
+    except ImportError:
+        path.write_bytes(buf.getvalue())
+        return
+    Image.open(buf).convert("RGB").quantize(colors=64).save(path, optimize=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
