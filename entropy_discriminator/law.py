@@ -31,9 +31,11 @@ The terms plus the carry sum to the exact prediction of the step whose gradient 
 (tested).  Gradient-norm clipping scales ``g`` after the fact: pass its factor as ``grad_scale``.
 :class:`Calibration` turns Corollary 4's cheap score into nats from either prediction on the same batch.
 
-* **Second order** (:func:`step_entropy_curvature`): ``½ Δθᵀ ∇²θH_B Δθ`` along the same step, before it is taken
-  (forward mode over forward mode, no backward).  Where the steps are large for the entropy that is left, the
-  first-order prediction overshoots; the sum of both orders is the prediction exact to second order.
+* **Beyond first order**, before the step, along the same ``Δθ``: :func:`step_entropy_curvature` gives
+  ``½ Δθᵀ ∇²θH_B Δθ`` (forward mode over forward mode, no backward), so that the two orders together are exact to
+  second order; :func:`logit_step_entropy_change` expands only the network, ``z + JΔθ [+ ½ Δθᵀ∇²θz Δθ]``, and
+  takes the softmax entropy of the moved logits exactly.  Where the steps are large for the entropy that is left,
+  the first-order prediction overshoots, mostly through the entropy's own curvature, which the latter keeps.
 """
 
 from __future__ import annotations
