@@ -242,18 +242,7 @@ def run(env: Env, steps: int, *, pilot: EntropyAutopilot | None = None, tag: str
             delta = law.optimizer_step_delta(opt, plist)
             exact = float(sum(float((h.double() * d).sum()) for h, d in zip(gh, delta) if h is not None))
             t_exact = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            curv = (law.step_entropy_curvature(lambda p: env.logits(p, seq), params, dict(zip(params, delta)), valid)
-                    if second_order else math.nan)
-            t_curv = time.perf_counter() - t0 if second_order else math.nan
-            t0 = time.perf_counter()
-            logit1 = (law.logit_step_entropy_change(lambda p: env.logits(p, seq), params, dict(zip(params, delta)), valid, order=1)
-                      if second_order else math.nan)
-            t_l1 = time.perf_counter() - t0 if second_order else math.nan
-            t0 = time.perf_counter()
-            logit2 = (law.logit_step_entropy_change(lambda p: env.logits(p, seq), params, dict(zip(params, delta)), valid, order=2)
-                      if second_order else math.nan)
-            t_l2 = time.perf_counter() - t0 if second_order else math.nan
+            higher = _beyond_first_order(lambda p: env.logits(p, seq), params, delta, valid, exact) if second_order else {}
 
             kept_w = (adv * keep).double()
             cor4 = batch_entropy_change(kept_w, stats.s_centered, valid, lr=env.lr, ratio=ratio.detach())
@@ -271,8 +260,8 @@ def run(env: Env, steps: int, *, pilot: EntropyAutopilot | None = None, tag: str
                 "setup": env.name, "tag": tag, "step": step, "mb": mb, "entropy": float(stats.entropy.double()[valid].mean()),
                 "real_dH": real, "exact_dH": exact, "token_dH": token_pred, "carry_dH": terms.carry, "cor4_dH": cor4,
                 "calibrated_dH": kappa * cor4, "kappa": kappa, "clip_factor": clip_factor, "dropped_frac": 1 - float(keep.sum()) / n,
-                "exact2_dH": exact + curv, "logit1_dH": logit1, "logit2_dH": logit2, "sec_logit1": t_l1, "sec_logit2": t_l2, "sec_step": t_fwd + t_bwd + t_step, "sec_entropy_grad": t_grad_h,
-                "sec_exact": t_exact, "sec_second": t_curv, "sec_token": t_token,
+                "sec_step": t_fwd + t_bwd + t_step, "sec_entropy_grad": t_grad_h, "sec_exact": t_exact, "sec_token": t_token,
+                **higher,
             }  # fmt: skip
             if res is not None:
                 rec.update(autopilot_entropy=res.entropy, autopilot_entropy_smoothed=res.entropy_smoothed,
@@ -282,6 +271,24 @@ def run(env: Env, steps: int, *, pilot: EntropyAutopilot | None = None, tag: str
                 rec["autopilot_entropy_fixed"] = h_fixed
             records.append(rec)
     return records
+
+
+def _beyond_first_order(fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], params: dict[str, torch.Tensor],
+                        delta: Sequence[torch.Tensor], valid: torch.Tensor, first: float) -> dict[str, float]:
+    """The step's predictions beyond first order along ``delta``, each with its seconds: ``exact2_dH`` (``first`` +
+    :func:`~entropy_discriminator.law.step_entropy_curvature`), ``logit1_dH`` / ``logit2_dH``
+    (:func:`~entropy_discriminator.law.logit_step_entropy_change`, ``order`` 1 / 2)."""
+    named_delta = dict(zip(params, delta))
+    out: dict[str, float] = {}
+    for key, sec, predict in (
+        ("exact2_dH", "sec_second", lambda: first + law.step_entropy_curvature(fn, params, named_delta, valid)),
+        ("logit1_dH", "sec_logit1", lambda: law.logit_step_entropy_change(fn, params, named_delta, valid, order=1)),
+        ("logit2_dH", "sec_logit2", lambda: law.logit_step_entropy_change(fn, params, named_delta, valid, order=2)),
+    ):
+        t0 = time.perf_counter()
+        out[key] = predict()
+        out[sec] = time.perf_counter() - t0
+    return out
 
 
 def fit(pred: Sequence[float], real: Sequence[float]) -> dict[str, float]:
