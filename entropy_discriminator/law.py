@@ -30,6 +30,12 @@ token, for the step the optimizer is about to take:
 The terms plus the carry sum to the exact prediction of the step whose gradient is ``Σ_t J_tᵀ ∂L/∂z_t``
 (tested).  Gradient-norm clipping scales ``g`` after the fact: pass its factor as ``grad_scale``.
 :class:`Calibration` turns Corollary 4's cheap score into nats from either prediction on the same batch.
+
+* **Beyond first order**, before the step, along the same ``Δθ``: :func:`step_entropy_curvature` gives
+  ``½ Δθᵀ ∇²θH_B Δθ`` (forward mode over forward mode, no backward), so that the two orders together are exact to
+  second order; :func:`logit_step_entropy_change` expands only the network, ``z + JΔθ [+ ½ Δθᵀ∇²θz Δθ]``, and
+  takes the softmax entropy of the moved logits exactly.  Where the steps are large for the entropy that is left,
+  the first-order prediction overshoots, mostly through the entropy's own curvature, which the latter keeps.
 """
 
 from __future__ import annotations
@@ -108,21 +114,43 @@ class StepLinearisation:
     params: tuple[torch.Tensor, ...]
     scale: tuple[torch.Tensor, ...]
     carry: tuple[torch.Tensor, ...]
+    #: per parameter: True when the preconditioner does not hang on this step's gradient beyond the
+    #: ``(1 - β2) g²`` of Adam's second moment (SGD always; Adam/AdamW from their second step on).  False on
+    #: Adam's first step, ``Δθ = -lr ĝ / (|ĝ| + ε)`` element by element: not additive over tokens.
+    formed: tuple[bool, ...] = ()
 
     def delta(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         """``Δθ_p = scale_p ⊙ g_p + carry_p`` (float64; a None gradient counts as zero)."""
         gs = _aligned("grads", grads, list(self.params))
         return [c if g is None else s * g.to(torch.float64) + c for g, s, c in zip(gs, self.scale, self.carry)]
 
-    def direction(self, entropy_grads: Sequence[torch.Tensor | None]) -> tuple[list[torch.Tensor], float]:
+    def direction(
+        self, entropy_grads: Sequence[torch.Tensor | None], grads: Sequence[torch.Tensor | None] | None = None
+    ) -> tuple[list[torch.Tensor], float]:
         """``(w, carry)``: ``w_p = scale_p ⊙ ∇_p H_B`` (float64, the tangent of :func:`logit_tangents`) and
-        ``carry = Σ_p ∇_p H_B · carry_p``, the predicted change of the step without this step's gradient."""
-        gs = _aligned("entropy_grads", entropy_grads, list(self.params))
+        ``carry = Σ_p ∇_p H_B · carry_p``, the predicted change of the step without this step's gradient.
+
+        A parameter whose preconditioner is not formed (``formed[p]`` False: Adam's first step) is not split
+        over tokens: ``w_p = 0`` and its whole first-order change ``∇_p H_B · Δθ_p(g)`` joins the carry, with
+        ``g`` = ``grads`` (this step's loss gradient, required then; ``ValueError`` naming ``grads`` without it).
+        """
+        ps = list(self.params)
+        gs = _aligned("entropy_grads", entropy_grads, ps)
+        formed = self.formed or (True,) * len(ps)
+        if not all(formed):
+            if grads is None:
+                raise ValueError("grads: this step's loss gradient is needed where the preconditioner is not formed "
+                                 "(Adam's first step), to put that step's change in the carry")
+            deltas = self.delta(grads)
         w, carry = [], 0.0
-        for g, s, c in zip(gs, self.scale, self.carry):
+        for i, (g, s, c) in enumerate(zip(gs, self.scale, self.carry)):
             g64 = torch.zeros_like(s) if g is None else g.detach().to(torch.float64)
-            w.append(s * g64)
-            carry += float((g64 * c).sum())
+            if formed[i]:
+                w.append(s * g64)
+                carry += float((g64 * c).sum())
+            else:
+                w.append(torch.zeros_like(s))
+                carry += float((g64 * deltas[i]).sum())
         return w, carry
 
 
@@ -171,13 +199,14 @@ def linearise_step(
     ps = _params(params)
     groups = _groups_of(optimizer, ps)
     gs = [p.grad for p in ps] if grads is None else _aligned("grads", grads, ps)
-    scale, carry = [], []
+    scale, carry, formed = [], [], []
     for i, (p, g, group) in enumerate(zip(ps, gs, groups)):
         theta = p.detach().to(torch.float64)
         zero = torch.zeros_like(theta)
         if g is None and preconditioner == "step":
             scale.append(zero)
             carry.append(zero)
+            formed.append(True)
             continue
         state = optimizer.state.get(p, {})
         sign = -1.0 if group.get("maximize", False) else 1.0
@@ -197,6 +226,7 @@ def linearise_step(
                 c = c - lr * b * buf.detach().to(torch.float64)
             scale.append(torch.full_like(theta, -lr * a * sign * s))
             carry.append(c)
+            formed.append(True)
             continue
         beta1, beta2 = (float(x) for x in group["betas"])
         eps, amsgrad = float(group["eps"]), bool(group.get("amsgrad", False))
@@ -227,7 +257,8 @@ def linearise_step(
             c = c - d * (1 - beta1) * wd * theta
         scale.append(-d * (1 - beta1) * sign * s)
         carry.append(c)
-    return StepLinearisation(tuple(ps), tuple(scale), tuple(carry))
+        formed.append(step > 0)
+    return StepLinearisation(tuple(ps), tuple(scale), tuple(carry), tuple(formed))
 
 
 def optimizer_step_delta(
@@ -330,6 +361,89 @@ def logit_tangents(
     return z, dz
 
 
+def step_entropy_curvature(
+    fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    named_params: Mapping[str, torch.Tensor],
+    delta: Mapping[str, torch.Tensor],
+    valid: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+) -> float:
+    """The second-order term of the step's entropy change: ``½ Δθᵀ ∇²θH_B Δθ`` (float).
+
+    ``H_B(θ)`` = :func:`batch_mean_entropy` of ``fn(θ)`` over ``valid`` at ``temperature``; ``delta`` maps each
+    name of ``named_params`` to its ``Δθ`` (e.g. :func:`optimizer_step_delta`, read before ``optimizer.step()``;
+    cast to each parameter's dtype).  Added to the first-order :func:`step_entropy_change` it gives
+    ``ΔH_B ≈ ∇θH_B · Δθ + ½ Δθᵀ ∇²θH_B Δθ``, exact to second order in the step.  It is the second derivative of
+    ``ε ↦ H_B(θ + ε Δθ)`` at 0, taken by forward mode over forward mode (``torch.func.jvp`` of a ``jvp``): one
+    pass that carries two tangents, about 3-4 forwards of cost and no backward.  Scaled-dot-product attention
+    runs its math kernel, as in :func:`logit_tangents`.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    t = real_number("temperature", temperature, above=0)
+    if set(delta) != set(named_params):
+        raise ValueError(f"delta must have named_params' keys, got {sorted(set(delta) ^ set(named_params))} differing")
+    prim = {k: v.detach() for k, v in named_params.items()}
+    tang = {}
+    for k, v in prim.items():
+        require_shape(f"delta[{k!r}]", delta[k], v.shape, f"named_params[{k!r}]")
+        tang[k] = delta[k].detach().to(v.dtype)
+
+    def slope(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.func.jvp(lambda q: batch_mean_entropy(fn(q), valid, temperature=t), (p,), (tang,))[1]
+
+    with sdpa_kernel(SDPBackend.MATH):
+        _, second = torch.func.jvp(slope, (prim,), (tang,))
+    return 0.5 * float(second)
+
+
+def logit_step_entropy_change(
+    fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    named_params: Mapping[str, torch.Tensor],
+    delta: Mapping[str, torch.Tensor],
+    valid: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    order: int = 2,
+) -> float:
+    """The step's entropy change with the network expanded in the step and the entropy taken exactly (float).
+
+    ``z = fn(θ)`` ``[..., V]``; ``δz = J Δθ`` and ``δ²z = Δθᵀ ∇²θz Δθ`` (per logit) along ``delta`` (as in
+    :func:`step_entropy_curvature`)::
+
+        ΔH_B ≈ H_B(z + δz [+ ½ δ²z]) - H_B(z)        order 1 [order 2]
+
+    with :func:`batch_mean_entropy` over ``valid`` at ``temperature``.  Exact to first [second] order in the
+    step, like :func:`step_entropy_change` [plus :func:`step_entropy_curvature`], but the softmax entropy, whose
+    curvature dominates when a step is large for the entropy that is left, is not expanded.  Cost: one forward and
+    one forward-mode product (order 1), or one forward-mode product over another (order 2); no backward.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    t = real_number("temperature", temperature, above=0)
+    if order not in (1, 2):
+        raise ValueError(f"order must be 1 or 2, got {order!r}")
+    if set(delta) != set(named_params):
+        raise ValueError(f"delta must have named_params' keys, got {sorted(set(delta) ^ set(named_params))} differing")
+    prim = {k: v.detach() for k, v in named_params.items()}
+    tang = {}
+    for k, v in prim.items():
+        require_shape(f"delta[{k!r}]", delta[k], v.shape, f"named_params[{k!r}]")
+        tang[k] = delta[k].detach().to(v.dtype)
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+        if order == 1:
+            z, dz = torch.func.jvp(fn, (prim,), (tang,))
+            moved = z.double() + dz.double()
+        else:
+            z = fn(prim)
+            dz, d2z = torch.func.jvp(lambda p: torch.func.jvp(fn, (p,), (tang,))[1], (prim,), (tang,))
+            moved = z.double() + dz.double() + 0.5 * d2z.double()
+        before = batch_mean_entropy(z.double(), valid, temperature=t)
+        after = batch_mean_entropy(torch.where(torch.isfinite(z), moved, z.double()), valid, temperature=t)
+    return float(after - before)
+
+
 def token_contributions(
     logits: torch.Tensor,
     tangents: torch.Tensor,
@@ -406,7 +520,11 @@ def token_terms(
     ``H_B`` (:func:`batch_mean_entropy` of ``z`` over ``valid`` at ``temperature``), :func:`linearise_step`
     (``preconditioner``, ``grads``, ``grad_scale`` as there; default ``"step"`` when ``grads`` are given, e.g. this
     step's unmasked loss gradient, else ``"state"``, usable before any backward from the optimizer's second step on), ``w = P ⊙ ∇θH_B``, one :func:`logit_tangents` and
-    :func:`token_contributions` with ``weights`` ``ω_t``.  Cost: one forward and one backward of ``H_B``, one
+    :func:`token_contributions` with ``weights`` ``ω_t``.  Where the optimizer's preconditioner is not formed yet
+    (Adam/AdamW with no step taken: that step is ``lr ĝ / (|ĝ| + ε)`` element by element, so dropping tokens
+    changes its size, not just its sum) a parameter's change is not split over tokens: its terms are 0 and its
+    change ``∇_p H_B · Δθ_p(g)`` is in the carry, so on Adam's first step every term is 0 (the autopilot then
+    drops nothing) and ``carry`` is the exact prediction.  Cost: one forward and one backward of ``H_B``, one
     forward-mode product.  ``entropy_grads`` (``∇θH_B`` aligned with ``named_params``' values, e.g. from the
     training forward's logits, ``retain_graph=True``) skips that forward and backward.  For the step whose loss
     gradient is ``Σ_t ∂L/∂z_t`` with ``∂L/∂z_t = -(ω_t/T)(e_k - p_t)``, ``carry + Σ c_t`` equals
@@ -423,7 +541,7 @@ def token_terms(
     if preconditioner is None:
         preconditioner = "state" if grads is None else "step"
     lin = linearise_step(optimizer, ps, grads=grads, preconditioner=preconditioner, grad_scale=grad_scale)
-    w, carry = lin.direction(gh)
+    w, carry = lin.direction(gh, [p.grad for p in ps] if grads is None else grads)
     z, dz = logit_tangents(fn, {k: p.detach() for k, p in zip(names, ps)}, dict(zip(names, w)))
     terms = token_contributions(z.detach(), dz.detach(), labels, weights, valid, temperature=temperature)
     return TokenTerms(terms, carry)
@@ -490,9 +608,11 @@ __all__ = [
     "TokenTerms",
     "batch_mean_entropy",
     "linearise_step",
+    "logit_step_entropy_change",
     "logit_tangents",
     "optimizer_step_delta",
     "step_entropy_change",
+    "step_entropy_curvature",
     "token_contributions",
     "token_terms",
 ]

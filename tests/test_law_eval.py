@@ -29,6 +29,11 @@ def test_validate_and_autopilot_commands_write_their_tables(tmp_path, capsys):
         assert math.isfinite(r["exact_dH"]) and math.isfinite(r["real_dH"]) and r["sec_token"] > 0
         if r["tag"] != "validate":
             assert {"autopilot_dropped_frac", "autopilot_entropy", "autopilot_target_entropy"} <= set(r)
+        else:  # the second-order and logit-space predictions of the same step
+            assert all(math.isfinite(r[k]) for k in ("exact2_dH", "logit1_dH", "logit2_dH"))
+    for r in records:  # the fixed contexts are the first mini-batch's: their entropy there is the autopilot's H_0
+        if r["tag"] != "validate" and (r["step"], r["mb"]) == (1, 0):
+            assert r["autopilot_entropy_fixed"] == pytest.approx(r["autopilot_entropy"], rel=1e-6)
     s1 = [r for r in records if r["setup"] == "s1" and r["tag"] == "validate"]
     assert len(s1) == 6  # 3 RL steps x 2 mini-batches
     # the exact prediction is first order: it tracks the realised change far better than Corollary 4's scale

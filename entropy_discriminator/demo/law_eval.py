@@ -9,6 +9,10 @@ the step):
 * ``real_dH``: the realised change of the tokens' mean entropy;
 * ``exact_dH``: ``∇θH_B · Δθ`` of the step taken (:func:`~entropy_discriminator.law.step_entropy_change`,
   after the backward and the clipping, before ``optimizer.step()``);
+* plain GRPO runs also: ``exact2_dH``, that plus ``½ Δθᵀ∇²θH_B Δθ``
+  (:func:`~entropy_discriminator.law.step_entropy_curvature`), and ``logit1_dH`` / ``logit2_dH``, the logits
+  expanded to first / second order in the same ``Δθ`` and the entropy taken exactly
+  (:func:`~entropy_discriminator.law.logit_step_entropy_change`), all before the step;
 * ``token_dH``: the per-token path the autopilot uses, computed before the masked backward
   (:func:`~entropy_discriminator.law.token_terms` with Adam's preconditioner and the clipping factor of this step's
   unmasked gradient, one extra backward), summed over the kept tokens, plus its carry;
@@ -165,12 +169,16 @@ def _batch(logits: torch.Tensor, seq: torch.Tensor, resp: torch.Tensor, adv: tor
     return Batch(seq, resp, adv[:, None].expand(resp.shape).contiguous(), old_lp)
 
 
-def run(env: Env, steps: int, *, pilot: EntropyAutopilot | None = None, tag: str = "") -> list[dict[str, float]]:
+def run(env: Env, steps: int, *, pilot: EntropyAutopilot | None = None, tag: str = "", second_order: bool = False
+        ) -> list[dict[str, float]]:
     """``steps`` RL steps of ``env`` (``minibatches`` optimizer steps each); one record per optimizer step.
 
     Loss per mini-batch: PPO's clipped surrogate (plain ``-A r`` without ``ppo_clip``), keep-mask as ``zero_pg``,
     token mean; gradient norm clipped at ``grad_clip``; Adam.  With ``pilot`` the autopilot steps once per
-    optimizer step with the law's per-token terms of that mini-batch.
+    optimizer step with the law's per-token terms of that mini-batch, and each record also holds
+    ``autopilot_entropy_fixed``: the policy's mean token entropy, read with ``autopilot_entropy`` (before the step), on the fixed contexts of the first
+    mini-batch (whose entropy before any step is the autopilot's ``H_0``).  ``second_order`` adds ``exact2_dH``,
+    the first-order prediction plus :func:`~entropy_discriminator.law.step_entropy_curvature` of the same step.
     """
     model = env.model
     params = dict(model.named_parameters())
@@ -179,6 +187,7 @@ def run(env: Env, steps: int, *, pilot: EntropyAutopilot | None = None, tag: str
     cal = law.Calibration()
     clip_factor = 1.0
     records: list[dict[str, float]] = []
+    fixed: torch.Tensor | None = None  # the first mini-batch's sequences (autopilot runs)
     for step in range(1, steps + 1):
         batch = env.sample()
         for mb, idx in enumerate(torch.randperm(len(batch.seq), generator=env.generator).chunk(env.minibatches)):
@@ -214,6 +223,9 @@ def run(env: Env, steps: int, *, pilot: EntropyAutopilot | None = None, tag: str
             res = None
             keep = valid
             if pilot is not None:
+                fixed = seq if fixed is None else fixed
+                with torch.no_grad():
+                    h_fixed = float(token_stats(env.logits(params, fixed), fixed[:, -resp.shape[1]:]).entropy.double().mean())
                 res = pilot.step(adv, s_centered=stats.s_centered, entropy=stats.entropy, valid=valid,
                                  terms=terms.terms, carry=terms.carry)
                 keep = res.keep
@@ -227,8 +239,10 @@ def run(env: Env, steps: int, *, pilot: EntropyAutopilot | None = None, tag: str
             t_bwd = time.perf_counter() - t0
 
             t0 = time.perf_counter()
-            exact = law.step_entropy_change(opt, plist, gh)
+            delta = law.optimizer_step_delta(opt, plist)
+            exact = float(sum(float((h.double() * d).sum()) for h, d in zip(gh, delta) if h is not None))
             t_exact = time.perf_counter() - t0
+            higher = _beyond_first_order(lambda p: env.logits(p, seq), params, delta, valid, exact) if second_order else {}
 
             kept_w = (adv * keep).double()
             cor4 = batch_entropy_change(kept_w, stats.s_centered, valid, lr=env.lr, ratio=ratio.detach())
@@ -247,14 +261,34 @@ def run(env: Env, steps: int, *, pilot: EntropyAutopilot | None = None, tag: str
                 "real_dH": real, "exact_dH": exact, "token_dH": token_pred, "carry_dH": terms.carry, "cor4_dH": cor4,
                 "calibrated_dH": kappa * cor4, "kappa": kappa, "clip_factor": clip_factor, "dropped_frac": 1 - float(keep.sum()) / n,
                 "sec_step": t_fwd + t_bwd + t_step, "sec_entropy_grad": t_grad_h, "sec_exact": t_exact, "sec_token": t_token,
+                **higher,
             }  # fmt: skip
             if res is not None:
                 rec.update(autopilot_entropy=res.entropy, autopilot_entropy_smoothed=res.entropy_smoothed,
                            autopilot_target_entropy=res.target_entropy, autopilot_target_dh=res.target_dh,
                            autopilot_predicted_dh=res.predicted_dh_after, autopilot_dropped_frac=res.dropped_frac,
                            autopilot_capped=float(res.mask.capped))
+                rec["autopilot_entropy_fixed"] = h_fixed
             records.append(rec)
     return records
+
+
+def _beyond_first_order(fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], params: dict[str, torch.Tensor],
+                        delta: Sequence[torch.Tensor], valid: torch.Tensor, first: float) -> dict[str, float]:
+    """The step's predictions beyond first order along ``delta``, each with its seconds: ``exact2_dH`` (``first`` +
+    :func:`~entropy_discriminator.law.step_entropy_curvature`), ``logit1_dH`` / ``logit2_dH``
+    (:func:`~entropy_discriminator.law.logit_step_entropy_change`, ``order`` 1 / 2)."""
+    named_delta = dict(zip(params, delta))
+    out: dict[str, float] = {}
+    for key, sec, predict in (
+        ("exact2_dH", "sec_second", lambda: first + law.step_entropy_curvature(fn, params, named_delta, valid)),
+        ("logit1_dH", "sec_logit1", lambda: law.logit_step_entropy_change(fn, params, named_delta, valid, order=1)),
+        ("logit2_dH", "sec_logit2", lambda: law.logit_step_entropy_change(fn, params, named_delta, valid, order=2)),
+    ):
+        t0 = time.perf_counter()
+        out[key] = predict()
+        out[sec] = time.perf_counter() - t0
+    return out
 
 
 def fit(pred: Sequence[float], real: Sequence[float]) -> dict[str, float]:
@@ -290,7 +324,7 @@ def _job(job: tuple[str, int, int, str, bool, str, str]) -> list[dict[str, float
     env = make_env(setup, seed, quick=True)  # the tiny warm-up is replaced by the saved one
     env.model.load_state_dict(torch.load(Path(folder) / f"{setup}_{seed}.pt", weights_only=True))
     env = _fresh_streams(env, setup, seed)
-    recs = run(env, steps, pilot=None if arm == "validate" else _pilot(arm), tag=arm)
+    recs = run(env, steps, pilot=None if arm == "validate" else _pilot(arm), tag=arm, second_order=arm == "validate")
     for r in recs:
         r["seed"] = seed
     with open(sink, "a") as f:
@@ -393,11 +427,13 @@ def law_table(records: Sequence[dict]) -> list[dict[str, object]]:
 def _law_row(setup: str, runs: str, recs: Sequence[dict]) -> dict[str, object]:
     real = [r["real_dH"] for r in recs]
     row: dict[str, object] = {"setup": setup, "runs": runs, "steps": len(recs)}
-    for key in ("exact_dH", "token_dH", "calibrated_dH", "cor4_dH"):
-        f = fit([r[key] for r in recs], real)
+    for key in ("exact_dH", "exact2_dH", "logit1_dH", "logit2_dH", "token_dH", "calibrated_dH", "cor4_dH"):
+        pairs = [(r[key], y) for r, y in zip(recs, real) if key in r and not math.isnan(r[key])]
+        f = fit(*zip(*pairs)) if len(pairs) > 2 else {"slope": math.nan, "r": math.nan}
         row[f"{key}_slope"], row[f"{key}_r"] = f["slope"], f["r"]
-    for key in ("sec_step", "sec_entropy_grad", "sec_exact", "sec_token"):
-        row[key] = statistics.mean(r[key] for r in recs)
+    for key in ("sec_step", "sec_entropy_grad", "sec_exact", "sec_second", "sec_logit1", "sec_logit2", "sec_token"):
+        vals = [r[key] for r in recs if key in r and not math.isnan(r[key])]
+        row[key] = statistics.mean(vals) if vals else math.nan
     ratios = [abs(r["real_dH"]) / abs(r["cor4_dH"]) for r in recs if r["cor4_dH"]]
     row["real_to_cor4_median"] = statistics.median(ratios) if ratios else math.nan
     return row
@@ -406,8 +442,9 @@ def _law_row(setup: str, runs: str, recs: Sequence[dict]) -> dict[str, object]:
 def autopilot_table(records: Sequence[dict], warm_share: float = 0.2) -> list[dict[str, object]]:
     """Per (set-up, target, seed): the median over RL steps after the first ``warm_share`` of
     ``|H - H*|`` (``H``: the RL step's measured entropy, mean of its mini-batches' ``autopilot_entropy``), the
-    tolerance ``max(0.02, 0.05 H_0)``, and the share of acting steps (dropped share > 0) whose share is strictly
-    below the cap."""
+    tolerance ``max(0.02, 0.05 H_0)``, the standard deviation of ``H - H*`` over those steps, the same median for
+    the policy's entropy on the first mini-batch's fixed contexts (``autopilot_entropy_fixed``), and the share of
+    acting steps (dropped share > 0) whose share is strictly below the cap."""
     cap = AUTOPILOT_SETTINGS["max_frac"]
     rows = []
     keys = sorted({(r["setup"], r["tag"], r["seed"]) for r in records if r["tag"] in TARGETS})
@@ -419,12 +456,16 @@ def autopilot_table(records: Sequence[dict], warm_share: float = 0.2) -> list[di
         h_star = {s: statistics.mean(r["autopilot_target_entropy"] for r in rs) for s, rs in per_step.items()}
         after = [s for s in steps if s > warm_share * len(steps)]
         err = statistics.median(abs(h[s] - h_star[s]) for s in after)
+        h_fixed = {s: statistics.mean(r["autopilot_entropy_fixed"] for r in rs) for s, rs in per_step.items()}
+        err_fixed = statistics.median(abs(h_fixed[s] - h_star[s]) for s in after)
+        noise = statistics.stdev(h[s] - h_star[s] for s in after)
         h0 = per_step[steps[0]][0]["autopilot_entropy"]
         acting = [r["autopilot_dropped_frac"] for r in recs if r["autopilot_dropped_frac"] > 0]
         inside = sum(0 < d < cap - 1e-12 and not r_capped for d, r_capped in
                      ((r["autopilot_dropped_frac"], r["autopilot_capped"]) for r in recs if r["autopilot_dropped_frac"] > 0))
         rows.append({"setup": setup, "target": tag, "seed": seed, "h0": h0, "target_final": h_star[steps[-1]],
                      "median_abs_err": err, "tolerance": max(0.02, 0.05 * h0), "ok_err": err <= max(0.02, 0.05 * h0),
+                     "sd_err": noise, "median_abs_err_fixed": err_fixed, "ok_err_fixed": err_fixed <= max(0.02, 0.05 * h0),
                      "acting_steps": len(acting), "share_inside": inside / len(acting) if acting else math.nan,
                      "ok_share": bool(acting) and inside / len(acting) >= 0.5,
                      "mean_dropped": statistics.mean(r["autopilot_dropped_frac"] for r in recs)})
@@ -449,10 +490,13 @@ def report(records: Sequence[dict], out: Path) -> dict[str, object]:
     ``autopilot_<setup>.png`` under ``out``; returns the two tables."""
     out.mkdir(parents=True, exist_ok=True)
     lt, at = law_table(records), autopilot_table(records)
-    law_cols = ["setup", "runs", "steps", "exact_dH_slope", "exact_dH_r", "token_dH_slope", "token_dH_r", "calibrated_dH_slope",
-                "calibrated_dH_r", "cor4_dH_r", "real_to_cor4_median", "sec_step", "sec_entropy_grad", "sec_exact", "sec_token"]
+    law_cols = ["setup", "runs", "steps", "exact_dH_slope", "exact_dH_r", "exact2_dH_slope", "exact2_dH_r", "logit1_dH_slope",
+                "logit1_dH_r", "logit2_dH_slope", "logit2_dH_r", "token_dH_slope", "token_dH_r", "calibrated_dH_slope",
+                "calibrated_dH_r", "cor4_dH_r", "real_to_cor4_median", "sec_step", "sec_entropy_grad", "sec_exact", "sec_second", "sec_logit1", "sec_logit2",
+                "sec_token"]
     (out / "law.md").write_text(markdown(lt, law_cols) + "\n")
-    ap_cols = ["setup", "target", "seed", "h0", "target_final", "median_abs_err", "tolerance", "ok_err", "acting_steps",
+    ap_cols = ["setup", "target", "seed", "h0", "target_final", "median_abs_err", "tolerance", "ok_err", "sd_err",
+               "median_abs_err_fixed", "ok_err_fixed", "acting_steps",
                "share_inside", "ok_share", "mean_dropped"]
     (out / "autopilot.md").write_text(markdown(at, ap_cols) + "\n")
     try:
@@ -464,14 +508,16 @@ def report(records: Sequence[dict], out: Path) -> dict[str, object]:
         return {"law": lt, "autopilot": at}
     setups = [s for s in SETUPS if any(r["setup"] == s and r["tag"] == "validate" for r in records)]
     if setups:
-        fig, axes = plt.subplots(2, len(setups), figsize=(3.6 * len(setups), 6.4), squeeze=False)
+        kinds = (("exact_dH", "∇H·Δθ (first order)"), ("logit1_dH", "H(z + JΔθ) − H(z)"),
+                 ("logit2_dH", "H(z + JΔθ + ½Δθᵀ∇²zΔθ) − H(z)"), ("token_dH", "per-token path"))
+        fig, axes = plt.subplots(len(kinds), len(setups), figsize=(3.6 * len(setups), 3.2 * len(kinds)), squeeze=False)
         for j, setup in enumerate(setups):
             recs = [r for r in records if r["setup"] == setup and r["tag"] == "validate"]
             real = [r["real_dH"] for r in recs]
-            for i, (key, label) in enumerate((("exact_dH", "exact ∇H·Δθ"), ("token_dH", "per-token path"))):
+            for i, (key, label) in enumerate(kinds):
                 ax = axes[i][j]
                 pred = [r[key] for r in recs]
-                ax.scatter(pred, real, s=4, alpha=0.5)
+                ax.scatter(pred, real, s=3, linewidths=0)
                 lim = max(max(map(abs, pred)), max(map(abs, real)))
                 ax.plot([-lim, lim], [-lim, lim], "k--", lw=0.7)
                 f = fit(pred, real)
@@ -480,27 +526,44 @@ def report(records: Sequence[dict], out: Path) -> dict[str, object]:
                 ax.set_ylabel("realised ΔH, same batch", fontsize=7)
                 ax.tick_params(labelsize=6)
         fig.tight_layout()
-        fig.savefig(out / "law.png", dpi=120)
-        plt.close(fig)
+        _save(fig, out / "law.png")
     for setup in sorted({r["setup"] for r in records if r["tag"] in TARGETS}):
         fig, axes = plt.subplots(2, len(TARGETS), figsize=(11, 5.5), squeeze=False)
         for j, tag in enumerate(TARGETS):
             recs = [r for r in records if r["setup"] == setup and r["tag"] == tag]
-            for seed in sorted({r["seed"] for r in recs}):
+            for seed in sorted({r["seed"] for r in recs}):  # per RL step: the mean of its mini-batches
                 rs = [r for r in recs if r["seed"] == seed]
-                x = [r["step"] + r["mb"] / 2 for r in rs]
-                axes[0][j].plot(x, [r["autopilot_entropy"] for r in rs], lw=0.5, alpha=0.6)
-                axes[0][j].plot(x, [r["autopilot_target_entropy"] for r in rs], "k--", lw=0.8)
-                axes[1][j].plot(x, [r["autopilot_dropped_frac"] for r in rs], lw=0.5, alpha=0.6)
+                x = sorted({r["step"] for r in rs})
+                mean = {k: [statistics.mean(r[k] for r in rs if r["step"] == s) for s in x]
+                        for k in ("autopilot_entropy", "autopilot_target_entropy", "autopilot_dropped_frac")}
+                axes[0][j].plot(x, mean["autopilot_entropy"], lw=0.6)
+                axes[0][j].plot(x, mean["autopilot_target_entropy"], "k--", lw=0.8)
+                axes[1][j].plot(x, mean["autopilot_dropped_frac"], lw=0.6)
             axes[0][j].set_title(f"{setup}, target {tag} the start", fontsize=9)
             axes[0][j].set_ylabel("entropy (solid) vs target (dashed)", fontsize=7)
             axes[1][j].axhline(AUTOPILOT_SETTINGS["max_frac"], color="r", lw=0.7, ls=":")
-            axes[1][j].set_ylabel("dropped share (cap dotted)", fontsize=7)
+            axes[1][j].set_ylabel("dropped share, mean of the RL step (cap dotted)", fontsize=7)
             axes[1][j].set_xlabel("RL step", fontsize=7)
         fig.tight_layout()
-        fig.savefig(out / f"autopilot_{setup}.png", dpi=120)
-        plt.close(fig)
+        _save(fig, out / f"autopilot_{setup}.png")
     return {"law": lt, "autopilot": at}
+
+
+def _save(fig, path: Path) -> None:
+    """Write ``fig`` as a PNG of at most 64 colours (small records), with Pillow when present; closes it."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    try:
+        from PIL import Image
+    except ImportError:
+        path.write_bytes(buf.getvalue())
+        return
+    Image.open(buf).convert("RGB").quantize(colors=64).save(path, optimize=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
