@@ -1,6 +1,6 @@
 """TRL under ``accelerate launch`` with 2 processes: the adapter's global mask against one process on the global batch.
 
-Not collected by pytest; run by hand (tests/gpu/trl_launch_README.md has the commands and the recorded runs).
+Not collected by pytest; run by hand (tests/gpu/launch_trl_README.md has the commands and the recorded runs).
 
 ``train`` (started by ``accelerate launch --num_processes 2``, one process per GPU, or ``--cpu`` over gloo)
 runs the real ``EntropyDiscGRPOTrainer`` on the tiny offline model and prompts (``examples/trl/tiny.py``)
