@@ -56,12 +56,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.bench == "trl-step":  # its own arguments (it also runs on the CPU: --tiny --device cpu)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["trl-step"]:  # its own arguments (it also runs on the CPU: --tiny --device cpu)
         from . import trl_step
 
-        trl_step.main(args.args)
+        trl_step.main(argv[1:])
         return 0
+    args = _parser().parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks need a CUDA device (run them through the device tool)", file=sys.stderr)
         return 2

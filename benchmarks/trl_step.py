@@ -12,13 +12,14 @@ completions = the generation batch, so the adapter reads TRL's training forward)
 
 each with gradient checkpointing on and off.  Per row the arms, each ``--steps`` optimiser steps from
 the same initial weights, in one process: ``clip_v_gen`` (Clip_V with real generation, completions
-recorded), then ``off`` (stock ``GRPOTrainer``), ``monitor``, ``clip_b``, ``clip_v`` with the
-recorded completions replayed, so every arm trains on identical batches.
+recorded; in the first row and GC setting only), then ``off`` (stock ``GRPOTrainer``), ``monitor``,
+``clip_b``, ``clip_v`` with the recorded completions replayed, so every arm of every row trains on
+identical batches (generation time is no part of the measured non-generation step).
 
 Per step: wall time (CUDA-synchronised), the time inside the model's ``generate`` only (so any
 adapter work elsewhere counts against the adapter), the rest (= the non-generation part), and the
 adapter functions' own time (statistics, mask and metrics; each synchronised); per arm: peak
-allocated GPU memory.  Medians of steps 2..N.  Writes ``benchmarks/results/<card>/trl_step.csv``
+allocated GPU memory.  Medians of steps 2..N (N = ``--steps``, default 5: 4 timed steps).  Writes ``benchmarks/results/<card>/trl_step.csv``
 (or ``--out``) and prints a table with ratios vs ``off`` of the same row.
 
     python -m benchmarks trl-step [--steps 4] [--completion 512] [--rows fp32_bf16,bf16] [--gc on,off]
@@ -26,7 +27,9 @@ allocated GPU memory.  Medians of steps 2..N.  Writes ``benchmarks/results/<card
     python -m benchmarks trl-step --tiny --device cpu     # the code path on a tiny model, CPU
 
 Also writes ``step_cost.csv`` (columns card, framework, setup, adapter_share: the adapter's own
-time per step over the stock arm's non-generation step, one row per row, GC setting and arm).
+time per step over the stock arm's non-generation step, per row, GC setting and arm, with the law
+calibration's after-update pass (one no-grad forward of one batch in ``calibrate_every``) spread
+over the batches it serves, and without it).
 On TRL 1.15+ the adapter's statistics come from the tiles of TRL's own fused LM head (a
 ``VocabFold`` read of each tile, timed with CUDA events inside TRL's pass); ``head_pass_calls``
 counts the passes where it computed them from hidden states instead (a head product of its own).
@@ -162,6 +165,7 @@ def run_arm(arm: str, row: str, gc: bool, path: Path, tok, data, ns, recorded: l
     gen_t = Timed(GenerationMixin, "generate")
     timers = [Timed(ed_patch, name) for name in ("stats_from_hidden", "_mask_micro_batch", "_mask_generation_batch")]
     timers += [Timed(HeadTap, "stats"), Timed(VocabFold, "fold", events=True)]
+    calibration = Timed(ed_patch, "_extra_pass")  # the after-update pass of one batch in calibrate_every
     clock = Clock()
     trainer = GRPOTrainer(model=str(path), reward_funcs=reward, args=args, train_dataset=data, processing_class=tok,
                           callbacks=[clock])
@@ -171,12 +175,15 @@ def run_arm(arm: str, row: str, gc: bool, path: Path, tok, data, ns, recorded: l
     try:
         trainer.train()
     finally:
-        for timer in (gen_t, *timers):
+        for timer in (gen_t, *timers, calibration):
             timer.restore()
         GRPOTrainer._generate = real_generate
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
     logs = [h for h in trainer.state.log_history if "entropy" in h]
-    route = getattr(trainer.__dict__.get(ed_patch._CLASS_STATE_ATTR, (None, None))[1], "plan", None)
+    state = trainer.__dict__.get(ed_patch._CLASS_STATE_ATTR, (None, None))[1]
+    route = getattr(state, "plan", None)
+    every = state.config.calibrate_every if state is not None else 0
+    calib = [t for _, t in calibration.calls]
     n = len(clock.steps)
     gen = gen_t.per_step(n) if recorded is None else [0.0] * n  # replayed: no generate call
     adapter = [sum(col) for col in zip(*[t.per_step(n) for t in timers])]
@@ -192,6 +199,12 @@ def run_arm(arm: str, row: str, gc: bool, path: Path, tok, data, ns, recorded: l
         "rest_s": statistics.median([s - g for s, g in zip(clock.steps[sel], gen[sel])]),
         "adapter_s": statistics.median(adapter[sel]),
         "tap_fold_s": statistics.median(fold[sel]),
+        # the calibration's after-update pass (a no-grad forward of one batch in calibrate_every): its mean
+        # time, and that time spread over the calibrate_every batches it serves
+        "calibration_pass_s": statistics.mean(calib) if calib else 0.0,
+        "calibration_s": statistics.mean(calib) / every if calib and every else 0.0,
+        "calibrate_every": every,
+        "calibration_passes": len(calib),
         "head_pass_calls": sum(1 for _ in timers[0].calls),
         "peak_gib": peak,
         "entropy_trl": logs[0].get("entropy", float("nan")),
@@ -211,13 +224,22 @@ STEP_COST_FIELDS = ("card", "framework", "setup", "adapter_share")
 
 
 def step_cost_rows(rows: list[dict], card: str) -> list[dict]:
-    """One row per precision row, GC setting and adapter arm (replayed batches): the adapter's own
-    time (median per step) over the stock arm's non-generation step time of the same row."""
+    """Two rows per precision row, GC setting and adapter arm (replayed batches): the adapter's own
+    time per step (median) over the stock arm's non-generation step time of the same row, with the
+    law calibration's after-update pass spread over its ``calibrate_every`` batches (the default
+    set-up, ``.../calibrate_every=N``) and without it (``calibrate_every=0``)."""
     base = {(r["row"], r["gradient_checkpointing"]): r["rest_s"] for r in rows if r["arm"] == "off"}
-    return [{"card": card, "framework": "trl",
-             "setup": f"{r['row']},gc_{'on' if r['gradient_checkpointing'] else 'off'},{r['arm']}",
-             "adapter_share": r["adapter_s"] / base[(r["row"], r["gradient_checkpointing"])]}
-            for r in rows if r["arm"] in ARMS[1:]]
+    out = []
+    for r in rows:
+        if r["arm"] not in ARMS[1:]:
+            continue
+        setup = f"{r['row']}/gc_{'on' if r['gradient_checkpointing'] else 'off'}/{r['arm']}"
+        stock = base[(r["row"], r["gradient_checkpointing"])]
+        out += [{"card": card, "framework": "trl", "setup": f"{setup}/calibrate_every={r['calibrate_every']}",
+                 "adapter_share": (r["adapter_s"] + r["calibration_s"]) / stock},
+                {"card": card, "framework": "trl", "setup": f"{setup}/calibrate_every=0",
+                 "adapter_share": r["adapter_s"] / stock}]
+    return out
 
 
 def write_step_cost(path: Path, shares: list[dict]) -> None:
@@ -235,9 +257,23 @@ def write_step_cost(path: Path, shares: list[dict]) -> None:
         writer.writerows(keep + shares)
 
 
+def write_results(rows: list[dict], card: str, ns: argparse.Namespace) -> list[dict]:
+    """Write ``trl_step.csv`` (every arm) and the step-cost rows; returns the latter."""
+    folder = next((c for c in ("h100", "h200") if c in card.lower()), card.lower())  # the results/ folder names
+    out = ns.out or Path(__file__).resolve().parent / "results" / folder
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "trl_step.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    shares = step_cost_rows(rows, card)
+    write_step_cost(ns.step_cost or out / "step_cost.csv", shares)
+    return shares
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5, help="optimiser steps per arm; the first is warm-up")
     parser.add_argument("--completion", type=int, default=512)
     parser.add_argument("--batch", type=int, default=64, help="completions per step (8 per prompt)")
     parser.add_argument("--rows", default="fp32_bf16,bf16", help=f"comma-separated, of {list(ROWS)}")
@@ -261,27 +297,23 @@ def main(argv: list[str] | None = None) -> None:
     tok, data = tokenizer(model.config.vocab_size), prompts(ns.batch // 8 * ns.steps)
     del model
     rows: list[dict] = []
+    recorded: list | None = None
     for row in rows_asked:
         for gc in gcs:
-            first = run_arm("clip_v_gen", row, gc, path, tok, data, ns, None)
-            recorded = first.pop("_recorded")
-            group = [first] + [run_arm(arm, row, gc, path, tok, data, ns, recorded) for arm in ARMS]
+            group = []
+            if recorded is None:  # the first row and GC setting generates (HF generate); every arm replays it
+                first = run_arm("clip_v_gen", row, gc, path, tok, data, ns, None)
+                recorded = first.pop("_recorded")
+                group.append(first)
+            group += [run_arm(arm, row, gc, path, tok, data, ns, recorded) for arm in ARMS]
             base = next(r for r in group if r["arm"] == "off")
             for r in group:
                 r["card"] = card
                 r["rest_vs_off_pct"] = 100 * (r["rest_s"] / base["rest_s"] - 1)
                 r["peak_vs_off_pct"] = 100 * (r["peak_gib"] / base["peak_gib"] - 1)
             rows += group
-    folder = next((c for c in ("h100", "h200") if c in card.lower()), card.lower())  # the results/ folder names
-    out = ns.out or Path(__file__).resolve().parent / "results" / folder
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "trl_step.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    shares = step_cost_rows(rows, card)
-    write_step_cost(ns.step_cost or out / "step_cost.csv", shares)
-    print(f"card {card}; medians of steps 2-{ns.steps}; {ns.batch} completions x {ns.completion} tokens; CSV {out}")
+            shares = write_results(rows, card, ns)  # after every row group: a cut-off run keeps what it measured
+    print(f"card {card}; medians of steps 2-{ns.steps}; {ns.batch} completions x {ns.completion} tokens")
     print("| row | GC | arm | generation | route | step s | generate s | rest s | adapter s | rest vs off | peak GiB "
           "| peak vs off |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
