@@ -30,7 +30,7 @@ Also writes ``step_cost.csv`` (columns card, framework, setup, adapter_share: th
 time per step over the stock arm's non-generation step, per row, GC setting and arm, with the law
 calibration's after-update pass (one no-grad forward of one batch in ``calibrate_every``) spread
 over the batches it serves, and without it).
-On TRL 1.15+ the adapter's statistics come from the tiles of TRL's own fused LM head (a
+On TRL 1.16 the adapter's statistics come from the tiles of TRL's own fused LM head (a
 ``VocabFold`` read of each tile, timed with CUDA events inside TRL's pass); ``head_pass_calls``
 counts the passes where it computed them from hidden states instead (a head product of its own).
 """

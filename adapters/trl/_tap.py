@@ -1,4 +1,4 @@
-"""Statistics from the logits tiles of TRL's own fused LM head (TRL 1.15+), no second head product.
+"""Statistics from the logits tiles of TRL's own fused LM head (TRL 1.16), no second head product.
 
 TRL 1.15+ scores completions through ``add_fused_lm_head``: ``ChunkedLogProbFunction`` forms the
 logits ``[4096, 32768]`` tile by tile (``torch.mm`` in the head's compute dtype, plus the bias) and
@@ -8,12 +8,13 @@ folded into a :class:`~entropy_discriminator.vocab_fold.VocabFold` (one more rea
 so the statistics read exactly the logits TRL's log-probs read, in TRL's precision, and cost no
 LM-head product of their own.
 
-The tap relies on the fold's positional layout in the TRL 1.15-1.16 sources
-(``fold(tile, stride, targets[a:b], 7 accumulators, vocab_start, n_cols, ..., logit_scale=,
-softcap=, inv_t=, HAS_SOFTCAP=)``) and on ``ChunkedLogProbFunction.forward(ctx, hidden, weight,
-bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale, outputs)``; a pass it
-cannot read (softcapped logits, no fused head, another layout) leaves :meth:`HeadTap.stats`
-``None`` and the caller computes the statistics from the captured hidden states instead.
+The tap relies on the fold's positional layout in the TRL 1.16 sources (``fold(tile, stride,
+targets[a:b], 7 accumulators, vocab_start, n_cols, ..., logit_scale=, softcap=, inv_t=,
+HAS_SOFTCAP=)``) and on ``ChunkedLogProbFunction.forward(ctx, hidden, weight, bias, targets,
+temperature, chunk_size, final_logit_softcapping, logit_scale, outputs)``; a pass it cannot read
+(softcapped logits, TRL 1.14's full logits, 1.15's head without ``_forward_tile``, another layout)
+leaves :meth:`HeadTap.stats` ``None`` and the caller computes the statistics from the captured
+hidden states instead (one LM-head product).
 """
 
 from __future__ import annotations
