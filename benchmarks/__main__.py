@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     from . import fused_vs_cublas
 
     fused_vs_cublas.add_command(sub)
-    t = sub.add_parser("trl-step", add_help=False, help="the TRL adapter's cost in real GRPO steps (benchmarks/trl_step.py)")
+    t = sub.add_parser("trl-step", add_help=False, allow_abbrev=False, help="the TRL adapter's cost in real GRPO steps (benchmarks/trl_step.py)")
     t.add_argument("args", nargs=argparse.REMAINDER, help="arguments of benchmarks/trl_step.py (--help there)")
     m = sub.add_parser("masks", allow_abbrev=False, help="the public mask and monitor calls")
     m.add_argument("--n", type=int, nargs="+", default=[16384, 262144, 1048576], help="tokens per batch (multiples of 1024)")
