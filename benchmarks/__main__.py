@@ -5,6 +5,8 @@
     python -m benchmarks masks   # clip_b_mask / clip_v_mask / EntropyMonitor.from_stats at 16k-1M tokens
     python -m benchmarks fused-vs-cublas --out benchmarks/results/fused_vs_cublas.csv
                                  # the public fused call vs cuBLAS matmul alone and the unfused pair, Qwen2.5 heads
+    python -m benchmarks trl-step --step-cost benchmarks/results/step_cost.csv
+                                 # the TRL adapter's share of a real GRPO step (TRL 1.16, Qwen2.5-0.5B shapes)
 
 Tables are printed per shape, then the ratios of the public call to the floor and to its kernel,
 and appended to benchmarks/results/<card>/<name>.csv (card: h100, h200, ...; BENCH_RESULTS
@@ -34,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     from . import fused_vs_cublas
 
     fused_vs_cublas.add_command(sub)
+    t = sub.add_parser("trl-step", add_help=False, allow_abbrev=False, help="the TRL adapter's cost in real GRPO steps (benchmarks/trl_step.py)")
+    t.add_argument("args", nargs=argparse.REMAINDER, help="arguments of benchmarks/trl_step.py (--help there)")
     m = sub.add_parser("masks", allow_abbrev=False, help="the public mask and monitor calls")
     m.add_argument("--n", type=int, nargs="+", default=[16384, 262144, 1048576], help="tokens per batch (multiples of 1024)")
     m.add_argument("--rep-ms", type=int, default=100, help="do_bench repetition budget per measurement")
@@ -52,6 +56,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["trl-step"]:  # its own arguments (it also runs on the CPU: --tiny --device cpu)
+        from . import trl_step
+
+        trl_step.main(argv[1:])
+        return 0
     args = _parser().parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks need a CUDA device (run them through the device tool)", file=sys.stderr)

@@ -40,6 +40,7 @@ from . import _autopilot
 from ._mask import KEEP_KEY, apply_keep, compute_mask, keep_advantages, kept_token_count, loss_mask, process_group
 from ._metrics import log_metrics
 from ._stats import HiddenCapture, backbone, restrict, stats_from_hidden
+from ._tap import HeadTap
 from ._support import (
     CURRENT,
     EXTRA_PASS,
@@ -206,11 +207,14 @@ def _logps(trainer: Any, state: AdapterState, original: Callable, model: Any, in
         return original(trainer, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
     state.capture_next = False
     state.pending = None
-    with HiddenCapture(backbone(trainer), logits_to_keep) as capture:
+    with HiddenCapture(backbone(trainer), logits_to_keep) as capture, HeadTap(state.config.impl) as tap:
         out = original(trainer, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-    stats = stats_from_hidden(trainer, capture.hidden(), input_ids[:, -logits_to_keep:],
-                              attention_mask[:, -logits_to_keep:].bool(), chunk_size=state.config.chunk_size,
-                              impl=state.config.impl, autocast_dtype=capture.autocast_dtype)
+    valid = attention_mask[:, -logits_to_keep:].bool()
+    stats = tap.stats(valid)
+    if stats is None:  # TRL's head could not be read (1.14's full logits, softcapped logits): a head pass of ours
+        stats = stats_from_hidden(trainer, capture.hidden(), input_ids[:, -logits_to_keep:], valid,
+                                  chunk_size=state.config.chunk_size, impl=state.config.impl,
+                                  autocast_dtype=capture.autocast_dtype)
     if parked is None:
         state.captured = stats
     else:

@@ -13,6 +13,8 @@ For each the test asserts, on the pass the adapter reads (TRL's training forward
 * the test's float64 recomputation of TRL's distribution gives TRL's own log-prob (to 5e-3 relative:
   a GEMM other than TRL's rounds ~1e-4 of the bf16 logits to the neighbouring value; or to TRL's
   own output rounding), so the reference really is TRL's distribution;
+* on TRL 1.16 the adapter computed them from the logits tiles of TRL's own fused head (no LM-head
+  product of its own; 1.14-1.15: one, from the captured hidden states);
 * the adapter's log-prob equals TRL's own per-token log-prob to rounding: |Δ| ≤ 2e-5 (1 + |logp|)
   where TRL's log-prob is fp32 (both are fp32 log-sum-exps over V = 4096 identical rounded logits,
   ~1e-6 apart), ≤ 2 ulp of TRL's dtype where TRL rounds its log-prob to bf16/fp16 (1.14's
@@ -43,6 +45,7 @@ VOCAB, HIDDEN, TEMPERATURE = 4096, 256, 0.7
 #: thresholds (both sides) that clip a handful of the ~1000 tokens
 MU = {"clip_b": 2.0, "clip_v": 2.5}
 FUSED = Version(trl.__version__) >= Version("1.15.0")
+TAPPED = Version(trl.__version__) >= Version("1.16.0")  # the adapter folds the tiles of TRL's own head
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 #: set-up -> (weights dtype, GRPOConfig overrides)
@@ -116,6 +119,7 @@ class Recorder:
         self.completion_ids: list[torch.Tensor] = []
         self.head: list[torch.Tensor] = []  # the LM-head weight [V, H] at each pass
         self.masks: list[tuple] = []
+        self.head_passes = 0  # passes where the adapter ran an LM-head product of its own (not TRL's tiles)
 
 
 def _run(tmp_path, setup: str, method: str, mu: float) -> Recorder:
@@ -157,14 +161,20 @@ def _run(tmp_path, setup: str, method: str, mu: float) -> Recorder:
         entropy_disc_calibrate_every=0,  # no after-update pass: the last log-prob pass is the one the adapter read
         **overrides,
     )
+    real_head_pass = ed_patch.stats_from_hidden
+
+    def count_head_pass(*a, **kw):
+        rec.head_passes += 1
+        return real_head_pass(*a, **kw)
+
     patch(Probe)
-    ed_patch.compute_mask = record_mask
+    ed_patch.compute_mask, ed_patch.stats_from_hidden = record_mask, count_head_pass
     try:
         trainer = Probe(model=_model(tok, dtype), reward_funcs=_reward, args=args, train_dataset=_prompts(),
                         processing_class=tok)
         trainer.train()
     finally:
-        ed_patch.compute_mask = real_mask
+        ed_patch.compute_mask, ed_patch.stats_from_hidden = real_mask, real_head_pass
     return rec
 
 
@@ -194,6 +204,8 @@ def _reference_keep(z: torch.Tensor, labels: torch.Tensor, advantages: torch.Ten
 def test_adapter_reads_trls_own_distribution(tmp_path, setup):
     rec = _run(tmp_path, setup, "clip_v", MU["clip_v"])
     assert len(rec.masks) == 1 and rec.trl_logps, "one masked pass (the training forward)"
+    # TRL 1.16: the statistics are folded from the tiles of TRL's fused head (no head product of ours)
+    assert rec.head_passes == (0 if TAPPED else 1), rec.head_passes
     stats, advantages, keep_v = rec.masks[0]
     trl_logp, hidden = rec.trl_logps[-1], rec.hidden[-1]  # the training forward: the pass the adapter read
     valid = stats.valid

@@ -1,0 +1,116 @@
+"""Per-token statistics folded over vocabulary chunks of logits that exist one tile at a time.
+
+A framework whose LM head never holds the ``[N, V]`` logits (it forms ``[n, C]`` tiles, reduces
+each and drops it) can hand every tile to :class:`VocabFold` as well: the statistics are then
+those of exactly the logits the framework computed, for the price of one more read of each tile
+(no second LM-head product).
+
+Per token the fold keeps, in base-2 units ``y_i = z_i log2(e)`` (``z`` the transformed logits,
+``y = x c`` with ``c = log2(e) scale / T`` for a raw tile entry ``x``), the running maximum ``m``
+and, against it (``d_i = y_i - m``, ``e_i = 2^d_i``)::
+
+    s0 = sum e,  s1 = sum e d,  s2 = sum e^2,  s3 = sum e^2 d,  and y_k of the label k.
+
+Moving ``m`` to ``m' >= m`` multiplies by ``a = 2^(m - m')`` and shifts ``d`` by ``m - m'``
+(``kernels/_reduce.py`` writes out the algebra).  :meth:`VocabFold.finish` then gives::
+
+    H = log s0 - ln2 s1/s0,   log p_k = ln2 (y_k - m) - log s0,   S* = p_k (H + log p_k),
+    E_p[S] = ln2 (s3 - s2 s1/s0) / s0^2,   S_c = S* - E_p[S].
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import kernels
+
+__all__ = ["VocabFold"]
+
+_LOG2E = 1.4426950408889634
+_LN2 = math.log(2.0)
+# d is clamped here before e*d is formed: 2^-256 is 0 in fp32 (keeps 0 * -inf out of s1, s3).
+_D_FLOOR = -256.0
+
+
+class VocabFold:
+    """Accumulator of the statistics of ``n`` tokens over vocabulary tiles.
+
+    ``state`` is ``[6, n]`` float32: ``m, s0, s1, s2, s3, y_k`` (module doc).  ``scale`` and
+    ``temperature`` define the logits the statistics read: ``z = x * scale / temperature`` for a
+    tile entry ``x`` (upcast to fp32).  ``impl``: ``"auto"`` (the Triton kernel for CUDA tiles
+    when available, else torch), ``"torch"`` or ``"triton"``.
+    """
+
+    def __init__(self, n: int, device: torch.device | str, *, temperature: float = 1.0, scale: float = 1.0,
+                 impl: str = "auto") -> None:
+        if temperature <= 0 or not math.isfinite(temperature):
+            raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+        if not math.isfinite(scale) or scale == 0:
+            raise ValueError(f"scale must be finite and nonzero, got {scale!r}")
+        if impl not in ("auto", "torch", "triton"):
+            raise ValueError(f"impl must be one of ('auto', 'torch', 'triton'), got {impl!r}")
+        self.c = _LOG2E * float(scale) / float(temperature)
+        self.state = torch.zeros((6, n), dtype=torch.float32, device=device)
+        self.state[0].fill_(-math.inf)
+        self.impl = impl
+
+    def fold(self, tile: torch.Tensor, labels: torch.Tensor, row_start: int, vocab_start: int) -> None:
+        """Fold ``tile`` ``[rows, C]`` (any float dtype, unit stride along C): vocabulary ids
+        ``vocab_start .. vocab_start + C - 1`` of tokens ``row_start .. row_start + rows - 1``,
+        whose labels (global ids) are ``labels`` ``[rows]``."""
+        rows, cols = tile.shape
+        if labels.shape != (rows,) or row_start < 0 or row_start + rows > self.state.shape[1]:
+            raise ValueError(f"tile {tuple(tile.shape)} with labels {tuple(labels.shape)} at row {row_start} does not "
+                             f"fit {self.state.shape[1]} tokens")
+        if rows == 0 or cols == 0:
+            return
+        part = self.state[:, row_start : row_start + rows]
+        if self._triton(tile):
+            from .kernels import triton_fold
+
+            triton_fold.fold_tile(tile, labels, vocab_start, self.c, part)
+        else:
+            _fold_torch(tile, labels, vocab_start, self.c, part)
+
+    def _triton(self, tile: torch.Tensor) -> bool:
+        if self.impl == "torch":
+            return False
+        usable = tile.is_cuda and tile.stride(1) == 1 and kernels.is_available()
+        if self.impl == "triton" and not usable:
+            raise RuntimeError("impl='triton' needs a CUDA tile with unit column stride and an importable Triton")
+        return usable
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(logp, entropy, s_star, s_expected)``, each float32 ``[n]`` (module doc)."""
+        m, s0, s1, s2, s3, yk = self.state.unbind(0)
+        log_s0 = torch.log(s0)
+        dbar = s1 / s0
+        entropy = log_s0 - _LN2 * dbar
+        s_expected = _LN2 * (s3 - s2 * dbar) / (s0 * s0)
+        logp = _LN2 * (yk - m) - log_s0
+        s_star = torch.where(logp == -math.inf, torch.zeros_like(logp), logp.exp() * (entropy + logp))
+        return logp, entropy, s_star, s_expected
+
+
+def _fold_torch(tile: torch.Tensor, labels: torch.Tensor, vocab_start: int, c: float, part: torch.Tensor) -> None:
+    """The fold of one tile in torch ops (any device); updates ``part`` ``[6, rows]`` in place."""
+    y = tile.to(torch.float32) * c
+    m = part[0]
+    m_new = torch.maximum(m, y.amax(dim=-1))
+    a = torch.where(m == -math.inf, torch.zeros_like(m), torch.exp2(m - m_new))
+    ad = torch.where(a > 0, a * (m - m_new), torch.zeros_like(a))
+    s0, s1, s2, s3 = part[1].clone(), part[2].clone(), part[3].clone(), part[4].clone()
+    d = torch.where(y == -math.inf, torch.full_like(y, _D_FLOOR), y - m_new[:, None]).clamp_(min=_D_FLOOR)
+    e = torch.exp2(d)
+    ed = e * d
+    part[1] = a * s0 + e.sum(-1)
+    part[2] = a * s1 + ad * s0 + ed.sum(-1)
+    part[3] = a * a * s2 + (e * e).sum(-1)
+    part[4] = a * a * s3 + a * ad * s2 + (ed * e).sum(-1)
+    part[0] = m_new
+    k = labels.to(torch.int64) - vocab_start
+    here = (k >= 0) & (k < tile.shape[1])
+    yk = y.gather(1, torch.where(here, k, 0)[:, None])[:, 0]
+    part[5] = torch.where(here, yk, part[5])
