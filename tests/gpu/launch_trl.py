@@ -289,7 +289,7 @@ def check(out: pathlib.Path, cut: int) -> int:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("mode", choices=("train", "check"))
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--steps", type=int, default=5, help="Clip_V steps")
