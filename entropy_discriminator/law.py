@@ -335,6 +335,22 @@ def batch_mean_entropy(logits: torch.Tensor, valid: torch.Tensor, *, temperature
     return torch.where(v, h, torch.zeros_like(h)).sum() / v.sum().clamp_min(1)
 
 
+def _primals_and_tangents(
+    primals: Mapping[str, torch.Tensor], tangents: Mapping[str, torch.Tensor], names: tuple[str, str]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``primals`` detached and ``tangents`` cast to each primal's dtype, after checking that both map the same
+    names to tensors of equal shapes (``names``: the two arguments' names, for the error)."""
+    prim_name, tang_name = names
+    if set(primals) != set(tangents):
+        raise ValueError(f"{tang_name} must have {prim_name}' keys, got {sorted(set(tangents) ^ set(primals))} differing")
+    prim = {k: v.detach() for k, v in primals.items()}
+    tang = {}
+    for k, v in prim.items():
+        require_shape(f"{tang_name}[{k!r}]", tangents[k], v.shape, f"{prim_name}[{k!r}]")
+        tang[k] = tangents[k].detach().to(v.dtype)
+    return prim, tang
+
+
 def logit_tangents(
     fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
     primals: Mapping[str, torch.Tensor],
@@ -349,13 +365,7 @@ def logit_tangents(
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    if set(primals) != set(tangents):
-        raise ValueError(f"tangents must have primals' keys, got {sorted(set(tangents) ^ set(primals))} differing")
-    prim = {k: v.detach() for k, v in primals.items()}
-    tang = {}
-    for k, v in prim.items():
-        require_shape(f"tangents[{k!r}]", tangents[k], v.shape, f"primals[{k!r}]")
-        tang[k] = tangents[k].detach().to(v.dtype)
+    prim, tang = _primals_and_tangents(primals, tangents, ("primals", "tangents"))
     with sdpa_kernel(SDPBackend.MATH):
         z, dz = torch.func.jvp(fn, (prim,), (tang,))
     return z, dz
@@ -382,13 +392,7 @@ def step_entropy_curvature(
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     t = real_number("temperature", temperature, above=0)
-    if set(delta) != set(named_params):
-        raise ValueError(f"delta must have named_params' keys, got {sorted(set(delta) ^ set(named_params))} differing")
-    prim = {k: v.detach() for k, v in named_params.items()}
-    tang = {}
-    for k, v in prim.items():
-        require_shape(f"delta[{k!r}]", delta[k], v.shape, f"named_params[{k!r}]")
-        tang[k] = delta[k].detach().to(v.dtype)
+    prim, tang = _primals_and_tangents(named_params, delta, ("named_params", "delta"))
 
     def slope(p: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.func.jvp(lambda q: batch_mean_entropy(fn(q), valid, temperature=t), (p,), (tang,))[1]
@@ -424,13 +428,7 @@ def logit_step_entropy_change(
     t = real_number("temperature", temperature, above=0)
     if order not in (1, 2):
         raise ValueError(f"order must be 1 or 2, got {order!r}")
-    if set(delta) != set(named_params):
-        raise ValueError(f"delta must have named_params' keys, got {sorted(set(delta) ^ set(named_params))} differing")
-    prim = {k: v.detach() for k, v in named_params.items()}
-    tang = {}
-    for k, v in prim.items():
-        require_shape(f"delta[{k!r}]", delta[k], v.shape, f"named_params[{k!r}]")
-        tang[k] = delta[k].detach().to(v.dtype)
+    prim, tang = _primals_and_tangents(named_params, delta, ("named_params", "delta"))
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
         if order == 1:
             z, dz = torch.func.jvp(fn, (prim,), (tang,))
