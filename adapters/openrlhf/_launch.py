@@ -12,7 +12,12 @@ the remaining arguments unchanged. While it runs:
   stops the launch with a message naming the settings;
 * ``ray.init`` is wrapped so that the runtime environment OpenRLHF passes gains
   ``worker_process_setup_hook`` (which patches every Ray worker) and the settings in
-  ``env_vars``; OpenRLHF's own ``env_vars`` are kept.
+  ``env_vars``; OpenRLHF's own ``env_vars`` are kept;
+* right after ``ray.init``, before any placement group, the GPUs each model group of the launch asks
+  for (:func:`gpu_demands`) are compared with the GPUs Ray sees: a group that asks for more than the
+  whole cluster has would wait forever (OpenRLHF's ``--*.num_gpus_per_node`` default to 8). On a
+  Ray instance this launch started, the launch stops naming the settings; on a cluster it joined
+  (which an autoscaler may grow) it says so on stderr and goes on.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import math
 import runpy
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from entropy_discriminator import EntropyDiscConfig
 from entropy_discriminator.autopilot import DEFAULT_GAIN, DEFAULT_MAX_STEP, DEFAULT_SMOOTHING
@@ -150,16 +156,65 @@ def parse(argv: Sequence[str]) -> tuple[EntropyDiscConfig, bool, list[str]]:
     return config, ns.realised, rest
 
 
+def gpu_demands(args: Any) -> list[tuple[str, int]]:
+    """``(settings, GPUs)`` of each model group ``train_ppo_ray`` will create from ``args`` (OpenRLHF's
+    hierarchical arguments, as its ``train`` reads them): the actor always, the reference model when
+    ``--algo.kl.init_coef > 0``, the critic when ``--critic.model_name_or_path`` is set, the reward model when
+    ``--reward.remote_url`` is not, and the vLLM engines (``num_engines * tensor_parallel_size``).  Each group
+    places ``num_nodes * num_gpus_per_node`` actors of one GPU (or bundles of one GPU, when colocated), so no
+    group can start on fewer GPUs than that."""
+
+    def group(role: str) -> tuple[str, int]:
+        node = getattr(args, role)
+        return (f"--{role}.num_nodes {node.num_nodes} x --{role}.num_gpus_per_node {node.num_gpus_per_node}",
+                int(node.num_nodes) * int(node.num_gpus_per_node))
+
+    demands = [group("actor")]
+    if float(args.algo.kl.init_coef) > 0:
+        demands.append(group("ref"))
+    if args.critic.model_name_or_path:
+        demands.append(group("critic"))
+    if not args.reward.remote_url:
+        demands.append(group("reward"))
+    engines = args.vllm.num_engines or 0
+    if engines > 0:
+        demands.append((f"--vllm.num_engines {engines} x --vllm.tensor_parallel_size {args.vllm.tensor_parallel_size}",
+                        int(engines) * int(args.vllm.tensor_parallel_size)))
+    return demands
+
+
+def check_gpus(args: Any) -> None:
+    """After ``ray.init``: each of :func:`gpu_demands` against the GPUs of the Ray cluster.  ``SystemExit``
+    naming the settings when this process started the Ray instance (its resources are final); a message on
+    stderr when it joined a cluster (an autoscaler may add GPUs)."""
+    import ray
+
+    gpus = ray.cluster_resources().get("GPU", 0.0)
+    short = [f"{setting} asks for {need} GPU(s)" for setting, need in gpu_demands(args) if need > gpus]
+    if not short:
+        return
+    message = (f"{'; '.join(short)}, but Ray sees {gpus:g} GPU(s): that group would wait for them forever. Set "
+               "the --*.num_nodes / --*.num_gpus_per_node of each model group to what the machine has")
+    node = getattr(ray._private.worker, "_global_node", None)
+    if getattr(node, "head", False):  # this process started the Ray instance
+        ray.shutdown()
+        raise SystemExit(f"error: {message}")
+    print(f"entropy-discriminator: warning: {message} (or let the cluster's autoscaler add them)", file=sys.stderr)
+
+
 @contextlib.contextmanager
-def ray_init_with(extra_env: Callable[[dict | None], dict]) -> Iterator[None]:
-    """Within the block, ``ray.init(..., runtime_env=X)`` receives ``extra_env(X)`` instead."""
+def ray_init_with(extra_env: Callable[[dict | None], dict], after: Callable[[], None] = lambda: None) -> Iterator[None]:
+    """Within the block, ``ray.init(..., runtime_env=X)`` receives ``extra_env(X)`` instead, and ``after()``
+    runs once it returns."""
     import ray
 
     original = ray.init
 
     def init(*args, **kwargs):
         kwargs["runtime_env"] = extra_env(kwargs.get("runtime_env"))
-        return original(*args, **kwargs)
+        context = original(*args, **kwargs)
+        after()
+        return context
 
     ray.init = init
     try:
@@ -169,12 +224,14 @@ def ray_init_with(extra_env: Callable[[dict | None], dict]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def arguments_checked(config: EntropyDiscConfig) -> Iterator[None]:
+def arguments_checked(config: EntropyDiscConfig) -> Iterator[list[Any]]:
     """Within the block, OpenRLHF's ``hierarchize(args)`` checks the arguments it returns against
-    ``config`` and exits (``SystemExit`` with the message) on a combination that is refused."""
+    ``config`` and exits (``SystemExit`` with the message) on a combination that is refused.  Yields the
+    list into which the checked arguments go (the object ``train_ppo_ray`` goes on to read)."""
     from openrlhf.utils import config as openrlhf_config
 
     original = openrlhf_config.hierarchize
+    seen: list[Any] = []
 
     def hierarchize(*args, **kwargs):
         parsed = original(*args, **kwargs)
@@ -182,11 +239,12 @@ def arguments_checked(config: EntropyDiscConfig) -> Iterator[None]:
             check_training_args(parsed, config)
         except UnsupportedConfigurationError as exc:
             raise SystemExit(f"error: {exc}") from None
+        seen.append(parsed)
         return parsed
 
     openrlhf_config.hierarchize = hierarchize
     try:
-        yield
+        yield seen
     finally:
         openrlhf_config.hierarchize = original
 
@@ -199,7 +257,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     saved_argv = sys.argv
     sys.argv = [CLI_MODULE, *rest]
     try:
-        with arguments_checked(config), ray_init_with(lambda env: runtime_env(config, realised=realised, base=env)):
+        with arguments_checked(config) as seen, ray_init_with(
+            lambda env: runtime_env(config, realised=realised, base=env),
+            after=lambda: check_gpus(seen[-1]) if seen else None,
+        ):
             runpy.run_module(CLI_MODULE, run_name="__main__", alter_sys=True)
     finally:
         sys.argv = saved_argv

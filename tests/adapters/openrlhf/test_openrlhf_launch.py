@@ -27,6 +27,7 @@ import subprocess
 import sys
 from importlib.metadata import version
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from packaging.version import Version
@@ -39,7 +40,7 @@ from test_openrlhf import EXAMPLES  # noqa: E402  (skips or fails like it withou
 from launch_assets import write_model, write_prompts_jsonl  # noqa: E402
 from ray_local import STALE_ADDRESS, bootstrap_file, plain_init_outcome  # noqa: E402
 
-from entropy_discriminator.adapters.openrlhf import _experience, _patch  # noqa: E402
+from entropy_discriminator.adapters.openrlhf import _experience, _launch, _patch  # noqa: E402
 
 #: The example's sizes shrunk to the tiny model, no vLLM engine, no TensorBoard; the examples' own default of
 #: one GPU (shared by the colocated models) is kept.
@@ -60,9 +61,10 @@ REACHES_WORKERS = pytest.mark.skipif(
 REWARD = "def reward_func(queries, prompts, labels):\n    return [0.0 for _ in queries]\n"
 
 
-def launch(tmp: Path, script: str, method: str, settings: dict) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    """Run ``script``'s launch (shrunk, with ``settings`` as ``--entropy_disc.*`` flags); returns the finished
-    process and the probe's records."""
+def launch(tmp: Path, script: str, method: str, settings: dict,
+           extra: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """Run ``script``'s launch (shrunk, with ``settings`` as ``--entropy_disc.*`` flags, then ``extra``); returns the
+    finished process and the probe's records."""
     argv = subprocess.run(["bash", str(EXAMPLES / script), method], env={**os.environ, "ED_PRINT_ARGS": "1"},
                           capture_output=True, check=True).stdout.decode().split("\0")[:-1]
     model = write_model(tmp / "model")
@@ -75,6 +77,7 @@ def launch(tmp: Path, script: str, method: str, settings: dict) -> tuple[subproc
     ]
     if script == "ppo_gae.sh":  # its critic starts from the policy
         argv += ["--critic.model_name_or_path", str(model)]
+    argv += list(extra)
     probes = tmp / "probe"
     probes.mkdir()
     env = {
@@ -130,3 +133,40 @@ def test_launch_ignores_a_stale_ray_bootstrap_file(stale_ray_bootstrap, grpo):
     assert bootstrap_file(stale_ray_bootstrap).read_text() == STALE_ADDRESS
     assert "When connecting to an existing cluster" in plain_init_outcome()
     assert "Started a local Ray instance" in grpo[0].stdout + grpo[0].stderr
+
+
+def test_a_model_group_larger_than_the_machine_stops_the_launch_after_ray_init(tmp_path):
+    """OpenRLHF's ``--*.num_gpus_per_node`` default to 8: a group that asks for more GPUs than the Ray instance
+    the launch started would wait for them forever. The launch stops right after ``ray.init``, naming the
+    setting, before any placement group or worker (OpenRLHF 0.10.x too: its ``max_len`` error comes later)."""
+    proc, records = launch(tmp_path, "grpo.sh", "clip_v", {"mu_low": 1.75}, extra=("--ref.num_gpus_per_node", "8"))
+    assert proc.returncode != 0 and records == [], (proc.stdout[-3000:], proc.stderr[-3000:])
+    assert "error: --ref.num_nodes 1 x --ref.num_gpus_per_node 8 asks for 8 GPU(s)" in proc.stderr, proc.stderr[-3000:]
+    assert "Ray sees 1 GPU(s)" in proc.stderr and "--actor.num_nodes" not in proc.stderr  # the actor's 1 fits
+    assert "Traceback" not in proc.stderr
+
+
+def _args(kl: float = 0.0, critic: str | None = None, remote: str | None = "r.py", engines: int | None = 0):
+    """The fields of OpenRLHF's hierarchical arguments that ``gpu_demands`` reads."""
+
+    def group(nodes: int, gpus: int, **more) -> SimpleNamespace:
+        return SimpleNamespace(num_nodes=nodes, num_gpus_per_node=gpus, **more)
+
+    return SimpleNamespace(
+        actor=group(1, 2), ref=group(1, 8), critic=group(2, 4, model_name_or_path=critic),
+        reward=group(1, 3, remote_url=remote), algo=SimpleNamespace(kl=SimpleNamespace(init_coef=kl)),
+        vllm=SimpleNamespace(num_engines=engines, tensor_parallel_size=2),
+    )
+
+
+def test_gpu_demands_follow_the_groups_train_ppo_ray_creates():
+    needs = lambda args: [n for _, n in _launch.gpu_demands(args)]  # noqa: E731
+    assert needs(_args()) == [2]  # the actor only: no KL, no critic, a remote reward, no vLLM
+    assert needs(_args(kl=0.01)) == [2, 8]  # + the reference model
+    assert needs(_args(critic="m")) == [2, 8]  # + the critic: 2 nodes x 4
+    assert needs(_args(remote=None)) == [2, 3]  # + the reward model
+    assert needs(_args(engines=3)) == [2, 6]  # + 3 vLLM engines of tensor parallel size 2
+    assert needs(_args(engines=None)) == [2]  # OpenRLHF's default: no engines
+    settings = [s for s, _ in _launch.gpu_demands(_args(kl=0.01, engines=3))]
+    assert settings[1] == "--ref.num_nodes 1 x --ref.num_gpus_per_node 8"
+    assert settings[2] == "--vllm.num_engines 3 x --vllm.tensor_parallel_size 2"
