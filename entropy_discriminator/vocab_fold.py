@@ -25,6 +25,8 @@ import math
 import torch
 
 from . import kernels
+from ._checks import real_number
+from .stats import IMPLS
 
 __all__ = ["VocabFold"]
 
@@ -45,13 +47,12 @@ class VocabFold:
 
     def __init__(self, n: int, device: torch.device | str, *, temperature: float = 1.0, scale: float = 1.0,
                  impl: str = "auto") -> None:
-        if temperature <= 0 or not math.isfinite(temperature):
-            raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-        if not math.isfinite(scale) or scale == 0:
+        temperature = real_number("temperature", temperature, above=0)
+        if real_number("scale", scale) == 0:
             raise ValueError(f"scale must be finite and nonzero, got {scale!r}")
-        if impl not in ("auto", "torch", "triton"):
-            raise ValueError(f"impl must be one of ('auto', 'torch', 'triton'), got {impl!r}")
-        self.c = _LOG2E * float(scale) / float(temperature)
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        self.c = _LOG2E * float(scale) / temperature
         self.state = torch.zeros((6, n), dtype=torch.float32, device=device)
         self.state[0].fill_(-math.inf)
         self.impl = impl
