@@ -239,10 +239,10 @@ def run(env: Env, steps: int, *, pilot: EntropyAutopilot | None = None, tag: str
             t_bwd = time.perf_counter() - t0
 
             t0 = time.perf_counter()
-            delta = law.optimizer_step_delta(opt, plist)
-            exact = float(sum(float((h.double() * d).sum()) for h, d in zip(gh, delta) if h is not None))
+            exact = law.step_entropy_change(opt, plist, gh)
             t_exact = time.perf_counter() - t0
-            higher = _beyond_first_order(lambda p: env.logits(p, seq), params, delta, valid, exact) if second_order else {}
+            higher = _beyond_first_order(lambda p: env.logits(p, seq), params, law.optimizer_step_delta(opt, plist),
+                                         valid, exact) if second_order else {}
 
             kept_w = (adv * keep).double()
             cor4 = batch_entropy_change(kept_w, stats.s_centered, valid, lr=env.lr, ratio=ratio.detach())
