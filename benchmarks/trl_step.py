@@ -205,7 +205,7 @@ def run_arm(arm: str, row: str, gc: bool, path: Path, tok, data, ns, recorded: l
         "calibration_s": statistics.mean(calib) / every if calib and every else 0.0,
         "calibrate_every": every,
         "calibration_passes": len(calib),
-        "head_pass_calls": sum(1 for _ in timers[0].calls),
+        "head_pass_calls": len(timers[0].calls),
         "peak_gib": peak,
         "entropy_trl": logs[0].get("entropy", float("nan")),
         "entropy_disc_mean": logs[0].get("entropy_disc/entropy/mean", float("nan")),
