@@ -287,7 +287,7 @@ def test_ignore_index_none_counts_every_row():
 # function its binder calls) runs on CPU values, so the classes are checked against it here; the
 # GPU test (tests/gpu) checks the launches themselves.
 
-from hypothesis import given, settings  # noqa: E402
+from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from entropy_discriminator.kernels import _launch  # noqa: E402
@@ -472,6 +472,9 @@ def test_launcher_caches_after_tritons_path_and_steps_aside_for_hooks(monkeypatc
     persistent=st.sampled_from([0, 1]),
     branch=st.sampled_from([0, 1]),  # the -inf mask and the label logit in every tile, or only where needed
 )
+# a last column tile whose two vocabulary entries are both -inf (its rows' tile max is -inf): CI's failing case
+@example(seed=81, n=31, v=66, logits_dtype=torch.bfloat16, scale=2.0**-6, t_low=False, neg_inf=True, temperature=1.0,
+         persistent=0, branch=0)
 def test_fused_kernel_rounds_logits_as_the_reference(seed, n, v, logits_dtype, scale, t_low, neg_inf, temperature,
                                                      persistent, branch):
     """``logits_dtype`` in the epilogue: float64 statistics of the rounded logits (fp16 inputs: the

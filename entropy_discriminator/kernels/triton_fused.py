@@ -131,9 +131,11 @@ def _tile_epilogue(
     else:
         acc = tl.where(rn[None, :] < V, acc, float("-inf"))
     # y = acc * c with c > 0: the row max of y is c times that of acc (rounding is monotone), and
-    # d = y - m is one FMA.
+    # d = y - m is one FMA.  A row whose tile is all -inf (masked vocabulary) keeps m = -inf as its
+    # partial's reference but forms d against 0, so that d is -inf (e = 0), never -inf - -inf = NaN.
     m = tl.reduce(acc, 1, max_nan) * c
-    d = tl.maximum(acc * c - m[:, None], -D_FLOOR)
+    m_ref = tl.where(m > float("-inf"), m, 0.0)
+    d = tl.maximum(acc * c - m_ref[:, None], -D_FLOOR)
     e = exp2(d, FTZ)
     s0 = tl.sum(e, axis=1)
     s1 = tl.sum(e * d, axis=1)
