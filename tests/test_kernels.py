@@ -504,3 +504,42 @@ def test_fused_kernel_bad_rounding_arguments():
         token_stats_fused_triton(hid, hid, labels, None, 1.0, -100, logits_dtype=torch.float64)
     with pytest.raises(ValueError, match="temperature_in_logits_dtype"):
         token_stats_fused_triton(hid, hid, labels, None, 1.0, -100, temperature_in_logits_dtype=True)
+
+
+# --- the vocabulary-fold kernel (kernels/triton_fold.py) ----------------------------------------
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    n=st.integers(1, 6), v=st.integers(2, 3000), cols=st.integers(1, 2500), masked=st.booleans(),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32]), peaked=st.booleans(), seed=st.integers(0, 2**31 - 1),
+)
+# the first tile all -inf for every row: the running max stays -inf through a rescale
+@example(n=2, v=9, cols=3, masked=True, dtype=torch.float32, peaked=False, seed=0)
+def test_fold_kernel_matches_float64_reference(n, v, cols, masked, dtype, peaked, seed):
+    """Tiles of ``cols`` columns (blocks of 2048 inside a tile) folded by the kernel give the float64
+    statistics of the whole rows, with -inf entries (masked vocabulary, whole leading tiles of them)."""
+    from reference import reference_token_stats
+
+    from entropy_discriminator.kernels.triton_fold import fold_tile
+    from entropy_discriminator.vocab_fold import VocabFold
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, v, generator=g) * (8.0 if peaked else 0.05)
+    labels = torch.randint(0, v, (n,), generator=g)
+    if masked:  # 30 % -inf and the first tile entirely, never at the label
+        labels = torch.randint(min(cols, v - 1), v, (n,), generator=g)
+        drop = torch.rand(n, v, generator=g) < 0.3
+        drop[:, :cols] = True
+        drop[torch.arange(n), labels] = False
+        x = x.masked_fill(drop, float("-inf"))
+    x = x.to(dtype)
+    fold = VocabFold(n, "cpu", temperature=0.7)
+    for c0 in range(0, v, cols):
+        fold_tile(x[:, c0 : c0 + cols].contiguous(), labels, c0, fold.c, fold.state)
+    got = dict(zip(FIELDS[:4], fold.finish()))
+    ref = reference_token_stats(x.double(), labels, temperature=0.7)
+    for name, value in got.items():
+        r = ref[name]
+        tol = 2e-5 * (1 + r.abs()) if name in ("logp", "entropy") else 2e-4 * (r.abs() + ref["s_star"].abs().max() + 1e-6)
+        assert ((value.double() - r).abs() <= tol).all(), (name, float((value.double() - r).abs().max()))

@@ -57,9 +57,9 @@ def exp2(d, FTZ: tl.constexpr):
 
 @triton.jit
 def rescale(s0, s1, s2, s3, m_old, m_new):
-    """Move the sums from reference m_old to m_new >= m_old (m_old may be -inf: sums are 0)."""
+    """Move the sums from reference m_old to m_new >= m_old (m_old may be -inf, m_new too: sums are 0)."""
     dl = m_old - m_new
-    a = tl.exp2(dl)
+    a = tl.where(m_old == float("-inf"), 0.0, tl.exp2(dl))
     ad = tl.where(a > 0, a * dl, 0.0)
     s1 = a * s1 + ad * s0
     s0 = a * s0

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._reduce import D_FLOOR
+from ._reduce import D_FLOOR, rescale
 
 _BLOCK = 2048
 
@@ -30,13 +30,7 @@ def _fold_kernel(tile_ptr, stride, labels_ptr, vocab_start, n_cols, c, state_ptr
         offs = start + tl.arange(0, BLOCK)
         y = tl.load(base + offs, mask=offs < n_cols, other=float("-inf")).to(tl.float32) * c
         m_new = tl.maximum(m, tl.max(y, axis=0))
-        dl = m - m_new
-        a = tl.where(m == float("-inf"), 0.0, tl.exp2(dl))
-        ad = tl.where(a > 0, a * dl, 0.0)
-        s1 = a * s1 + ad * s0
-        s0 = a * s0
-        s3 = a * a * s3 + a * ad * s2
-        s2 = a * a * s2
+        s0, s1, s2, s3 = rescale(s0, s1, s2, s3, m, m_new)
         d = tl.maximum(tl.where(y == float("-inf"), -D_FLOOR, y - m_new), -D_FLOOR)
         e = tl.exp2(d)
         ed = e * d
