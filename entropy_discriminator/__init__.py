@@ -5,7 +5,7 @@ the paper's first-order entropy-change predictions (``law``: for the optimizer a
 Pure torch + numpy; training frameworks are reached through ``entropy_discriminator.adapters``.
 """
 
-from .autopilot import AutopilotResult, EntropyAutopilot, autopilot_mask
+from .autopilot import AutopilotResult, EntropyAutopilot, autopilot_mask, fixed_share_mask
 from .config import EntropyDiscConfig
 from .dynamics import batch_entropy_change, entropy_change_logit, entropy_change_step
 from .hidden import token_stats_from_hidden
@@ -29,6 +29,7 @@ __all__ = [
     "TokenStats",
     "apply_keep_mask",
     "autopilot_mask",
+    "fixed_share_mask",
     "batch_entropy_change",
     "clip_b_mask",
     "clip_v_mask",

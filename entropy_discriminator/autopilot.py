@@ -196,6 +196,51 @@ def autopilot_mask(
     )  # fmt: skip
 
 
+def fixed_share_mask(
+    s_centered: torch.Tensor,
+    advantages: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    share: float,
+    raise_entropy: bool = True,
+    lr: float = 1.0,
+    ratio: torch.Tensor | None = None,
+    sides: str = "negative",
+    form: str = "cov",
+    terms: torch.Tensor | None = None,
+    carry: float = 0.0,
+    scale: float = 1.0,
+    process_group: Group = None,
+) -> AutopilotResult:
+    """Drop a fixed share of the tokens every step: the autopilot's selection without its feedback.
+
+    The candidates and their order are the autopilot's (module docstring) for a target that can never be met:
+    with ``raise_entropy`` the tokens with ``c_t < 0`` (those that lower the entropy), else those with ``c_t > 0``,
+    largest ``|c_t|`` first; the first ``min(#candidates, floor(share * N))`` are dropped.  The same as::
+
+        autopilot_mask(..., target_dh=math.inf if raise_entropy else -math.inf, max_frac=share)
+
+    It is the control that isolates the controller: a constant share where the autopilot varies it.
+
+    Args:
+        share: the dropped share of the ``N`` valid tokens, a real in [0, 1] (0 drops nothing).
+        raise_entropy: drop the entropy-lowering tokens (True, the remedy for collapse) or the raising ones.
+        lr: ``eta`` of the cheap score (a finite real > 0): it scales ``predicted_dh_*`` only, never the selection.
+        The rest as in :func:`autopilot_mask`.
+
+    Returns:
+        :class:`AutopilotResult` with ``target_dh`` = +inf or -inf; ``capped`` tells that candidates were left.
+    """
+    if share is None:
+        raise TypeError("share must be a real number in [0, 1], got None")
+    target = math.inf if raise_entropy else -math.inf
+    return _select(
+        s_centered, advantages, valid, None, lr=lr, ratio=ratio, max_frac=share, sides=sides, form=form,
+        terms=terms, carry=carry, scale=scale, process_group=process_group,
+        law=lambda h: (math.nan, math.nan, target), cap_name="share",
+    )  # fmt: skip
+
+
 def _select(
     s_centered: torch.Tensor,
     advantages: torch.Tensor,
@@ -212,8 +257,10 @@ def _select(
     scale: float,
     process_group: Group,
     law: Callable[[float], tuple[float, float, float]],
+    cap_name: str = "max_frac",
 ) -> AutopilotResult:
-    """The selection of the module docstring; ``law(H_t)`` gives ``(Ĥ_t, H*_t, target_dh)`` once ``H_t`` is reduced.
+    """The selection of the module docstring; ``law(H_t)`` gives ``(Ĥ_t, H*_t, target_dh)`` once ``H_t`` is reduced;
+    ``cap_name`` names ``max_frac`` in its errors.
 
     Collectives: one all-reduce of the checks and sums; when something must be dropped, one
     all-gather of the per-rank counts and one of the candidates (``[L, 3]`` float64 per rank).
@@ -232,7 +279,7 @@ def _select(
             eta, kappa = math.nan, math.nan
             real_number("carry", carry)
         if max_frac is not None:
-            real_number("max_frac", max_frac, minimum=0, maximum=1)
+            real_number(cap_name, max_frac, minimum=0, maximum=1)
         one_of("sides", sides, SIDES)
         one_of("form", form, FORMS)
         require_float("s_centered", s_centered)

@@ -125,6 +125,47 @@ def test_selection_equals_reference_on_dyadic_data(data, b, t, per_token, with_r
     _compare(s, a, valid, ratio, kw_terms, exact=True)
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    data=st.data(), b=st.integers(1, 5), t=st.integers(1, 6), per_token=st.booleans(), up=st.booleans(),
+    share=st.sampled_from([0, 0.1, 0.25, 0.5, 1]), sides=st.sampled_from(["negative", "positive", "both"]),
+    form=st.sampled_from(["cov", "mean"]), with_terms=st.booleans(),
+)  # fmt: skip
+def test_fixed_share_drops_the_share_in_the_autopilots_order(data, b, t, per_token, up, share, sides, form, with_terms):
+    """The fixed share drops the first floor(share * N) candidates of the reference's order (all of them when
+    fewer), whatever the prediction: the autopilot's selection toward a target it never meets."""
+    ints = lambda lo, hi, n: data.draw(st.lists(st.integers(lo, hi), min_size=n, max_size=n))  # noqa: E731
+    s = torch.tensor(ints(-8, 8, b * t), dtype=torch.float64).reshape(b, t) / 4
+    a = torch.tensor(ints(-3, 3, b * t if per_token else b), dtype=torch.float64) / 2
+    a = a.reshape(b, t) if per_token else a
+    valid = torch.tensor(data.draw(st.lists(st.booleans(), min_size=b * t, max_size=b * t))).reshape(b, t)
+    terms = torch.tensor(ints(-6, 6, b * t), dtype=torch.float64).reshape(b, t) / 8 if with_terms else None
+    kw = dict(sides=sides, form=form, terms=terms, carry=0.25 if with_terms else 0.0)
+    res = ed.fixed_share_mask(s, a, valid, share=share, raise_entropy=up, lr=0.5, **kw)
+    a_tok = a if per_token else a[:, None].expand(b, t)
+    keep, n_drop, n_pos, capped, p0, after = reference_select(
+        s.reshape(-1).tolist(), a_tok.reshape(-1).tolist(), valid.reshape(-1).tolist(), [1.0] * (b * t), lr=0.5,
+        target=math.inf if up else -math.inf, max_frac=share, sides=sides, form=form,
+        terms=None if terms is None else terms.reshape(-1).tolist(), carry=kw["carry"], scale=1.0,
+    )  # fmt: skip
+    assert res.keep.reshape(-1).tolist() == keep
+    assert (res.mask.n_clipped, res.mask.n_clipped_pos, res.mask.capped) == (n_drop, n_pos, capped)
+    assert n_drop <= math.floor(Fraction(str(share)) * int(valid.sum()))
+    assert res.target_dh == (math.inf if up else -math.inf) if valid.any() else math.isnan(res.target_dh)  # empty: NaN
+    if n_drop:  # every dropped token moves the prediction the asked way
+        assert (res.predicted_dh_after > res.predicted_dh_before) == up
+
+
+def test_fixed_share_refuses_a_bad_share_by_name():
+    s, a, valid = _ok()
+    for bad in (-0.1, 1.5, math.nan, math.inf):
+        with pytest.raises(ValueError, match="share"):
+            ed.fixed_share_mask(s, a, valid, share=bad)
+    for bad in (None, "0.1", True):
+        with pytest.raises(TypeError, match="share"):
+            ed.fixed_share_mask(s, a, valid, share=bad)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_selection_equals_reference_on_random_floats(seed):
     """fp32 scores, per-token and per-sequence advantages, ratio != 1; the target half way to the
@@ -502,6 +543,8 @@ def dist_compute(rows: slice, group) -> dict:
         res = ed.autopilot_mask(s, seq_adv, valid, lr=5.0, target_dh=1.0, sides="positive", max_frac=0.05,
                                 process_group=group)  # fmt: skip
         out["capped", step] = (res.keep, res.mask, res.metrics(), None)
+        res = ed.fixed_share_mask(s, tok_adv, valid, share=0.04, sides="both", ratio=ratio, process_group=group)
+        out["fixed_share", step] = (res.keep, res.mask, res.metrics(), None)
     return out
 
 
@@ -542,4 +585,6 @@ def test_sharded_batch_selects_what_one_process_selects(world, tmp_path):
             assert [got_state[k] for k in numbers] == pytest.approx([state[k] for k in numbers], rel=1e-12, abs=1e-15), key
     assert all(single[name, step][1].n_clipped > 0 for name in ("hold_both", "decay_neg_cap") for step in range(4))
     assert all(single["capped", step][1].capped for step in range(4))
+    assert all(single["fixed_share", step][1].n_clipped == int(0.04 * single["fixed_share", step][1].n_valid)
+               for step in range(4))
     assert any(single["decay_neg_cap", step][1].capped for step in range(4))
