@@ -85,14 +85,10 @@ DEFAULT_MAX_STEP = 0.02
 DEFAULT_MAX_FRAC = 0.05
 #: Weight of the new measurement in the smoothed entropy reading (1: no smoothing).
 DEFAULT_SMOOTHING = 0.2
-#: Weight of each reading's surprise in the drift estimate: ``s^2 / (2 - s)`` at the default smoothing ``s``
-#: (the alpha-beta tracker's pairing of a level and a rate gain), rounded; 0 turns the drift estimate off.
-DEFAULT_DRIFT_SMOOTHING = 0.02
 #: Version of :meth:`EntropyAutopilot.state_dict`'s layout.
-STATE_VERSION = 3
+STATE_VERSION = 2
 _NO_POSITION = float(2**53)  # padding position: after every real one (positions are exact in float64 below 2**53)
-_SETTINGS = ("target_entropy", "decay_steps", "gain", "max_step", "max_frac", "sides", "form", "smoothing",
-             "drift_smoothing")
+_SETTINGS = ("target_entropy", "decay_steps", "gain", "max_step", "max_frac", "sides", "form", "smoothing")
 
 
 @dataclass(frozen=True)
@@ -405,15 +401,13 @@ class EntropyAutopilot:
 
     Law (step ``t`` = number of non-empty batches seen before this one; ``H_t`` the measured batch-mean
     entropy of this batch, ``H_0`` that of the first; ``P_{t-1}`` the previous step's predicted change
-    ``predicted_dh_after``; ``s`` = ``smoothing``, ``β`` = ``drift_smoothing``)::
+    ``predicted_dh_after``; ``s`` = ``smoothing``)::
 
-        Ĥ_0 = H_0,   b_0 = 0
-        F_t = Ĥ_{t-1} + P_{t-1} + b_{t-1}                (the reading the law foresaw for this batch)
-        Ĥ_t = F_t + s (H_t - F_t),   b_t = b_{t-1} + β (H_t - F_t)      (smoothed reading, drift)
+        Ĥ_0 = H_0,   Ĥ_t = (1 - s) (Ĥ_{t-1} + P_{t-1}) + s H_t        (the smoothed reading)
         H*_t = H_0                                     target_entropy="hold"
         H*_t = H_end                                   target_entropy=H_end, decay_steps=None
         H*_t = H_0 + (H_end - H_0) * min(t, D) / D     target_entropy=H_end, decay_steps=D
-        target_dh_t = clip((H*_{t+1} - H*_t) - gain * (Ĥ_t - H*_t) - b_t, -max_step, max_step)
+        target_dh_t = clip((H*_{t+1} - H*_t) - gain * (Ĥ_t - H*_t), -max_step, max_step)
 
     and :func:`autopilot_mask` with ``target_dh_t`` selects the tokens to drop, in either direction.  A batch
     is a new sample of prompts, so ``H_t`` is noisy; ``Ĥ`` follows it through the law's own prediction of the
@@ -421,11 +415,8 @@ class EntropyAutopilot:
     score calibrated to nats) and the selection meets the target, the error ``e = Ĥ - H*`` shrinks by
     ``1 - gain`` per step without momentum; with Adam the step also carries momentum (the law's ``carry``)
     and ``gain / (1 - beta1)`` is the share of the error the projected rest point moves per step
-    (docs/autopilot.md).  ``b`` is the drift the law does not foresee: the mean change per step of the entropy
-    read on a fresh batch beyond the prediction made on the trained one (the step moves other prompts' entropy
-    differently; the law is first order).  Without it, a steady drift ``b`` leaves the entropy ``b / gain`` off
-    target; the target change is asked net of it.  ``b`` estimates the drift from the readings' surprises, not
-    from the error, so saturation (the cap, or no candidate) does not wind it up.
+    (docs/autopilot.md).  Saturation (the cap, or no candidate) leaves the error to the free dynamics;
+    nothing accumulates.
 
     Args:
         target_entropy: ``"hold"`` (hold ``H_0``) or ``H_end`` in nats/token (a finite real >= 0, at most
@@ -435,11 +426,10 @@ class EntropyAutopilot:
         gain: ``k`` in ``(0, 1]``.
         max_step: the band of ``target_dh`` (nats/token per step, > 0, ``inf`` allowed).
         smoothing: ``s`` in ``(0, 1]`` (1: the raw batch reading).
-        drift_smoothing: ``β`` in ``[0, s]`` (0: no drift estimate, the controller of state layout 2).
         vocab_size: the vocabulary size ``V`` when known (an int >= 2): a target above ``log V`` is refused.
         max_frac, sides, form, process_group: as in :func:`autopilot_mask`.
 
-    The controller's memory (``step``, ``H_0``, ``Ĥ``, ``P``, ``b``, the calibration of the cheap score) is
+    The controller's memory (``step``, ``H_0``, ``Ĥ``, ``P``, the calibration of the cheap score) is
     :meth:`state_dict`; restoring it continues the run bit for bit.  Every rank holds the same state.
     """
 
@@ -454,7 +444,6 @@ class EntropyAutopilot:
         sides: str = "negative",
         form: str = "cov",
         smoothing: float = DEFAULT_SMOOTHING,
-        drift_smoothing: float = DEFAULT_DRIFT_SMOOTHING,
         vocab_size: int | None = None,
         process_group: Group = None,
     ) -> None:
@@ -484,15 +473,12 @@ class EntropyAutopilot:
         self.sides = one_of("sides", sides, SIDES)
         self.form = one_of("form", form, FORMS)
         self.smoothing = real_number("smoothing", smoothing, above=0, maximum=1)
-        self.drift_smoothing = real_number("drift_smoothing", drift_smoothing, minimum=0, maximum=self.smoothing)
         self.process_group = process_group
         self.calibration = Calibration()
         self.step_count = 0
         self.h_start: float | None = None
         self.h_smooth: float | None = None
         self.last_predicted = 0.0
-        self.drift = 0.0
-        self._drift_next = 0.0  # b_t of the batch being selected, kept once the batch counts
 
     def settings(self) -> dict[str, Any]:
         """The settings a saved state must match (plain Python values)."""
@@ -506,20 +492,18 @@ class EntropyAutopilot:
             return self.target_entropy
         return h_start + (self.target_entropy - h_start) * (min(step, self.decay_steps) / self.decay_steps)
 
-    def _reading(self, h: float) -> tuple[float, float]:
-        """``(Ĥ_t, b_t)`` of the class docstring for the measured ``H_t = h``."""
+    def _reading(self, h: float) -> float:
+        """``Ĥ_t`` of the class docstring for the measured ``H_t = h``."""
         if self.h_smooth is None:
-            return h, 0.0
-        foreseen = self.h_smooth + self.last_predicted + self.drift
-        surprise = h - foreseen
-        return foreseen + self.smoothing * surprise, self.drift + self.drift_smoothing * surprise
+            return h
+        return (1 - self.smoothing) * (self.h_smooth + self.last_predicted) + self.smoothing * h
 
     def _law(self, h: float) -> tuple[float, float, float]:
         """``(Ĥ_t, H*_t, target_dh_t)`` of the class docstring for the measured ``H_t = h``."""
         h_start = h if self.h_start is None else self.h_start
-        read, self._drift_next = self._reading(h)
+        read = self._reading(h)
         now, nxt = self.target_entropy_at(self.step_count, h_start), self.target_entropy_at(self.step_count + 1, h_start)
-        desired = (nxt - now) - self.gain * (read - now) - self._drift_next
+        desired = (nxt - now) - self.gain * (read - now)
         return read, now, min(max(desired, -self.max_step), self.max_step)
 
     def step(
@@ -552,7 +536,6 @@ class EntropyAutopilot:
                 self.h_start = res.entropy
             self.h_smooth = res.entropy_smoothed
             self.last_predicted = res.predicted_dh_after
-            self.drift = self._drift_next
             self.step_count += 1
         return res
 
@@ -583,10 +566,10 @@ class EntropyAutopilot:
 
     def state_dict(self) -> dict[str, Any]:
         """The controller's memory as plain Python values (picklable, ``torch.load(weights_only=True)``-safe):
-        ``{"version", "settings", "step", "h_start", "h_smooth", "last_predicted", "drift", "calibration"}``."""
+        ``{"version", "settings", "step", "h_start", "h_smooth", "last_predicted", "calibration"}``."""
         return {"version": STATE_VERSION, "settings": self.settings(), "step": self.step_count,
                 "h_start": self.h_start, "h_smooth": self.h_smooth, "last_predicted": self.last_predicted,
-                "drift": self.drift, "calibration": self.calibration.state_dict()}
+                "calibration": self.calibration.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output; ``ValueError`` / ``TypeError`` naming the bad entry.
@@ -601,7 +584,7 @@ class EntropyAutopilot:
                 f"state['version'] is {state['version']!r}, this autopilot's is {STATE_VERSION}: the state was saved "
                 "by an earlier autopilot (another law and state layout) and cannot continue this one; start fresh"
             )
-        keys = {"version", "settings", "step", "h_start", "h_smooth", "last_predicted", "drift", "calibration"}
+        keys = {"version", "settings", "step", "h_start", "h_smooth", "last_predicted", "calibration"}
         if set(state) != keys:
             raise ValueError(f"state must have the keys {sorted(keys)}, got {sorted(map(str, state))}")
         settings = state["settings"]
@@ -622,9 +605,7 @@ class EntropyAutopilot:
         if (step == 0) != (h_start is None) or (h_start is None) != (h_smooth is None):
             raise ValueError(f"state['h_start'] and state['h_smooth'] must be None exactly when state['step'] is 0, got {state!r}")
         last = real_number("state['last_predicted']", state["last_predicted"])
-        drift = real_number("state['drift']", state["drift"])
         calibration = Calibration(forgetting=self.calibration.forgetting)
         calibration.load_state_dict(state["calibration"])
         self.step_count, self.h_start, self.h_smooth, self.last_predicted = step, h_start, h_smooth, last
-        self.drift = drift
         self.calibration = calibration
