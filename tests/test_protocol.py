@@ -14,10 +14,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from entropy_discriminator import EntropyAutopilot, token_stats
-from entropy_discriminator.demo import headtohead, protocol
-from entropy_discriminator.demo.compare import CompareConfig, rollout, warm_up
-from entropy_discriminator.demo.countdown import CountdownTask, pass_at_k
-from entropy_discriminator.demo.headtohead import (
+from entropy_lab import headtohead, protocol
+from entropy_lab.compare import CompareConfig, rollout, warm_up
+from entropy_lab.countdown import CountdownTask, pass_at_k
+from entropy_lab.headtohead import (
     AdaptiveEntropyCoef,
     Arm,
     heldout_sets,
@@ -25,7 +25,7 @@ from entropy_discriminator.demo.headtohead import (
     warm_up_checkpoints,
 )
 from entropy_discriminator.demo.model import TinyGPT
-from entropy_discriminator.demo.protocol import (
+from entropy_lab.protocol import (
     RunSpec,
     endpoints,
     main_arms,
@@ -36,8 +36,8 @@ from entropy_discriminator.demo.protocol import (
     run_stage,
     write_selection,
 )
-from entropy_discriminator.demo.stats_tests import holm, paired_test, t_quantile_975, t_two_sided_p, value_at_level
-from entropy_discriminator.demo.tuning import (
+from entropy_lab.stats_tests import holm, paired_test, t_quantile_975, t_two_sided_p, value_at_level
+from entropy_lab.tuning import (
     SETTINGS_PER_FAMILY,
     adaptive_bonus_arms,
     autopilot_arms,

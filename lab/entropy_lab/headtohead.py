@@ -1,7 +1,7 @@
 """The head-to-head of issue 21: a warm start that has learned signed-sum Countdown, RL arms with every peer
 hyperparameter exposed, and checkpoint evaluation at several temperatures on disjoint held-out prompt sets.
 
-The RL step is :func:`entropy_discriminator.demo.compare.run_arm`'s (verl-style: sample ``prompts_per_step x
+The RL step is :func:`entropy_lab.compare.run_arm`'s (verl-style: sample ``prompts_per_step x
 group_size`` responses at temperature 1 with the current policy, advantages once, ``minibatches`` shuffled optimiser
 steps with PPO's clipped surrogate, token-mean, grad-norm 1), generalised so that every setting the tuning stage varies
 is a field of :class:`Arm` (learning rate, PPO clip ratios, Clip_V's cap, forking tokens' rho, Clip-Cov's bounds,
@@ -9,7 +9,7 @@ KL-Cov's coefficient, the rank penalty) and so that the policy is evaluated at f
 
 Evaluation (:func:`evaluate_at`): ``samples`` samples of each prompt of a fixed prompt set at temperature ``T``;
 ``avg`` = mean correctness (Avg@K for every K), ``pass@K`` = mean over prompts of the unbiased estimator
-``1 - C(n - c, K) / C(n, K)`` (:func:`~entropy_discriminator.demo.countdown.pass_at_k`).  The sampling stream of a
+``1 - C(n - c, K) / C(n, K)`` (:func:`~entropy_lab.countdown.pass_at_k`).  The sampling stream of a
 checkpoint evaluation depends on (seed, checkpoint index, temperature) only, so the arms of a seed share it (paired).
 """
 
@@ -34,9 +34,9 @@ from .compare import (
     rollout,
     value_update,
 )
-from .. import EntropyDiscConfig, EntropyAutopilot, token_stats
+from entropy_discriminator import EntropyDiscConfig, EntropyAutopilot, token_stats
 from .countdown import CountdownTask, pass_at_k
-from .model import TinyGPT
+from entropy_discriminator.demo.model import TinyGPT
 
 MASKS = ("none", "clip_b", "clip_v", "forking", "autopilot")
 #: Pass@K reported at every evaluation.
@@ -45,8 +45,8 @@ EVAL_KS = (1, 4, 16, 64)
 
 @dataclass(frozen=True)
 class HeadConfig(CompareConfig):
-    """:class:`~entropy_discriminator.demo.compare.CompareConfig` plus the task's target distribution
-    (:class:`~entropy_discriminator.demo.countdown.CountdownTask` ``targets``: ``coef`` or ``uniform``)."""
+    """:class:`~entropy_lab.compare.CompareConfig` plus the task's target distribution
+    (:class:`~entropy_lab.countdown.CountdownTask` ``targets``: ``coef`` or ``uniform``)."""
 
     targets: str = "coef"
 
@@ -171,7 +171,7 @@ class AdaptiveEntropyCoef:
 def warm_up_checkpoints(
     cfg: CompareConfig, seed: int, at_steps: tuple[int, ...], on_step: Callable[[int, dict[str, torch.Tensor]], None]
 ) -> dict[str, torch.Tensor]:
-    """:func:`entropy_discriminator.demo.compare.warm_up` (the same random streams, so the same weights for the same
+    """:func:`entropy_lab.compare.warm_up` (the same random streams, so the same weights for the same
     ``cfg`` and ``seed``) that also calls ``on_step(step, state)`` after each step in ``at_steps``; runs
     ``cfg.warmup_steps`` steps and returns the final CPU state dict."""
     task = cfg.task()

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import (
+from entropy_discriminator import (
     TokenStats,
     apply_keep_mask,
     batch_entropy_change,
@@ -36,7 +36,7 @@ from .. import (
     clip_v_mask,
     token_stats,
 )
-from ..baselines import (
+from entropy_discriminator.baselines import (
     clip_cov_losses,
     entropy_bonus,
     high_entropy_mask,
@@ -45,11 +45,11 @@ from ..baselines import (
     unlikeliness_scores,
 )
 from .countdown import VOCAB_SIZE, CountdownTask, pass_at_k
-from .model import ModelConfig, TinyGPT
+from entropy_discriminator.demo.model import ModelConfig, TinyGPT
 from .compare_metrics import EVAL_KS, dh_correlation
 from .compare_report import plots_available, write_report
 from .records import has_records, read_records_text
-from .train import group_advantages
+from entropy_discriminator.demo.train import group_advantages
 
 ESTIMATORS = ("grpo", "ppo")
 LOSSES = ("ppo_clip", "clip_cov", "kl_cov")

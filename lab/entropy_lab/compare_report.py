@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 from .compare_metrics import EVAL_KS, dh_correlation
-from .report import mean_ci
+from .stats_tests import mean_ci
 
 METRICS = [("avg", "Avg@K"), *[(f"pass@{k}", f"Pass@{k}") for k in EVAL_KS], ("entropy_final", "final H"),
            ("control_frac", "control frac"), ("ppo_clip_frac", "PPO clip frac"), ("dH_corr", "dH corr"),

@@ -10,9 +10,11 @@ import json
 import math
 from pathlib import Path
 
+from entropy_discriminator.demo.report import PLOT_HINT, format_table, have_matplotlib, pyplot, smooth
+from entropy_discriminator.demo.train import pearson, sign_agreement
+
 from .records import open_records, read_records_text
-from .report import PLOT_HINT, format_table, have_matplotlib, mean_ci, pyplot, smooth
-from .train import pearson, sign_agreement
+from .stats_tests import mean_ci
 
 Runs = dict[tuple[str, str, int], list[dict[str, float]]]
 
