@@ -1,7 +1,7 @@
 """The head-to-head of issue 21 through TRL's real ``GRPOTrainer`` and the TRL adapter (item 6), next to the project's
 own loop on the same seeds: GRPO vs GRPO + Clip_B (tuned, mu = 2) vs GRPO + Clip_V (mu = 2.5, no cap).
 
-Per seed: one warm start (:func:`~entropy_lab.headtohead.warm_up_checkpoints`, the pre-registered
+Per seed: one warm start (:func:`~entropy_lab.rl.warm_up`, the pre-registered
 config: TinyGPT d 64, 2 layers, 1,000 supervised steps on signed-sum Countdown with uniform targets), shared by both
 paths and every arm.  Per (path, arm, seed): RL from it, evaluated at the same checkpoints with the same
 :func:`~entropy_lab.headtohead.evaluate_at` (test prompts of ``heldout_sets``, T = 0.7 and 1.0,
@@ -21,11 +21,11 @@ endpoints; ``comparison.json``, ``entropy_curves.csv`` and, with matplotlib, the
 
 GPU run (one H100/H200; TRL trains on the GPU, evaluation and the own loop on CPU cores)::
 
-    PYTHONPATH=. python examples/trl/headtohead_trl.py --seeds 0/1/2 --device cuda --jobs 12 --out OUT
+    PYTHONPATH=.:lab python examples/trl/headtohead_trl.py --seeds 0/1/2 --device cuda --jobs 12 --out OUT
 
 CPU smoke (under 2 minutes)::
 
-    PYTHONPATH=. python examples/trl/headtohead_trl.py --tiny --out /tmp/h2h_trl
+    PYTHONPATH=.:lab python examples/trl/headtohead_trl.py --tiny --out /tmp/h2h_trl
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from entropy_lab.headtohead import Arm, HeadConfig, run_arm_checkpoints
+from entropy_lab.headtohead import HeadConfig, run_arm_checkpoints
 from entropy_lab.protocol import (
     DELTAS,
     ENDPOINT_KS,
@@ -58,6 +58,7 @@ from entropy_lab.protocol import (
     save_warm_start,
 )
 from entropy_lab.records import append_jsonl, has_records
+from entropy_lab.rl import Arm
 from entropy_lab.stats_tests import paired_test
 
 #: The pre-registered warm start (docs/reproduction/headtohead/PREREGISTRATION.md, ``CFG``).

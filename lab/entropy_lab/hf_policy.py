@@ -27,8 +27,9 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel, PreTrainedTokenizerFast, PretrainedConfig
 from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
 
-from .countdown import EQUALS, MINUS, PLUS, SKIP, VOCAB_SIZE, CountdownTask
 from entropy_discriminator.demo.model import ModelConfig, TinyGPT, add_trunk, trunk
+
+from .countdown import EQUALS, MINUS, PLUS, SKIP, VOCAB_SIZE, CountdownTask
 
 #: Text of each task token id (index = id).
 TOKEN_TEXT = [str(d) for d in range(10)] + ["+", "-", "=", "_"]

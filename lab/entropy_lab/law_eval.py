@@ -43,8 +43,9 @@ from torch.func import functional_call
 
 from entropy_discriminator import EntropyAutopilot, apply_keep_mask, batch_entropy_change, law, token_stats
 from entropy_discriminator.baselines import ppo_clip_losses
-from .records import load_jsonl
 from entropy_discriminator.demo.train import TrainConfig, group_advantages, warm_up
+
+from .records import load_jsonl
 
 #: The set-ups: the demo task, the custom loop, the autopilot evaluation's S1 and S2.
 SETUPS = ("demo", "custom", "s1", "s2")
@@ -112,7 +113,7 @@ def make_env(setup: str, seed: int, *, quick: bool = False) -> Env:
         g, p_len = cfg.group_size, task.prompt_len
 
         def sample() -> Batch:
-            a, b = task.sample_operands(cfg.prompts_per_step, gen, split="train")
+            a, b = task.sample(cfg.prompts_per_step, gen, split="train")
             seq = model.generate(task.prompts(a, b).repeat_interleave(g, 0), task.response_len, temperature=1.0,
                                  generator=gen)
             resp = seq[:, p_len:]
@@ -143,14 +144,14 @@ def make_env(setup: str, seed: int, *, quick: bool = False) -> Env:
             return functional_call(model, params, (seq[:, :-1],))[:, cl.PROMPT_LEN - 1 :]
 
         return Env(setup, model, 5e-4, 1, None, None, sample, model_logits, gen)
-    from .headtohead import warm_up_checkpoints
+    from .rl import warm_up as warm_start
     from entropy_discriminator.demo.model import TinyGPT
     from .protocol import parse_config
 
     cfg = parse_config(HEAD_CONFIGS[setup])
     if quick:
         cfg = replace(cfg, warmup_steps=20)
-    state = warm_up_checkpoints(cfg, seed, (), lambda step, st: None)
+    state = warm_start(cfg, seed)
     task = cfg.task()
     torch.manual_seed(seed)
     model = TinyGPT(cfg.model_config())
@@ -373,7 +374,7 @@ def _reseeded_head(env: Env, setup: str, seed: int) -> Env:
 def _head_sampler(cfg, task, model: torch.nn.Module, seed: int) -> tuple[Callable[[], Batch], torch.Generator]:
     """A set-up's rollout batches from ``model`` (prompt stream seeded ``seed``, sampling stream ``seed + 1``) and
     the sampling generator."""
-    from .compare import rollout
+    from .rl import rollout
 
     prompt_gen, sample_gen = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)
 

@@ -27,11 +27,12 @@ from pathlib import Path
 import torch
 
 from entropy_discriminator.demo.model import TinyGPT
-from .records import has_records
 from entropy_discriminator.demo.report import TextProgress, prepare_output_folder, write_csv
 from entropy_discriminator.demo.runner import WARMUP_TARGET, resolve_device, torch_threads
 from entropy_discriminator.demo.theory import tabular_check, tabular_start
 from entropy_discriminator.demo.train import ArmResult, ArmSpec, TrainConfig, evaluate, run_arm, warm_up
+
+from .records import has_records
 
 SIZES: dict[str, dict[str, object]] = {
     "gpu": {

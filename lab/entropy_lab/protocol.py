@@ -33,10 +33,12 @@ from pathlib import Path
 import torch
 
 from entropy_discriminator.autopilot import DEFAULT_MAX_FRAC as AUTOPILOT_MAX_FRAC
-from .compare import CompareConfig, _pool_map
-from .headtohead import Arm, HeadConfig, eval_stream, evaluate_at, heldout_sets, run_arm_checkpoints, warm_up_checkpoints
 from entropy_discriminator.demo.model import TinyGPT
+
+from .compare import CompareConfig, _pool_map
+from .headtohead import HeadConfig, eval_stream, evaluate_at, heldout_sets, run_arm_checkpoints
 from .records import append_jsonl, load_jsonl
+from .rl import Arm, warm_up
 from .stats_tests import holm, paired_test, value_at_level
 from .tuning import adaptive_bonus_arms, autopilot_arms, second_lr, select, stage_a, stage_b
 
@@ -108,7 +110,7 @@ def _warm_sweep_job(job: tuple[str, CompareConfig, int, tuple[int, ...], int, in
             _append(Path(sink), {"candidate": name, "seed": seed, "step": step, "temperature": temp, "avg": ev["avg"],
                                  "pass": ev["pass"], "seconds": time.perf_counter() - t0, "config": asdict(cfg)})
 
-    warm_up_checkpoints(replace(cfg, warmup_steps=max(at_steps)), seed, at_steps, on_step)
+    warm_up(replace(cfg, warmup_steps=max(at_steps)), seed, at_steps=at_steps, on_step=on_step)
     return {"candidate": name, "seed": seed, "seconds": time.perf_counter() - t0}
 
 
@@ -159,11 +161,11 @@ class RunSpec:
 
 
 def save_warm_start(cfg: CompareConfig, seed: int, path: str) -> tuple[dict[str, torch.Tensor], float]:
-    """Warm up ``seed`` on one thread (:func:`warm_up_checkpoints`), save the state dict to ``path``; returns
+    """Warm up ``seed`` on one thread (:func:`entropy_lab.rl.warm_up`), save the state dict to ``path``; returns
     ``(state, seconds)``."""
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    state = warm_up_checkpoints(cfg, seed, (), lambda step, st: None)
+    state = warm_up(cfg, seed)
     torch.save(state, path)
     return state, time.perf_counter() - t0
 

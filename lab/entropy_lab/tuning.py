@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from .headtohead import Arm
+
+from .rl import Arm
 from .stats_tests import value_at_level
 
 SETTINGS_PER_FAMILY = 4
