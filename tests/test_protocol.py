@@ -19,6 +19,8 @@ from entropy_lab.compare import CompareConfig
 from entropy_lab.countdown import CountdownTask, pass_at_k
 from entropy_lab.headtohead import heldout_sets, run_arm_checkpoints
 from entropy_discriminator.demo.model import TinyGPT
+from entropy_discriminator.demo.train import LoopConfig
+from entropy_discriminator.demo.train import warm_up as demo_warm_up
 from entropy_lab.rl import AdaptiveEntropyCoef, Arm, rollout, warm_up
 from entropy_lab.protocol import (
     RunSpec,
@@ -173,6 +175,21 @@ def test_heldout_sets_are_disjoint_and_held_out() -> None:
     test_keys = {(*a.tolist(), int(b)) for a, b in zip(xt, tt)}
     val_keys = [(*a.tolist(), int(b)) for a, b in zip(xv, tv)]
     assert len(set(val_keys)) == 60 and not test_keys & set(val_keys)
+
+
+def test_warm_up_is_the_demos_and_refuses_the_demos_target_on_countdown() -> None:
+    """``rl.warm_up`` is the library demo's warm-up on a fresh seeded TinyGPT; its ``target_avg`` (the demo's
+    addition evaluation) is refused by name on another configuration, and ``LoopConfig`` itself names no task."""
+    cfg = replace(CompareConfig(d_model=16), warmup_steps=3, warmup_batch=16)
+    torch.manual_seed(5)
+    model = TinyGPT(cfg.model_config())
+    assert demo_warm_up(model, cfg, seed=5, device=torch.device("cpu"))["steps"] == 3
+    state = warm_up(cfg, 5)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="target_avg needs a TrainConfig"):
+        demo_warm_up(model, cfg, seed=5, device=torch.device("cpu"), target_avg=0.3)
+    with pytest.raises(TypeError, match="abstract"):
+        LoopConfig()
 
 
 def test_warm_up_checkpoints_are_the_states_of_shorter_warm_ups() -> None:

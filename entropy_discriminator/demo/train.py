@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -77,12 +78,12 @@ class ArmSpec:
 
 
 @dataclass(frozen=True)
-class LoopConfig:
+class LoopConfig(ABC):
     """What every experiment's training loop shares (the demo's :class:`TrainConfig`, the research harness's
     configurations): the policy's size (``d_model``, ``n_layers``, ``n_heads``), the supervised warm-up of
     :func:`warm_up` (``warmup_steps`` Adam steps at ``warmup_lr`` on ``warmup_batch`` problems, targets wrong with
     probability ``warmup_noise``) and the RL batch (``prompts_per_step`` prompts x ``group_size`` samples, Adam at
-    ``lr``).  A subclass names its task (:meth:`task`)."""
+    ``lr``).  Abstract: a subclass names its task (:meth:`task`)."""
 
     d_model: int = 64
     n_layers: int = 2
@@ -104,10 +105,10 @@ class LoopConfig:
         if self.group_size < 2:
             raise ValueError(f"group_size must be >= 2 (GRPO needs a group), got {self.group_size}")
 
+    @abstractmethod
     def task(self) -> AdditionTask:
         """The task: an object with ``vocab_size``, ``prompt_len``, ``response_len`` and ``sample(count, generator,
         split=)``, ``prompts``, ``warmup_targets``, ``rewards`` of the sampled problem (as :class:`AdditionTask`)."""
-        raise NotImplementedError(f"{type(self).__name__} must name its task")
 
     def model_config(self) -> ModelConfig:
         """:class:`ModelConfig` sized for the task: its vocabulary, ``max_len = prompt_len + response_len``."""
