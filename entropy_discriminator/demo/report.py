@@ -135,6 +135,13 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, path: Path, *, dpi: int) -> None:
+    """Lay ``fig`` out (``tight_layout``), write it to ``path`` at ``dpi`` and close it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+
+
 #: Line style per arm (by position), so that the arms differ in more than colour.
 ARM_STYLES = ("-", "--", "-.", ":")
 
@@ -172,9 +179,7 @@ def plot_demo(path: Path, curves: dict[str, list[dict[str, float]]], *, window: 
     top[1].set(title=f"training reward (moving average, {window} steps)", xlabel="GRPO step", ylabel="pass rate")
     for ax in top:
         ax.legend(fontsize=9)
-    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
     return fig
 

@@ -34,6 +34,7 @@ import torch
 
 from entropy_discriminator.autopilot import DEFAULT_MAX_FRAC as AUTOPILOT_MAX_FRAC
 from entropy_discriminator.demo.model import TinyGPT
+from entropy_discriminator.demo.report import save_figure
 
 from .compare import CompareConfig, _pool_map
 from .headtohead import HeadConfig, eval_stream, evaluate_at, heldout_sets, run_arm_checkpoints
@@ -371,10 +372,8 @@ def frontier_figure(runs: Sequence[dict], out: Path, temperature: float = 0.7, k
     axes[0][0].set_ylabel(f"Pass@{k} (T = {temperature})")
     fig.suptitle(f"accuracy-diversity frontier over checkpoints (mean over {len(start) // max(len(by), 1)} seeds, "
                  "bars 95%)\ndotted: start + 0.02 / + 0.04", fontsize=10)
-    fig.tight_layout()
     path = out / f"frontier_T{temperature}_pass{k}.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
     return path
 
 
