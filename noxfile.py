@@ -29,7 +29,7 @@ def core(session: nox.Session) -> None:
     harness (``lab/``, package ``entropy_lab``) installed after the library."""
     session.install(TORCH)
     session.install("-e", ".[test,plot]")
-    session.install("--no-deps", "-e", "./lab")
+    session.install("--no-deps", "-e", "./lab")  # its requirements, the library and torch, are the lines above
     session.run(*PYTEST, "tests", "--ignore=tests/adapters", *session.posargs)
 
 
