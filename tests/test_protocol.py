@@ -14,18 +14,15 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from entropy_discriminator import EntropyAutopilot, token_stats
-from entropy_discriminator.demo import headtohead, protocol
-from entropy_discriminator.demo.compare import CompareConfig, rollout, warm_up
-from entropy_discriminator.demo.countdown import CountdownTask, pass_at_k
-from entropy_discriminator.demo.headtohead import (
-    AdaptiveEntropyCoef,
-    Arm,
-    heldout_sets,
-    run_arm_checkpoints,
-    warm_up_checkpoints,
-)
+from entropy_lab import protocol, rl
+from entropy_lab.compare import CompareConfig
+from entropy_lab.countdown import CountdownTask, pass_at_k
+from entropy_lab.headtohead import heldout_sets, run_arm_checkpoints
 from entropy_discriminator.demo.model import TinyGPT
-from entropy_discriminator.demo.protocol import (
+from entropy_discriminator.demo.train import LoopConfig
+from entropy_discriminator.demo.train import warm_up as demo_warm_up
+from entropy_lab.rl import AdaptiveEntropyCoef, Arm, rollout, warm_up
+from entropy_lab.protocol import (
     RunSpec,
     endpoints,
     main_arms,
@@ -36,8 +33,8 @@ from entropy_discriminator.demo.protocol import (
     run_stage,
     write_selection,
 )
-from entropy_discriminator.demo.stats_tests import holm, paired_test, t_quantile_975, t_two_sided_p, value_at_level
-from entropy_discriminator.demo.tuning import (
+from entropy_lab.stats_tests import holm, paired_test, t_quantile_975, t_two_sided_p, value_at_level
+from entropy_lab.tuning import (
     SETTINGS_PER_FAMILY,
     adaptive_bonus_arms,
     autopilot_arms,
@@ -180,13 +177,31 @@ def test_heldout_sets_are_disjoint_and_held_out() -> None:
     assert len(set(val_keys)) == 60 and not test_keys & set(val_keys)
 
 
-def test_warm_up_checkpoints_matches_compare_warm_up() -> None:
+def test_warm_up_is_the_demos_and_refuses_the_demos_target_on_countdown() -> None:
+    """``rl.warm_up`` is the library demo's warm-up on a fresh seeded TinyGPT; its ``target_avg`` (the demo's
+    addition evaluation) is refused by name on another configuration, and ``LoopConfig`` itself names no task."""
+    cfg = replace(CompareConfig(d_model=16), warmup_steps=3, warmup_batch=16)
+    torch.manual_seed(5)
+    model = TinyGPT(cfg.model_config())
+    assert demo_warm_up(model, cfg, seed=5, device=torch.device("cpu"))["steps"] == 3
+    state = warm_up(cfg, 5)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="target_avg needs a TrainConfig"):
+        demo_warm_up(model, cfg, seed=5, device=torch.device("cpu"), target_avg=0.3)
+    with pytest.raises(TypeError, match="abstract"):
+        LoopConfig()
+
+
+def test_warm_up_checkpoints_are_the_states_of_shorter_warm_ups() -> None:
+    """The one warm-up (the demo's loop through ``rl.warm_up``): its state at step 2 is the final state of a 2-step
+    warm-up with the same seed (what ``protocol warm-sweep`` relies on), and its last one is the final state."""
     cfg = replace(CompareConfig(d_model=16), warmup_steps=6, warmup_batch=16)
-    seen: list[int] = []
-    mine = warm_up_checkpoints(cfg, 3, (2, 6), lambda step, state: seen.append(step))
-    ref = warm_up(cfg, 3, torch.device("cpu"))
-    assert seen == [2, 6]
-    assert all(torch.equal(mine[k], ref[k]) for k in ref)
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+    final = warm_up(cfg, 3, at_steps=(2, 6), on_step=lambda step, state: seen.update({step: state}))
+    short = warm_up(replace(cfg, warmup_steps=2), 3)
+    assert sorted(seen) == [2, 6]
+    assert all(torch.equal(seen[2][k], short[k]) for k in short) and all(torch.equal(seen[6][k], final[k]) for k in final)
+    assert not all(torch.equal(short[k], final[k]) for k in final)
 
 
 # --------------------------------------------------------------------------------------------- arms and tuning
@@ -304,7 +319,7 @@ TINY = "d_model=16,n_heads=2,warmup_steps=20,warmup_batch=32,prompts_per_step=4,
 
 
 def _tiny_state(cfg: CompareConfig, seed: int) -> dict[str, torch.Tensor]:
-    return warm_up_checkpoints(cfg, seed, (), lambda step, state: None)
+    return warm_up(cfg, seed)
 
 
 def _weights(step: int, model: TinyGPT) -> dict[str, object]:
@@ -372,7 +387,7 @@ def test_autopilot_arm_matches_the_core_controller(monkeypatch: pytest.MonkeyPat
     seed, arm = 101, Arm("autopilot(hold)", "autopilot", mask="autopilot", lr=3e-2)
     state = _tiny_state(cfg, seed)
     results, dropped = [], []
-    core_step, core_update = EntropyAutopilot.from_stats, headtohead.policy_update
+    core_step, core_update = EntropyAutopilot.from_stats, rl.policy_update
 
     def spy_step(self, *a, **k):  # noqa: ANN001, ANN002, ANN003
         results.append(core_step(self, *a, **k))
@@ -383,7 +398,7 @@ def test_autopilot_arm_matches_the_core_controller(monkeypatch: pytest.MonkeyPat
         return core_update(*a, keep_mask=keep_mask, **k)
 
     monkeypatch.setattr(EntropyAutopilot, "from_stats", spy_step)
-    monkeypatch.setattr(headtohead, "policy_update", spy_update)
+    monkeypatch.setattr(rl, "policy_update", spy_update)
     trace = run_arm_checkpoints(state, cfg, arm, seed, (0, 6), lambda step, model: {})
     assert len(results) == 6 and len(dropped) == 6 * cfg.minibatches
     monkeypatch.undo()

@@ -2,7 +2,7 @@
 
 Every family gets :data:`SETTINGS_PER_FAMILY` settings.  Stage A tunes the learning rate of the two estimators (GRPO,
 PPO); stage B tunes every other family at its estimator's stage-A learning rate.  Tuning runs use the tuning seeds and
-the validation prompts only (:func:`entropy_discriminator.demo.protocol.run_stage` with ``prompt_set="val"``).
+the validation prompts only (:func:`entropy_lab.protocol.run_stage` with ``prompt_set="val"``).
 Issue 23 adds stage C, TRL's adaptive entropy bonus (:func:`adaptive_bonus_arms`, four settings at the stage-A GRPO
 rate), and the entropy autopilot, which is not tuned (:func:`autopilot_arms`: one default setting).
 """
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from .headtohead import Arm
+
+from .rl import Arm
 from .stats_tests import value_at_level
 
 SETTINGS_PER_FAMILY = 4
@@ -72,7 +73,7 @@ def adaptive_bonus_arms(grpo_lr: float, start_entropy: float = 0.70) -> list[Arm
 
 def tuning_score(runs: Sequence[dict], temperature: float = 0.7, delta: float = 0.04, k: int = 64) -> float:
     """Pre-registered tuning endpoint of one setting: mean over its tuning seeds of Pass@``k`` where Avg@K first
-    reaches (start Avg@K + ``delta``) at ``temperature`` (:func:`~entropy_discriminator.demo.stats_tests.value_at_level`);
+    reaches (start Avg@K + ``delta``) at ``temperature`` (:func:`~entropy_lab.stats_tests.value_at_level`);
     ``nan`` unless every seed reaches that level (a setting that does not train is not eligible)."""
     vals = []
     for run in runs:
