@@ -13,7 +13,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from entropy_discriminator import EntropyAutopilot, token_stats
+from entropy_discriminator import EntropyAutopilot, fixed_share_mask, token_stats
 from entropy_lab import protocol, rl
 from entropy_lab.compare import CompareConfig
 from entropy_lab.countdown import CountdownTask, pass_at_k
@@ -38,6 +38,8 @@ from entropy_lab.tuning import (
     SETTINGS_PER_FAMILY,
     adaptive_bonus_arms,
     autopilot_arms,
+    fixed_share_arm,
+    mean_autopilot_share,
     stage_a,
     stage_b,
 )
@@ -419,6 +421,67 @@ def test_autopilot_arm_matches_the_core_controller(monkeypatch: pytest.MonkeyPat
         assert rec["control_frac"] == pytest.approx(res.dropped_frac)
         assert rec["autopilot_target_entropy"] == results[0].entropy  # "hold": the first batch's entropy
     assert max(r["control_frac"] for r in trace.records) > 0
+
+
+def test_fixed_share_arm_drops_the_autopilots_first_tokens_at_a_constant_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fixed-share control: every RL step, on the old policy's statistics of the whole batch, the core
+    fixed_share_mask with the autopilot's order drops floor(share * N) tokens (fewer only when fewer candidates
+    exist), the mini-batches drop exactly those, and the first step's mask is the one the core gives on the same
+    rollout."""
+    cfg = parse_config(TINY)
+    seed, arm = 101, parse_arm("fs@fixed_share:mask=fixed_share,share=0.04,lr=0.03")
+    state = _tiny_state(cfg, seed)
+    results, dropped = [], []
+    core_mask, core_update = rl.fixed_share_mask, rl.policy_update
+
+    def spy_mask(*a, **k):  # noqa: ANN001, ANN002, ANN003
+        results.append(core_mask(*a, **k))
+        return results[-1]
+
+    def spy_update(*a, keep_mask=None, **k):  # noqa: ANN001, ANN002, ANN003
+        dropped.append(int((~keep_mask).sum()))
+        return core_update(*a, keep_mask=keep_mask, **k)
+
+    monkeypatch.setattr(rl, "fixed_share_mask", spy_mask)
+    monkeypatch.setattr(rl, "policy_update", spy_update)
+    trace = run_arm_checkpoints(state, cfg, arm, seed, (0, 8), lambda step, model: {})
+    monkeypatch.undo()
+    assert len(results) == 8 and len(dropped) == 8 * cfg.minibatches
+    for i, (res, rec) in enumerate(zip(results, trace.records)):
+        limit = int(0.04 * res.mask.n_valid)
+        assert sum(dropped[i * cfg.minibatches : (i + 1) * cfg.minibatches]) == res.mask.n_clipped <= limit
+        assert res.mask.n_clipped == limit or not res.mask.capped  # the share, unless the candidates ran out
+        assert rec["control_frac"] == pytest.approx(res.dropped_frac)
+        assert rec["fixed_share_predicted_dh"] == res.predicted_dh_after and "autopilot_entropy" not in rec
+    assert max(r.mask.n_clipped for r in results) > 0
+    task = cfg.task()
+    torch.manual_seed(seed)
+    model = TinyGPT(cfg.model_config())
+    model.load_state_dict(state)
+    x, t = task.sample(cfg.prompts_per_step, torch.Generator().manual_seed(seed), split="train")
+    ro = rollout(model, None, task, x, t, cfg.group_size, torch.Generator().manual_seed(seed + 1), "none", 0.25,
+                 torch.device("cpu"))
+    with torch.no_grad():
+        stats = token_stats(model.response_logits(ro.seq, task.prompt_len).float(), ro.resp)
+    ref = fixed_share_mask(stats.s_centered, ro.adv, stats.valid, share=0.04, lr=0.03)  # the autopilot's defaults
+    assert torch.equal(ref.keep, results[0].keep)
+    with pytest.raises(ValueError, match="share"):
+        Arm("x", "x", mask="fixed_share", share=0.0)
+    with pytest.raises(ValueError, match="keep_mask"):
+        rl.policy_update(model, torch.optim.SGD(model.parameters(), lr=0.1), ro.seq, ro.resp, ro.adv,
+                         torch.ones_like(ro.resp, dtype=torch.bool), ro.old_lp, task.prompt_len, arm, torch.Generator())
+
+
+def test_fixed_share_is_the_autopilots_mean_share_in_tuning() -> None:
+    runs = [{"arm": "autopilot(hold)", "seed": s, "records": [{"autopilot_dropped_frac": f} for f in fr]}
+            for s, fr in ((100, [0.0, 0.02, 0.04]), (101, [0.05, 0.05, 0.02]))]
+    runs.append({"arm": "grpo(lr=0.0003)", "seed": 100, "records": [{"entropy": 0.7}]})
+    assert mean_autopilot_share(runs) == pytest.approx(0.03)
+    arm = fixed_share_arm(3e-4, mean_autopilot_share(runs))
+    assert (arm.name, arm.family, arm.mask, arm.share, arm.lr) == ("fixed_share(0.03)", "fixed_share", "fixed_share",
+                                                                   pytest.approx(0.03), 3e-4)
+    with pytest.raises(ValueError, match="autopilot_dropped_frac"):
+        mean_autopilot_share(runs[2:])
 
 
 def test_main_families_restricts_arms(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ from entropy_discriminator import (
     batch_entropy_change,
     clip_b_mask,
     clip_v_mask,
+    fixed_share_mask,
     token_stats,
 )
 from entropy_discriminator.baselines import (
@@ -50,9 +51,13 @@ from .countdown import CountdownTask
 
 ESTIMATORS = ("grpo", "ppo")
 LOSSES = ("ppo_clip", "clip_cov", "kl_cov")
-MASKS = ("none", "clip_b", "clip_v", "forking", "autopilot")
+MASKS = ("none", "clip_b", "clip_v", "forking", "autopilot", "fixed_share")
+#: Masks computed once per RL step on the old policy's statistics of the whole batch (not per mini-batch).
+BATCH_MASKS = ("autopilot", "fixed_share")
 SHAPINGS = ("none", "unlikely")
 CPU = torch.device("cpu")
+#: The controller whose candidate order (``sides``, ``form``) the fixed-share arm uses: the autopilot arm's defaults.
+FIXED_SHARE_ORDER = EntropyDiscConfig(method="autopilot").build_autopilot()
 
 
 @dataclass(frozen=True)
@@ -88,7 +93,10 @@ class Arm:
     ``mask="autopilot"``: the core :class:`~entropy_discriminator.EntropyAutopilot` toward ``target_entropy``
     (``"hold"`` or nats/token) with the core's defaults for everything else (cap 0.05, sides ``negative``), stepped
     once per RL step on the old policy's statistics of the whole batch with the loop's advantages and ``eta = lr``;
-    its keep-mask is applied to every mini-batch like Clip_B's.
+    its keep-mask is applied to every mini-batch like Clip_B's.  ``mask="fixed_share"``: the autopilot's control
+    without its feedback: the core :func:`~entropy_discriminator.fixed_share_mask` drops the ``share`` of the tokens
+    the autopilot would drop first to raise the entropy (its defaults: sides ``negative``, the cheap score), stepped
+    and applied the same way.
 
     ``adaptive_entropy``: the entropy bonus with TRL's adaptive coefficient (Skywork-OR1, ``use_adaptive_entropy``):
     ``entropy_coef`` is the initial coefficient, see :class:`AdaptiveEntropyCoef` for the rule and
@@ -115,6 +123,7 @@ class Arm:
     clip_high: float = 0.2
     baseline: str = "grpo"
     target_entropy: float | str = "hold"
+    share: float = 0.05
     adaptive_entropy: bool = False
     entropy_target: float = 0.2
     entropy_coef_delta: float = 0.005
@@ -135,6 +144,8 @@ class Arm:
             raise ValueError(f"arm {self.name}: baseline must be one of {ESTIMATORS}, got {self.baseline!r}")
         if self.mask == "autopilot":
             self.autopilot_config()
+        if not 0 < self.share <= 1:
+            raise ValueError(f"arm {self.name}: share must be in (0, 1], got {self.share}")
         if self.adaptive_entropy:
             AdaptiveEntropyCoef.of(self)
 
@@ -301,10 +312,10 @@ def policy_update(
     clipped surrogate with Clip_B / Clip_V / forking tokens' keep-mask applied as ``zero_pg``, or Clip-Cov / KL-Cov),
     gradient norm clipped to 1; of the ``arm`` only its loss, keep-mask and their settings are read.  ``generator``
     drives Clip-Cov's random token choice.  ``keep_mask`` ([B, T] bool): the keep-mask of a control computed outside
-    the mini-batch (``mask="autopilot"``: the entropy autopilot's, stepped once per batch), applied like Clip_B's;
-    required exactly for that mask."""
-    if (arm.mask == "autopilot") != (keep_mask is not None):
-        raise ValueError("keep_mask is given exactly for arm.mask == 'autopilot'")
+    the mini-batch (``mask`` in :data:`BATCH_MASKS`: the entropy autopilot's or the fixed share's, stepped once per
+    batch), applied like Clip_B's; required exactly for those masks."""
+    if (arm.mask in BATCH_MASKS) != (keep_mask is not None):
+        raise ValueError(f"keep_mask is given exactly for arm.mask in {BATCH_MASKS}")
     logits = model.response_logits(seq, p_len).float()
     logq = torch.log_softmax(logits, -1)
     lp = logq.gather(-1, resp[..., None])[..., 0]
@@ -316,7 +327,7 @@ def policy_update(
         keep = clip_v_mask(stats.s_centered, adv, valid, mu_low=arm.mu, max_frac=arm.cap).keep
     elif arm.mask == "forking":
         keep = high_entropy_mask(stats.entropy, valid, rho=arm.rho)
-    elif arm.mask == "autopilot":
+    elif arm.mask in BATCH_MASKS:
         keep = keep_mask
     if arm.loss == "clip_cov":
         res = clip_cov_losses(lp, old_lp, adv, valid, clip_ratio_low=arm.clip_low, clip_ratio_high=arm.clip_high,
@@ -407,7 +418,8 @@ def rl_steps(
     removed: Clip_B / Clip_V clipped, the autopilot dropped, forking tokens' dropped low-entropy tokens, Clip-Cov
     detached, KL-Cov penalised), ``ppo_clip_frac`` and ``value_loss`` (0 without a critic).  The autopilot arm adds
     ``autopilot_*`` (the controller's measured and target entropy, its desired and predicted change, its dropped
-    share); the adaptive-bonus arm adds ``entropy_coef_applied`` (mean over the step's mini-batches of the coefficient
+    share); the fixed-share arm ``fixed_share_predicted_dh`` (the cheap score's prediction after the drop, eta = lr);
+    the adaptive-bonus arm adds ``entropy_coef_applied`` (mean over the step's mini-batches of the coefficient
     applied) and ``entropy_coef`` (the coefficient after the step)."""
     task = cfg.task()
     mcfg = cfg.model_config()
@@ -439,6 +451,12 @@ def rl_steps(
             rec.update(autopilot_entropy=res.entropy, autopilot_target_entropy=res.target_entropy,
                        autopilot_target_dh=res.target_dh, autopilot_predicted_dh=res.predicted_dh_after,
                        autopilot_dropped_frac=res.dropped_frac)
+        elif arm.mask == "fixed_share":  # the autopilot's order and defaults, a constant share
+            stats = token_stats(ro.old_logits, ro.resp)
+            res = fixed_share_mask(stats.s_centered, ro.adv, stats.valid, share=arm.share, lr=arm.lr,
+                                   sides=FIXED_SHARE_ORDER.sides, form=FIXED_SHARE_ORDER.form)
+            keep_all = res.keep
+            rec["fixed_share_predicted_dh"] = res.predicted_dh_after
         if adaptive is not None:
             rec["entropy_coef_applied"] = 0.0
         for idx in torch.randperm(len(ro.seq), generator=sample_gen).chunk(n_mb):

@@ -57,6 +57,22 @@ def autopilot_arms(grpo_lr: float) -> list[Arm]:
     return [Arm("autopilot(hold)", "autopilot", mask="autopilot", lr=grpo_lr)]
 
 
+def fixed_share_arm(grpo_lr: float, share: float) -> Arm:
+    """The control for the autopilot: the same candidates in the same order at a constant ``share`` (the
+    autopilot's mean dropped share over the tuning runs, :func:`mean_autopilot_share`), untuned like the autopilot."""
+    return Arm(f"fixed_share({share:.3g})", "fixed_share", mask="fixed_share", share=share, lr=grpo_lr)
+
+
+def mean_autopilot_share(runs: Sequence[dict], arm: str = "autopilot(hold)") -> float:
+    """The mean over ``arm``'s runs and their RL steps of ``autopilot_dropped_frac`` (the share the autopilot
+    dropped), refused by name when no run of ``arm`` records it."""
+    shares = [r["autopilot_dropped_frac"] for run in runs if run.get("arm") == arm for r in run.get("records", [])
+              if "autopilot_dropped_frac" in r]
+    if not shares:
+        raise ValueError(f"no run of arm {arm!r} records autopilot_dropped_frac")
+    return sum(shares) / len(shares)
+
+
 #: Adaptive bonus targets below the start's token entropy (nats): the targets are ``start - offset``.
 ADAPTIVE_TARGET_OFFSETS = (0.2, 0.1, 0.05, 0.0)
 
