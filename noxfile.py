@@ -25,9 +25,11 @@ PYTEST = ["pytest", "-q", "-p", "no:cacheprovider"]
 
 @nox.session
 def core(session: nox.Session) -> None:
-    """The framework-free core: statistics, masks, dynamics, monitor, distributed, demo, examples."""
+    """The framework-free core: statistics, masks, dynamics, monitor, distributed, demo, examples, and the research
+    harness (``lab/``, package ``entropy_lab``) installed after the library."""
     session.install(TORCH)
     session.install("-e", ".[test,plot]")
+    session.install("--no-deps", "-e", "./lab")  # its requirements, the library and torch, are the lines above
     session.run(*PYTEST, "tests", "--ignore=tests/adapters", *session.posargs)
 
 
@@ -72,6 +74,7 @@ def trl(session: nox.Session, release: str) -> None:
     """
     session.install(TORCH)
     session.install("-e", ".[test]", f"trl=={release}", *TRL_RELEASES[release], TORCH)
+    session.install("--no-deps", "-e", "./lab")  # the head-to-head's TRL path (test_headtohead_trl.py) is the lab's
     # Only the TRL test files: collecting another adapter's tests can put stub modules (e.g. vllm)
     # into sys.modules, which TRL's import-time feature checks then trip over.
     # ED_REQUIRE_TRL: the TRL tests fail instead of skipping when trl cannot be imported here.

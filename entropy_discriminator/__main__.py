@@ -7,15 +7,20 @@ function listed in ``COMMANDS``.
 
 Usage errors (a bad value, an option that does not apply, an output folder that cannot be written)
 print the command's usage and exit with status 2 before anything runs; ``main`` returns that status.
+
+``compare`` and ``demo --paper`` run the research harness, the separate ``entropy_lab`` package of the repository's
+``lab/`` folder; they import it only when run, and without it they are a usage error that says how to install it.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from . import EntropyDiscConfig, __version__
@@ -102,6 +107,24 @@ def _warn_threads(threads: int | None) -> None:
             f"with more threads than cores (the default, 1, is fastest for its tiny models)",
             file=sys.stderr,
         )
+
+
+#: Why a lab command cannot run without the ``entropy_lab`` package, and how to install it.
+LAB_MISSING = (
+    "runs the research harness (package entropy_lab), which is not installed; install it from a clone of the "
+    "repository, after the library: pip install -e ./lab"
+)
+
+
+def _lab(module: str, parser: argparse.ArgumentParser, what: str) -> ModuleType:
+    """``entropy_lab.<module>``; a usage error (``what`` + :data:`LAB_MISSING`) when ``entropy_lab`` is not installed
+    (a module that the lab itself cannot import is raised as it is)."""
+    try:
+        return importlib.import_module(f"entropy_lab.{module}")
+    except ModuleNotFoundError as exc:
+        if exc.name != "entropy_lab":
+            raise
+        parser.error(f"{what} {LAB_MISSING}")
 
 
 def _device(text: str) -> str:
@@ -194,28 +217,32 @@ def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     out = args.out if args.out is not None else DEMO_DEFAULT_OUT[mode]
     _warn_threads(args.threads)
 
-    from .demo.paper import PaperOptions, check_saved_results, run_paper
     from .demo.report import prepare_output_folder
     from .demo.runner import run_demo
 
+    paper = _lab("paper", parser, "--paper") if args.paper else None
     try:
-        if mode == "render":
-            check_saved_results(out)
+        if paper is not None and mode == "render":
+            paper.check_saved_results(out)
         prepare_output_folder(out)
     except ValueError as exc:
         parser.error(f"argument --out: {exc}")
     options = {dest: getattr(args, dest) for dest in given}
-    if args.paper:
-        run_paper(PaperOptions(out=out, **options))
+    if paper is not None:
+        paper.run_paper(paper.PaperOptions(out=out, **options))
     else:
         run_demo(DemoOptions(out=out, **options))
     return 0
 
 
-def _add_compare(commands: argparse._SubParsersAction) -> None:
-    """``compare``: Clip_B / Clip_V against the peer entropy controls on signed-sum Countdown (issue 12)."""
-    from .demo.compare import PRESETS as COMPARE_PRESETS
+#: ``compare --preset`` choices: the names of ``entropy_lab.compare.PRESETS`` (tests/test_cli.py checks they agree),
+#: written here so that ``compare --help`` works without the lab.
+COMPARE_PRESETS = ("smoke", "full")
 
+
+def _add_compare(commands: argparse._SubParsersAction) -> None:
+    """``compare``: Clip_B / Clip_V against the peer entropy controls on signed-sum Countdown (the lab's
+    :mod:`entropy_lab.compare`, imported when the command runs; its ``CompareOptions`` checks ``--arms``)."""
     compare = commands.add_parser(
         "compare",
         help="Clip_B / Clip_V vs GRPO, PPO and peer entropy controls on signed-sum Countdown, several paired seeds",
@@ -226,7 +253,7 @@ def _add_compare(commands: argparse._SubParsersAction) -> None:
             "differences) as markdown and CSV, and plots of Pass@K and entropy."
         ),
     )
-    compare.add_argument("--preset", choices=tuple(COMPARE_PRESETS), default="smoke",
+    compare.add_argument("--preset", choices=COMPARE_PRESETS, default="smoke",
                          help="smoke (the default): every arm in seconds on a 2-core CPU (CI); full: the comparison of "
                               "docs/reproduction/compare, on CPU cores (162 s with --jobs 16 on 16 cores)")
     compare.add_argument("--out", type=_folder, default=Path("compare_out"), help="output folder (default compare_out)")
@@ -241,25 +268,25 @@ def _add_compare(commands: argparse._SubParsersAction) -> None:
 
 def _run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Check the arms, the device and ``--out`` before any work, then run the comparison."""
-    from .demo.compare import CompareOptions, check_saved_runs, resolve_device, run_compare
     from .demo.report import prepare_output_folder
 
+    lab = _lab("compare", parser, "compare")
     try:
-        options = CompareOptions(
+        options = lab.CompareOptions(
             out=args.out, preset=args.preset, device=args.device, jobs=args.jobs, seeds=args.seeds,
             steps=args.steps, arms=tuple(args.arms.split(",")) if args.arms else None, render_only=args.render_only,
         )
         options.arm_list()
-        resolve_device(options.device)
+        lab.resolve_device(options.device)
     except (ValueError, RuntimeError) as exc:
         parser.error(str(exc))
     try:
         if options.render_only:
-            check_saved_runs(options.out)
+            lab.check_saved_runs(options.out)
         prepare_output_folder(options.out)
     except ValueError as exc:
         parser.error(f"argument --out: {exc}")
-    run_compare(options)
+    lab.run_compare(options)
     return 0
 
 

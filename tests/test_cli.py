@@ -16,8 +16,9 @@ import pytest
 
 import entropy_discriminator
 from entropy_discriminator import __main__ as cli
-from entropy_discriminator.demo import paper, runner
+from entropy_discriminator.demo import runner
 from entropy_discriminator.demo.report import prepare_output_folder
+from entropy_lab import compare, paper
 
 DEMO_USAGE = "usage: entropy-discriminator demo"
 
@@ -222,10 +223,37 @@ def test_compare_help_shows_its_default_preset_and_no_gpu_preset(capsys: pytest.
     assert "{smoke,full}" in text and "smoke (the default)" in text and "gpu" not in text.lower()
 
 
+def test_compare_presets_are_the_labs() -> None:
+    assert cli.COMPARE_PRESETS == tuple(compare.PRESETS)
+
+
+#: Python source that makes ``import entropy_lab`` fail as it does where the lab is not installed.
+LAB_HIDDEN = """import sys
+class NoLab:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "entropy_lab":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, NoLab())
+"""
+
+
+@pytest.mark.parametrize("argv", [["compare"], ["compare", "--preset", "full", "--jobs", "2"], ["demo", "--paper"],
+                                  ["demo", "--paper", "--render-only", "--out", "somewhere"]])
+def test_lab_commands_without_the_lab_say_how_to_install_it(argv: list[str], tmp_path: Path) -> None:
+    """Without ``entropy_lab`` (a fresh interpreter whose import system finds no such module), ``compare`` and
+    ``demo --paper`` are usage errors naming ``pip install -e ./lab``; ``compare --help`` still works."""
+    code = LAB_HIDDEN + f"from entropy_discriminator.__main__ import main; sys.exit(main({argv!r}))"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr and "pip install -e ./lab" in res.stderr, res.stderr
+    assert res.stderr.startswith(f"usage: entropy-discriminator {argv[0]}") and not any(tmp_path.iterdir())
+    code = code.replace(repr(argv), repr(["compare", "--help"]))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert res.returncode == 0 and "{smoke,full}" in res.stdout, res.stderr
+
+
 def test_compare_says_when_it_writes_no_png(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Without matplotlib, ``compare`` says up front that it writes no PNG (it used to skip them silently)."""
-    from entropy_discriminator.demo import compare
-
     monkeypatch.setattr(compare, "plots_available", lambda: False)
     monkeypatch.setattr(compare, "render", lambda out, log: {})
     lines: list[str] = []

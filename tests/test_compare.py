@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from entropy_discriminator.__main__ import main
-from entropy_discriminator.demo.compare import (
+from entropy_lab.compare import (
     PRESETS,
     CompareArm,
     CompareOptions,
     default_arms,
 )
-from entropy_discriminator.demo.compare_report import mean_ci
-from entropy_discriminator.demo.countdown import (
+from entropy_lab.stats_tests import mean_ci
+from entropy_lab.countdown import (
     MINUS,
     PLUS,
     SKIP,
@@ -140,8 +140,8 @@ def test_smoke_preset_end_to_end(tmp_path: Path):
 
 def test_report_does_not_import_the_runner_and_presets_are_named_for_what_they_are():
     """compare_report.py no longer imports compare.py (they imported each other); no CPU preset is called "gpu"."""
-    code = ("import sys, entropy_discriminator.demo.compare_report as r; "
-            "assert 'entropy_discriminator.demo.compare' not in sys.modules, 'circle'; print(r.EVAL_KS)")
+    code = ("import sys, entropy_lab.compare_report as r; "
+            "assert 'entropy_lab.compare' not in sys.modules, 'circle'; print(r.EVAL_KS)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "(1, 4, 16, 64)", proc.stderr
     assert set(PRESETS) == {"smoke", "full"}

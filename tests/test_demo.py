@@ -117,7 +117,7 @@ def test_tabular_first_order_law_is_near_exact() -> None:
     """Logits as parameters: Corollary 4 predicts each step's realised batch dH (corr > 0.99, slope ~1)."""
     task = AdditionTask(n_digits=2)
     gen = torch.Generator().manual_seed(0)
-    a, b = task.sample_operands(16, gen, split="train")
+    a, b = task.sample(16, gen, split="train")
     init = torch.randn(16, task.response_len, 12, generator=gen, dtype=torch.float64)
     init += 2.5 * torch.nn.functional.one_hot(task.answers(a, b), 12)
     small = tabular_check(task, init_logits=init, a=a, b=b, group_size=8, steps=25, step_size=0.01, seed=1)
@@ -141,11 +141,11 @@ def test_task_rewards_and_noise() -> None:
     assert ans.tolist() == [[0, 0, 0, 1], [0, 0, 0, 1], [0, 0, 0, 0]]  # 1000, 1000, 0 least significant first
     assert task.rewards(a, b, ans).tolist() == [1.0, 1.0, 1.0]
     gen = torch.Generator().manual_seed(0)
-    a, b = task.sample_operands(2000, gen, split="train")
-    noisy = task.noisy_answers(a, b, 0.3, gen)
+    a, b = task.sample(2000, gen, split="train")
+    noisy = task.warmup_targets(a, b, 0.3, gen)
     wrong = 1.0 - float(task.rewards(a, b, noisy).mean())
     assert 0.15 < wrong < 0.3  # forgetting carries is a no-op on carry-free sums
-    ea, eb = task.sample_operands(500, gen, split="eval")
+    ea, eb = task.sample(500, gen, split="eval")
     assert bool(task.is_eval(ea, eb).all()) and not bool(task.is_eval(a, b).any())
     assert 0.05 < float(task.is_eval(a, b + 1).float().mean()) < 0.15  # ~1 in held_out=10, whatever b's last digit
     assert len(set((eb % 10).tolist())) == 10

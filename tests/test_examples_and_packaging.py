@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -179,6 +180,17 @@ def test_wheel_and_sdist_build_from_the_clone_and_the_wheel_installs(tmp_path):
     assert f'__version__ = "{version}"' in (ROOT / "entropy_discriminator" / "_version.py").read_text()
     assert "version =" not in (ROOT / "pyproject.toml").read_text().split("[project]", 1)[1].split("\n[", 1)[0]
     assert f"## {version}" in (ROOT / "CHANGELOG.md").read_text()
+    # the library's wheel holds the demo the README runs and not the research harness, which builds on its own (lab/)
+    files = zipfile.ZipFile(dist / names[0]).namelist()
+    demo = {Path(f).name for f in files if f.startswith("entropy_discriminator/demo/")}
+    assert demo == {f"{m}.py" for m in ("__init__", "model", "report", "runner", "task", "theory", "train")}, demo
+    assert not any(f.startswith("entropy_lab") for f in files)
+    subprocess.run([sys.executable, "-c", hooks, str(dist / "lab")], cwd=src / "lab", capture_output=True, timeout=600,
+                   check=True)
+    lab_wheel = (dist / "lab" / "names").read_text().split()[0]
+    lab_files = zipfile.ZipFile(dist / "lab" / lab_wheel).namelist()
+    assert {"entropy_lab/compare.py", "entropy_lab/protocol.py", "entropy_lab/paper.py"} <= set(lab_files)
+    assert not any(f.startswith("entropy_discriminator/") for f in lab_files)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
     python = venv / "bin" / "python"

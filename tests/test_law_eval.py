@@ -1,4 +1,4 @@
-"""``python -m entropy_discriminator.demo.law_eval``: the same-batch table and the autopilot runs, end to end (tiny)."""
+"""``python -m entropy_lab.law_eval``: the same-batch table and the autopilot runs, end to end (tiny)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from entropy_discriminator.demo import law_eval
-from entropy_discriminator.demo.records import load_jsonl
+from entropy_lab import law_eval
+from entropy_lab.records import load_jsonl
 
 
 def test_fit_is_least_squares_with_intercept_and_pearson():

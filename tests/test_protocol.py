@@ -13,19 +13,16 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from entropy_discriminator import EntropyAutopilot, token_stats
-from entropy_discriminator.demo import headtohead, protocol
-from entropy_discriminator.demo.compare import CompareConfig, rollout, warm_up
-from entropy_discriminator.demo.countdown import CountdownTask, pass_at_k
-from entropy_discriminator.demo.headtohead import (
-    AdaptiveEntropyCoef,
-    Arm,
-    heldout_sets,
-    run_arm_checkpoints,
-    warm_up_checkpoints,
-)
+from entropy_discriminator import EntropyAutopilot, fixed_share_mask, token_stats
+from entropy_lab import protocol, rl
+from entropy_lab.compare import CompareConfig
+from entropy_lab.countdown import CountdownTask, pass_at_k
+from entropy_lab.headtohead import heldout_sets, run_arm_checkpoints
 from entropy_discriminator.demo.model import TinyGPT
-from entropy_discriminator.demo.protocol import (
+from entropy_discriminator.demo.train import LoopConfig
+from entropy_discriminator.demo.train import warm_up as demo_warm_up
+from entropy_lab.rl import AdaptiveEntropyCoef, Arm, rollout, warm_up
+from entropy_lab.protocol import (
     RunSpec,
     endpoints,
     main_arms,
@@ -36,11 +33,13 @@ from entropy_discriminator.demo.protocol import (
     run_stage,
     write_selection,
 )
-from entropy_discriminator.demo.stats_tests import holm, paired_test, t_quantile_975, t_two_sided_p, value_at_level
-from entropy_discriminator.demo.tuning import (
+from entropy_lab.stats_tests import holm, paired_test, t_quantile_975, t_two_sided_p, value_at_level
+from entropy_lab.tuning import (
     SETTINGS_PER_FAMILY,
     adaptive_bonus_arms,
     autopilot_arms,
+    fixed_share_arm,
+    mean_autopilot_share,
     stage_a,
     stage_b,
 )
@@ -180,13 +179,31 @@ def test_heldout_sets_are_disjoint_and_held_out() -> None:
     assert len(set(val_keys)) == 60 and not test_keys & set(val_keys)
 
 
-def test_warm_up_checkpoints_matches_compare_warm_up() -> None:
+def test_warm_up_is_the_demos_and_refuses_the_demos_target_on_countdown() -> None:
+    """``rl.warm_up`` is the library demo's warm-up on a fresh seeded TinyGPT; its ``target_avg`` (the demo's
+    addition evaluation) is refused by name on another configuration, and ``LoopConfig`` itself names no task."""
+    cfg = replace(CompareConfig(d_model=16), warmup_steps=3, warmup_batch=16)
+    torch.manual_seed(5)
+    model = TinyGPT(cfg.model_config())
+    assert demo_warm_up(model, cfg, seed=5, device=torch.device("cpu"))["steps"] == 3
+    state = warm_up(cfg, 5)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="target_avg needs a TrainConfig"):
+        demo_warm_up(model, cfg, seed=5, device=torch.device("cpu"), target_avg=0.3)
+    with pytest.raises(TypeError, match="abstract"):
+        LoopConfig()
+
+
+def test_warm_up_checkpoints_are_the_states_of_shorter_warm_ups() -> None:
+    """The one warm-up (the demo's loop through ``rl.warm_up``): its state at step 2 is the final state of a 2-step
+    warm-up with the same seed (what ``protocol warm-sweep`` relies on), and its last one is the final state."""
     cfg = replace(CompareConfig(d_model=16), warmup_steps=6, warmup_batch=16)
-    seen: list[int] = []
-    mine = warm_up_checkpoints(cfg, 3, (2, 6), lambda step, state: seen.append(step))
-    ref = warm_up(cfg, 3, torch.device("cpu"))
-    assert seen == [2, 6]
-    assert all(torch.equal(mine[k], ref[k]) for k in ref)
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+    final = warm_up(cfg, 3, at_steps=(2, 6), on_step=lambda step, state: seen.update({step: state}))
+    short = warm_up(replace(cfg, warmup_steps=2), 3)
+    assert sorted(seen) == [2, 6]
+    assert all(torch.equal(seen[2][k], short[k]) for k in short) and all(torch.equal(seen[6][k], final[k]) for k in final)
+    assert not all(torch.equal(short[k], final[k]) for k in final)
 
 
 # --------------------------------------------------------------------------------------------- arms and tuning
@@ -304,7 +321,7 @@ TINY = "d_model=16,n_heads=2,warmup_steps=20,warmup_batch=32,prompts_per_step=4,
 
 
 def _tiny_state(cfg: CompareConfig, seed: int) -> dict[str, torch.Tensor]:
-    return warm_up_checkpoints(cfg, seed, (), lambda step, state: None)
+    return warm_up(cfg, seed)
 
 
 def _weights(step: int, model: TinyGPT) -> dict[str, object]:
@@ -372,7 +389,7 @@ def test_autopilot_arm_matches_the_core_controller(monkeypatch: pytest.MonkeyPat
     seed, arm = 101, Arm("autopilot(hold)", "autopilot", mask="autopilot", lr=3e-2)
     state = _tiny_state(cfg, seed)
     results, dropped = [], []
-    core_step, core_update = EntropyAutopilot.from_stats, headtohead.policy_update
+    core_step, core_update = EntropyAutopilot.from_stats, rl.policy_update
 
     def spy_step(self, *a, **k):  # noqa: ANN001, ANN002, ANN003
         results.append(core_step(self, *a, **k))
@@ -383,7 +400,7 @@ def test_autopilot_arm_matches_the_core_controller(monkeypatch: pytest.MonkeyPat
         return core_update(*a, keep_mask=keep_mask, **k)
 
     monkeypatch.setattr(EntropyAutopilot, "from_stats", spy_step)
-    monkeypatch.setattr(headtohead, "policy_update", spy_update)
+    monkeypatch.setattr(rl, "policy_update", spy_update)
     trace = run_arm_checkpoints(state, cfg, arm, seed, (0, 6), lambda step, model: {})
     assert len(results) == 6 and len(dropped) == 6 * cfg.minibatches
     monkeypatch.undo()
@@ -404,6 +421,67 @@ def test_autopilot_arm_matches_the_core_controller(monkeypatch: pytest.MonkeyPat
         assert rec["control_frac"] == pytest.approx(res.dropped_frac)
         assert rec["autopilot_target_entropy"] == results[0].entropy  # "hold": the first batch's entropy
     assert max(r["control_frac"] for r in trace.records) > 0
+
+
+def test_fixed_share_arm_drops_the_autopilots_first_tokens_at_a_constant_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fixed-share control: every RL step, on the old policy's statistics of the whole batch, the core
+    fixed_share_mask with the autopilot's order drops floor(share * N) tokens (fewer only when fewer candidates
+    exist), the mini-batches drop exactly those, and the first step's mask is the one the core gives on the same
+    rollout."""
+    cfg = parse_config(TINY)
+    seed, arm = 101, parse_arm("fs@fixed_share:mask=fixed_share,share=0.04,lr=0.03")
+    state = _tiny_state(cfg, seed)
+    results, dropped = [], []
+    core_mask, core_update = rl.fixed_share_mask, rl.policy_update
+
+    def spy_mask(*a, **k):  # noqa: ANN001, ANN002, ANN003
+        results.append(core_mask(*a, **k))
+        return results[-1]
+
+    def spy_update(*a, keep_mask=None, **k):  # noqa: ANN001, ANN002, ANN003
+        dropped.append(int((~keep_mask).sum()))
+        return core_update(*a, keep_mask=keep_mask, **k)
+
+    monkeypatch.setattr(rl, "fixed_share_mask", spy_mask)
+    monkeypatch.setattr(rl, "policy_update", spy_update)
+    trace = run_arm_checkpoints(state, cfg, arm, seed, (0, 8), lambda step, model: {})
+    monkeypatch.undo()
+    assert len(results) == 8 and len(dropped) == 8 * cfg.minibatches
+    for i, (res, rec) in enumerate(zip(results, trace.records)):
+        limit = int(0.04 * res.mask.n_valid)
+        assert sum(dropped[i * cfg.minibatches : (i + 1) * cfg.minibatches]) == res.mask.n_clipped <= limit
+        assert res.mask.n_clipped == limit or not res.mask.capped  # the share, unless the candidates ran out
+        assert rec["control_frac"] == pytest.approx(res.dropped_frac)
+        assert rec["fixed_share_predicted_dh"] == res.predicted_dh_after and "autopilot_entropy" not in rec
+    assert max(r.mask.n_clipped for r in results) > 0
+    task = cfg.task()
+    torch.manual_seed(seed)
+    model = TinyGPT(cfg.model_config())
+    model.load_state_dict(state)
+    x, t = task.sample(cfg.prompts_per_step, torch.Generator().manual_seed(seed), split="train")
+    ro = rollout(model, None, task, x, t, cfg.group_size, torch.Generator().manual_seed(seed + 1), "none", 0.25,
+                 torch.device("cpu"))
+    with torch.no_grad():
+        stats = token_stats(model.response_logits(ro.seq, task.prompt_len).float(), ro.resp)
+    ref = fixed_share_mask(stats.s_centered, ro.adv, stats.valid, share=0.04, lr=0.03)  # the autopilot's defaults
+    assert torch.equal(ref.keep, results[0].keep)
+    with pytest.raises(ValueError, match="share"):
+        Arm("x", "x", mask="fixed_share", share=0.0)
+    with pytest.raises(ValueError, match="keep_mask"):
+        rl.policy_update(model, torch.optim.SGD(model.parameters(), lr=0.1), ro.seq, ro.resp, ro.adv,
+                         torch.ones_like(ro.resp, dtype=torch.bool), ro.old_lp, task.prompt_len, arm, torch.Generator())
+
+
+def test_fixed_share_is_the_autopilots_mean_share_in_tuning() -> None:
+    runs = [{"arm": "autopilot(hold)", "seed": s, "records": [{"autopilot_dropped_frac": f} for f in fr]}
+            for s, fr in ((100, [0.0, 0.02, 0.04]), (101, [0.05, 0.05, 0.02]))]
+    runs.append({"arm": "grpo(lr=0.0003)", "seed": 100, "records": [{"entropy": 0.7}]})
+    assert mean_autopilot_share(runs) == pytest.approx(0.03)
+    arm = fixed_share_arm(3e-4, mean_autopilot_share(runs))
+    assert (arm.name, arm.family, arm.mask, arm.share, arm.lr) == ("fixed_share(0.03)", "fixed_share", "fixed_share",
+                                                                   pytest.approx(0.03), 3e-4)
+    with pytest.raises(ValueError, match="autopilot_dropped_frac"):
+        mean_autopilot_share(runs[2:])
 
 
 def test_main_families_restricts_arms(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Record files plain or compressed (``entropy_discriminator.demo.records``), the committed reproduction records, and
+"""Record files plain or compressed (``entropy_lab.records``), the committed reproduction records, and
 the size of the tracked checkout.
 
 The reproduction reports under ``docs/reproduction`` are recomputed here from the committed (compressed) records for
@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from entropy_discriminator.demo import protocol
-from entropy_discriminator.demo.records import (
+from entropy_lab import protocol
+from entropy_lab.records import (
     COMPRESSED_SUFFIXES,
     append_jsonl,
     has_records,

@@ -104,23 +104,6 @@ def format_table(rows: Sequence[dict[str, object]], columns: Sequence[tuple[str,
     return "\n".join([line(head), sep, *(line(r) for r in body)])
 
 
-#: Two-sided 95% Student t quantiles t_{0.975, df} for df = 1 .. 30 (beyond 30, df = 30's: conservative).
-T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-
-
-def mean_ci(values: Sequence[float]) -> tuple[float, float]:
-    """Mean of the finite ``values`` and the half-width of its two-sided 95% Student-t interval
-    (``t_{0.975, n-1} * sd / sqrt(n)``); nan half-width below 2 finite values, nan mean for none."""
-    v = [x for x in values if math.isfinite(x)]
-    n = len(v)
-    m = sum(v) / n if n else math.nan
-    if n < 2:
-        return m, math.nan
-    sd = math.sqrt(sum((x - m) ** 2 for x in v) / (n - 1))
-    return m, T975[min(n - 1, len(T975)) - 1] * sd / math.sqrt(n)
-
-
 def smooth(values: Sequence[float], window: int) -> list[float]:
     """Trailing moving average over ``window`` points (the first points average what exists)."""
     out: list[float] = []
@@ -150,6 +133,13 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig, path: Path, *, dpi: int) -> None:
+    """Lay ``fig`` out (``tight_layout``), write it to ``path`` at ``dpi`` and close it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
 
 
 #: Line style per arm (by position), so that the arms differ in more than colour.
@@ -189,9 +179,7 @@ def plot_demo(path: Path, curves: dict[str, list[dict[str, float]]], *, window: 
     top[1].set(title=f"training reward (moving average, {window} steps)", xlabel="GRPO step", ylabel="pass rate")
     for ax in top:
         ax.legend(fontsize=9)
-    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
     return fig
 

@@ -37,6 +37,11 @@ class AdditionTask:
             raise ValueError(f"held_out must be >= 2, got {self.held_out}")
 
     @property
+    def vocab_size(self) -> int:
+        """:data:`VOCAB_SIZE` token ids."""
+        return VOCAB_SIZE
+
+    @property
     def prompt_len(self) -> int:
         """``2 n + 2`` tokens: both operands, ``+`` and ``=``."""
         return 2 * self.n_digits + 2
@@ -46,7 +51,7 @@ class AdditionTask:
         """``n + 1`` answer digits."""
         return self.n_digits + 1
 
-    def sample_operands(self, count: int, generator: torch.Generator, *, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample(self, count: int, generator: torch.Generator, *, split: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``count`` operand pairs (int64 ``[count]`` each) from ``split`` in {"train", "eval"}."""
         if split not in ("train", "eval"):
             raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
@@ -96,7 +101,7 @@ class AdditionTask:
         """Exact-match reward, float32 ``[N]``: 1 where ``responses`` [N, n + 1] equals the answer, else 0."""
         return (responses == self.answers(a, b).to(responses.device)).all(dim=1).float()
 
-    def noisy_answers(self, a: torch.Tensor, b: torch.Tensor, noise: float, generator: torch.Generator) -> torch.Tensor:
+    def warmup_targets(self, a: torch.Tensor, b: torch.Tensor, noise: float, generator: torch.Generator) -> torch.Tensor:
         """Warm-up targets [N, n + 1]: the answer, or with probability ``noise`` a plausible wrong one.
 
         Half of the corrupted targets forget every carry (digit-wise ``(a_i + b_i) mod 10``, top digit 0);

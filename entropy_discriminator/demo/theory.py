@@ -59,7 +59,7 @@ def tabular_start(
     """Starting point of :func:`tabular_check` from a network: its float64 CPU response logits
     ``[P, T, V]`` on ``n_prompts`` training prompts (one answer sampled at temperature 1), and
     those prompts' operands ``a, b`` (int64 ``[P]``)."""
-    a, b = task.sample_operands(n_prompts, torch.Generator().manual_seed(seed), split="train")
+    a, b = task.sample(n_prompts, torch.Generator().manual_seed(seed), split="train")
     seq = model.generate(
         task.prompts(a, b).to(device), task.response_len, temperature=1.0, generator=torch.Generator().manual_seed(seed)
     )

@@ -1,5 +1,8 @@
 """Warm-up (supervised) and strict on-policy GRPO for the demo, with the core's statistics and masks.
 
+:class:`LoopConfig` and :func:`warm_up` are also the research harness's (``lab/``, ``entropy_lab``): every experiment
+sizes its policy and warms it up through them.
+
 One GRPO step on ``P`` prompts with ``G`` samples each (``N`` valid response tokens):
 
 1. sample responses at ``temperature`` (the behaviour policy is the current policy: ``r = 1``);
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,7 +30,7 @@ import torch.nn.functional as F
 
 from .. import EntropyDiscConfig, EntropyMonitor, apply_keep_mask, batch_entropy_change, clip_b_mask, clip_v_mask, law, token_stats
 from .model import ModelConfig, TinyGPT
-from .task import VOCAB_SIZE, AdditionTask
+from .task import AdditionTask
 
 ARM_METHODS = ("none", "clip_b", "clip_v", "sign", "autopilot")
 SIGN_ACTIONS = ("only", "mask")
@@ -74,10 +78,13 @@ class ArmSpec:
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    """Sizes and rates of one demo run (warm-up, GRPO, evaluation)."""
+class LoopConfig(ABC):
+    """What every experiment's training loop shares (the demo's :class:`TrainConfig`, the research harness's
+    configurations): the policy's size (``d_model``, ``n_layers``, ``n_heads``), the supervised warm-up of
+    :func:`warm_up` (``warmup_steps`` Adam steps at ``warmup_lr`` on ``warmup_batch`` problems, targets wrong with
+    probability ``warmup_noise``) and the RL batch (``prompts_per_step`` prompts x ``group_size`` samples, Adam at
+    ``lr``).  Abstract: a subclass names its task (:meth:`task`)."""
 
-    n_digits: int = 3
     d_model: int = 64
     n_layers: int = 2
     n_heads: int = 4
@@ -85,10 +92,37 @@ class TrainConfig:
     warmup_batch: int = 128
     warmup_lr: float = 3e-3
     warmup_noise: float = 0.3
-    grpo_steps: int = 200
     prompts_per_step: int = 16
     group_size: int = 8
     lr: float = 1e-3
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        for name in ("warmup_batch", "prompts_per_step"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 (GRPO needs a group), got {self.group_size}")
+
+    @abstractmethod
+    def task(self) -> AdditionTask:
+        """The task: an object with ``vocab_size``, ``prompt_len``, ``response_len`` and ``sample(count, generator,
+        split=)``, ``prompts``, ``warmup_targets``, ``rewards`` of the sampled problem (as :class:`AdditionTask`)."""
+
+    def model_config(self) -> ModelConfig:
+        """:class:`ModelConfig` sized for the task: its vocabulary, ``max_len = prompt_len + response_len``."""
+        t = self.task()
+        return ModelConfig(t.vocab_size, t.prompt_len + t.response_len, self.d_model, self.n_layers, self.n_heads)
+
+
+@dataclass(frozen=True)
+class TrainConfig(LoopConfig):
+    """The demo's run: :class:`LoopConfig` on ``n_digits`` addition, ``grpo_steps`` strict on-policy GRPO steps
+    sampled at ``temperature`` (keep-masks applied as ``mask_mode``), and the evaluation of :func:`evaluate`."""
+
+    n_digits: int = 3
+    grpo_steps: int = 200
     temperature: float = 1.0
     mask_mode: str = "zero_pg"
     eval_prompts: int = 200
@@ -97,14 +131,12 @@ class TrainConfig:
     linearised: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("warmup_steps", "grpo_steps", "eval_k"):
+        super().__post_init__()
+        for name in ("grpo_steps", "eval_k"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("warmup_batch", "prompts_per_step", "eval_prompts"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.group_size < 2:
-            raise ValueError(f"group_size must be >= 2 (GRPO needs a group), got {self.group_size}")
+        if self.eval_prompts < 1:
+            raise ValueError(f"eval_prompts must be >= 1, got {self.eval_prompts}")
         if not (self.temperature > 0 and self.eval_temperature >= 0):
             raise ValueError("temperature must be > 0 and eval_temperature >= 0")
 
@@ -112,35 +144,32 @@ class TrainConfig:
         """The :class:`AdditionTask` of ``n_digits`` digits."""
         return AdditionTask(n_digits=self.n_digits)
 
-    def model_config(self) -> ModelConfig:
-        """:class:`ModelConfig` sized for the task: vocabulary 12, ``max_len = prompt_len + response_len``."""
-        t = self.task()
-        return ModelConfig(
-            vocab_size=VOCAB_SIZE, max_len=t.prompt_len + t.response_len, d_model=self.d_model,
-            n_layers=self.n_layers, n_heads=self.n_heads,
-        )
-
 
 Progress = Callable[[int, int, str], None]
 
 
 def warm_up(
     model: TinyGPT,
-    cfg: TrainConfig,
+    cfg: LoopConfig,
     *,
     seed: int,
     device: torch.device,
     progress: Progress | None = None,
     target_avg: float | None = None,
     max_steps: int | None = None,
+    on_step: Callable[[int, TinyGPT], None] | None = None,
 ) -> dict[str, float]:
-    """Supervised warm-up on noisy targets (:meth:`AdditionTask.noisy_answers`): Adam at ``warmup_lr``,
-    gradient norm clipped at 1, loss = mean cross-entropy over the response tokens.
+    """Supervised warm-up on noisy targets (the task's ``warmup_targets``, e.g. :meth:`AdditionTask.warmup_targets`),
+    the one warm-up of every experiment: Adam at ``warmup_lr`` (problems drawn from a generator seeded
+    ``seed + 7919``), gradient norm clipped at 1, loss = mean cross-entropy over the response tokens;
+    ``on_step(step, model)`` after each step (1-based).
 
-    Runs ``cfg.warmup_steps`` steps; with ``target_avg``, keeps going in blocks of a quarter of that until
-    held-out Avg@k (:func:`evaluate`) reaches ``target_avg`` or ``max_steps`` steps are done (small
-    transformers learn addition in a sudden, seed-dependent transition).  Returns ``{"steps", "loss"}``.
+    Runs ``cfg.warmup_steps`` steps; with ``target_avg`` (a :class:`TrainConfig`: the demo's :func:`evaluate`), keeps
+    going in blocks of a quarter of that until held-out Avg@k reaches ``target_avg`` or ``max_steps`` steps are done
+    (small transformers learn addition in a sudden, seed-dependent transition).  Returns ``{"steps", "loss"}``.
     """
+    if target_avg is not None and not isinstance(cfg, TrainConfig):
+        raise ValueError(f"target_avg needs a TrainConfig (the demo's evaluation), got a {type(cfg).__name__}")
     task = cfg.task()
     gen = torch.Generator().manual_seed(seed + 7919)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.warmup_lr)
@@ -152,8 +181,8 @@ def warm_up(
         if step >= cfg.warmup_steps and (step - cfg.warmup_steps) % block == 0:
             if evaluate(model, cfg, seed=seed, device=device)["avg_at_k"] >= float(target_avg or 0.0):
                 break
-        a, b = task.sample_operands(cfg.warmup_batch, gen, split="train")
-        seq = torch.cat([task.prompts(a, b), task.noisy_answers(a, b, cfg.warmup_noise, gen)], dim=1).to(device)
+        problem = task.sample(cfg.warmup_batch, gen, split="train")
+        seq = torch.cat([task.prompts(*problem), task.warmup_targets(*problem, cfg.warmup_noise, gen)], dim=1).to(device)
         logits = model.response_logits(seq, task.prompt_len)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), seq[:, task.prompt_len :].reshape(-1))
         opt.zero_grad(set_to_none=True)
@@ -161,6 +190,8 @@ def warm_up(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
+        if on_step is not None:
+            on_step(step, model)
         if progress is not None:
             progress(step, limit if step > cfg.warmup_steps else cfg.warmup_steps, f"loss {loss.item():.3f}")
     return {"steps": float(step), "loss": float(loss.item())}
@@ -173,7 +204,7 @@ def evaluate(model: TinyGPT, cfg: TrainConfig, *, seed: int, device: torch.devic
     """
     task = cfg.task()
     gen = torch.Generator().manual_seed(10_000 + seed)
-    a, b = task.sample_operands(cfg.eval_prompts, torch.Generator().manual_seed(12345), split="eval")
+    a, b = task.sample(cfg.eval_prompts, torch.Generator().manual_seed(12345), split="eval")
     k = cfg.eval_k
     prompts = task.prompts(a, b).repeat_interleave(k, 0).to(device)
     seq = model.generate(prompts, task.response_len, temperature=cfg.eval_temperature, generator=gen)
@@ -260,7 +291,7 @@ def run_arm(
     g, p_len = cfg.group_size, task.prompt_len
     t0 = time.perf_counter()
     for step in range(cfg.grpo_steps):
-        a, b = task.sample_operands(cfg.prompts_per_step, gen, split="train")
+        a, b = task.sample(cfg.prompts_per_step, gen, split="train")
         prompts = task.prompts(a, b).repeat_interleave(g, 0).to(device)
         seq = model.generate(prompts, task.response_len, temperature=cfg.temperature, generator=gen)
         resp = seq[:, p_len:]

@@ -1,15 +1,15 @@
 """The head-to-head of issue 21 through TRL's real ``GRPOTrainer`` and the TRL adapter (item 6), next to the project's
 own loop on the same seeds: GRPO vs GRPO + Clip_B (tuned, mu = 2) vs GRPO + Clip_V (mu = 2.5, no cap).
 
-Per seed: one warm start (:func:`~entropy_discriminator.demo.headtohead.warm_up_checkpoints`, the pre-registered
+Per seed: one warm start (:func:`~entropy_lab.rl.warm_up`, the pre-registered
 config: TinyGPT d 64, 2 layers, 1,000 supervised steps on signed-sum Countdown with uniform targets), shared by both
 paths and every arm.  Per (path, arm, seed): RL from it, evaluated at the same checkpoints with the same
-:func:`~entropy_discriminator.demo.headtohead.evaluate_at` (test prompts of ``heldout_sets``, T = 0.7 and 1.0,
+:func:`~entropy_lab.headtohead.evaluate_at` (test prompts of ``heldout_sets``, T = 0.7 and 1.0,
 64 samples, the evaluation streams of ``eval_stream``), on CPU.
 
-* ``own``: :func:`~entropy_discriminator.demo.headtohead.run_arm_checkpoints` (the main run's loop, unchanged).
+* ``own``: :func:`~entropy_lab.headtohead.run_arm_checkpoints` (the main run's loop, unchanged).
 * ``trl``: ``EntropyDiscGRPOTrainer`` (TRL's ``GRPOTrainer`` with the adapter) on
-  :class:`~entropy_discriminator.demo.hf_policy.TinyGPTForCausalLM` holding the same warm-start weights, a word-level
+  :class:`~entropy_lab.hf_policy.TinyGPTForCausalLM` holding the same warm-start weights, a word-level
   tokenizer whose ids are the task's, the own loop's training prompts in its order (``shuffle_dataset=False``), and
   the task's exact reward; the trainer settings mirror the own loop (docs/reproduction/headtohead/TRL_PATH.md lists
   them and every remaining difference).
@@ -21,11 +21,11 @@ endpoints; ``comparison.json``, ``entropy_curves.csv`` and, with matplotlib, the
 
 GPU run (one H100/H200; TRL trains on the GPU, evaluation and the own loop on CPU cores)::
 
-    PYTHONPATH=. python examples/trl/headtohead_trl.py --seeds 0/1/2 --device cuda --jobs 12 --out OUT
+    PYTHONPATH=.:lab python examples/trl/headtohead_trl.py --seeds 0/1/2 --device cuda --jobs 12 --out OUT
 
 CPU smoke (under 2 minutes)::
 
-    PYTHONPATH=. python examples/trl/headtohead_trl.py --tiny --out /tmp/h2h_trl
+    PYTHONPATH=.:lab python examples/trl/headtohead_trl.py --tiny --out /tmp/h2h_trl
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from pathlib import Path
 
 import torch
 
-from entropy_discriminator.demo.headtohead import Arm, HeadConfig, run_arm_checkpoints
-from entropy_discriminator.demo.protocol import (
+from entropy_lab.headtohead import HeadConfig, run_arm_checkpoints
+from entropy_lab.protocol import (
     DELTAS,
     ENDPOINT_KS,
     TEMPERATURES,
@@ -57,8 +57,9 @@ from entropy_discriminator.demo.protocol import (
     parse_config,
     save_warm_start,
 )
-from entropy_discriminator.demo.records import append_jsonl, has_records
-from entropy_discriminator.demo.stats_tests import paired_test
+from entropy_lab.records import append_jsonl, has_records
+from entropy_lab.rl import Arm
+from entropy_lab.stats_tests import paired_test
 
 #: The pre-registered warm start (docs/reproduction/headtohead/PREREGISTRATION.md, ``CFG``).
 CFG = "d_model=64,n_layers=2,warmup_noise=0,targets=uniform,warmup_steps=1000"
@@ -153,7 +154,7 @@ def run_trl(state: dict[str, torch.Tensor], spec: RunSpec, arm: Arm, seed: int, 
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     from entropy_discriminator.adapters.trl import EntropyDiscGRPOTrainer
-    from entropy_discriminator.demo.hf_policy import (
+    from entropy_lab.hf_policy import (
         PAD_ID,
         countdown_tokenizer,
         hf_from_tinygpt_state,

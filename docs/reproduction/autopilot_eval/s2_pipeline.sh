@@ -16,7 +16,7 @@
 # beside stage C (adaptive bonus), which need LR2 (stage A's chosen GRPO lr) and START2 (the mean step-1 token entropy
 # of stage A's GRPO runs at LR2, 2 decimals); then the main run, seeds 0-4 and 5-9.
 set -uo pipefail
-M="python3 -m entropy_discriminator.demo.protocol"
+M="python3 -m entropy_lab.protocol"
 CFG2=${CFG2:-"d_model=64,n_layers=2,warmup_noise=0,targets=uniform,warmup_steps=2500"}
 TUNE_SEEDS=${TUNE_SEEDS:-100/101/102}
 CKPTS=${CKPTS:-0/10/20/30/40/60/80/100/125/150/200}
@@ -42,8 +42,8 @@ chosen_lr_and_start() {  # prints "LR2 START2" from stage A
   python3 - "$W/stage_a" <<'EOF'
 import json, sys
 from pathlib import Path
-from entropy_discriminator.demo.protocol import load_jsonl
-from entropy_discriminator.demo.tuning import stage_a
+from entropy_lab.protocol import load_jsonl
+from entropy_lab.tuning import stage_a
 d = Path(sys.argv[1])
 chosen = json.loads((d / "selection.json").read_text())["grpo"]["chosen"]
 if not chosen:

@@ -13,7 +13,7 @@
 set -euo pipefail
 TGZ=$1
 DEST=${2:-docs/reproduction/autopilot_eval/s2}
-M="python3 -m entropy_discriminator.demo.protocol"
+M="python3 -m entropy_lab.protocol"
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 tar xzf "$TGZ" -C "$TMP"

@@ -1,6 +1,6 @@
 """The TRL path of the head-to-head (issue 21 item 6): ``examples/trl/headtohead_trl.py`` with the real TRL.
 
-* the wrapped model (``entropy_discriminator.demo.hf_policy``) is TinyGPT: same logits on the same weights, the
+* the wrapped model (``entropy_lab.hf_policy``) is TinyGPT: same logits on the same weights, the
   backbone's output is what the TRL adapter reads, the tokenizer's ids are the task's;
 * ``--tiny`` runs end to end on CPU: both paths from one warm start (identical start evaluations), TRL's generation
   batches hold the own loop's prompts in its order, the adapter's entropy equals TRL's, Clip_B clips tokens at a small
@@ -17,9 +17,9 @@ import pytest
 import torch
 from _trl_harness import ROOT
 
-from entropy_discriminator.demo.countdown import VOCAB_SIZE
-from entropy_discriminator.demo.headtohead import HeadConfig
-from entropy_discriminator.demo.hf_policy import (
+from entropy_lab.countdown import VOCAB_SIZE
+from entropy_lab.headtohead import HeadConfig
+from entropy_lab.hf_policy import (
     EOS_ID,
     PAD_ID,
     countdown_tokenizer,

@@ -10,9 +10,11 @@ import json
 import math
 from pathlib import Path
 
+from entropy_discriminator.demo.report import PLOT_HINT, format_table, have_matplotlib, pyplot, save_figure, smooth
+from entropy_discriminator.demo.train import pearson, sign_agreement
+
 from .records import open_records, read_records_text
-from .report import PLOT_HINT, format_table, have_matplotlib, mean_ci, pyplot, smooth
-from .train import pearson, sign_agreement
+from .stats_tests import mean_ci
 
 Runs = dict[tuple[str, str, int], list[dict[str, float]]]
 
@@ -259,9 +261,7 @@ def _figures(out: Path, meta: dict, runs: Runs) -> None:
         ax.legend(fontsize=8)
     for ax in axes[1]:
         ax.set_xlabel("GRPO step")
-    fig.tight_layout()
-    fig.savefig(out / "fig1.png", dpi=100)
-    plt.close(fig)
+    save_figure(fig, out / "fig1.png", dpi=100)
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharex=True)
     for j, (method, label, t1) in enumerate((("clip_b", "Clip_B", "GRPO+Clip_B"), ("clip_v", "Clip_V", "GRPO+Clip_V"))):
@@ -276,9 +276,7 @@ def _figures(out: Path, meta: dict, runs: Runs) -> None:
         axes[1, j].set(title=f"({'cd'[j]}) {label}: mean token entropy", xlabel="GRPO step")
         for ax in axes[:, j]:
             ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "fig2.png", dpi=100)
-    plt.close(fig)
+    save_figure(fig, out / "fig2.png", dpi=100)
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     axes[0].plot(col(base, "step"), [abs(x) for x in col(base, "s_star_mean")], label="|E_B[S*]|")
@@ -291,9 +289,7 @@ def _figures(out: Path, meta: dict, runs: Runs) -> None:
     axes[1].set(title="Figure 5: -Cov_B(A, S_c) (vanilla GRPO)", xlabel="GRPO step")
     for ax in axes:
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "fig3_fig5.png", dpi=100)
-    plt.close(fig)
+    save_figure(fig, out / "fig3_fig5.png", dpi=100)
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     for arm in TABLE1_ARMS:
@@ -312,9 +308,7 @@ def _figures(out: Path, meta: dict, runs: Runs) -> None:
     axes[1].set(title="training reward (moving average; mean ± 95% CI)", xlabel="GRPO step")
     for ax in axes:
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "table1.png", dpi=100)
-    plt.close(fig)
+    save_figure(fig, out / "table1.png", dpi=100)
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     lo = hi = 0.0
@@ -337,9 +331,7 @@ def _figures(out: Path, meta: dict, runs: Runs) -> None:
         ax.axhline(0, color="grey", lw=0.5)
         ax.axvline(0, color="grey", lw=0.5)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "theory.png", dpi=100)
-    plt.close(fig)
+    save_figure(fig, out / "theory.png", dpi=100)
 
 
 def write_report(out: Path) -> Path:

@@ -5,7 +5,7 @@ Kept apart so that the report does not import the runner (and the runner can imp
 
 from __future__ import annotations
 
-from .train import pearson
+from entropy_discriminator.demo.train import pearson
 
 #: The K of Pass@K in the tables (the plots show every K up to ``eval_samples``).
 EVAL_KS = (1, 4, 16, 64)

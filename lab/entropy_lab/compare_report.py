@@ -9,8 +9,10 @@ import importlib.util
 import math
 from pathlib import Path
 
+from entropy_discriminator.demo.report import save_figure
+
 from .compare_metrics import EVAL_KS, dh_correlation
-from .report import mean_ci
+from .stats_tests import mean_ci
 
 METRICS = [("avg", "Avg@K"), *[(f"pass@{k}", f"Pass@{k}") for k in EVAL_KS], ("entropy_final", "final H"),
            ("control_frac", "control frac"), ("ppo_clip_frac", "PPO clip frac"), ("dH_corr", "dH corr"),
@@ -201,9 +203,7 @@ def _plots(results: dict, arms: list[str], out: Path) -> None:
         ax.set_ylabel("Pass@K (held out)")
         ax.set_title(title)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "pass_at_k.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, out / "pass_at_k.png", dpi=120)
 
     fig, axes = plt.subplots(1, len(families), figsize=(6.5 * len(families), 4.5), squeeze=False)
     for ax, (title, members) in zip(axes[0], families):
@@ -220,6 +220,4 @@ def _plots(results: dict, arms: list[str], out: Path) -> None:
         ax.set_ylabel("mean token entropy (rollouts)")
         ax.set_title(title)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "entropy.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, out / "entropy.png", dpi=120)

@@ -26,12 +26,13 @@ from pathlib import Path
 
 import torch
 
-from .model import TinyGPT
+from entropy_discriminator.demo.model import TinyGPT
+from entropy_discriminator.demo.report import TextProgress, prepare_output_folder, write_csv
+from entropy_discriminator.demo.runner import WARMUP_TARGET, resolve_device, torch_threads
+from entropy_discriminator.demo.theory import tabular_check, tabular_start
+from entropy_discriminator.demo.train import ArmResult, ArmSpec, TrainConfig, evaluate, run_arm, warm_up
+
 from .records import has_records
-from .report import TextProgress, prepare_output_folder, write_csv
-from .runner import WARMUP_TARGET, resolve_device, torch_threads
-from .theory import tabular_check, tabular_start
-from .train import ArmResult, ArmSpec, TrainConfig, evaluate, run_arm, warm_up
 
 SIZES: dict[str, dict[str, object]] = {
     "gpu": {

@@ -1,4 +1,4 @@
-"""``python -m entropy_discriminator.demo.protocol``: the pre-registered head-to-head protocol of issue 21.
+"""``python -m entropy_lab.protocol``: the pre-registered head-to-head protocol of issue 21.
 
 Stages (each a subcommand; every job's result is appended to a JSON-lines file as it lands, so a run cut off keeps
 what it finished):
@@ -7,7 +7,7 @@ what it finished):
   on the test prompts at every evaluation temperature (how the start was chosen);
 * ``run``: warm up each seed once, then every (seed, arm) with checkpoint evaluations (the tuning stage runs it on the
   tuning seeds and validation prompts, the main run on the evaluation seeds and test prompts);
-* ``tune-a`` / ``tune-b`` / ``tune-c``: the tuning stages (:mod:`~entropy_discriminator.demo.tuning`; ``tune-c``:
+* ``tune-a`` / ``tune-b`` / ``tune-c``: the tuning stages (:mod:`~entropy_lab.tuning`; ``tune-c``:
   TRL's adaptive entropy bonus, issue 23) on the tuning seeds and validation prompts, then ``select``;
 * ``main``: the selected arms on the evaluation seeds and test prompts (``--families`` restricts them; the family
   ``autopilot`` adds the entropy autopilot's one default setting, which is not tuned);
@@ -32,11 +32,14 @@ from pathlib import Path
 
 import torch
 
-from ..autopilot import DEFAULT_MAX_FRAC as AUTOPILOT_MAX_FRAC
+from entropy_discriminator.autopilot import DEFAULT_MAX_FRAC as AUTOPILOT_MAX_FRAC
+from entropy_discriminator.demo.model import TinyGPT
+from entropy_discriminator.demo.report import save_figure
+
 from .compare import CompareConfig, _pool_map
-from .headtohead import Arm, HeadConfig, eval_stream, evaluate_at, heldout_sets, run_arm_checkpoints, warm_up_checkpoints
-from .model import TinyGPT
+from .headtohead import HeadConfig, eval_stream, evaluate_at, heldout_sets, run_arm_checkpoints
 from .records import append_jsonl, load_jsonl
+from .rl import Arm, warm_up
 from .stats_tests import holm, paired_test, value_at_level
 from .tuning import adaptive_bonus_arms, autopilot_arms, second_lr, select, stage_a, stage_b
 
@@ -108,7 +111,7 @@ def _warm_sweep_job(job: tuple[str, CompareConfig, int, tuple[int, ...], int, in
             _append(Path(sink), {"candidate": name, "seed": seed, "step": step, "temperature": temp, "avg": ev["avg"],
                                  "pass": ev["pass"], "seconds": time.perf_counter() - t0, "config": asdict(cfg)})
 
-    warm_up_checkpoints(replace(cfg, warmup_steps=max(at_steps)), seed, at_steps, on_step)
+    warm_up(replace(cfg, warmup_steps=max(at_steps)), seed, at_steps=at_steps, on_step=on_step)
     return {"candidate": name, "seed": seed, "seconds": time.perf_counter() - t0}
 
 
@@ -129,7 +132,7 @@ def warm_sweep(candidates: dict[str, CompareConfig], seeds: Sequence[int], at_st
 @dataclass(frozen=True)
 class RunSpec:
     """One ``run`` stage: the config, its seeds, the checkpoints (RL step counts, 0 = the start), the prompt set
-    (``test`` or ``val``, :func:`~entropy_discriminator.demo.headtohead.heldout_sets`) and its size."""
+    (``test`` or ``val``, :func:`~entropy_lab.headtohead.heldout_sets`) and its size."""
 
     cfg: HeadConfig
     seeds: tuple[int, ...]
@@ -159,11 +162,11 @@ class RunSpec:
 
 
 def save_warm_start(cfg: CompareConfig, seed: int, path: str) -> tuple[dict[str, torch.Tensor], float]:
-    """Warm up ``seed`` on one thread (:func:`warm_up_checkpoints`), save the state dict to ``path``; returns
+    """Warm up ``seed`` on one thread (:func:`entropy_lab.rl.warm_up`), save the state dict to ``path``; returns
     ``(state, seconds)``."""
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    state = warm_up_checkpoints(cfg, seed, (), lambda step, st: None)
+    state = warm_up(cfg, seed)
     torch.save(state, path)
     return state, time.perf_counter() - t0
 
@@ -369,10 +372,8 @@ def frontier_figure(runs: Sequence[dict], out: Path, temperature: float = 0.7, k
     axes[0][0].set_ylabel(f"Pass@{k} (T = {temperature})")
     fig.suptitle(f"accuracy-diversity frontier over checkpoints (mean over {len(start) // max(len(by), 1)} seeds, "
                  "bars 95%)\ndotted: start + 0.02 / + 0.04", fontsize=10)
-    fig.tight_layout()
     path = out / f"frontier_T{temperature}_pass{k}.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
     return path
 
 
@@ -479,7 +480,7 @@ def autopilot_trace(runs: Sequence[dict], arm: str, cap: float, steps: Sequence[
 
 
 def write_selection(run_dir: Path, runs_files: Sequence[Path] = ()) -> dict[str, dict[str, object]]:
-    """Apply :func:`entropy_discriminator.demo.tuning.select` to ``runs_files`` read in order (default
+    """Apply :func:`entropy_lab.tuning.select` to ``runs_files`` read in order (default
     ``run_dir/runs.jsonl``); write ``selection.json`` and ``selection.md`` under ``run_dir`` (every setting's scores
     and the share of tokens its control acted on)."""
     sel = select(load_jsonl(*(runs_files or [run_dir / "runs.jsonl"])))
@@ -496,13 +497,13 @@ def write_selection(run_dir: Path, runs_files: Sequence[Path] = ()) -> dict[str,
 def main_arms(selections: Sequence[dict[str, dict[str, object]]], grpo_lr: float, ppo_lr: float,
               families: Sequence[str] | None = None, start_entropy: float = 0.70) -> list[Arm]:
     """The main run's arms: the chosen setting of every family in ``selections`` (:func:`write_selection` outputs),
-    as defined by :func:`~entropy_discriminator.demo.tuning.stage_a` / ``stage_b(grpo_lr, ppo_lr)`` /
+    as defined by :func:`~entropy_lab.tuning.stage_a` / ``stage_b(grpo_lr, ppo_lr)`` /
     ``adaptive_bonus_arms(grpo_lr, start_entropy)``, plus GRPO at
-    :func:`~entropy_discriminator.demo.tuning.second_lr` of the chosen GRPO rate (the frontier's second GRPO line).
+    :func:`~entropy_lab.tuning.second_lr` of the chosen GRPO rate (the frontier's second GRPO line).
     A family with no chosen setting is left out (and reported as not reached).
 
     ``families``: only the arms of these families (``grpo_second_lr`` names the second GRPO line); the family
-    ``autopilot`` (never tuned, so in no selection) adds :func:`~entropy_discriminator.demo.tuning.autopilot_arms`'
+    ``autopilot`` (never tuned, so in no selection) adds :func:`~entropy_lab.tuning.autopilot_arms`'
     default setting at ``grpo_lr``.  The selections must then choose GRPO at ``grpo_lr`` only if ``grpo`` or
     ``grpo_second_lr`` is among them.  A family neither in a selection nor one of those two raises ``ValueError``."""
     pool = (*stage_a(), *stage_b(grpo_lr, ppo_lr), *adaptive_bonus_arms(grpo_lr, start_entropy))
@@ -541,7 +542,7 @@ RUNS_OPTION_HELP = ("a runs.jsonl to read instead of DIR/runs.jsonl (repeat for 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line of the protocol (see the module docstring)."""
-    ap = argparse.ArgumentParser(prog="python -m entropy_discriminator.demo.protocol", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m entropy_lab.protocol", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     sub = ap.add_subparsers(dest="cmd", required=True)
     ws = sub.add_parser("warm-sweep", allow_abbrev=False, help="candidate warm starts at several warm-up lengths")

@@ -1,11 +1,28 @@
 """Endpoints and tests of the head-to-head protocol (issue 21): Pass@K at a matched Avg@K read off a checkpoint curve,
-paired Student-t tests and Holm's step-down adjustment.  Pure Python (no SciPy)."""
+paired Student-t tests, Holm's step-down adjustment and the 95% interval of a mean over seeds (:func:`mean_ci`).
+Pure Python (no SciPy)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+#: Two-sided 95% Student t quantiles t_{0.975, df} for df = 1 .. 30 (beyond 30, df = 30's: conservative).
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def mean_ci(values: Sequence[float]) -> tuple[float, float]:
+    """Mean of the finite ``values`` and the half-width of its two-sided 95% Student-t interval
+    (``t_{0.975, n-1} * sd / sqrt(n)``); nan half-width below 2 finite values, nan mean for none."""
+    v = [x for x in values if math.isfinite(x)]
+    n = len(v)
+    m = sum(v) / n if n else math.nan
+    if n < 2:
+        return m, math.nan
+    sd = math.sqrt(sum((x - m) ** 2 for x in v) / (n - 1))
+    return m, T975[min(n - 1, len(T975)) - 1] * sd / math.sqrt(n)
 
 
 def value_at_level(avgs: Sequence[float], values: Sequence[float], level: float) -> float:

@@ -27,8 +27,9 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel, PreTrainedTokenizerFast, PretrainedConfig
 from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
 
+from entropy_discriminator.demo.model import ModelConfig, TinyGPT, add_trunk, trunk
+
 from .countdown import EQUALS, MINUS, PLUS, SKIP, VOCAB_SIZE, CountdownTask
-from .model import ModelConfig, TinyGPT, add_trunk, trunk
 
 #: Text of each task token id (index = id).
 TOKEN_TEXT = [str(d) for d in range(10)] + ["+", "-", "=", "_"]
@@ -164,7 +165,7 @@ def prompt_text(prompt_ids: torch.Tensor) -> list[str]:
 
 def train_prompt_stream(task: CountdownTask, seed: int, steps: int, per_step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The training problems of the own loop's ``steps`` RL steps for ``seed``
-    (:func:`~entropy_discriminator.demo.headtohead.run_arm_checkpoints` draws ``per_step`` per step from a generator
+    (:func:`~entropy_lab.headtohead.run_arm_checkpoints` draws ``per_step`` per step from a generator
     seeded with ``seed``), concatenated in order: numbers [steps * per_step, m], targets [steps * per_step]."""
     gen = torch.Generator().manual_seed(seed)
     xs, ts = zip(*(task.sample(per_step, gen, split="train") for _ in range(steps)))

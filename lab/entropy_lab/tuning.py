@@ -2,7 +2,7 @@
 
 Every family gets :data:`SETTINGS_PER_FAMILY` settings.  Stage A tunes the learning rate of the two estimators (GRPO,
 PPO); stage B tunes every other family at its estimator's stage-A learning rate.  Tuning runs use the tuning seeds and
-the validation prompts only (:func:`entropy_discriminator.demo.protocol.run_stage` with ``prompt_set="val"``).
+the validation prompts only (:func:`entropy_lab.protocol.run_stage` with ``prompt_set="val"``).
 Issue 23 adds stage C, TRL's adaptive entropy bonus (:func:`adaptive_bonus_arms`, four settings at the stage-A GRPO
 rate), and the entropy autopilot, which is not tuned (:func:`autopilot_arms`: one default setting).
 """
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from .headtohead import Arm
+
+from .rl import Arm
 from .stats_tests import value_at_level
 
 SETTINGS_PER_FAMILY = 4
@@ -56,6 +57,22 @@ def autopilot_arms(grpo_lr: float) -> list[Arm]:
     return [Arm("autopilot(hold)", "autopilot", mask="autopilot", lr=grpo_lr)]
 
 
+def fixed_share_arm(grpo_lr: float, share: float) -> Arm:
+    """The control for the autopilot: the same candidates in the same order at a constant ``share`` (the
+    autopilot's mean dropped share over the tuning runs, :func:`mean_autopilot_share`), untuned like the autopilot."""
+    return Arm(f"fixed_share({share:.3g})", "fixed_share", mask="fixed_share", share=share, lr=grpo_lr)
+
+
+def mean_autopilot_share(runs: Sequence[dict], arm: str = "autopilot(hold)") -> float:
+    """The mean over ``arm``'s runs and their RL steps of ``autopilot_dropped_frac`` (the share the autopilot
+    dropped), refused by name when no run of ``arm`` records it."""
+    shares = [r["autopilot_dropped_frac"] for run in runs if run.get("arm") == arm for r in run.get("records", [])
+              if "autopilot_dropped_frac" in r]
+    if not shares:
+        raise ValueError(f"no run of arm {arm!r} records autopilot_dropped_frac")
+    return sum(shares) / len(shares)
+
+
 #: Adaptive bonus targets below the start's token entropy (nats): the targets are ``start - offset``.
 ADAPTIVE_TARGET_OFFSETS = (0.2, 0.1, 0.05, 0.0)
 
@@ -72,7 +89,7 @@ def adaptive_bonus_arms(grpo_lr: float, start_entropy: float = 0.70) -> list[Arm
 
 def tuning_score(runs: Sequence[dict], temperature: float = 0.7, delta: float = 0.04, k: int = 64) -> float:
     """Pre-registered tuning endpoint of one setting: mean over its tuning seeds of Pass@``k`` where Avg@K first
-    reaches (start Avg@K + ``delta``) at ``temperature`` (:func:`~entropy_discriminator.demo.stats_tests.value_at_level`);
+    reaches (start Avg@K + ``delta``) at ``temperature`` (:func:`~entropy_lab.stats_tests.value_at_level`);
     ``nan`` unless every seed reaches that level (a setting that does not train is not eligible)."""
     vals = []
     for run in runs:

@@ -54,6 +54,11 @@ class CountdownTask:
             raise ValueError(f"targets must be 'coef' or 'uniform', got {self.targets!r}")
 
     @property
+    def vocab_size(self) -> int:
+        """:data:`VOCAB_SIZE` token ids."""
+        return VOCAB_SIZE
+
+    @property
     def prompt_len(self) -> int:
         """``m + 4`` tokens: the numbers, ``=``, the target's sign and two digits."""
         return self.n_numbers + 4

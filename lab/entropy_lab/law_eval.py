@@ -1,4 +1,4 @@
-"""``python -m entropy_discriminator.demo.law_eval``: the entropy law on the same batch, and the autopilot that uses it.
+"""``python -m entropy_lab.law_eval``: the entropy law on the same batch, and the autopilot that uses it.
 
 Four set-ups, each trained with Adam (:data:`SETUPS`): the demo's addition task (``demo``), the plain-PyTorch loop
 of ``examples/custom_loop.py`` (``custom``) and the two set-ups of the autopilot evaluation (``s1``, ``s2``:
@@ -41,10 +41,11 @@ from pathlib import Path
 import torch
 from torch.func import functional_call
 
-from .. import EntropyAutopilot, apply_keep_mask, batch_entropy_change, law, token_stats
-from ..baselines import ppo_clip_losses
+from entropy_discriminator import EntropyAutopilot, apply_keep_mask, batch_entropy_change, law, token_stats
+from entropy_discriminator.baselines import ppo_clip_losses
+from entropy_discriminator.demo.train import TrainConfig, group_advantages, warm_up
+
 from .records import load_jsonl
-from .train import TrainConfig, group_advantages, warm_up
 
 #: The set-ups: the demo task, the custom loop, the autopilot evaluation's S1 and S2.
 SETUPS = ("demo", "custom", "s1", "s2")
@@ -103,7 +104,7 @@ def make_env(setup: str, seed: int, *, quick: bool = False) -> Env:
     torch.manual_seed(seed)
     if setup == "demo":
         cfg = TrainConfig(warmup_steps=20 if quick else 600)
-        from .model import TinyGPT
+        from entropy_discriminator.demo.model import TinyGPT
 
         model = TinyGPT(cfg.model_config())
         warm_up(model, cfg, seed=seed, device=torch.device("cpu"), target_avg=None if quick else 0.3,
@@ -112,7 +113,7 @@ def make_env(setup: str, seed: int, *, quick: bool = False) -> Env:
         g, p_len = cfg.group_size, task.prompt_len
 
         def sample() -> Batch:
-            a, b = task.sample_operands(cfg.prompts_per_step, gen, split="train")
+            a, b = task.sample(cfg.prompts_per_step, gen, split="train")
             seq = model.generate(task.prompts(a, b).repeat_interleave(g, 0), task.response_len, temperature=1.0,
                                  generator=gen)
             resp = seq[:, p_len:]
@@ -143,14 +144,14 @@ def make_env(setup: str, seed: int, *, quick: bool = False) -> Env:
             return functional_call(model, params, (seq[:, :-1],))[:, cl.PROMPT_LEN - 1 :]
 
         return Env(setup, model, 5e-4, 1, None, None, sample, model_logits, gen)
-    from .headtohead import warm_up_checkpoints
-    from .model import TinyGPT
+    from .rl import warm_up as warm_start
+    from entropy_discriminator.demo.model import TinyGPT
     from .protocol import parse_config
 
     cfg = parse_config(HEAD_CONFIGS[setup])
     if quick:
         cfg = replace(cfg, warmup_steps=20)
-    state = warm_up_checkpoints(cfg, seed, (), lambda step, st: None)
+    state = warm_start(cfg, seed)
     task = cfg.task()
     torch.manual_seed(seed)
     model = TinyGPT(cfg.model_config())
@@ -373,7 +374,7 @@ def _reseeded_head(env: Env, setup: str, seed: int) -> Env:
 def _head_sampler(cfg, task, model: torch.nn.Module, seed: int) -> tuple[Callable[[], Batch], torch.Generator]:
     """A set-up's rollout batches from ``model`` (prompt stream seeded ``seed``, sampling stream ``seed + 1``) and
     the sampling generator."""
-    from .compare import rollout
+    from .rl import rollout
 
     prompt_gen, sample_gen = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)
 
@@ -567,7 +568,7 @@ def _save(fig, path: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m entropy_discriminator.demo.law_eval", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m entropy_lab.law_eval", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     sub = parser.add_subparsers(dest="cmd", required=True)
     for name in ("validate", "autopilot"):
