@@ -6,6 +6,7 @@ import importlib.util
 import os
 import re
 import shutil
+import site
 import subprocess
 import sys
 import time
@@ -192,8 +193,14 @@ def test_wheel_and_sdist_build_from_the_clone_and_the_wheel_installs(tmp_path):
     assert {"entropy_lab/compare.py", "entropy_lab/protocol.py", "entropy_lab/paper.py"} <= set(lab_files)
     assert not any(f.startswith("entropy_discriminator/") for f in lab_files)
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     python = venv / "bin" / "python"
+    # torch and the other requirements come from this interpreter's site-packages, listed after the venv's own (a
+    # directory named in a .pth file is not a site directory: its own .pth files, such as an editable install's
+    # hook into the clone, are not run)
+    venv_site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    Path(venv_site, "_test_requirements.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(dist / names[0])],
                    check=True, timeout=300, cwd=tmp_path)
     out = subprocess.run([str(venv / "bin" / "entropy-discriminator"), "--version"], capture_output=True, text=True,
