@@ -31,11 +31,15 @@ from .stats_tests import betainc
 
 
 def t_cdf(t: float, df: int) -> float:
-    """``P(T_df <= t)`` of Student's t: ``1 - I_{df/(df+t^2)}(df/2, 1/2) / 2`` for ``t >= 0``, symmetric below."""
+    """``P(T_df <= t)`` of Student's t, symmetric about 0: for ``t >= 0`` it is ``1/2 + I_{t^2/(df+t^2)}(1/2, df/2) / 2``
+    near 0 and ``1 - I_{df/(df+t^2)}(df/2, 1/2) / 2`` in the tail (each form where it keeps its digits)."""
     if df < 1:
         raise ValueError(f"df must be >= 1, got {df}")
     if math.isinf(t):
         return 1.0 if t > 0 else 0.0
+    if t * t < df:  # |t| < sqrt(df): the central form
+        half = betainc(0.5, df / 2.0, t * t / (df + t * t)) / 2.0
+        return 0.5 + half if t >= 0 else 0.5 - half
     tail = betainc(df / 2.0, 0.5, df / (df + t * t)) / 2.0
     return 1.0 - tail if t >= 0 else tail
 
