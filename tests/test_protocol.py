@@ -491,6 +491,10 @@ def test_main_families_restricts_arms(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert names(main_arms(sel, 3e-4, 1e-3, ["autopilot", "adaptive_bonus"])) == [
         "adaptive_bonus(target=0.6)", "autopilot(hold)"]
     assert names(main_arms([], 3e-4, 1e-3, ["autopilot"])) == ["autopilot(hold)"]
+    assert names(main_arms([], 3e-4, 1e-3, ["autopilot", "fixed_share"], fixed_share=0.03)) == [
+        "autopilot(hold)", "fixed_share(0.03)"]
+    with pytest.raises(ValueError, match="fixed_share"):
+        main_arms([], 3e-4, 1e-3, ["fixed_share"])
     assert names(main_arms(sel, 3e-4, 1e-3, ["clip_b", "grpo_second_lr"])) == ["clip_b(mu=1.5)", "grpo(lr=0.001)"]
     assert names(main_arms(sel[:2], 3e-4, 1e-3)) == [  # unchanged without families
         "grpo(lr=0.0003)", "ppo(lr=0.001)", "clip_b(mu=1.5)", "grpo(lr=0.001)"]
@@ -505,6 +509,12 @@ def test_main_families_restricts_arms(monkeypatch: pytest.MonkeyPatch, tmp_path:
     protocol.main(["main", "--selection", str(tmp_path / "sel.json"), "--families", "autopilot,adaptive_bonus",
                    "--grpo-lr", "3e-4", "--ppo-lr", "1e-3", "--seeds", "0/1", "--out", str(tmp_path / "m")])
     protocol.main(["tune-c", "--grpo-lr", "3e-4", "--out", str(tmp_path / "c")])
+    autopilot_runs = tmp_path / "autopilot_tuning.jsonl"
+    autopilot_runs.write_text("".join(json.dumps({"arm": "autopilot(hold)", "seed": s, "records": [
+        {"autopilot_dropped_frac": f}]}) + "\n" for s, f in ((100, 0.02), (101, 0.04))))
+    protocol.main(["main", "--families", "fixed_share", "--fixed-share-from", str(autopilot_runs),
+                   "--grpo-lr", "3e-4", "--ppo-lr", "1e-3", "--seeds", "0/1", "--out", str(tmp_path / "f")])
+    assert [(a.name, a.share) for a in seen.pop()[1]] == [("fixed_share(0.03)", pytest.approx(0.03))]
     (spec_m, arms_m), (spec_c, arms_c) = seen
     assert names(arms_m) == ["adaptive_bonus(target=0.6)", "autopilot(hold)"] and spec_m.prompt_set == "test"
     assert arms_m[1].lr == 3e-4 and arms_m[0].lr == 3e-4

@@ -10,7 +10,8 @@ what it finished):
 * ``tune-a`` / ``tune-b`` / ``tune-c``: the tuning stages (:mod:`~entropy_lab.tuning`; ``tune-c``:
   TRL's adaptive entropy bonus, issue 23) on the tuning seeds and validation prompts, then ``select``;
 * ``main``: the selected arms on the evaluation seeds and test prompts (``--families`` restricts them; the family
-  ``autopilot`` adds the entropy autopilot's one default setting, which is not tuned);
+  ``autopilot`` adds the entropy autopilot's one default setting, which is not tuned; ``fixed_share`` its control,
+  a constant share equal to the autopilot's mean share in tuning, ``--fixed-share-from``);
 * ``report``: endpoints, paired tests with Holm's adjustment, the frontier figure, from a ``run`` folder;
 * ``warm``: only warm up seeds into a ``--warm-cache`` (for a later stage of the same configuration);
 * ``autopilot-gain``: how the realised entropy change follows the autopilot's prediction (:func:`autopilot_gain`).
@@ -41,7 +42,16 @@ from .headtohead import HeadConfig, eval_stream, evaluate_at, heldout_sets, run_
 from .records import append_jsonl, load_jsonl
 from .rl import Arm, warm_up
 from .stats_tests import holm, paired_test, value_at_level
-from .tuning import adaptive_bonus_arms, autopilot_arms, second_lr, select, stage_a, stage_b
+from .tuning import (
+    adaptive_bonus_arms,
+    autopilot_arms,
+    fixed_share_arm,
+    mean_autopilot_share,
+    second_lr,
+    select,
+    stage_a,
+    stage_b,
+)
 
 #: Evaluation temperatures: the paper's (0.7, primary) and the sampling temperature of training (1.0).
 TEMPERATURES = (0.7, 1.0)
@@ -495,7 +505,8 @@ def write_selection(run_dir: Path, runs_files: Sequence[Path] = ()) -> dict[str,
 
 
 def main_arms(selections: Sequence[dict[str, dict[str, object]]], grpo_lr: float, ppo_lr: float,
-              families: Sequence[str] | None = None, start_entropy: float = 0.70) -> list[Arm]:
+              families: Sequence[str] | None = None, start_entropy: float = 0.70,
+              fixed_share: float | None = None) -> list[Arm]:
     """The main run's arms: the chosen setting of every family in ``selections`` (:func:`write_selection` outputs),
     as defined by :func:`~entropy_lab.tuning.stage_a` / ``stage_b(grpo_lr, ppo_lr)`` /
     ``adaptive_bonus_arms(grpo_lr, start_entropy)``, plus GRPO at
@@ -504,16 +515,21 @@ def main_arms(selections: Sequence[dict[str, dict[str, object]]], grpo_lr: float
 
     ``families``: only the arms of these families (``grpo_second_lr`` names the second GRPO line); the family
     ``autopilot`` (never tuned, so in no selection) adds :func:`~entropy_lab.tuning.autopilot_arms`'
-    default setting at ``grpo_lr``.  The selections must then choose GRPO at ``grpo_lr`` only if ``grpo`` or
-    ``grpo_second_lr`` is among them.  A family neither in a selection nor one of those two raises ``ValueError``."""
+    default setting at ``grpo_lr``, and ``fixed_share`` the autopilot's control at the share ``fixed_share``
+    (:func:`~entropy_lab.tuning.fixed_share_arm`; required then).  The selections must then choose GRPO at
+    ``grpo_lr`` only if ``grpo`` or ``grpo_second_lr`` is among them.  A family neither in a selection nor one of
+    those raises ``ValueError``."""
     pool = (*stage_a(), *stage_b(grpo_lr, ppo_lr), *adaptive_bonus_arms(grpo_lr, start_entropy))
     by_name = {a.name: a for a in pool}
     chosen = [str(s["chosen"]) for sel in selections for s in sel.values() if s["chosen"]]
     if families is not None:
         wanted = set(families)
-        unknown = wanted - {f for sel in selections for f in sel} - {"autopilot", "grpo_second_lr"}
+        unknown = wanted - {f for sel in selections for f in sel} - {"autopilot", "fixed_share", "grpo_second_lr"}
         if unknown:
-            raise ValueError(f"families {sorted(unknown)} are in no selection (and are not autopilot / grpo_second_lr)")
+            raise ValueError(f"families {sorted(unknown)} are in no selection (and are not autopilot / fixed_share / "
+                             "grpo_second_lr)")
+        if "fixed_share" in wanted and fixed_share is None:
+            raise ValueError("the family fixed_share needs fixed_share (the autopilot's mean share in tuning)")
         arms = [by_name[n] for n in chosen if by_name[n].family in wanted]
         if wanted & {"grpo", "grpo_second_lr"}:
             grpo = next((by_name[n] for n in chosen if by_name[n].family == "grpo"), None)
@@ -523,6 +539,8 @@ def main_arms(selections: Sequence[dict[str, dict[str, object]]], grpo_lr: float
                 arms.append(Arm(f"grpo(lr={second_lr(grpo_lr):g})", "grpo_second_lr", lr=second_lr(grpo_lr)))
         if "autopilot" in wanted:
             arms += autopilot_arms(grpo_lr)
+        if "fixed_share" in wanted:
+            arms.append(fixed_share_arm(grpo_lr, fixed_share))
         return arms
     arms = [by_name[n] for n in chosen]
     grpo = next((a for a in arms if a.family == "grpo"), None)
@@ -590,7 +608,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     mp_.add_argument("--ppo-lr", type=float, required=True)
     mp_.add_argument("--families", default=None,
                      help="comma-separated families to run (default: every selected family and grpo_second_lr); "
-                          "'autopilot' adds the autopilot's default setting at --grpo-lr")
+                          "'autopilot' adds the autopilot's default setting at --grpo-lr, 'fixed_share' its control "
+                          "at the share of --fixed-share-from")
+    mp_.add_argument("--fixed-share-from", type=Path, action="append", default=[], metavar="RUNS",
+                     help="runs.jsonl of the autopilot on the tuning seeds: the fixed share is its mean dropped share "
+                          "(repeat for several files)")
     mp_.add_argument("--start-entropy", type=float, default=0.70,
                      help="as tune-c's (names the adaptive_bonus settings of a stage-C selection)")
     mp_.add_argument("--seeds", required=True)
@@ -645,7 +667,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                        tuple(int(s) for s in args.checkpoints.split("/")), "test")
         sels = [json.loads(p.read_text()) for p in args.selection]
         fams = args.families.split(",") if args.families else None
-        arms = main_arms(sels, args.grpo_lr, args.ppo_lr, fams, args.start_entropy)
+        share = mean_autopilot_share(load_jsonl(*args.fixed_share_from)) if args.fixed_share_from else None
+        arms = main_arms(sels, args.grpo_lr, args.ppo_lr, fams, args.start_entropy, share)
         if not arms:
             raise SystemExit("main: no arm to run (no selected setting in the requested families)")
         run_stage(spec, arms, args.out, jobs=args.jobs, warm_cache=args.warm_cache)
