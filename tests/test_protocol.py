@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import pytest
@@ -39,7 +39,9 @@ from entropy_lab.tuning import (
     adaptive_bonus_arms,
     autopilot_arms,
     fixed_share_arm,
+    grid_extensions,
     mean_autopilot_share,
+    select,
     stage_a,
     stage_b,
 )
@@ -249,6 +251,77 @@ def test_endpoints_of_a_synthetic_run() -> None:
     assert math.isnan(e["T0.7/d0.04/pass@64"])
     assert e["T0.7/final/pass@64"] == 0.6 and e["T0.7/best/avg"] == 0.23 and e["T0.7/best/pass@64"] == 0.7
     assert set(primary_keys()) <= set(e)
+
+
+def _tuning_run(arm: Arm, seed: int, p64: float) -> dict:
+    """A run whose Avg@K rises by 0.05 in one step and whose Pass@64 there is ``p64`` (its tuning score)."""
+    def ev(avg: float) -> dict:
+        return {"avg": avg, "pass": {"16": p64, "64": p64}}
+
+    cps = [{"step": 0, "T0.7": ev(0.2), "T1.0": ev(0.2)}, {"step": 10, "T0.7": ev(0.25), "T1.0": ev(0.25)}]
+    return {"arm": arm.name, "family": arm.family, "seed": seed, "checkpoints": cps,
+            "records": [{"control_frac": 0.0}], "arm_spec": asdict(arm)}
+
+
+def test_grid_extensions_grow_each_axis_past_an_edge_choice() -> None:
+    """A chosen setting at an edge of its family's tried values adds the next rung beyond it on that axis (the other
+    fields as chosen); an interior choice, a rung already tried and a ladder's end add nothing."""
+    def runs_with(arms: list[Arm], best: str) -> list[dict]:
+        return [_tuning_run(a, s, 0.9 if a.name == best else 0.5) for a in arms for s in (100, 101)]
+
+    grid = stage_a() + stage_b(1e-4, 1e-3)
+    for best, want in [
+        ("grpo(lr=0.0001)", ["grpo(lr=3e-05)"]), ("grpo(lr=0.0003)", []), ("ppo(lr=0.003)", ["ppo(lr=0.01)"]),
+        ("clip_b(mu=1)", ["clip_b(mu=0.5)"]), ("clip_b(mu=2.5)", ["clip_b(mu=3)"]), ("clip_b(mu=1.5)", []),
+        ("clip_v(mu=2.5,cap=0.02)", ["clip_v(mu=3,cap=0.02)"]), ("kl_cov(ratio=0.02,coef=5)", ["kl_cov(ratio=0.1,coef=5)",
+         "kl_cov(ratio=0.02,coef=25)"]), ("clip_cov(ratio=0.02,eps=off)", ["clip_cov(ratio=0.05,eps=off)"]),
+        ("forking(rho=0.8)", ["forking(rho=1)"]), ("entropy_bonus(c=0.001)", ["entropy_bonus(c=0.0003)"]),
+        ("unlikely(pen=1)", ["unlikely(pen=2)"]),
+    ]:  # fmt: skip
+        fam = next(a.family for a in grid if a.name == best)
+        arms = [a for a in grid if a.family == fam]
+        runs = runs_with(arms, best)
+        new = grid_extensions(runs, select(runs))
+        assert [a.name for a in new] == want, best
+        chosen = next(a for a in arms if a.name == best)
+        for a in new:  # one field moved, every other as chosen
+            moved = [f.name for f in fields(Arm) if f.name != "name" and getattr(a, f.name) != getattr(chosen, f.name)]
+            assert len(moved) == 1, (a, moved)
+    # the adaptive bonus's targets step by 0.05; a rung already tried and a ladder's end add nothing
+    bonus = adaptive_bonus_arms(3e-4)
+    runs = runs_with(bonus, "adaptive_bonus(target=0.5)")
+    assert [a.name for a in grid_extensions(runs, select(runs))] == ["adaptive_bonus(target=0.45)"]
+    forking = [a for a in grid if a.family == "forking_tokens"] + [Arm("forking(rho=1)", "forking_tokens",
+                                                                          mask="forking", rho=1.0, lr=1e-4)]
+    runs = runs_with(forking, "forking(rho=1)")
+    assert grid_extensions(runs, select(runs)) == []
+    clip_b = [a for a in grid if a.family == "clip_b"]
+    runs = runs_with(clip_b, "clip_b(mu=1)") + [_tuning_run(replace(clip_b[0], name="clip_b(mu=0.5)", mu=0.5), 100, 0.1)]
+    assert grid_extensions(runs, select(runs)) == []
+
+
+def test_extend_stage_runs_extensions_until_the_choice_is_interior(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
+    """The loop runs each round's extensions into extend{k}/ and selects over everything: a score that keeps rising
+    toward smaller mu moves the choice down the ladder until the ladder ends (0.5), then stops."""
+    arms = [a for a in stage_b(1e-4, 1e-3) if a.family == "clip_b"]
+    score = lambda a: 1.0 - a.mu / 10  # noqa: E731  best at the smallest mu
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(_tuning_run(a, s, score(a))) + "\n" for a in arms
+                                                 for s in (100, 101)))
+    ran: list[list[str]] = []
+
+    def fake_stage(spec, new_arms, out, **kw):  # noqa: ANN001, ANN003
+        ran.append([a.name for a in new_arms])
+        out.mkdir(parents=True)
+        (out / "runs.jsonl").write_text("".join(json.dumps(_tuning_run(a, s, score(a))) + "\n" for a in new_arms
+                                                for s in (100, 101)))
+        return out / "runs.jsonl"
+
+    monkeypatch.setattr(protocol, "run_stage", fake_stage)
+    sel = protocol.extend_stage(None, tmp_path, jobs=1, log=lambda m: None)
+    assert ran == [["clip_b(mu=0.5)"]] and sel["clip_b"]["chosen"] == "clip_b(mu=0.5)"
+    assert json.loads((tmp_path / "selection.json").read_text())["clip_b"]["chosen"] == "clip_b(mu=0.5)"
+    assert sorted(p.name for p in tmp_path.glob("extend*")) == ["extend1"]
 
 
 # ---------------------------------------------------------------------------------------------- end-to-end smoke

@@ -9,6 +9,7 @@ what it finished):
   tuning seeds and validation prompts, the main run on the evaluation seeds and test prompts);
 * ``tune-a`` / ``tune-b`` / ``tune-c``: the tuning stages (:mod:`~entropy_lab.tuning`; ``tune-c``:
   TRL's adaptive entropy bonus, issue 23) on the tuning seeds and validation prompts, then ``select``;
+* ``extend``: grow a tuning stage's grids where the chosen setting lies at an edge, until it is interior;
 * ``main``: the selected arms on the evaluation seeds and test prompts (``--families`` restricts them; the family
   ``autopilot`` adds the entropy autopilot's one default setting, which is not tuned; ``fixed_share`` its control,
   a constant share equal to the autopilot's mean share in tuning, ``--fixed-share-from``);
@@ -46,6 +47,7 @@ from .tuning import (
     adaptive_bonus_arms,
     autopilot_arms,
     fixed_share_arm,
+    grid_extensions,
     mean_autopilot_share,
     second_lr,
     select,
@@ -504,6 +506,22 @@ def write_selection(run_dir: Path, runs_files: Sequence[Path] = ()) -> dict[str,
     return sel
 
 
+def extend_stage(spec: RunSpec, run_dir: Path, *, jobs: int, rounds: int = 4, log: Callable[[str], None] = print,
+                 warm_cache: Path | None = None) -> dict[str, dict[str, object]]:
+    """Grow a tuning stage's grids until every chosen setting is interior (:func:`~entropy_lab.tuning.grid_extensions`):
+    select over ``run_dir/runs.jsonl`` and ``run_dir/extend*/runs.jsonl``, run the extensions into
+    ``run_dir/extend{k}`` (:func:`run_stage`), and repeat, at most ``rounds`` times; the last selection is written
+    to ``run_dir/selection.json`` (and ``.md``) and returned."""
+    files = [run_dir / "runs.jsonl", *sorted(run_dir.glob("extend*/runs.jsonl"), key=lambda p: int(p.parent.name[6:]))]
+    for _ in range(rounds):
+        new = grid_extensions(load_jsonl(*files), write_selection(run_dir, files))
+        if not new:
+            break
+        log(f"extend: {[a.name for a in new]}")
+        files.append(run_stage(spec, new, run_dir / f"extend{len(files)}", jobs=jobs, log=log, warm_cache=warm_cache))
+    return write_selection(run_dir, files)
+
+
 def main_arms(selections: Sequence[dict[str, dict[str, object]]], grpo_lr: float, ppo_lr: float,
               families: Sequence[str] | None = None, start_entropy: float = 0.70,
               fixed_share: float | None = None) -> list[Arm]:
@@ -632,6 +650,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     tr.add_argument("runs", type=Path, nargs="+", help=RUNS_HELP)
     tr.add_argument("--arm", default="autopilot(hold)")
     tr.add_argument("--cap", type=float, default=AUTOPILOT_MAX_FRAC, help="the arm's cap on the dropped share")
+    ex = sub.add_parser("extend", allow_abbrev=False,
+                        help="grow a tuning folder's grids until every chosen setting is interior, then select")
+    ex.add_argument("dir", type=Path, help="a tuning stage's folder (runs.jsonl; extensions go to dir/extend*/)")
+    ex.add_argument("--config", default="")
+    ex.add_argument("--seeds", default="100/101/102")
+    ex.add_argument("--checkpoints", default="0/10/20/30/40/60/80/100/125/150/200")
+    ex.add_argument("--rounds", type=int, default=4, help="at most this many rounds of extensions")
+    ex.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ex.add_argument("--warm-cache", type=Path, default=None, help=WARM_CACHE_HELP)
     sp = sub.add_parser("select", allow_abbrev=False, help="apply the pre-registered selection rule to a tuning folder")
     sp.add_argument("dir", type=Path)
     sp.add_argument("--runs", type=Path, action="append", default=[], help=RUNS_OPTION_HELP)
@@ -679,6 +706,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(autopilot_gain(load_jsonl(*args.runs), args.arm), indent=1))
     if args.cmd == "autopilot-trace":
         print(json.dumps(autopilot_trace(load_jsonl(*args.runs), args.arm, args.cap), indent=1))
+    if args.cmd == "extend":
+        spec = RunSpec(parse_config(args.config), tuple(int(s) for s in args.seeds.split("/")),
+                       tuple(int(s) for s in args.checkpoints.split("/")), "val")
+        sel = extend_stage(spec, args.dir, jobs=args.jobs, rounds=args.rounds, warm_cache=args.warm_cache)
+        print(json.dumps({f: s["chosen"] for f, s in sel.items()}))
     if args.cmd == "select":
         print(json.dumps({f: s["chosen"] for f, s in write_selection(args.dir, args.runs).items()}))
     if args.cmd == "report":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 from .rl import Arm
 from .stats_tests import value_at_level
@@ -124,13 +125,81 @@ def select(runs: Sequence[dict]) -> dict[str, dict[str, object]]:
     return out
 
 
+LR_LADDER = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
+MU_LADDER = (0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0)
+#: Where a family's grid grows when its chosen setting lies at an edge: ``family -> ((field, label in the setting's
+#: name, ladder), ...)``, one entry per axis.  ``None`` as the ladder: steps of :data:`TARGET_STEP` (the adaptive
+#: bonus's entropy target, kept >= 0).  Clip_V's cap and the autopilot are not tuned along a ladder.
+LADDERS: dict[str, tuple[tuple[str, str, tuple[float, ...] | None], ...]] = {
+    "grpo": (("lr", "lr", LR_LADDER),),
+    "ppo": (("lr", "lr", LR_LADDER),),
+    "clip_b": (("mu", "mu", MU_LADDER),),
+    "ppo+clip_b": (("mu", "mu", MU_LADDER),),
+    "clip_v": (("mu", "mu", MU_LADDER),),
+    "ppo+clip_v": (("mu", "mu", MU_LADDER),),
+    "clip_cov": (("cov_ratio", "ratio", (5e-5, 2e-4, 1e-3, 5e-3, 2e-2, 5e-2, 1e-1)),),
+    "kl_cov": (("cov_ratio", "ratio", (2e-4, 2e-3, 2e-2, 1e-1)), ("kl_coef", "coef", (0.2, 1.0, 5.0, 25.0))),
+    "forking_tokens": (("rho", "rho", (0.05, 0.1, 0.2, 0.5, 0.8, 1.0)),),
+    "entropy_bonus": (("entropy_coef", "c", (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)),),
+    "unlikely": (("rank_penalty", "pen", (0.05, 0.1, 0.25, 0.5, 1.0, 2.0)),),
+    "adaptive_bonus": (("entropy_target", "target", None),),
+}
+TARGET_STEP = 0.05
+
+
+def _beyond(value: float, edge: str, ladder: tuple[float, ...] | None) -> float | None:
+    """The next value past ``value`` on ``ladder`` toward ``edge`` (``"low"`` / ``"high"``); None at its end."""
+    if ladder is None:
+        nxt = round(value + (TARGET_STEP if edge == "high" else -TARGET_STEP), 6)
+        return nxt if nxt >= 0 else None
+    i = min(range(len(ladder)), key=lambda j: abs(math.log(ladder[j] / value)))  # value's rung
+    j = i + 1 if edge == "high" else i - 1
+    return ladder[j] if 0 <= j < len(ladder) else None
+
+
+def grid_extensions(runs: Sequence[dict], selection: dict[str, dict[str, object]]) -> list[Arm]:
+    """The settings that grow each family's grid where its chosen setting lies at an edge.
+
+    For a family of :data:`LADDERS` with a chosen setting, on each axis: if the chosen value is the smallest (largest)
+    value of that field among the family's settings in ``runs`` and more than one value was tried, the next rung of
+    the ladder below (above) it, every other field as in the chosen setting.  A rung already tried, or past the
+    ladder's end, adds nothing.  Tuning repeats tune -> select -> extend until this is empty, so every chosen setting
+    is interior on every axis or at a ladder's end (reported).  ``runs``: a stage's records (``arm_spec`` = the arm's
+    fields)."""
+    arms = {r["arm"]: Arm(**r["arm_spec"]) for r in runs}
+    out: list[Arm] = []
+    for fam, sel in sorted(selection.items()):
+        name = sel.get("chosen")
+        if not name or fam not in LADDERS:
+            continue
+        chosen = arms[str(name)]
+        tried = [a for a in arms.values() if a.family == fam]
+        for field, label, ladder in LADDERS[fam]:
+            values = sorted({getattr(a, field) for a in tried})
+            here = getattr(chosen, field)
+            if len(values) < 2 or values[0] < here < values[-1]:
+                continue
+            nxt = _beyond(here, "low" if here == values[0] else "high", ladder)
+            if nxt is None:
+                continue
+            new_name = str(name).replace(f"{label}={here:g}", f"{label}={nxt:g}", 1)
+            if new_name == name:
+                raise ValueError(f"setting {name!r} does not name its {field} as {label}={here:g}")
+            if new_name not in arms and all(a.name != new_name for a in out):
+                out.append(replace(chosen, name=new_name, **{field: nxt}))
+    return out
+
+
 def second_lr(selected: float) -> float:
-    """The frontier's second GRPO learning rate: the grid neighbour above the selected one (below for the largest)."""
-    i = LRS.index(selected)
-    return LRS[i + 1] if i + 1 < len(LRS) else LRS[i - 1]
+    """The frontier's second GRPO learning rate: the grid neighbour above the selected one (below for the largest);
+    the grid is :data:`LRS`, or :data:`LR_LADDER` for a rate an extension of the grid chose."""
+    grid = LRS if selected in LRS else LR_LADDER
+    i = grid.index(selected)
+    return grid[i + 1] if i + 1 < len(grid) else grid[i - 1]
 
 
 __all__ = [
-    "ADAPTIVE_TARGET_OFFSETS", "LRS", "SETTINGS_PER_FAMILY", "adaptive_bonus_arms", "autopilot_arms", "second_lr",
-    "select", "stage_a", "stage_b", "tuning_score",
+    "ADAPTIVE_TARGET_OFFSETS", "LADDERS", "LRS", "SETTINGS_PER_FAMILY", "adaptive_bonus_arms", "autopilot_arms",
+    "fixed_share_arm", "grid_extensions", "mean_autopilot_share", "second_lr", "select", "stage_a", "stage_b",
+    "tuning_score",
 ]
