@@ -3,6 +3,7 @@ uniform targets, the warm-up identity with the compare harness, and an end-to-en
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import asdict, fields, replace
@@ -169,6 +170,23 @@ def test_uniform_targets_cover_every_achievable_sum() -> None:
     assert bool((CountdownTask(n_numbers=5).n_solutions(xs, ts) >= 1).all())
     with pytest.raises(ValueError):
         CountdownTask(targets="nope")
+
+
+def test_first_solution_warm_up_teaches_the_first_valid_vector() -> None:
+    task = CountdownTask(n_numbers=4, targets="uniform", warmup_solution="first")
+    x, t = task.sample(300, torch.Generator().manual_seed(3), split="train")
+    got = task.warmup_targets(x, t, 0.0, torch.Generator().manual_seed(4))
+    assert bool(task.rewards(x, t, got).eq(1).all())
+    coef = task.coefficients(got)
+    for i in range(len(t)):  # no valid vector comes before it in all_coefficients' order (itertools.product)
+        first = next(c for c in itertools.product((-1, 0, 1), repeat=4) if sum(a * b for a, b in zip(c, x[i].tolist())) == int(t[i]))
+        assert coef[i].tolist() == list(first)
+    assert torch.equal(got, task.warmup_targets(x, t, 0.0, torch.Generator().manual_seed(5)))  # one answer per problem
+    rand = CountdownTask(n_numbers=4, targets="uniform").warmup_targets(x, t, 0.0, torch.Generator().manual_seed(4))
+    assert not torch.equal(got, rand)  # the default draws among the solutions
+    assert parse_config("warmup_solution=first,n_numbers=4").task() == CountdownTask(n_numbers=4, warmup_solution="first")
+    with pytest.raises(ValueError, match="warmup_solution"):
+        CountdownTask(warmup_solution="last")
 
 
 def test_heldout_sets_are_disjoint_and_held_out() -> None:

@@ -11,8 +11,11 @@ Tokens: a prompt is ``x_1 .. x_m = s t u`` (``s`` the target's sign ``+``/``-``,
 a response is ``m`` tokens from {``+``, ``-``, ``_``}.  Ids: digits ``0-9`` are ``0-9``, ``+`` 10, ``-`` 11,
 ``=`` 12, ``_`` (skip) 13; the vocabulary has 14 entries.
 
-Warm-up targets are like a base model's samples: a uniformly random *valid* coefficient vector, or with
-probability ``noise`` a uniformly random one (usually wrong).
+Warm-up targets are like a base model's samples: a uniformly random *valid* coefficient vector (``warmup_solution
+= "random"``), or one reference solution per problem, the first valid vector in the order of
+:meth:`CountdownTask.all_coefficients` (``"first"``: like supervised data with one answer per question, it teaches a
+sharp policy, confidently wrong where it has not learned the rule); with probability ``noise`` a uniformly random
+vector (usually wrong).
 """
 
 from __future__ import annotations
@@ -39,11 +42,14 @@ class CountdownTask:
     ``targets``: ``"coef"`` draws the target as ``sum_i c_i x_i`` of a uniformly random coefficient vector (targets with
     many solutions are frequent); ``"uniform"`` draws it uniformly from the distinct achievable sums of the numbers
     (every achievable target equally likely, so prompts with one or two solutions are common: harder prompts).
+    ``warmup_solution``: which valid vector :meth:`warmup_targets` teaches, ``"random"`` (uniform over the solutions)
+    or ``"first"`` (the first solution in the order of :meth:`all_coefficients`).
     """
 
     n_numbers: int = 6
     held_out: int = 10
     targets: str = "coef"
+    warmup_solution: str = "random"
 
     def __post_init__(self) -> None:
         if not 2 <= self.n_numbers <= 11:
@@ -52,6 +58,8 @@ class CountdownTask:
             raise ValueError(f"held_out must be >= 2, got {self.held_out}")
         if self.targets not in ("coef", "uniform"):
             raise ValueError(f"targets must be 'coef' or 'uniform', got {self.targets!r}")
+        if self.warmup_solution not in ("random", "first"):
+            raise ValueError(f"warmup_solution must be 'random' or 'first', got {self.warmup_solution!r}")
 
     @property
     def vocab_size(self) -> int:
@@ -132,12 +140,13 @@ class CountdownTask:
     def warmup_targets(
         self, numbers: torch.Tensor, targets: torch.Tensor, noise: float, generator: torch.Generator
     ) -> torch.Tensor:
-        """Warm-up responses ``[N, m]``: a uniformly random solution, or with probability ``noise`` random tokens."""
+        """Warm-up responses ``[N, m]``: a solution (uniformly random, or the first one: ``warmup_solution``), or with
+        probability ``noise`` random tokens."""
         if not 0.0 <= noise < 1.0:
             raise ValueError(f"noise must be in [0, 1), got {noise}")
         coefs = self.all_coefficients()
         ok = ((numbers @ coefs.T) == targets[:, None]).float()  # [N, 3**m], every row has a 1
-        pick = torch.multinomial(ok, 1, generator=generator)[:, 0]
+        pick = ok.argmax(1) if self.warmup_solution == "first" else torch.multinomial(ok, 1, generator=generator)[:, 0]
         chosen = coefs[pick]
         random = torch.randint(-1, 2, chosen.shape, generator=generator)
         use_random = torch.rand(len(targets), generator=generator) < noise

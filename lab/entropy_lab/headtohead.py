@@ -31,13 +31,15 @@ from .rl import Arm, rl_steps
 
 @dataclass(frozen=True)
 class HeadConfig(CompareConfig):
-    """:class:`~entropy_lab.compare.CompareConfig` plus the task's target distribution
-    (:class:`~entropy_lab.countdown.CountdownTask` ``targets``: ``coef`` or ``uniform``)."""
+    """:class:`~entropy_lab.compare.CompareConfig` plus the task's target distribution and the warm-up's solution
+    (:class:`~entropy_lab.countdown.CountdownTask` ``targets``: ``coef`` or ``uniform``; ``warmup_solution``:
+    ``random`` or ``first``)."""
 
     targets: str = "coef"
+    warmup_solution: str = "random"
 
     def task(self) -> CountdownTask:
-        return CountdownTask(n_numbers=self.n_numbers, targets=self.targets)
+        return CountdownTask(n_numbers=self.n_numbers, targets=self.targets, warmup_solution=self.warmup_solution)
 
 
 def heldout_sets(task: CountdownTask, n_test: int, n_val: int) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
