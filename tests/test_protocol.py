@@ -32,8 +32,10 @@ from entropy_lab.protocol import (
     primary_keys,
     report,
     run_stage,
+    seed_count,
     write_selection,
 )
+from entropy_lab.equivalence import seeds_for_difference, seeds_for_equivalence
 from entropy_lab.stats_tests import holm, paired_test, t_quantile_975, t_two_sided_p, value_at_level
 from entropy_lab.tuning import (
     SETTINGS_PER_FAMILY,
@@ -46,6 +48,8 @@ from entropy_lab.tuning import (
     stage_a,
     stage_b,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # ------------------------------------------------------------------------------------------ matched-Avg reading
 
@@ -340,6 +344,31 @@ def test_extend_stage_runs_extensions_until_the_choice_is_interior(monkeypatch: 
     assert ran == [["clip_b(mu=0.5)"]] and sel["clip_b"]["chosen"] == "clip_b(mu=0.5)"
     assert json.loads((tmp_path / "selection.json").read_text())["clip_b"]["chosen"] == "clip_b(mu=0.5)"
     assert sorted(p.name for p in tmp_path.glob("extend*")) == ["extend1"]
+
+
+def test_seed_count_follows_the_tuning_runs_paired_sd(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The SD is the largest over pairs and primary endpoints of the seeds' paired differences; n follows the
+    equivalence module's counts, floored at n_min and capped at n_max; on the committed headroom pilot it is the
+    SD START.md reports (0.072 at +0.04 / Pass@64)."""
+    base = {100: 0.60, 101: 0.70, 102: 0.65}
+    shift = {100: 0.01, 101: 0.03, 102: 0.05}  # differences of SD 0.02
+    runs = [_tuning_run(Arm("g", "grpo"), s, p) for s, p in base.items()]
+    runs += [_tuning_run(Arm("c", "clip_b", mask="clip_b"), s, base[s] + shift[s]) for s in base]
+    out = seed_count(runs, [("c", "g")], detect=0.03, margin=0.02, tests=16)
+    assert out["sd_max"] == pytest.approx(0.02) and len(out["sd"]) == 4
+    n_d, n_e = seeds_for_difference(0.02, 0.03, tests=16), seeds_for_equivalence(0.02, 0.02)
+    assert (out["n_difference"], out["n_equivalence"]) == (n_d, n_e)
+    assert out["n"] == max(10, min(40, max(n_d, n_e))) and not out["capped"]
+    assert seed_count(runs, [("c", "g")], detect=0.3, margin=0.3, tests=1)["n"] == 10  # the floor
+    capped = seed_count(runs, [("c", "g")], detect=0.001, margin=0.001, tests=16)
+    assert capped["n"] == 40 and capped["capped"] and capped["detectable_at_n"] > 0.001
+    with pytest.raises(ValueError, match="SD needs 2"):
+        seed_count(runs[:1] + runs[3:4], [("c", "g")], detect=0.03, margin=0.02, tests=16)
+    pilot = ROOT / "docs" / "reproduction" / "headroom" / "pilot" / "runs.jsonl.xz"
+    protocol.main(["seeds", str(pilot), "--pair", "grpo_lr3e-4|grpo_lr1e-4", "--detect", "0.05", "--margin", "0.05",
+                   "--tests", "4"])
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["sd_max"] == pytest.approx(0.072, abs=5e-4)
 
 
 # ---------------------------------------------------------------------------------------------- end-to-end smoke

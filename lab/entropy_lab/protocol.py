@@ -10,6 +10,7 @@ what it finished):
 * ``tune-a`` / ``tune-b`` / ``tune-c``: the tuning stages (:mod:`~entropy_lab.tuning`; ``tune-c``:
   TRL's adaptive entropy bonus, issue 23) on the tuning seeds and validation prompts, then ``select``;
 * ``extend``: grow a tuning stage's grids where the chosen setting lies at an edge, until it is interior;
+* ``seeds``: the main run's seed count from the tuning runs' paired spread (:func:`seed_count`);
 * ``main``: the selected arms on the evaluation seeds and test prompts (``--families`` restricts them; the family
   ``autopilot`` adds the entropy autopilot's one default setting, which is not tuned; ``fixed_share`` its control,
   a constant share equal to the autopilot's mean share in tuning, ``--fixed-share-from``);
@@ -27,6 +28,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
@@ -40,6 +42,7 @@ from entropy_discriminator.demo.report import save_figure
 
 from .compare import CompareConfig, _pool_map
 from .headtohead import HeadConfig, eval_stream, evaluate_at, heldout_sets, run_arm_checkpoints
+from .equivalence import detectable_difference, equivalence_margin, seeds_for_difference, seeds_for_equivalence
 from .records import append_jsonl, load_jsonl
 from .rl import Arm, warm_up
 from .stats_tests import holm, paired_test, value_at_level
@@ -322,6 +325,38 @@ def comparisons(runs: Sequence[dict], pairs: Sequence[tuple[str, str]], keys: Se
     for row, adj in zip(rows, holm([float(r["p"]) for r in rows])):
         row["p_holm"] = adj
     return rows
+
+
+def seed_count(runs: Sequence[dict], pairs: Sequence[tuple[str, str]], *, detect: float, margin: float,
+               tests: int, n_min: int = 10, n_max: int = 40, temperature: float = 0.7) -> dict[str, object]:
+    """The main run's seed count from the tuning runs' paired spread (a pre-registration's power rule).
+
+    ``sd`` = the largest standard deviation over seeds of the paired differences ``arm - vs`` over ``pairs`` and the
+    primary endpoints (:func:`primary_keys`; seeds where both are finite, at least 2);
+    ``n = max(n_min, min(n_max, max(n_d, n_e)))`` with ``n_d`` the least seeds whose Holm-first-step test over
+    ``tests`` tests detects ``detect`` at 80 % power and ``n_e`` the least whose TOST shows equivalence within
+    ``margin`` at 80 % power (:mod:`~entropy_lab.equivalence`).  Also returns every SD, both counts, whether the cap
+    bound, and the difference and margin the design reaches at ``n``."""
+    per: dict[str, dict[int, dict[str, float]]] = {}
+    for r in runs:
+        per.setdefault(r["arm"], {})[r["seed"]] = endpoints(r)
+    sds: dict[str, float] = {}
+    for arm, vs in pairs:
+        seeds = sorted(set(per.get(arm, {})) & set(per.get(vs, {})))
+        for key in primary_keys(temperature):
+            d = [per[arm][s][key] - per[vs][s][key] for s in seeds]
+            d = [x for x in d if math.isfinite(x)]
+            if len(d) < 2:
+                raise ValueError(f"{arm} - {vs}: {key} is finite on {len(d)} tuning seed(s); the SD needs 2")
+            sds[f"{arm} - {vs}: {key}"] = statistics.stdev(d)
+    if not sds:
+        raise ValueError("pairs: no comparison given")
+    sd = max(sds.values())
+    n_d = seeds_for_difference(sd, detect, tests=tests, n_max=100_000)
+    n_e = seeds_for_equivalence(sd, margin, n_max=100_000)
+    n = max(n_min, min(n_max, max(n_d, n_e)))
+    return {"sd": sds, "sd_max": sd, "n_difference": n_d, "n_equivalence": n_e, "n": n, "capped": max(n_d, n_e) > n_max,
+            "detectable_at_n": detectable_difference(sd, n, tests=tests), "margin_at_n": equivalence_margin(sd, n)}
 
 
 #: Families drawn as baselines (black) in the frontier figures: the tuned GRPO and PPO lr and GRPO's second lr.
@@ -659,6 +694,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ex.add_argument("--rounds", type=int, default=4, help="at most this many rounds of extensions")
     ex.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ex.add_argument("--warm-cache", type=Path, default=None, help=WARM_CACHE_HELP)
+    sc = sub.add_parser("seeds", allow_abbrev=False, help="the main run's seed count from the tuning runs' paired SD")
+    sc.add_argument("runs", type=Path, nargs="+", help=RUNS_HELP)
+    sc.add_argument("--pair", action="append", required=True, metavar="ARM|VS")
+    sc.add_argument("--detect", type=float, required=True, help="the difference to detect at 80 %% power after Holm")
+    sc.add_argument("--margin", type=float, required=True, help="the equivalence margin TOST should reach at 80 %% power")
+    sc.add_argument("--tests", type=int, required=True, help="tests in the Holm family")
+    sc.add_argument("--n-min", type=int, default=10)
+    sc.add_argument("--n-max", type=int, default=40)
     sp = sub.add_parser("select", allow_abbrev=False, help="apply the pre-registered selection rule to a tuning folder")
     sp.add_argument("dir", type=Path)
     sp.add_argument("--runs", type=Path, action="append", default=[], help=RUNS_OPTION_HELP)
@@ -711,6 +754,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                        tuple(int(s) for s in args.checkpoints.split("/")), "val")
         sel = extend_stage(spec, args.dir, jobs=args.jobs, rounds=args.rounds, warm_cache=args.warm_cache)
         print(json.dumps({f: s["chosen"] for f, s in sel.items()}))
+    if args.cmd == "seeds":
+        print(json.dumps(seed_count(load_jsonl(*args.runs), [tuple(p.split("|", 1)) for p in args.pair],
+                                    detect=args.detect, margin=args.margin, tests=args.tests, n_min=args.n_min,
+                                    n_max=args.n_max), indent=1))
     if args.cmd == "select":
         print(json.dumps({f: s["chosen"] for f, s in write_selection(args.dir, args.runs).items()}))
     if args.cmd == "report":
