@@ -25,6 +25,7 @@ from entropy_discriminator.demo.train import warm_up as demo_warm_up
 from entropy_lab.rl import AdaptiveEntropyCoef, Arm, rollout, warm_up
 from entropy_lab.protocol import (
     RunSpec,
+    comparisons,
     endpoints,
     main_arms,
     parse_arm,
@@ -35,7 +36,7 @@ from entropy_lab.protocol import (
     seed_count,
     write_selection,
 )
-from entropy_lab.equivalence import seeds_for_difference, seeds_for_equivalence
+from entropy_lab.equivalence import seeds_for_difference, seeds_for_equivalence, tost
 from entropy_lab.stats_tests import holm, paired_test, t_quantile_975, t_two_sided_p, value_at_level
 from entropy_lab.tuning import (
     SETTINGS_PER_FAMILY,
@@ -369,6 +370,27 @@ def test_seed_count_follows_the_tuning_runs_paired_sd(tmp_path: Path, capsys: py
                    "--tests", "4"])
     printed = json.loads(capsys.readouterr().out)
     assert printed["sd_max"] == pytest.approx(0.072, abs=5e-4)
+
+
+def test_comparisons_with_a_margin_give_tost_and_verdicts(tmp_path: Path) -> None:
+    """A tiny steady difference matches, a large steady one is better (or worse), a noisy one is inconclusive; TOST
+    p-values are Holm-adjusted over the family on their own; the report shows them only when a margin is given."""
+    seeds = range(12)
+    base = {s: 0.5 + 0.01 * (s % 5) for s in seeds}
+    shifts = {"same": [0.001 * (-1) ** s for s in seeds], "up": [0.05 + 0.002 * (s % 3) for s in seeds],
+              "down": [-0.05 - 0.002 * (s % 3) for s in seeds], "noisy": [0.06 * (-1) ** s for s in seeds]}
+    runs = [_tuning_run(Arm("g", "grpo"), s, base[s]) for s in seeds]
+    runs += [_tuning_run(Arm(a, a), s, base[s] + d[i]) for a, d in shifts.items() for i, s in enumerate(seeds)]
+    pairs = [(a, "g") for a in shifts]
+    rows = comparisons(runs, pairs, ["T0.7/d0.02/pass@64"], margin=0.02)
+    assert [r["verdict"] for r in rows] == ["matches", "better", "worse", "inconclusive"]
+    assert [r["p_tost_holm"] for r in rows] == pytest.approx(holm([r["p_tost"] for r in rows]))
+    with_margin = [r["p_tost"] for r in rows]
+    d = [base[s] + shifts["same"][i] - base[s] for i, s in enumerate(seeds)]
+    assert with_margin[0] == pytest.approx(tost(d, [0.0] * len(d), 0.02).p)
+    assert "verdict" not in comparisons(runs, pairs, ["T0.7/d0.02/pass@64"])[0]
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
+    assert "verdict" in report(tmp_path, pairs, margin=0.02) and "verdict" not in report(tmp_path, pairs)
 
 
 # ---------------------------------------------------------------------------------------------- end-to-end smoke

@@ -42,7 +42,7 @@ from entropy_discriminator.demo.report import save_figure
 
 from .compare import CompareConfig, _pool_map
 from .headtohead import HeadConfig, eval_stream, evaluate_at, heldout_sets, run_arm_checkpoints
-from .equivalence import detectable_difference, equivalence_margin, seeds_for_difference, seeds_for_equivalence
+from .equivalence import detectable_difference, equivalence_margin, seeds_for_difference, seeds_for_equivalence, tost
 from .records import append_jsonl, load_jsonl
 from .rl import Arm, warm_up
 from .stats_tests import holm, paired_test, value_at_level
@@ -307,9 +307,15 @@ def primary_keys(temperature: float = 0.7) -> list[str]:
     return [f"T{temperature}/d{d}/pass@{k}" for d in DELTAS for k in ENDPOINT_KS]
 
 
-def comparisons(runs: Sequence[dict], pairs: Sequence[tuple[str, str]], keys: Sequence[str]) -> list[dict[str, object]]:
+def comparisons(runs: Sequence[dict], pairs: Sequence[tuple[str, str]], keys: Sequence[str],
+                margin: float | None = None) -> list[dict[str, object]]:
     """Paired tests (:func:`paired_test`, seeds where both runs have a finite value) of ``arm - vs`` for every pair and
-    key, with Holm's adjustment over exactly these ``len(pairs) * len(keys)`` tests (one family)."""
+    key, with Holm's adjustment over exactly these ``len(pairs) * len(keys)`` tests (one family).
+
+    With ``margin``: also the TOST of each difference against ``(-margin, margin)`` (:func:`~.equivalence.tost`),
+    its p-values Holm-adjusted over the family on their own (``p_tost``, ``p_tost_holm``), and the ``verdict``:
+    ``better`` / ``worse`` (Holm-adjusted t test at 0.05, by the sign), ``matches`` (Holm-adjusted TOST at 0.05) or
+    ``inconclusive``."""
     per: dict[str, dict[int, dict[str, float]]] = {}
     for r in runs:
         per.setdefault(r["arm"], {})[r["seed"]] = endpoints(r)
@@ -322,8 +328,16 @@ def comparisons(runs: Sequence[dict], pairs: Sequence[tuple[str, str]], keys: Se
             res = paired_test(a, b)
             rows.append({"arm": arm, "vs": vs, "endpoint": key, "diff": res.mean, "ci95": res.ci95, "p": res.p,
                          "n": res.n, "reached": sum(map(math.isfinite, a)), "seeds": len(seeds)})
+            if margin is not None:
+                rows[-1]["p_tost"] = tost(a, b, margin).p
     for row, adj in zip(rows, holm([float(r["p"]) for r in rows])):
         row["p_holm"] = adj
+    if margin is not None:
+        for row, adj in zip(rows, holm([float(r["p_tost"]) for r in rows])):
+            row["p_tost_holm"] = adj
+            differs = row["p_holm"] <= 0.05
+            row["verdict"] = (("better" if row["diff"] > 0 else "worse") if differs
+                              else "matches" if adj <= 0.05 else "inconclusive")
     return rows
 
 
@@ -425,10 +439,11 @@ def frontier_figure(runs: Sequence[dict], out: Path, temperature: float = 0.7, k
 
 
 def report(run_dir: Path, pairs: Sequence[tuple[str, str]], name: str = "report",
-           runs_files: Sequence[Path] = ()) -> str:
+           runs_files: Sequence[Path] = (), margin: float | None = None) -> str:
     """``{name}.md`` and ``{name}.json`` under ``run_dir``: the primary family at T = 0.7 (Holm over it), the
     same endpoints at T = 1.0 and the secondary endpoints (each its own Holm family), and the frontier figures; from
-    ``runs_files`` read in order (default ``run_dir/runs.jsonl``; plain or compressed, :mod:`.records`)."""
+    ``runs_files`` read in order (default ``run_dir/runs.jsonl``; plain or compressed, :mod:`.records`).  With
+    ``margin``, each table adds the TOST p-value (Holm-adjusted) and the verdict of :func:`comparisons`."""
     runs = load_jsonl(*(runs_files or [run_dir / "runs.jsonl"]))
     families = {
         "primary (T = 0.7)": primary_keys(0.7),
@@ -438,13 +453,16 @@ def report(run_dir: Path, pairs: Sequence[tuple[str, str]], name: str = "report"
     }
     lines, dump = [], {}
     for title, keys in families.items():
-        rows = comparisons(runs, pairs, keys)
+        rows = comparisons(runs, pairs, keys, margin)
         dump[title] = rows
-        lines += [f"### {title}: {len(rows)} tests, Holm at 0.05\n", "| arm | vs | endpoint | diff ± 95% CI | p | p (Holm) | seeds reached |",
-                  "|---|---|---|---|---|---|---|"]
+        extra = "" if margin is None else f" TOST p (Holm, margin {margin:g}) | verdict |"
+        lines += [f"### {title}: {len(rows)} tests, Holm at 0.05\n",
+                  "| arm | vs | endpoint | diff ± 95% CI | p | p (Holm) | seeds reached |" + extra,
+                  "|---|---|---|---|---|---|---|" + ("" if margin is None else "---|---|")]
         for r in rows:
+            tail = "" if margin is None else f" {r['p_tost_holm']:.4f} | {r['verdict']} |"
             lines.append(f"| {r['arm']} | {r['vs']} | {r['endpoint']} | {r['diff']:+.3f} ± {r['ci95']:.3f} | {r['p']:.4f} | "
-                         f"{r['p_holm']:.4f} | {r['reached']}/{r['seeds']} |")
+                         f"{r['p_holm']:.4f} | {r['reached']}/{r['seeds']} |" + tail)
         lines.append("")
     for temp in TEMPERATURES:
         for k in ENDPOINT_KS:
@@ -710,6 +728,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rp.add_argument("--runs", type=Path, action="append", default=[], help=RUNS_OPTION_HELP)
     rp.add_argument("--name", default="report", help="file stem of the tables (one per comparison family)")
     rp.add_argument("--pair", action="append", required=True, metavar="ARM|VS", help="a paired comparison ARM - VS (arm names as in the run)")
+    rp.add_argument("--margin", type=float, default=None,
+                    help="an equivalence margin: adds each difference's TOST p-value (Holm) and its verdict")
     args = ap.parse_args(argv)
     if args.cmd in ("tune-a", "tune-b", "tune-c"):
         spec = RunSpec(parse_config(args.config), tuple(int(s) for s in args.seeds.split("/")),
@@ -761,7 +781,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "select":
         print(json.dumps({f: s["chosen"] for f, s in write_selection(args.dir, args.runs).items()}))
     if args.cmd == "report":
-        print(report(args.dir, [tuple(p.split("|", 1)) for p in args.pair], args.name, args.runs))
+        print(report(args.dir, [tuple(p.split("|", 1)) for p in args.pair], args.name, args.runs, args.margin))
     if args.cmd == "run":
         spec = RunSpec(parse_config(args.config), tuple(int(s) for s in args.seeds.split("/")),
                        tuple(int(s) for s in args.checkpoints.split("/")), args.prompt_set, args.prompts, args.samples)
