@@ -523,6 +523,21 @@ def test_adaptive_bonus_arm_in_the_loop() -> None:
     assert high.checkpoints[-1] != grpo.checkpoints[-1]
 
 
+def _first_rollout(cfg: CompareConfig, state: dict[str, torch.Tensor], seed: int):
+    """The first RL step's rollout of ``seed`` from ``state``, done directly (the loop's seeds and streams), and the
+    old policy's statistics of its whole batch: ``(model, task, rollout, stats)``."""
+    task = cfg.task()
+    torch.manual_seed(seed)
+    model = TinyGPT(cfg.model_config())
+    model.load_state_dict(state)
+    x, t = task.sample(cfg.prompts_per_step, torch.Generator().manual_seed(seed), split="train")
+    ro = rollout(model, None, task, x, t, cfg.group_size, torch.Generator().manual_seed(seed + 1), "none", 0.25,
+                 torch.device("cpu"))
+    with torch.no_grad():
+        stats = token_stats(model.response_logits(ro.seq, task.prompt_len).float(), ro.resp)
+    return model, task, ro, stats
+
+
 def test_autopilot_arm_matches_the_core_controller(monkeypatch: pytest.MonkeyPatch) -> None:
     """One controller step per RL step on the old policy's statistics of the whole batch: the first step's mask is
     the one a fresh core EntropyAutopilot gives on the same rollout, the mini-batches drop exactly its tokens, and
@@ -547,15 +562,7 @@ def test_autopilot_arm_matches_the_core_controller(monkeypatch: pytest.MonkeyPat
     assert len(results) == 6 and len(dropped) == 6 * cfg.minibatches
     monkeypatch.undo()
     # the same rollout, stepped directly on the core controller
-    task = cfg.task()
-    torch.manual_seed(seed)
-    model = TinyGPT(cfg.model_config())
-    model.load_state_dict(state)
-    x, t = task.sample(cfg.prompts_per_step, torch.Generator().manual_seed(seed), split="train")
-    ro = rollout(model, None, task, x, t, cfg.group_size, torch.Generator().manual_seed(seed + 1), "none", 0.25,
-                 torch.device("cpu"))
-    with torch.no_grad():
-        stats = token_stats(model.response_logits(ro.seq, task.prompt_len).float(), ro.resp)
+    _, _, ro, stats = _first_rollout(cfg, state, seed)
     ref = EntropyAutopilot("hold").from_stats(stats, ro.adv, lr=3e-2)
     assert torch.equal(ref.keep, results[0].keep) and ref.predicted_dh_after == results[0].predicted_dh_after
     for i, (res, rec) in enumerate(zip(results, trace.records)):
@@ -596,15 +603,7 @@ def test_fixed_share_arm_drops_the_autopilots_first_tokens_at_a_constant_share(m
         assert rec["control_frac"] == pytest.approx(res.dropped_frac)
         assert rec["fixed_share_predicted_dh"] == res.predicted_dh_after and "autopilot_entropy" not in rec
     assert max(r.mask.n_clipped for r in results) > 0
-    task = cfg.task()
-    torch.manual_seed(seed)
-    model = TinyGPT(cfg.model_config())
-    model.load_state_dict(state)
-    x, t = task.sample(cfg.prompts_per_step, torch.Generator().manual_seed(seed), split="train")
-    ro = rollout(model, None, task, x, t, cfg.group_size, torch.Generator().manual_seed(seed + 1), "none", 0.25,
-                 torch.device("cpu"))
-    with torch.no_grad():
-        stats = token_stats(model.response_logits(ro.seq, task.prompt_len).float(), ro.resp)
+    model, task, ro, stats = _first_rollout(cfg, state, seed)
     ref = fixed_share_mask(stats.s_centered, ro.adv, stats.valid, share=0.04, lr=0.03)  # the autopilot's defaults
     assert torch.equal(ref.keep, results[0].keep)
     with pytest.raises(ValueError, match="share"):

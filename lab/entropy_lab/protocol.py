@@ -307,6 +307,14 @@ def primary_keys(temperature: float = 0.7) -> list[str]:
     return [f"T{temperature}/d{d}/pass@{k}" for d in DELTAS for k in ENDPOINT_KS]
 
 
+def endpoints_by_arm(runs: Sequence[dict]) -> dict[str, dict[int, dict[str, float]]]:
+    """``{arm: {seed: endpoints(run)}}`` of every run (:func:`endpoints`)."""
+    per: dict[str, dict[int, dict[str, float]]] = {}
+    for r in runs:
+        per.setdefault(r["arm"], {})[r["seed"]] = endpoints(r)
+    return per
+
+
 def comparisons(runs: Sequence[dict], pairs: Sequence[tuple[str, str]], keys: Sequence[str],
                 margin: float | None = None) -> list[dict[str, object]]:
     """Paired tests (:func:`paired_test`, seeds where both runs have a finite value) of ``arm - vs`` for every pair and
@@ -316,9 +324,7 @@ def comparisons(runs: Sequence[dict], pairs: Sequence[tuple[str, str]], keys: Se
     its p-values Holm-adjusted over the family on their own (``p_tost``, ``p_tost_holm``), and the ``verdict``:
     ``better`` / ``worse`` (Holm-adjusted t test at 0.05, by the sign), ``matches`` (Holm-adjusted TOST at 0.05) or
     ``inconclusive``."""
-    per: dict[str, dict[int, dict[str, float]]] = {}
-    for r in runs:
-        per.setdefault(r["arm"], {})[r["seed"]] = endpoints(r)
+    per = endpoints_by_arm(runs)
     rows: list[dict[str, object]] = []
     for arm, vs in pairs:
         seeds = sorted(set(per.get(arm, {})) & set(per.get(vs, {})))
@@ -351,9 +357,7 @@ def seed_count(runs: Sequence[dict], pairs: Sequence[tuple[str, str]], *, detect
     ``tests`` tests detects ``detect`` at 80 % power and ``n_e`` the least whose TOST shows equivalence within
     ``margin`` at 80 % power (:mod:`~entropy_lab.equivalence`).  Also returns every SD, both counts, whether the cap
     bound, and the difference and margin the design reaches at ``n``."""
-    per: dict[str, dict[int, dict[str, float]]] = {}
-    for r in runs:
-        per.setdefault(r["arm"], {})[r["seed"]] = endpoints(r)
+    per = endpoints_by_arm(runs)
     sds: dict[str, float] = {}
     for arm, vs in pairs:
         seeds = sorted(set(per.get(arm, {})) & set(per.get(vs, {})))
