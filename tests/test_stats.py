@@ -173,6 +173,7 @@ def _naive_fp32_s_expected(logits: torch.Tensor) -> torch.Tensor:
 @settings(max_examples=25, deadline=None)
 @example(seed=169948, v=2, log_scale=-1.0, offset=1.0, temperature=1.0)  # a row 1e-4 wide at scale 0.1 (CI)
 @example(seed=790616036, v=2, log_scale=-3.018231365999522, offset=-45.76684159443817, temperature=1.0)  # a flat row
+@example(seed=2581, v=2, log_scale=-1.0, offset=32.0, temperature=1.0)  # no cancellation: both at fp32 rounding
 @given(
     seed=st.integers(0, 2**31 - 1),
     v=st.sampled_from([2, 50, 1000, 32000]),
@@ -201,10 +202,11 @@ def test_near_uniform_rows_keep_relative_accuracy(seed, v, log_scale, offset, te
     spread = logits_kept.double().std(dim=-1).clamp(max=scale)
     bound = 1e-5 + 5e-5 / (spread * math.sqrt(v))
     assert bool((rel <= bound).all()), (rel.tolist(), bound.tolist())
-    if len(rel):  # and never worse than the naive formula
+    if len(rel):  # and at least as accurate as the naive formula (within 2x, as the other fast-path tests: where
+        # nothing cancels, e.g. V = 2 at scale 0.1, both are at fp32 rounding, 1e-5, and either may be ahead)
         naive = _naive_fp32_s_expected(logits_kept / temperature)
         rel_naive = float(((naive.double() - want).abs() / want.abs()).max())
-        assert float(rel.max()) <= max(rel_naive, 1e-6), (float(rel.max()), rel_naive)
+        assert float(rel.max()) <= max(2 * rel_naive, 1e-6), (float(rel.max()), rel_naive)
     assert_matches_reference(logits, labels, stats, temperature)
 
 
