@@ -101,10 +101,10 @@ def clip_b_mask(
             ``valid`` is intersected with its ``valid``: module docstring).
         advantages: ``[B]`` per sequence (GRPO) or the scores' shape (per token, GAE).
         valid: bool or 0/1 tensor of the scores' shape (the response mask).
-        mu_low, mu_high: bounds in units of the batch std; ``math.inf`` disables a side.
+        mu_low, mu_high: bounds in units of the batch std; ``math.inf`` disables a side (default
+            2.5 and inf: one-sided, the paper's Clip_B setting).
         sides: advantage sign whose tokens may be clipped: ``negative`` (A < 0, the paper's and
             the reference's default), ``positive`` (A > 0) or ``both``.
-        mu_low, mu_high: (default 2.5 and inf: one-sided, the paper's Clip_B setting.)
         max_frac: if set, a cap on the clipped share (default None: no cap): at most
             :func:`cap_limit` tokens are clipped, the most violating first (distance beyond the
             bound in units of sigma), ties by position.

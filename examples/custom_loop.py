@@ -144,9 +144,9 @@ def train(args: argparse.Namespace, method: str, log: list[dict[str, float]]) ->
             print(f"  {method}: mu_low {mu_low:g} clips {found.share:.2%} of batch 0 (ed.mu_for_share)")
         mask = None  # <- entropy-discriminator: the keep-mask of this batch (Clip_V, Clip_B or the autopilot's)
         if method == "clip_v":
-            mask = ed.clip_v_mask(stats.s_centered, adv, response_mask, mu_low=mu_low)  # <- entropy-discriminator
+            mask = ed.clip_v_mask(stats, adv, response_mask, mu_low=mu_low)  # <- entropy-discriminator: reads stats.s_centered
         elif method == "clip_b":
-            mask = ed.clip_b_mask(stats.s_star, adv, response_mask, mu_low=mu_low)  # <- entropy-discriminator
+            mask = ed.clip_b_mask(stats, adv, response_mask, mu_low=mu_low)  # <- entropy-discriminator: reads stats.s_star
         elif pilot is not None:
             mask = pilot.from_stats(stats, adv, lr=args.lr).mask  # <- entropy-discriminator
 
