@@ -411,6 +411,8 @@ def test_protocol_smoke(tmp_path: Path) -> None:
         start = next(s["start"] for s in starts if s["seed"] == r["seed"])
         assert r["checkpoints"][0]["T0.7"] == start["T0.7"]  # checkpoint 0 is the shared start (same stream)
         assert 0.0 <= r["checkpoints"][-1]["T1.0"]["pass"]["64"] <= 1.0
+        floats = [x for rec in r["records"] for x in rec.values() if isinstance(x, float)]
+        assert floats and all(x == float(f"{x:.6g}") for x in floats)  # stored at 6 significant digits
     sel = write_selection(tmp_path)
     assert set(sel) == {"grpo", "clip_b", "ppo"} and (tmp_path / "selection.md").is_file()
     text = report(tmp_path, [("clip_b(mu=1)", "grpo(lr=0.001)")], name="smoke")

@@ -26,6 +26,7 @@ from entropy_lab.records import (
     open_records,
     read_records_text,
     record_path,
+    round_floats,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,6 +80,18 @@ def test_csv_reads_the_same_plain_and_compressed(tmp_path_factory: pytest.TempPa
     for n in ("a.csv", "b.csv", "c.csv"):
         with open_records(d / n) as f:
             assert list(csv.DictReader(f)) == rows
+
+
+@given(st.floats(allow_nan=False, allow_infinity=False) | st.floats(width=32, allow_nan=False, allow_infinity=False))
+def test_round_floats_keeps_six_significant_digits(x: float) -> None:
+    """Every float, however deeply nested, becomes the nearest 6-significant-digit value (relative change at most
+    5e-6, idempotent); ints, strings, None and booleans pass unchanged, a tuple becomes a list."""
+    nested = {"a": [x, (x, 3)], "b": {"c": x, "d": "s", "e": None, "f": True}}
+    got = round_floats(nested)
+    y = got["a"][0]
+    assert y == float(f"{x:.6g}") and got["a"][1] == [y, 3] and got["b"] == {"c": y, "d": "s", "e": None, "f": True}
+    assert abs(y - x) <= 5e-6 * abs(x) and round_floats(got) == got
+    assert math.isnan(round_floats([math.nan])[0]) and round_floats(math.inf) == math.inf
 
 
 def test_plain_file_is_read_before_its_compressed_forms(tmp_path: Path) -> None:

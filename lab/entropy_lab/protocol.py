@@ -43,7 +43,7 @@ from entropy_discriminator.demo.report import save_figure
 from .compare import CompareConfig, _pool_map
 from .headtohead import HeadConfig, eval_stream, evaluate_at, heldout_sets, run_arm_checkpoints
 from .equivalence import detectable_difference, equivalence_margin, seeds_for_difference, seeds_for_equivalence, tost
-from .records import append_jsonl, load_jsonl
+from .records import append_jsonl, load_jsonl, round_floats
 from .rl import Arm, warm_up
 from .stats_tests import holm, paired_test, value_at_level
 from .tuning import (
@@ -104,7 +104,9 @@ def parse_arm(spec: str) -> Arm:
 
 
 def _append(path: Path, row: dict[str, object]) -> None:
-    append_jsonl(path, [row])
+    """Append one record, its floats at :data:`~entropy_lab.records.RECORD_DIGITS` significant digits, so that a
+    selection made on the machine reads exactly the numbers that are committed."""
+    append_jsonl(path, [round_floats(row)])
 
 
 # ------------------------------------------------------------------------------------------------ warm-up sweep
