@@ -5,7 +5,8 @@ row blocks so that the hidden and weight tiles in flight stay in L2).  The confi
 stages, whether the tile loop is flattened) comes from a per-shape table (:data:`SHAPE_CONFIGS`).
 By default one persistent program per multiprocessor walks the tiles, its operands loaded by TMA
 descriptors, the next tile's loads in flight during this tile's epilogue when the loop is
-flattened; otherwise (fp32, unaligned strides, pre-Hopper
+flattened, or (``pipeline``) with each tile's epilogue run inside the next tile's K loop while its
+asynchronous dots are in flight; otherwise (fp32, unaligned strides, pre-Hopper
 GPUs) one program per tile loads through pointers.  The epilogue reduces the tile, on chip, to
 six numbers per row (the reference m, the sums s0..s3 of :mod:`._reduce`, and a NaN-propagating
 max); the program whose tile holds a row's label
@@ -39,11 +40,16 @@ __all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG", "SHAPE_CONFIGS", "choos
 # cap per thread (0: none; lets two programs share a multiprocessor, so that one's epilogue could
 # run while the other's matmul does: benchmarks only, never faster so far); branch: mask the
 # columns past V only in the last column tile and form the label logit only in tiles that hold a
-# label (block-uniform branches; 0: in every tile).  H100, N=16384, H=3584, V=152064
-# (results/h100/tune_fused.csv): persistent 666 TFLOP/s, one program per tile 595.
+# label (block-uniform branches; 0: in every tile); pipeline: 0, or n >= 1 to run the persistent
+# kernel with the epilogue of each tile inside the next tile's K loop, after its n-th dot
+# (:func:`_fused_pipelined_kernel`; two accumulators in registers, so for tiles of <= 128 x 128);
+# max_programs: at most this many persistent programs (0: no cap beyond persistent per
+# multiprocessor).  H100, N=16384, H=3584, V=152064 (results/h100/tune_fused.csv): persistent
+# 666 TFLOP/s, one program per tile 595.
 DEFAULT_CONFIG = {
     "bm": 128, "bn": 256, "bk": 64, "group_m": 8, "num_warps": 8, "stages": 3, "moments": 4,
-    "persistent": 1, "flatten": 1, "ws": 0, "maxnreg": 0, "branch": 1,
+    "persistent": 1, "flatten": 1, "ws": 0, "maxnreg": 0, "branch": 1, "pipeline": 0,
+    "max_programs": 0,
 }  # fmt: skip
 # Per-shape overrides of DEFAULT_CONFIG for 16-bit inputs: (largest hidden size, overrides), first
 # match wins; fp32 takes DEFAULT_CONFIG.  From the sweep `python -m benchmarks
@@ -278,6 +284,78 @@ def _fused_persistent_kernel(
         )  # fmt: skip
 
 
+@triton.jit
+def _fused_pipelined_kernel(
+    a_desc,
+    w_desc,
+    b_ptr,
+    lab_ptr,
+    part_ptr,
+    yk_ptr,
+    N,
+    V,
+    H,
+    c,
+    inv_t,
+    HAS_BIAS: tl.constexpr,
+    ROUND: tl.constexpr,
+    T_ROUND: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    STAGES: tl.constexpr,
+    MOMENTS: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    EPI_AT: tl.constexpr,
+    FTZ: tl.constexpr,
+    BRANCH: tl.constexpr,
+):
+    """Persistent variant whose epilogue is software-pipelined across tiles.
+
+    Program p walks its tiles t_0, t_1, ... (p, p + NUM_PROGRAMS, ...) with the accumulator of the
+    previous tile kept in registers: the epilogue of t_(i-1) runs inside the K loop of t_i, right
+    after that loop's dot number EPI_AT is issued, so that the tensor cores work on t_i (the dot is
+    asynchronous in the pipelined loop) while the CUDA cores reduce t_(i-1).  One extra trip of the
+    tile loop, without dots, drains the last tile; so does a K loop shorter than EPI_AT + 1 steps.
+    Two [BM, BN] fp32 accumulators live at once (the register budget of 128 x 128 tiles at 8 warps).
+    Operands arrive by TMA descriptors (out-of-range rows, columns and K zero-filled, as in
+    :func:`_fused_persistent_kernel`).
+    """
+    num_pid_m = tl.cdiv(N, BM)
+    num_pid_n = tl.cdiv(V, BN)
+    k_tiles = tl.cdiv(H, BK)
+    num_tiles = num_pid_m * num_pid_n
+    pid = tl.program_id(0)
+    n_mine = tl.cdiv(num_tiles - pid, NUM_PROGRAMS)  # >= 1: the grid is at most num_tiles
+    prev = tl.zeros([BM, BN], dtype=tl.float32)
+    prev_m = pid * 0
+    prev_n = pid * 0
+    for i in range(0, n_mine + 1):
+        tile = tl.minimum(pid + i * NUM_PROGRAMS, num_tiles - 1)
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        k_end = tl.where(i < n_mine, k_tiles, 0)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for ki in tl.range(0, k_end, num_stages=STAGES):
+            a = a_desc.load([pid_m * BM, ki * BK])
+            b = w_desc.load([pid_n * BN, ki * BK])
+            acc = tl.dot(a, b.T, acc)
+            if (ki == EPI_AT) & (i > 0):
+                _tile_epilogue(
+                    prev, prev_m, prev_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
+                    HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ,
+                    BRANCH=BRANCH,
+                )  # fmt: skip
+        if (k_end <= EPI_AT) & (i > 0):
+            _tile_epilogue(
+                prev, prev_m, prev_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
+                HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ, BRANCH=BRANCH,
+            )  # fmt: skip
+        prev = acc
+        prev_m = pid_m
+        prev_n = pid_n
+
+
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
@@ -382,8 +460,17 @@ def token_stats_fused_triton(
             yk = torch.full((rows,), float("nan"), device=dev, dtype=torch.float32)
             lab = labels[r0:r1]
             n_all = triton.cdiv(rows, bm) * n_tiles
-            if persistent:
-                n_prog = min(n_all, cfg["persistent"] * _num_sms(dev))
+            if persistent and cfg["pipeline"]:
+                n_prog = min(n_all, cfg["persistent"] * _num_sms(dev), cfg["max_programs"] or n_all)
+                _fused_pipelined_kernel[(n_prog,)](
+                    TensorDescriptor.from_tensor(hidden[r0:r1], [bm, bk]), w_desc, bias_arg, lab, part, yk,
+                    rows, vocab, hdim, c, inv_t,
+                    HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, BM=bm, BN=bn, BK=bk, GROUP_M=cfg["group_m"], STAGES=cfg["stages"],
+                    MOMENTS=cfg["moments"], NUM_PROGRAMS=n_prog, EPI_AT=cfg["pipeline"] - 1, FTZ=ftz,
+                    BRANCH=bool(cfg["branch"]), **launch_opts,
+                )  # fmt: skip
+            elif persistent:
+                n_prog = min(n_all, cfg["persistent"] * _num_sms(dev), cfg["max_programs"] or n_all)
                 _fused_persistent_kernel[(n_prog,)](
                     TensorDescriptor.from_tensor(hidden[r0:r1], [bm, bk]), w_desc, bias_arg, lab, part, yk,
                     rows, vocab, hdim, c, inv_t,
