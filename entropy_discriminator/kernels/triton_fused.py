@@ -141,10 +141,14 @@ def _tile_epilogue(
     # partial's reference but forms d against 0, so that d is -inf (e = 0), never -inf - -inf = NaN.
     m = tl.reduce(acc, 1, max_nan) * c
     m_ref = tl.where(m > float("-inf"), m, 0.0)
-    d = tl.maximum(acc * c - m_ref[:, None], -D_FLOOR)
-    e = exp2(d, FTZ)
-    s0 = tl.sum(e, axis=1)
-    s1 = tl.sum(e * d, axis=1)
+    if MOMENTS == 0:  # benchmarks only: the matmul and the row max alone (no exponential; sums 0)
+        s0 = tl.zeros_like(m)
+        s1 = s0
+    else:
+        d = tl.maximum(acc * c - m_ref[:, None], -D_FLOOR)
+        e = exp2(d, FTZ)
+        s0 = tl.sum(e, axis=1)
+        s1 = tl.sum(e * d, axis=1)
     if MOMENTS == 4:
         e2 = e * e
         s2 = tl.sum(e2, axis=1)
@@ -285,6 +289,20 @@ def _fused_persistent_kernel(
 
 
 @triton.jit
+def _half_epilogue(
+    acc, pid_m, pid_n, half, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
+    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MOMENTS: tl.constexpr, ROUND: tl.constexpr,
+    T_ROUND: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr,
+):  # fmt: skip
+    """:func:`_tile_epilogue` of column half ``half`` (0 or 1) of tile (pid_m, pid_n): the
+    [BM, BN // 2] tile number 2 * pid_n + half of a grid of 2 * num_pid_n half-width column tiles."""
+    _tile_epilogue(
+        acc, pid_m, 2 * pid_n + half, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, 2 * num_pid_n,
+        HAS_BIAS=HAS_BIAS, BM=BM, BN=BN // 2, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ, BRANCH=BRANCH,
+    )  # fmt: skip
+
+
+@triton.jit
 def _fused_pipelined_kernel(
     a_desc,
     w_desc,
@@ -313,45 +331,63 @@ def _fused_pipelined_kernel(
 ):
     """Persistent variant whose epilogue is software-pipelined across tiles.
 
-    Program p walks its tiles t_0, t_1, ... (p, p + NUM_PROGRAMS, ...) with the accumulator of the
-    previous tile kept in registers: the epilogue of t_(i-1) runs inside the K loop of t_i, right
-    after that loop's dot number EPI_AT is issued, so that the tensor cores work on t_i (the dot is
-    asynchronous in the pipelined loop) while the CUDA cores reduce t_(i-1).  One extra trip of the
-    tile loop, without dots, drains the last tile; so does a K loop shorter than EPI_AT + 1 steps.
-    Two [BM, BN] fp32 accumulators live at once (the register budget of 128 x 128 tiles at 8 warps).
-    Operands arrive by TMA descriptors (out-of-range rows, columns and K zero-filled, as in
-    :func:`_fused_persistent_kernel`).
+    Program p walks its tiles t_0, t_1, ... (p, p + NUM_PROGRAMS, ...).  A tile is two [BM, BN / 2]
+    accumulators (two dots per K step; ``w_desc`` has [BN / 2, BK] blocks), kept in registers after
+    its K loop: the epilogue of half h of t_(i-1) runs inside the K loop of t_i right after that
+    loop's dots of step EPI_AT + h are issued, so that the tensor cores work on t_i (the dots are
+    asynchronous in the pipelined loop) while the CUDA cores reduce t_(i-1).  A half whose step the
+    K loop does not reach is reduced after the loop; one extra trip of the tile loop, without dots,
+    drains the last tile.  Each half writes its own partials (column tile 2 * pid_n + h of width
+    BN / 2; the host allocates 2 * ceil(V / BN) of them, a half wholly past V giving m = -inf and
+    zero sums).  Two tiles' accumulators live at once: the register budget of 128 x 128 tiles at 8
+    warps.  Out-of-range rows, columns and K are zero-filled by the copy engine, as in
+    :func:`_fused_persistent_kernel`.
     """
+    HALF: tl.constexpr = BN // 2
     num_pid_m = tl.cdiv(N, BM)
     num_pid_n = tl.cdiv(V, BN)
     k_tiles = tl.cdiv(H, BK)
     num_tiles = num_pid_m * num_pid_n
     pid = tl.program_id(0)
     n_mine = tl.cdiv(num_tiles - pid, NUM_PROGRAMS)  # >= 1: the grid is at most num_tiles
-    prev = tl.zeros([BM, BN], dtype=tl.float32)
+    prev0 = tl.zeros([BM, HALF], dtype=tl.float32)
+    prev1 = tl.zeros([BM, HALF], dtype=tl.float32)
     prev_m = pid * 0
     prev_n = pid * 0
     for i in range(0, n_mine + 1):
         tile = tl.minimum(pid + i * NUM_PROGRAMS, num_tiles - 1)
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         k_end = tl.where(i < n_mine, k_tiles, 0)
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        acc0 = tl.zeros([BM, HALF], dtype=tl.float32)
+        acc1 = tl.zeros([BM, HALF], dtype=tl.float32)
         for ki in tl.range(0, k_end, num_stages=STAGES):
             a = a_desc.load([pid_m * BM, ki * BK])
-            b = w_desc.load([pid_n * BN, ki * BK])
-            acc = tl.dot(a, b.T, acc)
+            acc0 = tl.dot(a, w_desc.load([pid_n * BN, ki * BK]).T, acc0)
+            acc1 = tl.dot(a, w_desc.load([pid_n * BN + HALF, ki * BK]).T, acc1)
             if (ki == EPI_AT) & (i > 0):
-                _tile_epilogue(
-                    prev, prev_m, prev_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
+                _half_epilogue(
+                    prev0, prev_m, prev_n, 0, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
+                    HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ,
+                    BRANCH=BRANCH,
+                )  # fmt: skip
+            if (ki == EPI_AT + 1) & (i > 0):
+                _half_epilogue(
+                    prev1, prev_m, prev_n, 1, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
                     HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ,
                     BRANCH=BRANCH,
                 )  # fmt: skip
         if (k_end <= EPI_AT) & (i > 0):
-            _tile_epilogue(
-                prev, prev_m, prev_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
+            _half_epilogue(
+                prev0, prev_m, prev_n, 0, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
                 HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ, BRANCH=BRANCH,
             )  # fmt: skip
-        prev = acc
+        if (k_end <= EPI_AT + 1) & (i > 0):
+            _half_epilogue(
+                prev1, prev_m, prev_n, 1, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
+                HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ, BRANCH=BRANCH,
+            )  # fmt: skip
+        prev0 = acc0
+        prev1 = acc1
         prev_m = pid_m
         prev_n = pid_n
 
@@ -406,7 +442,7 @@ def token_stats_fused_triton(
     (fp32 inputs: full-precision "ieee" dot, slow).  Rows are processed in slices of
     ``rows_per_launch`` (default: partials <= 256 MiB).  ``config`` overrides the configuration
     :func:`choose_fused_config` picks (benchmarks; ``moments=2`` skips sum p^2 and E_p[S], which
-    then read 0).
+    then read 0; ``moments=0`` every exponential, a timing floor whose statistics are meaningless).
 
     ``logits_dtype`` (None, bf16, fp16 or fp32) rounds the fp32-accumulated L = hidden @ W.T + b
     to that dtype in the epilogue, z = fp32(round(L)) / T; with ``temperature_in_logits_dtype``
@@ -437,7 +473,10 @@ def token_stats_fused_triton(
     launch_opts = {"num_warps": cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {})}
     ftz = not interpreting()
     bm, bn, bk = cfg["bm"], cfg["bn"], cfg["bk"]
-    n_tiles = triton.cdiv(vocab, bn)
+    persistent = _use_persistent(cfg, hidden, weight)
+    pipelined = persistent and bool(cfg["pipeline"])
+    halves = 2 if pipelined else 1  # the pipelined kernel writes partials per half-width column tile
+    n_tiles = halves * triton.cdiv(vocab, bn)
     if rows_per_launch is None:
         rows_per_launch = max(bm, (_WORKSPACE_BYTES // (24 * n_tiles)) // bm * bm)
     if logits_dtype not in _ROUND_CODES:
@@ -450,8 +489,7 @@ def token_stats_fused_triton(
     inv_t = float(np.float32(1.0) / np.float32(temperature))
     c = LOG2E if t_round else LOG2E / float(temperature)
     bias_arg = bias.contiguous() if bias is not None else hidden
-    persistent = _use_persistent(cfg, hidden, weight)
-    w_desc = TensorDescriptor.from_tensor(weight, [bn, bk]) if persistent else None
+    w_desc = TensorDescriptor.from_tensor(weight, [bn // halves, bk]) if persistent else None
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         for r0 in range(0, n_rows, rows_per_launch):
             r1 = min(n_rows, r0 + rows_per_launch)
@@ -459,8 +497,8 @@ def token_stats_fused_triton(
             part = torch.empty((6, rows, n_tiles), device=dev, dtype=torch.float32)
             yk = torch.full((rows,), float("nan"), device=dev, dtype=torch.float32)
             lab = labels[r0:r1]
-            n_all = triton.cdiv(rows, bm) * n_tiles
-            if persistent and cfg["pipeline"]:
+            n_all = triton.cdiv(rows, bm) * triton.cdiv(vocab, bn)
+            if pipelined:
                 n_prog = min(n_all, cfg["persistent"] * _num_sms(dev), cfg["max_programs"] or n_all)
                 _fused_pipelined_kernel[(n_prog,)](
                     TensorDescriptor.from_tensor(hidden[r0:r1], [bm, bk]), w_desc, bias_arg, lab, part, yk,
