@@ -268,6 +268,28 @@ def test_fused_kernel_matches_float64(n, h, v, dtype, bias, temperature, rows_pe
     _check(out, logits, labels, temperature)
 
 
+@pytest.mark.parametrize("pipeline", [0, 1])
+def test_fused_kernel_flags_labels_outside_the_vocabulary(pipeline):
+    # the label logit is picked by the label's int32 column inside its tile: labels past V, negative
+    # or past int32 (2^32 + 1 would alias column 1) must still read as bad rows, the others unchanged
+    g = torch.Generator().manual_seed(5)
+    hid = torch.randn(20, 32, generator=g).to(torch.float16).to(DEV)
+    w = (torch.randn(70, 32, generator=g) * 0.5).to(torch.float16).to(DEV)
+    labels = _labels(5, 20, 70)
+    bad = [2, 7, 11]
+    labels[bad] = torch.tensor([70, 2**32 + 1, -5], device=labels.device)
+    cfg = {"bm": 16, "bn": 32, "bk": 16, "group_m": 3, "pipeline": pipeline, "max_programs": 2}
+    out = token_stats_fused_triton(hid, w, labels, None, 1.0, -100, config=cfg)
+    assert out.errors.tolist() == [3, 0, 0, 0]
+    assert bool(torch.isnan(out.logp.cpu()[bad]).all())
+    good = torch.ones(20, dtype=torch.bool)
+    good[bad] = False
+    logits = hid.cpu().double() @ w.cpu().double().T
+    ref = reference_token_stats(logits[good], labels.cpu()[good], 1.0)
+    for name in FIELDS:
+        assert float((getattr(out, name).cpu()[good].double() - ref[name]).abs().max()) <= 3e-5, name
+
+
 def test_ignore_index_none_counts_every_row():
     # token_stats(ignore_index=None) passes int64's minimum (NO_IGNORE_INDEX) to both kernels: no row is
     # skipped and a label of -100 is an out-of-range label, counted in the first error word.

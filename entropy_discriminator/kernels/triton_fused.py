@@ -159,12 +159,16 @@ def _tile_epilogue(
     row_ok = rm < N
     labels = tl.load(lab_ptr + rm % N)
     in_tile = row_ok & (labels >= pid_n * BN) & (labels < pid_n * BN + BN)
+    # the label's column inside the tile in int32 (an [BM, BN] int64 compare costs twice the
+    # registers); rows whose label is not in the tile are masked at the store
+    col = tl.where(in_tile, labels - pid_n * BN, -1).to(tl.int32)
+    cols = tl.arange(0, BN)
     if BRANCH:
         if tl.max(in_tile.to(tl.int32), axis=0) > 0:  # about one tile in five holds a label of its rows
-            yk = tl.sum(tl.where(rn[None, :] == labels[:, None], acc, 0.0), axis=1) * c
+            yk = tl.sum(tl.where(cols[None, :] == col[:, None], acc, 0.0), axis=1) * c
             tl.store(yk_ptr + rm, yk, mask=in_tile)
     else:
-        yk = tl.sum(tl.where(rn[None, :] == labels[:, None], acc, 0.0), axis=1) * c
+        yk = tl.sum(tl.where(cols[None, :] == col[:, None], acc, 0.0), axis=1) * c
         tl.store(yk_ptr + rm, yk, mask=in_tile)
     stride_f = tl.cast(N, tl.int64) * num_pid_n
     q = part_ptr + rm.to(tl.int64) * num_pid_n + pid_n
@@ -470,7 +474,9 @@ def token_stats_fused_triton(
     if n_rows == 0:
         return result
     cfg = {**choose_fused_config(hdim, hidden.dtype), **(config or {})}
-    launch_opts = {"num_warps": cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {})}
+    # num_stages also pipelines the persistent kernel's inner K loop when the tile loop is not flattened
+    launch_opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["stages"],
+                   **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {})}  # fmt: skip
     ftz = not interpreting()
     bm, bn, bk = cfg["bm"], cfg["bn"], cfg["bk"]
     persistent = _use_persistent(cfg, hidden, weight)
