@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from ._reduce import D_FLOOR, ERR_WORDS, LOG2E, exp2, max_nan, merge_block, merge_kernel
+from ._reduce import D_FLOOR, ERR_WORDS, LOG2E, exp2, max_nan, merge_block, merge_kernel, rescale
 from .triton_stats import KernelStats
 
 try:  # host-side TMA descriptors (Triton >= 3.2); without them the pointer kernel is used
@@ -90,19 +90,17 @@ def _round_bf16(x):
 
 
 @triton.jit
-def _tile_epilogue(
+def _tile_sums(
     acc,
     pid_m,
     pid_n,
     b_ptr,
     lab_ptr,
-    part_ptr,
     yk_ptr,
     N,
     V,
     c,
     inv_t,
-    num_pid_n,
     HAS_BIAS: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -112,7 +110,9 @@ def _tile_epilogue(
     FTZ: tl.constexpr,
     BRANCH: tl.constexpr,
 ):
-    """Reduce one [BM, BN] fp32 logits tile to the six partials per row (and the label logit).
+    """Reduce one [BM, BN] fp32 logits tile to (m, s0, s1, s2, s3) per row ([BM] each; m is the
+    NaN-propagating row max of y, the sums are against it) and store the label logit y_k of the
+    rows whose label lies in the tile.
 
     ROUND (0: none, 1: bf16, 2: fp16) rounds L = acc + bias to that dtype (round to nearest even);
     with T_ROUND also ``L * inv_t`` (torch's ``low / T``: a multiply by the fp32 reciprocal) is
@@ -170,6 +170,15 @@ def _tile_epilogue(
     else:
         yk = tl.sum(tl.where(cols[None, :] == col[:, None], acc, 0.0), axis=1) * c
         tl.store(yk_ptr + rm, yk, mask=in_tile)
+    return m, s0, s1, s2, s3
+
+
+@triton.jit
+def _store_partials(part_ptr, pid_m, pid_n, num_pid_n, N, m, s0, s1, s2, s3, BM: tl.constexpr):
+    """Write one tile's partials: part_ptr is fp32 [6, N, num_pid_n] (m, s0..s3, and m again as the
+    NaN-propagating max the merge validates), this tile's column pid_n, rows pid_m * BM + [0, BM)."""
+    rm = pid_m * BM + tl.arange(0, BM)
+    row_ok = rm < N
     stride_f = tl.cast(N, tl.int64) * num_pid_n
     q = part_ptr + rm.to(tl.int64) * num_pid_n + pid_n
     tl.store(q, m, mask=row_ok)
@@ -178,6 +187,21 @@ def _tile_epilogue(
     tl.store(q + 3 * stride_f, s2, mask=row_ok)
     tl.store(q + 4 * stride_f, s3, mask=row_ok)
     tl.store(q + 5 * stride_f, m, mask=row_ok)
+
+
+
+@triton.jit
+def _tile_epilogue(
+    acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
+    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MOMENTS: tl.constexpr, ROUND: tl.constexpr,
+    T_ROUND: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr,
+):  # fmt: skip
+    """:func:`_tile_sums` of one tile, stored as its partials (:func:`_store_partials`)."""
+    m, s0, s1, s2, s3 = _tile_sums(
+        acc, pid_m, pid_n, b_ptr, lab_ptr, yk_ptr, N, V, c, inv_t,
+        HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ, BRANCH=BRANCH,
+    )  # fmt: skip
+    _store_partials(part_ptr, pid_m, pid_n, num_pid_n, N, m, s0, s1, s2, s3, BM=BM)
 
 
 @triton.jit
@@ -293,17 +317,29 @@ def _fused_persistent_kernel(
 
 
 @triton.jit
-def _half_epilogue(
-    acc, pid_m, pid_n, half, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
+def _half_sums(
+    acc, pid_m, pid_n, half, b_ptr, lab_ptr, yk_ptr, N, V, c, inv_t,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MOMENTS: tl.constexpr, ROUND: tl.constexpr,
     T_ROUND: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr,
 ):  # fmt: skip
-    """:func:`_tile_epilogue` of column half ``half`` (0 or 1) of tile (pid_m, pid_n): the
-    [BM, BN // 2] tile number 2 * pid_n + half of a grid of 2 * num_pid_n half-width column tiles."""
-    _tile_epilogue(
-        acc, pid_m, 2 * pid_n + half, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, 2 * num_pid_n,
+    """:func:`_tile_sums` of column half ``half`` (0 or 1) of tile (pid_m, pid_n): the [BM, BN // 2]
+    block at columns pid_n * BN + half * BN // 2 + [0, BN // 2)."""
+    return _tile_sums(
+        acc, pid_m, 2 * pid_n + half, b_ptr, lab_ptr, yk_ptr, N, V, c, inv_t,
         HAS_BIAS=HAS_BIAS, BM=BM, BN=BN // 2, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ, BRANCH=BRANCH,
     )  # fmt: skip
+
+
+@triton.jit
+def _merge_two(m0, a0, a1, a2, a3, m1, b0, b1, b2, b3):
+    """One set of row sums from two, each against its own row max (:func:`._reduce.rescale` moves
+    both to the larger max; a -inf max has zero sums).  Returns (m, s0, s1, s2, s3), m the
+    NaN-propagating max of m0 and m1."""
+    m = max_nan(m0, m1)
+    mu = tl.where(m > float("-inf"), m, 0.0)
+    a0, a1, a2, a3 = rescale(a0, a1, a2, a3, m0, mu)
+    b0, b1, b2, b3 = rescale(b0, b1, b2, b3, m1, mu)
+    return m, a0 + b0, a1 + b1, a2 + b2, a3 + b3
 
 
 @triton.jit
@@ -337,14 +373,13 @@ def _fused_pipelined_kernel(
 
     Program p walks its tiles t_0, t_1, ... (p, p + NUM_PROGRAMS, ...).  A tile is two [BM, BN / 2]
     accumulators (two dots per K step; ``w_desc`` has [BN / 2, BK] blocks), kept in registers after
-    its K loop: the epilogue of half h of t_(i-1) runs inside the K loop of t_i right after that
-    loop's dots of step EPI_AT + h are issued, so that the tensor cores work on t_i (the dots are
-    asynchronous in the pipelined loop) while the CUDA cores reduce t_(i-1).  A half whose step the
-    K loop does not reach is reduced after the loop; one extra trip of the tile loop, without dots,
-    drains the last tile.  Each half writes its own partials (column tile 2 * pid_n + h of width
-    BN / 2; the host allocates 2 * ceil(V / BN) of them, a half wholly past V giving m = -inf and
-    zero sums).  Two tiles' accumulators live at once: the register budget of 128 x 128 tiles at 8
-    warps.  Out-of-range rows, columns and K are zero-filled by the copy engine, as in
+    its K loop: half h of t_(i-1) is reduced inside the K loop of t_i right after that loop's dots of
+    step EPI_AT + h are issued, so that the tensor cores work on t_i (the dots are asynchronous in
+    the pipelined loop) while the CUDA cores reduce t_(i-1); the second half's sums are merged with
+    the first's (:func:`_merge_two`) and stored as the tile's partials.  A half whose step the K loop
+    does not reach is reduced after the loop; one extra trip of the tile loop, without dots, drains
+    the last tile.  Two tiles' accumulators live at once: the register budget of 128 x 128 tiles at
+    8 warps.  Out-of-range rows, columns and K are zero-filled by the copy engine, as in
     :func:`_fused_persistent_kernel`.
     """
     HALF: tl.constexpr = BN // 2
@@ -364,32 +399,42 @@ def _fused_pipelined_kernel(
         k_end = tl.where(i < n_mine, k_tiles, 0)
         acc0 = tl.zeros([BM, HALF], dtype=tl.float32)
         acc1 = tl.zeros([BM, HALF], dtype=tl.float32)
+        # the first half's sums of the previous tile, carried until the second half's are formed
+        m0 = tl.full([BM], float("-inf"), tl.float32)
+        a0 = tl.zeros([BM], dtype=tl.float32)
+        a1 = a0
+        a2 = a0
+        a3 = a0
         for ki in tl.range(0, k_end, num_stages=STAGES):
             a = a_desc.load([pid_m * BM, ki * BK])
             acc0 = tl.dot(a, w_desc.load([pid_n * BN, ki * BK]).T, acc0)
             acc1 = tl.dot(a, w_desc.load([pid_n * BN + HALF, ki * BK]).T, acc1)
             if (ki == EPI_AT) & (i > 0):
-                _half_epilogue(
-                    prev0, prev_m, prev_n, 0, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
+                m0, a0, a1, a2, a3 = _half_sums(
+                    prev0, prev_m, prev_n, 0, b_ptr, lab_ptr, yk_ptr, N, V, c, inv_t,
                     HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ,
                     BRANCH=BRANCH,
                 )  # fmt: skip
             if (ki == EPI_AT + 1) & (i > 0):
-                _half_epilogue(
-                    prev1, prev_m, prev_n, 1, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
+                m1, b0, b1, b2, b3 = _half_sums(
+                    prev1, prev_m, prev_n, 1, b_ptr, lab_ptr, yk_ptr, N, V, c, inv_t,
                     HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ,
                     BRANCH=BRANCH,
                 )  # fmt: skip
+                m, s0, s1, s2, s3 = _merge_two(m0, a0, a1, a2, a3, m1, b0, b1, b2, b3)
+                _store_partials(part_ptr, prev_m, prev_n, num_pid_n, N, m, s0, s1, s2, s3, BM=BM)
         if (k_end <= EPI_AT) & (i > 0):
-            _half_epilogue(
-                prev0, prev_m, prev_n, 0, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
+            m0, a0, a1, a2, a3 = _half_sums(
+                prev0, prev_m, prev_n, 0, b_ptr, lab_ptr, yk_ptr, N, V, c, inv_t,
                 HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ, BRANCH=BRANCH,
             )  # fmt: skip
         if (k_end <= EPI_AT + 1) & (i > 0):
-            _half_epilogue(
-                prev1, prev_m, prev_n, 1, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
+            m1, b0, b1, b2, b3 = _half_sums(
+                prev1, prev_m, prev_n, 1, b_ptr, lab_ptr, yk_ptr, N, V, c, inv_t,
                 HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ, BRANCH=BRANCH,
             )  # fmt: skip
+            m, s0, s1, s2, s3 = _merge_two(m0, a0, a1, a2, a3, m1, b0, b1, b2, b3)
+            _store_partials(part_ptr, prev_m, prev_n, num_pid_n, N, m, s0, s1, s2, s3, BM=BM)
         prev0 = acc0
         prev1 = acc1
         prev_m = pid_m
@@ -481,8 +526,8 @@ def token_stats_fused_triton(
     bm, bn, bk = cfg["bm"], cfg["bn"], cfg["bk"]
     persistent = _use_persistent(cfg, hidden, weight)
     pipelined = persistent and bool(cfg["pipeline"])
-    halves = 2 if pipelined else 1  # the pipelined kernel writes partials per half-width column tile
-    n_tiles = halves * triton.cdiv(vocab, bn)
+    halves = 2 if pipelined else 1  # the pipelined kernel loads the weight in half-width blocks
+    n_tiles = triton.cdiv(vocab, bn)
     if rows_per_launch is None:
         rows_per_launch = max(bm, (_WORKSPACE_BYTES // (24 * n_tiles)) // bm * bm)
     if logits_dtype not in _ROUND_CODES:
@@ -503,7 +548,7 @@ def token_stats_fused_triton(
             part = torch.empty((6, rows, n_tiles), device=dev, dtype=torch.float32)
             yk = torch.full((rows,), float("nan"), device=dev, dtype=torch.float32)
             lab = labels[r0:r1]
-            n_all = triton.cdiv(rows, bm) * triton.cdiv(vocab, bn)
+            n_all = triton.cdiv(rows, bm) * n_tiles
             if pipelined:
                 n_prog = min(n_all, cfg["persistent"] * _num_sms(dev), cfg["max_programs"] or n_all)
                 _fused_pipelined_kernel[(n_prog,)](
