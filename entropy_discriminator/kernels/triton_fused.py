@@ -344,31 +344,11 @@ def _merge_two(m0, a0, a1, a2, a3, m1, b0, b1, b2, b3):
 
 @triton.jit
 def _fused_pipelined_kernel(
-    a_desc,
-    w_desc,
-    b_ptr,
-    lab_ptr,
-    part_ptr,
-    yk_ptr,
-    N,
-    V,
-    H,
-    c,
-    inv_t,
-    HAS_BIAS: tl.constexpr,
-    ROUND: tl.constexpr,
-    T_ROUND: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    STAGES: tl.constexpr,
-    MOMENTS: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
-    EPI_AT: tl.constexpr,
-    FTZ: tl.constexpr,
-    BRANCH: tl.constexpr,
-):
+    a_desc, w_desc, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, c, inv_t,
+    HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, T_ROUND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr, MOMENTS: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, EPI_AT: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr,
+):  # fmt: skip
     """Persistent variant whose epilogue is software-pipelined across tiles.
 
     Program p walks its tiles t_0, t_1, ... (p, p + NUM_PROGRAMS, ...).  A tile is two [BM, BN / 2]
@@ -549,23 +529,19 @@ def token_stats_fused_triton(
             yk = torch.full((rows,), float("nan"), device=dev, dtype=torch.float32)
             lab = labels[r0:r1]
             n_all = triton.cdiv(rows, bm) * n_tiles
-            if pipelined:
+            if persistent:
                 n_prog = min(n_all, cfg["persistent"] * _num_sms(dev), cfg["max_programs"] or n_all)
-                _fused_pipelined_kernel[(n_prog,)](
+                if pipelined:
+                    kernel, loop_opts = _fused_pipelined_kernel, {"EPI_AT": cfg["pipeline"] - 1}
+                else:
+                    kernel = _fused_persistent_kernel
+                    loop_opts = {"FLATTEN": bool(cfg["flatten"]), "WARP_SPECIALIZE": bool(cfg["ws"])}
+                kernel[(n_prog,)](
                     TensorDescriptor.from_tensor(hidden[r0:r1], [bm, bk]), w_desc, bias_arg, lab, part, yk,
                     rows, vocab, hdim, c, inv_t,
                     HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, BM=bm, BN=bn, BK=bk, GROUP_M=cfg["group_m"], STAGES=cfg["stages"],
-                    MOMENTS=cfg["moments"], NUM_PROGRAMS=n_prog, EPI_AT=cfg["pipeline"] - 1, FTZ=ftz,
-                    BRANCH=bool(cfg["branch"]), **launch_opts,
-                )  # fmt: skip
-            elif persistent:
-                n_prog = min(n_all, cfg["persistent"] * _num_sms(dev), cfg["max_programs"] or n_all)
-                _fused_persistent_kernel[(n_prog,)](
-                    TensorDescriptor.from_tensor(hidden[r0:r1], [bm, bk]), w_desc, bias_arg, lab, part, yk,
-                    rows, vocab, hdim, c, inv_t,
-                    HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, BM=bm, BN=bn, BK=bk, GROUP_M=cfg["group_m"], STAGES=cfg["stages"],
-                    MOMENTS=cfg["moments"], NUM_PROGRAMS=n_prog, FLATTEN=bool(cfg["flatten"]),
-                    WARP_SPECIALIZE=bool(cfg["ws"]), FTZ=ftz, BRANCH=bool(cfg["branch"]), **launch_opts,
+                    MOMENTS=cfg["moments"], NUM_PROGRAMS=n_prog, FTZ=ftz, BRANCH=bool(cfg["branch"]), **loop_opts,
+                    **launch_opts,
                 )  # fmt: skip
             else:
                 _fused_tile_kernel[(n_all,)](
