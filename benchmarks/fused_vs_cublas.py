@@ -18,7 +18,7 @@ fused / cuBLAS (target <= 1 / 0.97) and fused / unfused (target <= 1).
 beside cuBLAS and the unfused pair (errors against a float64 reference on 8 rows checked for
 each), write ``sweep.csv`` and ``best.csv`` into the folder ``--out`` and print the fastest correct
 variant per shape (the table behind ``kernels/triton_fused.SHAPE_CONFIGS``).  On one H100 the
-default sweep (13 variants, the 30 shapes) is sized for about 6-7 minutes; ``--budget-s`` stops
+default sweep (15 variants, the 30 shapes) is sized for about 6-7 minutes; ``--budget-s`` stops
 starting new shapes after that many seconds.
 """
 
@@ -56,6 +56,8 @@ SWEEP: dict[str, dict | None] = {
     "pipe 128x128 e1 s4": {"bn": 128, "pipeline": 1, "stages": 4},
     "pipe 128x128 e4": {"bn": 128, "pipeline": 4},
     "pipe 128x128 e1 unbranched": {"bn": 128, "pipeline": 1, "branch": 0},
+    "pipe 128x128 bk128 e1": {"bn": 128, "bk": 128, "pipeline": 1},
+    "pipe 128x128 bk128 e1 s2": {"bn": 128, "bk": 128, "pipeline": 1, "stages": 2},
     "floor noflat": {"flatten": 0, "moments": 0},
 }
 ERR_MAX = 2e-3  # max |error| of logp, H, E_p[S] against float64 for a variant to count as correct
