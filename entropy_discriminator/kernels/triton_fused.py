@@ -33,7 +33,7 @@ try:  # host-side TMA descriptors (Triton >= 3.2); without them the pointer kern
 except ImportError:  # pragma: no cover - depends on the installed Triton
     TensorDescriptor = None
 
-__all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG", "SHAPE_CONFIGS", "choose_fused_config"]
+__all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG", "SHAPE_CONFIGS", "choose_fused_config", "persistent_spec"]
 
 # persistent: programs per multiprocessor of the persistent TMA kernel (0: one program per tile);
 # flatten / ws: its tile loop pipelined as one with the K loop / warp-specialised; maxnreg: register
@@ -425,6 +425,22 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
+def persistent_spec(
+    cfg: dict, has_bias: bool, round_code: int, t_round: bool, n_prog: int, ftz: bool
+) -> tuple[object, dict]:
+    """The persistent TMA kernel a configuration runs (:func:`_fused_pipelined_kernel` when
+    ``cfg["pipeline"]``, else :func:`_fused_persistent_kernel`) and its compile-time arguments.
+    Its weight descriptor has [BN / 2, BK] blocks when pipelined, [BN, BK] otherwise."""
+    consts = {
+        "HAS_BIAS": has_bias, "ROUND": round_code, "T_ROUND": t_round, "BM": cfg["bm"], "BN": cfg["bn"],
+        "BK": cfg["bk"], "GROUP_M": cfg["group_m"], "STAGES": cfg["stages"], "MOMENTS": cfg["moments"],
+        "NUM_PROGRAMS": n_prog, "FTZ": ftz, "BRANCH": bool(cfg["branch"]),
+    }  # fmt: skip
+    if cfg["pipeline"]:
+        return _fused_pipelined_kernel, {**consts, "EPI_AT": cfg["pipeline"] - 1}
+    return _fused_persistent_kernel, {**consts, "FLATTEN": bool(cfg["flatten"]), "WARP_SPECIALIZE": bool(cfg["ws"])}
+
+
 def _use_persistent(cfg: dict, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """The persistent TMA kernel runs when asked for, on 16-bit inputs the copy engine can address.
 
@@ -531,17 +547,10 @@ def token_stats_fused_triton(
             n_all = triton.cdiv(rows, bm) * n_tiles
             if persistent:
                 n_prog = min(n_all, cfg["persistent"] * _num_sms(dev), cfg["max_programs"] or n_all)
-                if pipelined:
-                    kernel, loop_opts = _fused_pipelined_kernel, {"EPI_AT": cfg["pipeline"] - 1}
-                else:
-                    kernel = _fused_persistent_kernel
-                    loop_opts = {"FLATTEN": bool(cfg["flatten"]), "WARP_SPECIALIZE": bool(cfg["ws"])}
+                kernel, consts = persistent_spec(cfg, bias is not None, round_code, t_round, n_prog, ftz)
                 kernel[(n_prog,)](
                     TensorDescriptor.from_tensor(hidden[r0:r1], [bm, bk]), w_desc, bias_arg, lab, part, yk,
-                    rows, vocab, hdim, c, inv_t,
-                    HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, BM=bm, BN=bn, BK=bk, GROUP_M=cfg["group_m"], STAGES=cfg["stages"],
-                    MOMENTS=cfg["moments"], NUM_PROGRAMS=n_prog, FTZ=ftz, BRANCH=bool(cfg["branch"]), **loop_opts,
-                    **launch_opts,
+                    rows, vocab, hdim, c, inv_t, **consts, **launch_opts,
                 )  # fmt: skip
             else:
                 _fused_tile_kernel[(n_all,)](
