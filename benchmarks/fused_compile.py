@@ -66,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from .fused_vs_cublas import SWEEP
 
-    p = argparse.ArgumentParser(prog="python -m benchmarks.fused_compile", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.fused_compile", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
     p.add_argument("--h", type=int, default=896, help="hidden size for the 'current' variant's table lookup")
     p.add_argument("--configs", nargs="*", default=None, help="only these SWEEP names")
     args = p.parse_args(argv)
