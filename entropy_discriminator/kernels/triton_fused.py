@@ -40,9 +40,10 @@ __all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG", "SHAPE_CONFIGS", "choos
 # cap per thread (0: none; lets two programs share a multiprocessor, so that one's epilogue could
 # run while the other's matmul does: benchmarks only, never faster so far); branch: mask the
 # columns past V only in the last column tile and form the label logit only in tiles that hold a
-# label (block-uniform branches; 0: in every tile); pipeline: 0, or n >= 1 to run the persistent
-# kernel with the epilogue of each tile inside the next tile's K loop, after its n-th dot
-# (:func:`_fused_pipelined_kernel`; two accumulators in registers, so for tiles of <= 128 x 128);
+# label (block-uniform branches; 0: in every tile); pipeline: 0, or n >= 1 to run, where the
+# persistent kernel would, :func:`_fused_pipelined_kernel`: each tile's epilogue inside the next
+# tile's K loop, its first column half after the dots of K step n, the second after step n + 1
+# (two tiles' accumulators in registers, so for tiles of <= 128 x 128 at 8 warps);
 # max_programs: at most this many persistent programs (0: no cap beyond persistent per
 # multiprocessor).  H100, N=16384, H=3584, V=152064 (results/h100/tune_fused.csv): persistent
 # 666 TFLOP/s, one program per tile 595.
