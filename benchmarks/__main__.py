@@ -5,6 +5,8 @@
     python -m benchmarks masks   # clip_b_mask / clip_v_mask / EntropyMonitor.from_stats at 16k-1M tokens
     python -m benchmarks fused-vs-cublas --out benchmarks/results/fused_vs_cublas.csv
                                  # the public fused call vs cuBLAS matmul alone and the unfused pair, Qwen2.5 heads
+    python -m benchmarks fused-vs-cublas --sweep --out DIR
+                                 # every fused-kernel variant on the same shapes; DIR/sweep.csv, DIR/best.csv
     python -m benchmarks trl-step --step-cost benchmarks/results/step_cost.csv
                                  # the TRL adapter's share of a real GRPO step (TRL 1.16, Qwen2.5-0.5B shapes)
 

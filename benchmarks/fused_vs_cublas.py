@@ -14,9 +14,12 @@ each the mean of two medians taken in alternating order (:func:`_timed_row`).
 Writes ``--out`` (CSV ``card,H,V,N,dtype,fused_ms,cublas_ms,unfused_ms``) and prints the ratios:
 fused / cuBLAS (target <= 1 / 0.97) and fused / unfused (target <= 1).
 
-``--sweep``: instead of the public call, time the fused kernel under each configuration of
-:data:`SWEEP` (errors against a float64 reference on 8 rows checked for each), and print the
-fastest per shape (the table behind ``kernels/triton_fused.SHAPE_CONFIGS``).
+``--sweep``: instead of the public call, time the fused kernel under each variant of :data:`SWEEP`
+beside cuBLAS and the unfused pair (errors against a float64 reference on 8 rows checked for
+each), write ``sweep.csv`` and ``best.csv`` into the folder ``--out`` and print the fastest correct
+variant per shape (the table behind ``kernels/triton_fused.SHAPE_CONFIGS``).  On one H100 the
+default sweep (15 variants, the 30 shapes) is sized for about 6-7 minutes; ``--budget-s`` stops
+starting new shapes after that many seconds.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -36,23 +40,27 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 COLUMNS = ("card", "H", "V", "N", "dtype", "fused_ms", "cublas_ms", "unfused_ms")
 TARGET_CUBLAS = 1 / 0.97
 
-# Candidate kernel configurations (overrides of triton_fused.DEFAULT_CONFIG) timed by --sweep.
-SWEEP = {
-    "128x256 w8 s3": {},
-    "128x256 w8 s4": {"stages": 4},
-    "128x256 w8 s3 noflat": {"flatten": 0},
-    "128x256 w8 s3 ws": {"ws": 1},
-    "128x256 w8 s3 g16": {"group_m": 16},
-    "128x256 w8 s3 unbranched": {"branch": 0},
-    "128x256 w8 s3 noflat unbranched": {"flatten": 0, "branch": 0},
-    "256x128 w8 s3": {"bm": 256, "bn": 128},
-    "128x128 w4 s3 x2": {"bn": 128, "num_warps": 4, "persistent": 2},
-    "128x128 w4 s3 x2 noflat": {"bn": 128, "num_warps": 4, "persistent": 2, "flatten": 0},
-    "128x128 w8 s3 x2 r128": {"bn": 128, "num_warps": 8, "persistent": 2, "maxnreg": 128},
-    "64x256 w4 s2 x2": {"bm": 64, "num_warps": 4, "persistent": 2, "stages": 2},
-    "128x128 w4 s2 x3 r168": {"bn": 128, "num_warps": 4, "persistent": 3, "stages": 2, "maxnreg": 168},
-    "ptr 128x128 w4 s3": {"persistent": 0, "bn": 128, "num_warps": 4},
+# Candidate kernel variants timed by --sweep: name -> overrides of triton_fused.DEFAULT_CONFIG, or
+# None for the configuration the public call picks today (triton_fused.choose_fused_config).  A
+# name starting with "floor" is a timing floor (statistics meaningless), never picked as best.
+SWEEP: dict[str, dict | None] = {
+    "current": None,
+    "flat": {},
+    "flat unbranched": {"branch": 0},
+    "flat unbranched s4": {"branch": 0, "stages": 4},
+    "noflat": {"flatten": 0},
+    "noflat s4": {"flatten": 0, "stages": 4},
+    "noflat g16": {"flatten": 0, "group_m": 16},
+    "noflat bk128 s2": {"flatten": 0, "bk": 128, "stages": 2},
+    "pipe 128x128 e1": {"bn": 128, "pipeline": 1},
+    "pipe 128x128 e1 s4": {"bn": 128, "pipeline": 1, "stages": 4},
+    "pipe 128x128 e4": {"bn": 128, "pipeline": 4},
+    "pipe 128x128 e1 unbranched": {"bn": 128, "pipeline": 1, "branch": 0},
+    "pipe 128x128 bk128 e1": {"bn": 128, "bk": 128, "pipeline": 1},
+    "pipe 128x128 bk128 e1 s2": {"bn": 128, "bk": 128, "pipeline": 1, "stages": 2},
+    "floor noflat": {"flatten": 0, "moments": 0},
 }
+ERR_MAX = 2e-3  # max |error| of logp, H, E_p[S] against float64 for a variant to count as correct
 
 
 def _inputs(n: int, h: int, v: int, dtype: torch.dtype):
@@ -63,22 +71,19 @@ def _inputs(n: int, h: int, v: int, dtype: torch.dtype):
     return hidden, weight, labels
 
 
-def _max_errors(out, hidden, weight, labels) -> tuple[float, float, float]:
-    """max |out - float64 reference| of logp, H and E_p[S] over 8 rows spread over the batch."""
+def _reference(hidden, weight, labels, rows: int = 8) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The float64 statistics of ``rows`` rows spread over the batch: (row indices, reference)."""
     from reference import reference_token_stats
 
-    rows = torch.linspace(0, hidden.shape[0] - 1, 8, device=hidden.device).long()
-    ref = reference_token_stats(hidden[rows].double() @ weight.double().T, labels[rows], 1.0)
+    idx = torch.linspace(0, hidden.shape[0] - 1, rows, device=hidden.device).long()
+    return idx, reference_token_stats(hidden[idx].double() @ weight.double().T, labels[idx], 1.0)
+
+
+def _max_errors(out, ref: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> tuple[float, float, float]:
+    """max |out - float64 reference| of logp, H and E_p[S] on the rows of ``ref`` (:func:`_reference`)."""
+    idx, r = ref
     got = (out.logp, out.entropy, out.s_expected)
-    return tuple(float((g[rows].double() - ref[k]).abs().max()) for g, k in zip(got, ("logp", "entropy", "s_expected")))
-
-
-def _baselines(hidden, weight, labels) -> tuple[float, float]:
-    from entropy_discriminator.kernels.triton_stats import token_stats_triton
-
-    cublas = bench_ms(lambda: hidden @ weight.T, 100, 25)
-    unfused = bench_ms(lambda: token_stats_triton(hidden @ weight.T, labels, 1.0, -100), 100, 25)
-    return cublas, unfused
+    return tuple(float((g[idx].double() - r[k]).abs().max()) for g, k in zip(got, ("logp", "entropy", "s_expected")))
 
 
 def _timed_row(hidden, weight, labels) -> dict[str, float]:
@@ -113,7 +118,7 @@ def run(heads, ns: list[int], dtypes: list[str], out: Path) -> list[dict]:
                 for n in ns:
                     free_memory()
                     hidden, weight, labels = _inputs(n, h, v, DTYPES[dname])
-                    errs = _max_errors(token_stats_from_hidden(hidden, weight, labels), hidden, weight, labels)
+                    errs = _max_errors(token_stats_from_hidden(hidden, weight, labels), _reference(hidden, weight, labels))
                     t = _timed_row(hidden, weight, labels)
                     row = dict(card=card, H=h, V=v, N=n, dtype=dname, **{k: round(x, 4) for k, x in t.items()})
                     w.writerow(row)
@@ -141,50 +146,114 @@ def summary(rows: list[dict]) -> None:
           " (* misses)")  # fmt: skip
 
 
-def sweep(heads, ns: list[int], dtypes: list[str], out: Path, names: list[str] | None) -> None:
-    from entropy_discriminator.kernels.triton_fused import DEFAULT_CONFIG, token_stats_fused_triton
+SWEEP_COLUMNS = ("card", "H", "V", "N", "dtype", "method", "ms", "over_cublas", "over_unfused", "err_logp",
+                 "err_entropy", "err_s_expected", "config")
+BEST_COLUMNS = ("card", "H", "V", "N", "dtype", "best", "best_ms", "cublas_ms", "unfused_ms", "current_ms",
+                "best_over_cublas", "best_over_unfused", "current_over_cublas", "config")
 
-    card = card_name()
-    configs = {k: c for k, c in SWEEP.items() if not names or k in names}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["card", "H", "V", "N", "dtype", "method", "ms", "err_logp", "err_entropy", "err_s_expected"])
-        for dname in dtypes:
+
+def sweep(heads, ns: list[int], dtypes: list[str], out_dir: Path, names: list[str] | None, rep_ms: int,
+          warmup_ms: int, budget_s: float) -> list[dict]:  # fmt: skip
+    """Time every variant of :data:`SWEEP` (or ``names``) on every shape beside cuBLAS and the unfused pair.
+
+    Per shape (smallest N first, so that a run cut by ``budget_s`` loses the largest shapes): cuBLAS
+    ``hidden @ weight.T``, the unfused pair, each variant (its errors against float64 on 8 rows
+    checked first), and cuBLAS again; ``cublas_ms`` is the mean of the two cuBLAS readings (the
+    card's clock drifts under long GEMM runs).  Writes ``out_dir/sweep.csv`` (one row per method and
+    shape) and ``out_dir/best.csv`` (per shape the fastest correct variant, not a floor), and returns
+    the best rows.
+    """
+    from entropy_discriminator.kernels.triton_fused import DEFAULT_CONFIG, choose_fused_config, token_stats_fused_triton
+    from entropy_discriminator.kernels.triton_stats import token_stats_triton
+
+    unknown = sorted(set(names or ()) - set(SWEEP))
+    if unknown:
+        raise ValueError(f"--configs: unknown variants {unknown}; known: {list(SWEEP)}")
+    variants = {k: c for k, c in SWEEP.items() if not names or k in names}
+    card, t0, best_rows = card_name(), time.monotonic(), []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with (out_dir / "sweep.csv").open("w", newline="") as fs, (out_dir / "best.csv").open("w", newline="") as fb:
+        ws, wb = csv.DictWriter(fs, fieldnames=SWEEP_COLUMNS), csv.DictWriter(fb, fieldnames=BEST_COLUMNS)
+        ws.writeheader()
+        wb.writeheader()
+        for n in ns:
             for h, v in heads:
-                for n in ns:
+                for dname in dtypes:
+                    if time.monotonic() - t0 > budget_s:
+                        print(f"budget of {budget_s:.0f} s spent: skipping N={n} H={h} {dname}", flush=True)
+                        continue
                     free_memory()
                     hidden, weight, labels = _inputs(n, h, v, DTYPES[dname])
-                    cublas, unfused = _baselines(hidden, weight, labels)
-                    w.writerow([card, h, v, n, dname, "cublas", cublas, "", "", ""])
-                    w.writerow([card, h, v, n, dname, "unfused", unfused, "", "", ""])
-                    best = ("", math.inf)
-                    for name, over in configs.items():
-                        cfg = {**DEFAULT_CONFIG, **over}
+                    ref = _reference(hidden, weight, labels)
+                    base = dict(card=card, H=h, V=v, N=n, dtype=dname)
+                    cublas = [bench_ms(lambda: hidden @ weight.T, rep_ms, warmup_ms)]
+                    unfused = bench_ms(lambda: token_stats_triton(hidden @ weight.T, labels, 1.0, -100), rep_ms, warmup_ms)
+                    times: dict[str, tuple[float, tuple, dict]] = {}
+                    for name, over in variants.items():
+                        cfg = choose_fused_config(h, hidden.dtype) if over is None else {**DEFAULT_CONFIG, **over}
+                        call = lambda cfg=cfg: token_stats_fused_triton(hidden, weight, labels, None, 1.0, -100, config=cfg)  # noqa: E731
                         try:
-                            errs = _max_errors(
-                                token_stats_fused_triton(hidden, weight, labels, None, 1.0, -100, config=cfg),
-                                hidden, weight, labels,
-                            )  # fmt: skip
-                            ms = bench_ms(
-                                lambda cfg=cfg: token_stats_fused_triton(hidden, weight, labels, None, 1.0, -100, config=cfg),
-                                100, 25,
-                            )  # fmt: skip
-                        except Exception as exc:  # a configuration that does not compile or fit is reported
-                            print(f"  {name}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
-                            continue
-                        ok = max(errs) < 2e-3
-                        w.writerow([card, h, v, n, dname, name, ms, *errs])
-                        fh.flush()
-                        if ok and ms < best[1]:
-                            best = (name, ms)
-                        print(f"  {dname} H={h} N={n} {name:26s} {ms:8.3f} ms  /cuBLAS {ms / cublas:.3f}  "
-                              f"/unfused {ms / unfused:.3f}  errs {errs[0]:.1e} {errs[1]:.1e} {errs[2]:.1e}"
-                              f"{'' if ok else ' WRONG'}", flush=True)  # fmt: skip
-                    print(f"BEST [{card}] {dname} H={h} N={n}: {best[0]} {best[1]:.3f} ms; cuBLAS {cublas:.3f}, "
-                          f"unfused {unfused:.3f}: /cuBLAS {best[1] / cublas:.3f}, /unfused {best[1] / unfused:.3f}",
-                          flush=True)  # fmt: skip
-                    del hidden, weight, labels
+                            errs = _max_errors(call(), ref)
+                            times[name] = (bench_ms(call, rep_ms, warmup_ms), errs, cfg)
+                        except Exception as exc:  # a variant that does not compile or fit is reported, not fatal
+                            print(f"  {dname} H={h} N={n} {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                    cublas.append(bench_ms(lambda: hidden @ weight.T, rep_ms, warmup_ms))
+                    cb = sum(cublas) / 2
+                    print(f"{dname} H={h} N={n}: cuBLAS {cublas[0]:.3f} / {cublas[1]:.3f} ms, unfused {unfused:.3f} "
+                          f"({unfused / cb:.3f}x cuBLAS)", flush=True)  # fmt: skip
+                    ws.writerow({**base, "method": "cublas", "ms": round(cb, 4), "over_cublas": 1.0,
+                                 "over_unfused": round(cb / unfused, 4)})  # fmt: skip
+                    ws.writerow({**base, "method": "unfused", "ms": round(unfused, 4), "over_cublas": round(unfused / cb, 4),
+                                 "over_unfused": 1.0})  # fmt: skip
+                    for name, (ms, errs, cfg) in times.items():
+                        ok = max(errs) < ERR_MAX
+                        ws.writerow({**base, "method": name, "ms": round(ms, 4), "over_cublas": round(ms / cb, 4),
+                                     "over_unfused": round(ms / unfused, 4), "err_logp": f"{errs[0]:.2e}",
+                                     "err_entropy": f"{errs[1]:.2e}", "err_s_expected": f"{errs[2]:.2e}",
+                                     "config": _config_text(cfg)})  # fmt: skip
+                        print(f"  {name:28s} {ms:9.3f} ms  /cuBLAS {ms / cb:.3f}  /unfused {ms / unfused:.3f}  "
+                              f"errs {errs[0]:.1e} {errs[1]:.1e} {errs[2]:.1e}"
+                              f"{'' if ok or name.startswith('floor') else ' WRONG'}", flush=True)  # fmt: skip
+                    fs.flush()
+                    eligible = {k: t for k, t in times.items() if not k.startswith("floor") and max(t[1]) < ERR_MAX}
+                    if eligible:
+                        name = min(eligible, key=lambda k: eligible[k][0])
+                        ms, cfg = eligible[name][0], eligible[name][2]
+                        cur = times.get("current", (math.nan,))[0]
+                        row = {**base, "best": name, "best_ms": round(ms, 4), "cublas_ms": round(cb, 4),
+                               "unfused_ms": round(unfused, 4), "current_ms": round(cur, 4),
+                               "best_over_cublas": round(ms / cb, 4), "best_over_unfused": round(ms / unfused, 4),
+                               "current_over_cublas": round(cur / cb, 4), "config": _config_text(cfg)}  # fmt: skip
+                        wb.writerow(row)
+                        fb.flush()
+                        best_rows.append(row)
+                    del hidden, weight, labels, ref
+    print(f"sweep: {time.monotonic() - t0:.0f} s", flush=True)
+    return best_rows
+
+
+def _config_text(cfg: dict) -> str:
+    """The configuration's keys that differ from DEFAULT_CONFIG, as ``k=v`` joined by spaces."""
+    from entropy_discriminator.kernels.triton_fused import DEFAULT_CONFIG
+
+    return " ".join(f"{k}={v}" for k, v in cfg.items() if DEFAULT_CONFIG.get(k) != v) or "default"
+
+
+def best_summary(rows: list[dict]) -> None:
+    """The per-shape winners and how many shapes meet each target (best variant against cuBLAS
+    alone and against the unfused pair), and which variant wins how often."""
+    print(f"\n{'dtype':5s} {'H':>5s} {'N':>6s} {'best':28s} {'/cuBLAS':>8s} {'/unfused':>9s} {'current/cuBLAS':>15s}")
+    ok_c = ok_u = 0
+    wins: dict[str, int] = {}
+    for r in rows:
+        rc, ru = r["best_over_cublas"], r["best_over_unfused"]
+        ok_c += rc <= TARGET_CUBLAS
+        ok_u += ru <= 1.0
+        wins[r["best"]] = wins.get(r["best"], 0) + 1
+        print(f"{r['dtype']:5s} {r['H']:5d} {r['N']:6d} {r['best']:28s} {rc:8.3f}{'' if rc <= TARGET_CUBLAS else '*'} "
+              f"{ru:9.3f}{'' if ru <= 1.0 else '*'} {r['current_over_cublas']:15.3f}")  # fmt: skip
+    print(f"best variant at >= 0.97x cuBLAS: {ok_c}/{len(rows)}; not slower than the unfused pair: {ok_u}/{len(rows)}"
+          f" (* misses); wins: {dict(sorted(wins.items(), key=lambda kv: -kv[1]))}")  # fmt: skip
 
 
 def add_command(sub) -> None:
@@ -192,15 +261,20 @@ def add_command(sub) -> None:
     p.add_argument("--n", type=int, nargs="+", default=[4096, 16384, 65536])
     p.add_argument("--h", type=int, nargs="*", default=[], help="restrict to these hidden sizes")
     p.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=list(DTYPES))
-    p.add_argument("--out", default="benchmarks/results/fused_vs_cublas.csv")
-    p.add_argument("--sweep", action="store_true", help="time the kernel configurations of SWEEP instead")
+    p.add_argument("--out", default=None, help="CSV path (default benchmarks/results/fused_vs_cublas.csv); with "
+                   "--sweep a folder for sweep.csv and best.csv (default benchmarks/results/fused_sweep)")
+    p.add_argument("--sweep", action="store_true", help="time the kernel variants of SWEEP instead")
     p.add_argument("--configs", nargs="*", default=None, help="with --sweep: only these SWEEP names")
+    p.add_argument("--rep-ms", type=int, default=60, help="with --sweep: do_bench rep (ms) per timing")
+    p.add_argument("--warmup-ms", type=int, default=15, help="with --sweep: do_bench warm-up (ms) per timing")
+    p.add_argument("--budget-s", type=float, default=440.0, help="with --sweep: start no new shape after this")
 
 
 def main(args: argparse.Namespace) -> int:
     heads = [hv for hv in HEADS if not args.h or hv[0] in args.h]
     if args.sweep:
-        sweep(heads, args.n, args.dtypes, Path(args.out), args.configs)
+        out = Path(args.out or "benchmarks/results/fused_sweep")
+        best_summary(sweep(heads, args.n, args.dtypes, out, args.configs, args.rep_ms, args.warmup_ms, args.budget_s))
     else:
-        summary(run(heads, args.n, args.dtypes, Path(args.out)))
+        summary(run(heads, args.n, args.dtypes, Path(args.out or "benchmarks/results/fused_vs_cublas.csv")))
     return 0

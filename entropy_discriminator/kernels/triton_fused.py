@@ -5,7 +5,8 @@ row blocks so that the hidden and weight tiles in flight stay in L2).  The confi
 stages, whether the tile loop is flattened) comes from a per-shape table (:data:`SHAPE_CONFIGS`).
 By default one persistent program per multiprocessor walks the tiles, its operands loaded by TMA
 descriptors, the next tile's loads in flight during this tile's epilogue when the loop is
-flattened; otherwise (fp32, unaligned strides, pre-Hopper
+flattened, or (``pipeline``) with each tile's epilogue run inside the next tile's K loop while its
+asynchronous dots are in flight; otherwise (fp32, unaligned strides, pre-Hopper
 GPUs) one program per tile loads through pointers.  The epilogue reduces the tile, on chip, to
 six numbers per row (the reference m, the sums s0..s3 of :mod:`._reduce`, and a NaN-propagating
 max); the program whose tile holds a row's label
@@ -24,7 +25,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from ._reduce import D_FLOOR, ERR_WORDS, LOG2E, exp2, max_nan, merge_block, merge_kernel
+from ._reduce import D_FLOOR, ERR_WORDS, LOG2E, exp2, max_nan, merge_block, merge_kernel, rescale
 from .triton_stats import KernelStats
 
 try:  # host-side TMA descriptors (Triton >= 3.2); without them the pointer kernel is used
@@ -32,18 +33,24 @@ try:  # host-side TMA descriptors (Triton >= 3.2); without them the pointer kern
 except ImportError:  # pragma: no cover - depends on the installed Triton
     TensorDescriptor = None
 
-__all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG", "SHAPE_CONFIGS", "choose_fused_config"]
+__all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG", "SHAPE_CONFIGS", "choose_fused_config", "persistent_spec"]
 
 # persistent: programs per multiprocessor of the persistent TMA kernel (0: one program per tile);
 # flatten / ws: its tile loop pipelined as one with the K loop / warp-specialised; maxnreg: register
 # cap per thread (0: none; lets two programs share a multiprocessor, so that one's epilogue could
 # run while the other's matmul does: benchmarks only, never faster so far); branch: mask the
 # columns past V only in the last column tile and form the label logit only in tiles that hold a
-# label (block-uniform branches; 0: in every tile).  H100, N=16384, H=3584, V=152064
-# (results/h100/tune_fused.csv): persistent 666 TFLOP/s, one program per tile 595.
+# label (block-uniform branches; 0: in every tile); pipeline: 0, or n >= 1 to run, where the
+# persistent kernel would, :func:`_fused_pipelined_kernel`: each tile's epilogue inside the next
+# tile's K loop, its first column half after the dots of K step n, the second after step n + 1
+# (two tiles' accumulators in registers, so for tiles of <= 128 x 128 at 8 warps);
+# max_programs: at most this many persistent programs (0: no cap beyond persistent per
+# multiprocessor).  H100, N=16384, H=3584, V=152064 (results/h100/tune_fused.csv): persistent
+# 666 TFLOP/s, one program per tile 595.
 DEFAULT_CONFIG = {
     "bm": 128, "bn": 256, "bk": 64, "group_m": 8, "num_warps": 8, "stages": 3, "moments": 4,
-    "persistent": 1, "flatten": 1, "ws": 0, "maxnreg": 0, "branch": 1,
+    "persistent": 1, "flatten": 1, "ws": 0, "maxnreg": 0, "branch": 1, "pipeline": 0,
+    "max_programs": 0,
 }  # fmt: skip
 # Per-shape overrides of DEFAULT_CONFIG for 16-bit inputs: (largest hidden size, overrides), first
 # match wins; fp32 takes DEFAULT_CONFIG.  From the sweep `python -m benchmarks
@@ -84,19 +91,17 @@ def _round_bf16(x):
 
 
 @triton.jit
-def _tile_epilogue(
+def _tile_sums(
     acc,
     pid_m,
     pid_n,
     b_ptr,
     lab_ptr,
-    part_ptr,
     yk_ptr,
     N,
     V,
     c,
     inv_t,
-    num_pid_n,
     HAS_BIAS: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -106,7 +111,9 @@ def _tile_epilogue(
     FTZ: tl.constexpr,
     BRANCH: tl.constexpr,
 ):
-    """Reduce one [BM, BN] fp32 logits tile to the six partials per row (and the label logit).
+    """Reduce one [BM, BN] fp32 logits tile to (m, s0, s1, s2, s3) per row ([BM] each; m is the
+    NaN-propagating row max of y, the sums are against it) and store the label logit y_k of the
+    rows whose label lies in the tile.
 
     ROUND (0: none, 1: bf16, 2: fp16) rounds L = acc + bias to that dtype (round to nearest even);
     with T_ROUND also ``L * inv_t`` (torch's ``low / T``: a multiply by the fp32 reciprocal) is
@@ -135,10 +142,14 @@ def _tile_epilogue(
     # partial's reference but forms d against 0, so that d is -inf (e = 0), never -inf - -inf = NaN.
     m = tl.reduce(acc, 1, max_nan) * c
     m_ref = tl.where(m > float("-inf"), m, 0.0)
-    d = tl.maximum(acc * c - m_ref[:, None], -D_FLOOR)
-    e = exp2(d, FTZ)
-    s0 = tl.sum(e, axis=1)
-    s1 = tl.sum(e * d, axis=1)
+    if MOMENTS == 0:  # benchmarks only: the matmul and the row max alone (no exponential; sums 0)
+        s0 = tl.zeros_like(m)
+        s1 = s0
+    else:
+        d = tl.maximum(acc * c - m_ref[:, None], -D_FLOOR)
+        e = exp2(d, FTZ)
+        s0 = tl.sum(e, axis=1)
+        s1 = tl.sum(e * d, axis=1)
     if MOMENTS == 4:
         e2 = e * e
         s2 = tl.sum(e2, axis=1)
@@ -149,13 +160,26 @@ def _tile_epilogue(
     row_ok = rm < N
     labels = tl.load(lab_ptr + rm % N)
     in_tile = row_ok & (labels >= pid_n * BN) & (labels < pid_n * BN + BN)
+    # the label's column inside the tile in int32 (an [BM, BN] int64 compare costs twice the
+    # registers); rows whose label is not in the tile are masked at the store
+    col = tl.where(in_tile, labels - pid_n * BN, -1).to(tl.int32)
+    cols = tl.arange(0, BN)
     if BRANCH:
         if tl.max(in_tile.to(tl.int32), axis=0) > 0:  # about one tile in five holds a label of its rows
-            yk = tl.sum(tl.where(rn[None, :] == labels[:, None], acc, 0.0), axis=1) * c
+            yk = tl.sum(tl.where(cols[None, :] == col[:, None], acc, 0.0), axis=1) * c
             tl.store(yk_ptr + rm, yk, mask=in_tile)
     else:
-        yk = tl.sum(tl.where(rn[None, :] == labels[:, None], acc, 0.0), axis=1) * c
+        yk = tl.sum(tl.where(cols[None, :] == col[:, None], acc, 0.0), axis=1) * c
         tl.store(yk_ptr + rm, yk, mask=in_tile)
+    return m, s0, s1, s2, s3
+
+
+@triton.jit
+def _store_partials(part_ptr, pid_m, pid_n, num_pid_n, N, m, s0, s1, s2, s3, BM: tl.constexpr):
+    """Write one tile's partials: part_ptr is fp32 [6, N, num_pid_n] (m, s0..s3, and m again as the
+    NaN-propagating max the merge validates), this tile's column pid_n, rows pid_m * BM + [0, BM)."""
+    rm = pid_m * BM + tl.arange(0, BM)
+    row_ok = rm < N
     stride_f = tl.cast(N, tl.int64) * num_pid_n
     q = part_ptr + rm.to(tl.int64) * num_pid_n + pid_n
     tl.store(q, m, mask=row_ok)
@@ -164,6 +188,21 @@ def _tile_epilogue(
     tl.store(q + 3 * stride_f, s2, mask=row_ok)
     tl.store(q + 4 * stride_f, s3, mask=row_ok)
     tl.store(q + 5 * stride_f, m, mask=row_ok)
+
+
+
+@triton.jit
+def _tile_epilogue(
+    acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
+    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MOMENTS: tl.constexpr, ROUND: tl.constexpr,
+    T_ROUND: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr,
+):  # fmt: skip
+    """:func:`_tile_sums` of one tile, stored as its partials (:func:`_store_partials`)."""
+    m, s0, s1, s2, s3 = _tile_sums(
+        acc, pid_m, pid_n, b_ptr, lab_ptr, yk_ptr, N, V, c, inv_t,
+        HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ, BRANCH=BRANCH,
+    )  # fmt: skip
+    _store_partials(part_ptr, pid_m, pid_n, num_pid_n, N, m, s0, s1, s2, s3, BM=BM)
 
 
 @triton.jit
@@ -278,8 +317,129 @@ def _fused_persistent_kernel(
         )  # fmt: skip
 
 
+@triton.jit
+def _half_sums(
+    acc, pid_m, pid_n, half, b_ptr, lab_ptr, yk_ptr, N, V, c, inv_t,
+    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MOMENTS: tl.constexpr, ROUND: tl.constexpr,
+    T_ROUND: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr,
+):  # fmt: skip
+    """:func:`_tile_sums` of column half ``half`` (0 or 1) of tile (pid_m, pid_n): the [BM, BN // 2]
+    block at columns pid_n * BN + half * BN // 2 + [0, BN // 2)."""
+    return _tile_sums(
+        acc, pid_m, 2 * pid_n + half, b_ptr, lab_ptr, yk_ptr, N, V, c, inv_t,
+        HAS_BIAS=HAS_BIAS, BM=BM, BN=BN // 2, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ, BRANCH=BRANCH,
+    )  # fmt: skip
+
+
+@triton.jit
+def _merge_two(m0, a0, a1, a2, a3, m1, b0, b1, b2, b3):
+    """One set of row sums from two, each against its own row max (:func:`._reduce.rescale` moves
+    both to the larger max; a -inf max has zero sums).  Returns (m, s0, s1, s2, s3), m the
+    NaN-propagating max of m0 and m1."""
+    m = max_nan(m0, m1)
+    mu = tl.where(m > float("-inf"), m, 0.0)
+    a0, a1, a2, a3 = rescale(a0, a1, a2, a3, m0, mu)
+    b0, b1, b2, b3 = rescale(b0, b1, b2, b3, m1, mu)
+    return m, a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@triton.jit
+def _fused_pipelined_kernel(
+    a_desc, w_desc, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, c, inv_t,
+    HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, T_ROUND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr, MOMENTS: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, EPI_AT: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr,
+):  # fmt: skip
+    """Persistent variant whose epilogue is software-pipelined across tiles.
+
+    Program p walks its tiles t_0, t_1, ... (p, p + NUM_PROGRAMS, ...).  A tile is two [BM, BN / 2]
+    accumulators (two dots per K step; ``w_desc`` has [BN / 2, BK] blocks), kept in registers after
+    its K loop: half h of t_(i-1) is reduced inside the K loop of t_i right after that loop's dots of
+    step EPI_AT + h are issued, so that the tensor cores work on t_i (the dots are asynchronous in
+    the pipelined loop) while the CUDA cores reduce t_(i-1); the second half's sums are merged with
+    the first's (:func:`_merge_two`) and stored as the tile's partials.  A half whose step the K loop
+    does not reach is reduced after the loop; one extra trip of the tile loop, without dots, drains
+    the last tile.  Two tiles' accumulators live at once: the register budget of 128 x 128 tiles at
+    8 warps.  Out-of-range rows, columns and K are zero-filled by the copy engine, as in
+    :func:`_fused_persistent_kernel`.
+    """
+    HALF: tl.constexpr = BN // 2
+    num_pid_m = tl.cdiv(N, BM)
+    num_pid_n = tl.cdiv(V, BN)
+    k_tiles = tl.cdiv(H, BK)
+    num_tiles = num_pid_m * num_pid_n
+    pid = tl.program_id(0)
+    n_mine = tl.cdiv(num_tiles - pid, NUM_PROGRAMS)  # >= 1: the grid is at most num_tiles
+    prev0 = tl.zeros([BM, HALF], dtype=tl.float32)
+    prev1 = tl.zeros([BM, HALF], dtype=tl.float32)
+    prev_m = pid * 0
+    prev_n = pid * 0
+    for i in range(0, n_mine + 1):
+        tile = tl.minimum(pid + i * NUM_PROGRAMS, num_tiles - 1)
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        k_end = tl.where(i < n_mine, k_tiles, 0)
+        acc0 = tl.zeros([BM, HALF], dtype=tl.float32)
+        acc1 = tl.zeros([BM, HALF], dtype=tl.float32)
+        # the first half's sums of the previous tile, carried until the second half's are formed
+        m0 = tl.full([BM], float("-inf"), tl.float32)
+        a0 = tl.zeros([BM], dtype=tl.float32)
+        a1 = a0
+        a2 = a0
+        a3 = a0
+        for ki in tl.range(0, k_end, num_stages=STAGES):
+            a = a_desc.load([pid_m * BM, ki * BK])
+            acc0 = tl.dot(a, w_desc.load([pid_n * BN, ki * BK]).T, acc0)
+            acc1 = tl.dot(a, w_desc.load([pid_n * BN + HALF, ki * BK]).T, acc1)
+            if (ki == EPI_AT) & (i > 0):
+                m0, a0, a1, a2, a3 = _half_sums(
+                    prev0, prev_m, prev_n, 0, b_ptr, lab_ptr, yk_ptr, N, V, c, inv_t,
+                    HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ,
+                    BRANCH=BRANCH,
+                )  # fmt: skip
+            if (ki == EPI_AT + 1) & (i > 0):
+                m1, b0, b1, b2, b3 = _half_sums(
+                    prev1, prev_m, prev_n, 1, b_ptr, lab_ptr, yk_ptr, N, V, c, inv_t,
+                    HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ,
+                    BRANCH=BRANCH,
+                )  # fmt: skip
+                m, s0, s1, s2, s3 = _merge_two(m0, a0, a1, a2, a3, m1, b0, b1, b2, b3)
+                _store_partials(part_ptr, prev_m, prev_n, num_pid_n, N, m, s0, s1, s2, s3, BM=BM)
+        if (k_end <= EPI_AT) & (i > 0):
+            m0, a0, a1, a2, a3 = _half_sums(
+                prev0, prev_m, prev_n, 0, b_ptr, lab_ptr, yk_ptr, N, V, c, inv_t,
+                HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ, BRANCH=BRANCH,
+            )  # fmt: skip
+        if (k_end <= EPI_AT + 1) & (i > 0):
+            m1, b0, b1, b2, b3 = _half_sums(
+                prev1, prev_m, prev_n, 1, b_ptr, lab_ptr, yk_ptr, N, V, c, inv_t,
+                HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ, BRANCH=BRANCH,
+            )  # fmt: skip
+            m, s0, s1, s2, s3 = _merge_two(m0, a0, a1, a2, a3, m1, b0, b1, b2, b3)
+            _store_partials(part_ptr, prev_m, prev_n, num_pid_n, N, m, s0, s1, s2, s3, BM=BM)
+        prev0 = acc0
+        prev1 = acc1
+        prev_m = pid_m
+        prev_n = pid_n
+
+
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def persistent_spec(
+    cfg: dict, has_bias: bool, round_code: int, t_round: bool, n_prog: int, ftz: bool
+) -> tuple[object, dict]:
+    """The persistent TMA kernel a configuration runs (:func:`_fused_pipelined_kernel` when
+    ``cfg["pipeline"]``, else :func:`_fused_persistent_kernel`) and its compile-time arguments.
+    Its weight descriptor has [BN / 2, BK] blocks when pipelined, [BN, BK] otherwise."""
+    consts = {
+        "HAS_BIAS": has_bias, "ROUND": round_code, "T_ROUND": t_round, "BM": cfg["bm"], "BN": cfg["bn"],
+        "BK": cfg["bk"], "GROUP_M": cfg["group_m"], "STAGES": cfg["stages"], "MOMENTS": cfg["moments"],
+        "NUM_PROGRAMS": n_prog, "FTZ": ftz, "BRANCH": bool(cfg["branch"]),
+    }  # fmt: skip
+    if cfg["pipeline"]:
+        return _fused_pipelined_kernel, {**consts, "EPI_AT": cfg["pipeline"] - 1}
+    return _fused_persistent_kernel, {**consts, "FLATTEN": bool(cfg["flatten"]), "WARP_SPECIALIZE": bool(cfg["ws"])}
 
 
 def _use_persistent(cfg: dict, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -328,7 +488,7 @@ def token_stats_fused_triton(
     (fp32 inputs: full-precision "ieee" dot, slow).  Rows are processed in slices of
     ``rows_per_launch`` (default: partials <= 256 MiB).  ``config`` overrides the configuration
     :func:`choose_fused_config` picks (benchmarks; ``moments=2`` skips sum p^2 and E_p[S], which
-    then read 0).
+    then read 0; ``moments=0`` every exponential, a timing floor whose statistics are meaningless).
 
     ``logits_dtype`` (None, bf16, fp16 or fp32) rounds the fp32-accumulated L = hidden @ W.T + b
     to that dtype in the epilogue, z = fp32(round(L)) / T; with ``temperature_in_logits_dtype``
@@ -356,9 +516,14 @@ def token_stats_fused_triton(
     if n_rows == 0:
         return result
     cfg = {**choose_fused_config(hdim, hidden.dtype), **(config or {})}
-    launch_opts = {"num_warps": cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {})}
+    # num_stages also pipelines the persistent kernel's inner K loop when the tile loop is not flattened
+    launch_opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["stages"],
+                   **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {})}  # fmt: skip
     ftz = not interpreting()
     bm, bn, bk = cfg["bm"], cfg["bn"], cfg["bk"]
+    persistent = _use_persistent(cfg, hidden, weight)
+    pipelined = persistent and bool(cfg["pipeline"])
+    halves = 2 if pipelined else 1  # the pipelined kernel loads the weight in half-width blocks
     n_tiles = triton.cdiv(vocab, bn)
     if rows_per_launch is None:
         rows_per_launch = max(bm, (_WORKSPACE_BYTES // (24 * n_tiles)) // bm * bm)
@@ -372,8 +537,7 @@ def token_stats_fused_triton(
     inv_t = float(np.float32(1.0) / np.float32(temperature))
     c = LOG2E if t_round else LOG2E / float(temperature)
     bias_arg = bias.contiguous() if bias is not None else hidden
-    persistent = _use_persistent(cfg, hidden, weight)
-    w_desc = TensorDescriptor.from_tensor(weight, [bn, bk]) if persistent else None
+    w_desc = TensorDescriptor.from_tensor(weight, [bn // halves, bk]) if persistent else None
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         for r0 in range(0, n_rows, rows_per_launch):
             r1 = min(n_rows, r0 + rows_per_launch)
@@ -383,13 +547,11 @@ def token_stats_fused_triton(
             lab = labels[r0:r1]
             n_all = triton.cdiv(rows, bm) * n_tiles
             if persistent:
-                n_prog = min(n_all, cfg["persistent"] * _num_sms(dev))
-                _fused_persistent_kernel[(n_prog,)](
+                n_prog = min(n_all, cfg["persistent"] * _num_sms(dev), cfg["max_programs"] or n_all)
+                kernel, consts = persistent_spec(cfg, bias is not None, round_code, t_round, n_prog, ftz)
+                kernel[(n_prog,)](
                     TensorDescriptor.from_tensor(hidden[r0:r1], [bm, bk]), w_desc, bias_arg, lab, part, yk,
-                    rows, vocab, hdim, c, inv_t,
-                    HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, BM=bm, BN=bn, BK=bk, GROUP_M=cfg["group_m"], STAGES=cfg["stages"],
-                    MOMENTS=cfg["moments"], NUM_PROGRAMS=n_prog, FLATTEN=bool(cfg["flatten"]),
-                    WARP_SPECIALIZE=bool(cfg["ws"]), FTZ=ftz, BRANCH=bool(cfg["branch"]), **launch_opts,
+                    rows, vocab, hdim, c, inv_t, **consts, **launch_opts,
                 )  # fmt: skip
             else:
                 _fused_tile_kernel[(n_all,)](

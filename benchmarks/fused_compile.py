@@ -1,0 +1,95 @@
+"""``python -m benchmarks.fused_compile``: the fused kernel's sweep variants compiled for Hopper, no GPU needed.
+
+For each variant of :data:`benchmarks.fused_vs_cublas.SWEEP` that runs the persistent TMA kernel,
+compile it for sm_90 (Triton's own ``ptxas``, ``--arch`` sm_90a) exactly as the public call would
+launch it with bf16 inputs, no bias and unrounded logits, and print what costs no device time to
+read: registers per thread, spill bytes, shared memory, the ``wgmma`` count per K step and the
+``wgmma.wait_group`` depths (a pipelined loop waits with depth >= 1).  A variant that spills, or
+needs more shared memory than the 227 KiB a Hopper block may have, is worth dropping before a
+device run.  Runs on any machine with Triton 3.6 (the GPU's count of multiprocessors is taken as
+132, an H100 SXM's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
+
+
+def compile_variant(cfg: dict, sms: int = 132) -> dict:
+    """Compile the persistent kernel of ``cfg`` (a full configuration) for sm_90; returns registers,
+    spill stores (bytes), shared memory (bytes), wgmma instructions in the PTX and wait depths."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from entropy_discriminator.kernels.triton_fused import persistent_spec
+
+    n_prog = cfg["persistent"] * sms
+    kernel, consts = persistent_spec(cfg, False, 0, False, n_prog, True)
+    w_rows = cfg["bn"] // 2 if cfg["pipeline"] else cfg["bn"]
+    sig = {
+        "a_desc": f"tensordesc<bf16[{cfg['bm']},{cfg['bk']}]>", "w_desc": f"tensordesc<bf16[{w_rows},{cfg['bk']}]>",
+        "b_ptr": "*bf16", "lab_ptr": "*i64", "part_ptr": "*fp32", "yk_ptr": "*fp32", "N": "i32", "V": "i32",
+        "H": "i32", "c": "fp32", "inv_t": "fp32", **{k: "constexpr" for k in consts},
+    }  # fmt: skip
+    opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["stages"], **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {})}
+    compiled = triton.compile(ASTSource(kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32), options=opts)
+    ptx = compiled.asm["ptx"]
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as fh:
+            fh.write(ptx)
+        report = subprocess.run(
+            [ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")], capture_output=True, text=True, check=True
+        ).stderr  # fmt: skip
+    return {
+        "regs": int(re.search(r"Used (\d+) registers", report).group(1)),
+        "spill": int(re.search(r"(\d+) bytes spill stores", report).group(1)),
+        "smem": int(compiled.metadata.shared),
+        "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+        "waits": sorted({int(w) for w in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)}),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from entropy_discriminator.kernels.triton_fused import DEFAULT_CONFIG, choose_fused_config
+
+    from .fused_vs_cublas import SWEEP
+
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.fused_compile", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
+    p.add_argument("--h", type=int, default=896, help="hidden size for the 'current' variant's table lookup")
+    p.add_argument("--configs", nargs="*", default=None, help="only these SWEEP names")
+    args = p.parse_args(argv)
+    print(f"{'variant':30s} {'regs':>4s} {'spill B':>7s} {'smem B':>7s} {'wgmma':>5s}  waits")
+    for name, over in SWEEP.items():
+        if args.configs and name not in args.configs:
+            continue
+        cfg = choose_fused_config(args.h, torch.bfloat16) if over is None else {**DEFAULT_CONFIG, **over}
+        if not cfg["persistent"]:
+            print(f"{name:30s} (pointer kernel: not compiled here)")
+            continue
+        try:
+            r = compile_variant(cfg)
+        except Exception as exc:  # a variant that does not compile is reported, not fatal
+            print(f"{name:30s} does not compile: {type(exc).__name__}: {str(exc)[:200]}")
+            continue
+        flag = " SPILLS" if r["spill"] else ""
+        flag += " SMEM>227KiB" if r["smem"] > SMEM_LIMIT else ""
+        print(f"{name:30s} {r['regs']:4d} {r['spill']:7d} {r['smem']:7d} {r['wgmma']:5d}  {r['waits']}{flag}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
