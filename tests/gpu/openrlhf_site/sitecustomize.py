@@ -1,0 +1,101 @@
+"""Loaded by every Python process of ``tests/gpu/launch_openrlhf.py``'s launches (this directory is on ``PYTHONPATH``
+of the launcher and, through Ray's inherited environment, of every Ray worker); never by the library.
+
+This directory also holds the launch's stand-ins: ``vllm/`` (OpenRLHF's rollout engine generating with HF) and
+``flash_attn/`` (an import OpenRLHF makes but this launch never calls); see their docstrings.
+
+With ``ED_LAUNCH_PROBE_DIR`` set, the probe: once ``entropy_discriminator.adapters.openrlhf._round`` has executed
+(in the process that imports it: the policy actor, where the adapter patches ``ActorPPOTrainer``), its
+``begin_round`` is wrapped, before the adapter's ``ppo_train`` wrapper binds it, so that every round of the adapter
+writes ``$ED_LAUNCH_PROBE_DIR/round-<pid>-<n>.pt`` (``torch.save``): the Ray actor classes on the stack, the adapter's
+settings (``_patch.encode_settings``), the round's flat ``[N]`` statistics (``TokenStats`` fields, as computed),
+OpenRLHF's per-token advantages before the mask (``_round._flat_advantages``, float32, ``[N]``), the keep-mask
+(bool ``[N]``), the controller's ``state_dict()`` before and after the round (autopilot), its step size and the
+policy's vocabulary size, the round's ``entropy_disc/*`` metrics, and which ``vllm`` module this process imported.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.abc
+import os
+import sys
+
+_ROUND = "entropy_discriminator.adapters.openrlhf._round"
+_COUNT = [0]
+
+
+class _WrappingLoader(importlib.abc.Loader):
+    def __init__(self, loader) -> None:
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        module.begin_round = _probe(module.begin_round)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _ROUND:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _WrappingLoader(spec.loader)
+                return spec
+        return None
+
+
+def _selves() -> list[str]:
+    out, frame = [], sys._getframe(2)
+    while frame is not None:
+        obj = frame.f_locals.get("self")
+        if obj is not None:
+            out.append(f"{type(obj).__module__}.{type(obj).__qualname__}")
+        frame = frame.f_back
+    return out
+
+
+def _probe(original):
+    @functools.wraps(original)
+    def begin_round(trainer, config):
+        import torch
+
+        from entropy_discriminator.adapters.openrlhf import _autopilot, _patch, _round
+
+        pilot = config.method == "autopilot"
+        advantages = _round._flat_advantages(trainer.replay_buffer.items, torch.device("cpu"))
+        bound = _autopilot._BOUND.get(_autopilot._engine(trainer))
+        before = copy.deepcopy(bound.pilot.state_dict()) if pilot and bound is not None else None
+        state = original(trainer, config)
+        bound = _autopilot._BOUND.get(_autopilot._engine(trainer))
+        _COUNT[0] += 1
+        record = {
+            "pid": os.getpid(), "round": _COUNT[0], "selves": _selves(),
+            "settings": _patch.encode_settings(config),
+            "stats": {f: getattr(state.stats, f).detach().cpu() for f in _round._FIELDS},
+            "advantages": advantages,
+            "keep": None if state.mask is None else state.mask.keep.detach().cpu(),
+            "before": before,
+            "after": copy.deepcopy(bound.pilot.state_dict()) if pilot and bound is not None else None,
+            "step_size": _autopilot.step_size(trainer.strategy.args, config) if pilot else None,
+            "vocab_size": _autopilot._vocab_size(trainer),
+            "metrics": dict(state.metrics),
+            "source": state.source,
+            "vllm": getattr(sys.modules.get("vllm"), "__file__", None),
+            "vllm_stand_in": bool(getattr(sys.modules.get("vllm"), "STAND_IN", False)),
+        }
+        torch.save(record, os.path.join(os.environ["ED_LAUNCH_PROBE_DIR"], f"round-{os.getpid()}-{_COUNT[0]:03d}.pt"))
+        return state
+
+    return begin_round
+
+
+if os.environ.get("ED_LAUNCH_PROBE_DIR"):
+    sys.meta_path.insert(0, _Finder())
