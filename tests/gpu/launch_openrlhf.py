@@ -8,7 +8,7 @@ Not collected by pytest; run by hand (tests/gpu/launch_openrlhf_README.md has th
 (``examples/openrlhf/*.sh`` with ``ED_PRINT_ARGS=1``, ``N_GPUS=1``: actor, reference, critic and rollout engine
 colocated on the one GPU, ZeRO-3, bf16, sleep mode) on the tiny offline inputs of ``tests/adapters/launch_assets.py``
 (random Qwen2, BPE tokenizer, GSM8K-style prompts) with the sizes shrunk (:data:`SHRUNK`) and ``--ds.attn_implementation
-sdpa`` (flash-attn is not installed):
+sdpa`` (flash-attn is not installed), and each run's ``--entropy_disc.*`` settings in place of the example's:
 
 1. ``gae_clip_v``: ``ppo_gae.sh clip_v`` (critic, GAE, KL reward with the reference model), Clip_V mu 1.5 on both
    sides, 5 steps;
@@ -32,7 +32,8 @@ advantages (Clip_V: ``EntropyDiscConfig.compute_mask``; autopilot: a fresh contr
 before the round), and so does the controller's state after it; some tokens were clipped; the driver logged each
 step's ``entropy_disc/*`` metrics (``Global step N: {...}``) and they equal the worker's; the runs made at least 5
 steps.  The resume: the checkpoint's client state holds the controller (``entropy_disc_autopilot``) at step 3, equal
-to the uninterrupted run's state after its round 3; the resumed run's first round starts from it, its controller
+to the state the uninterrupted run's round 4 started from (round 3's, with the law calibration fed after its update);
+the resumed run's first round starts from it, its controller
 steps continue 4, 5, 6 and the driver's global steps 4-6.  It prints a table and exits 1 if a check fails.
 """
 
@@ -97,7 +98,7 @@ def example_argv(script: str, method: str, env: dict[str, str]) -> list[str]:
     return out.stdout.decode().split("\0")[:-1]
 
 
-def launch_env(probe: Path) -> dict[str, str]:
+def launch_env(probe: Path, torch_adam: bool) -> dict[str, str]:
     """The launch's environment: the stand-ins and the probe on ``PYTHONPATH`` (the package itself must be installed)."""
     import torch
 
@@ -107,13 +108,14 @@ def launch_env(probe: Path) -> dict[str, str]:
         "ED_LAUNCH_PROBE_DIR": str(probe),
         "PYTHONPATH": os.pathsep.join(p for p in [str(SITE), os.environ.get("PYTHONPATH", "")] if p),
         "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+        "ED_TORCH_ADAM": "1" if torch_adam else "0",
     }
     if not torch.cuda.is_available():  # a CPU dry run: Ray counts one GPU; the policy actor stops at set_device
         env["RAY_OVERRIDE_RESOURCES"] = json.dumps({"CPU": 4, "GPU": 1})
     return env
 
 
-def run_launch(out: Path, name: str, assets: dict[str, Path], timeout: int) -> int:
+def run_launch(out: Path, name: str, assets: dict[str, Path], timeout: int, torch_adam: bool) -> int:
     script, method, extra, settings = PLAN[name]
     run_dir = out / name
     probe = run_dir / "probe"
@@ -128,7 +130,10 @@ def run_launch(out: Path, name: str, assets: dict[str, Path], timeout: int) -> i
         (ckpt / "_actor" / "latest").write_text(f"global_step{CUT}")
     env = {"N_GPUS": "1", "MODEL": str(assets["model"]), "REWARD_FN": str(assets["reward"]),
            "DATA": str(assets["data"]), "INPUT_KEY": "prompt", "LABEL_KEY": "answer", "OUT": str(run_dir / "out")}
-    argv = example_argv(script, method, env) + SHRUNK + extra + ["--ckpt.path", str(ckpt)]
+    from entropy_discriminator.adapters.openrlhf import split_argv
+
+    _, stock = split_argv(example_argv(script, method, env))  # the run's own --entropy_disc.* settings replace the example's
+    argv = stock + SHRUNK + extra + ["--ckpt.path", str(ckpt)]
     argv += [str(x) for k, v in settings.items() for x in (f"--entropy_disc.{k}", v)]
     cmd = [sys.executable, "-m", "entropy_discriminator.adapters.openrlhf", *argv]
     (run_dir / "argv.json").write_text(json.dumps(cmd, indent=0))
@@ -136,13 +141,13 @@ def run_launch(out: Path, name: str, assets: dict[str, Path], timeout: int) -> i
     with open(out / f"{name}.log", "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
-        proc = subprocess.run(cmd, cwd=run_dir, env=launch_env(probe), stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.run(cmd, cwd=run_dir, env=launch_env(probe, torch_adam), stdout=log, stderr=subprocess.STDOUT,
                               timeout=timeout)
     print(f"{name}: exit {proc.returncode} after {time.time() - started:.0f} s (log {out / f'{name}.log'})", flush=True)
     return proc.returncode
 
 
-def train(out: Path, runs: list[str], timeout: int) -> int:
+def train(out: Path, runs: list[str], timeout: int, torch_adam: bool) -> int:
     import torch
 
     from launch_assets import write_model, write_prompts_jsonl
@@ -152,9 +157,9 @@ def train(out: Path, runs: list[str], timeout: int) -> int:
               "reward": out / "assets" / "reward.py"}
     assets["reward"].write_text(REWARD)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    (out / "device.json").write_text(json.dumps({"device": device, "torch": torch.__version__}))
+    (out / "device.json").write_text(json.dumps({"device": device, "torch": torch.__version__, "torch_adam": torch_adam}))
     print(f"device: {device}, torch {torch.__version__}", flush=True)
-    codes = [run_launch(out, name, assets, timeout) for name in runs]
+    codes = [run_launch(out, name, assets, timeout, torch_adam) for name in runs]
     return max(codes) if codes else 0
 
 
@@ -245,7 +250,8 @@ def check(out: Path) -> int:
             failures.append(what)
 
     device = json.loads((out / "device.json").read_text())
-    print(f"device: {device['device']}, torch {device['torch']}")
+    print(f"device: {device['device']}, torch {device['torch']}; DeepSpeed optimizer: "
+          f"{'torch AdamW (--torch-adam)' if device['torch_adam'] else 'FusedAdam'}")
     print(f"{'run':<19}{'round':>6}{'step':>5}{'tokens':>7}{'valid':>7}{'clipped':>8}{'frac':>8}{'diff':>6}"
           f"{'state':>9}{'logged clip/frac':>18}")
     recs = {name: rounds(out, name) for name in RUNS}
@@ -300,8 +306,10 @@ def check(out: Path) -> int:
     saved = client.get("entropy_disc_autopilot")
     expect(saved is not None and saved["step"] == CUT, f"checkpoint global_step{CUT}: controller state missing or "
            f"not at step {CUT}")
-    expect(len(full) >= CUT and state_diff(saved, full[CUT - 1]["after"]) == 0.0,
-           "the checkpoint's controller state is not the uninterrupted run's after its round 3")
+    # saved after round CUT's update, so with that round's law calibration (end_round): the state the uninterrupted
+    # run's round CUT + 1 started from
+    expect(len(full) > CUT and state_diff(saved, full[CUT]["before"]) == 0.0,
+           f"the checkpoint's controller state is not the one the uninterrupted run's round {CUT + 1} started from")
     expect(bool(resumed) and state_diff(resumed[0]["before"], saved) == 0.0,
            "the resumed run's first round did not start from the checkpoint's controller state")
     expect([r["after"]["step"] for r in resumed] == list(range(CUT + 1, CUT + 1 + len(resumed))) and len(resumed) == 3,
@@ -327,8 +335,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS), help="train: which launches, in order")
     parser.add_argument("--timeout", type=int, default=280, help="train: seconds per launch")
+    parser.add_argument("--torch-adam", action="store_true",
+                        help="train: torch's AdamW in DeepSpeed instead of FusedAdam (a fallback where DeepSpeed cannot "
+                        "compile FusedAdam just in time; see openrlhf_site/sitecustomize.py)")
     ns = parser.parse_args(argv)
-    return train(ns.out, ns.runs, ns.timeout) if ns.mode == "train" else check(ns.out)
+    return train(ns.out, ns.runs, ns.timeout, ns.torch_adam) if ns.mode == "train" else check(ns.out)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,10 @@ settings (``_patch.encode_settings``), the round's flat ``[N]`` statistics (``To
 OpenRLHF's per-token advantages before the mask (``_round._flat_advantages``, float32, ``[N]``), the keep-mask
 (bool ``[N]``), the controller's ``state_dict()`` before and after the round (autopilot), its step size and the
 policy's vocabulary size, the round's ``entropy_disc/*`` metrics, and which ``vllm`` module this process imported.
+
+With ``ED_TORCH_ADAM=1`` (a fallback, for a machine where DeepSpeed cannot compile its FusedAdam op just in time):
+``DeepspeedStrategy.get_ds_train_config`` is wrapped to add ``"torch_adam": true`` to the optimizer's parameters
+(torch's AdamW instead of FusedAdam, the same update rule); the probe records it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import os
 import sys
 
 _ROUND = "entropy_discriminator.adapters.openrlhf._round"
+_STRATEGY = "openrlhf.utils.deepspeed.deepspeed"
 _COUNT = [0]
 
 
@@ -35,12 +40,18 @@ class _WrappingLoader(importlib.abc.Loader):
 
     def exec_module(self, module) -> None:
         self.loader.exec_module(module)
-        module.begin_round = _probe(module.begin_round)
+        if module.__name__ == _ROUND:
+            module.begin_round = _probe(module.begin_round)
+        else:
+            module.DeepspeedStrategy.get_ds_train_config = _torch_adam(module.DeepspeedStrategy.get_ds_train_config)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+
     def find_spec(self, fullname, path, target=None):
-        if fullname != _ROUND:
+        if fullname not in self.names:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -90,6 +101,7 @@ def _probe(original):
             "source": state.source,
             "vllm": getattr(sys.modules.get("vllm"), "__file__", None),
             "vllm_stand_in": bool(getattr(sys.modules.get("vllm"), "STAND_IN", False)),
+            "torch_adam": os.environ.get("ED_TORCH_ADAM") == "1",
         }
         torch.save(record, os.path.join(os.environ["ED_LAUNCH_PROBE_DIR"], f"round-{os.getpid()}-{_COUNT[0]:03d}.pt"))
         return state
@@ -97,5 +109,18 @@ def _probe(original):
     return begin_round
 
 
-if os.environ.get("ED_LAUNCH_PROBE_DIR"):
-    sys.meta_path.insert(0, _Finder())
+def _torch_adam(original):
+    @functools.wraps(original)
+    def get_ds_train_config(self, *args, **kwargs):
+        config = original(self, *args, **kwargs)
+        if "optimizer" in config:  # the training engine's config (the one for Actor's ZeRO-3 init has none)
+            config["optimizer"].setdefault("params", {})["torch_adam"] = True
+        return config
+
+    return get_ds_train_config
+
+
+_NAMES = ((_ROUND,) if os.environ.get("ED_LAUNCH_PROBE_DIR") else ()) + (
+    (_STRATEGY,) if os.environ.get("ED_TORCH_ADAM") == "1" else ())
+if _NAMES:
+    sys.meta_path.insert(0, _Finder(_NAMES))
