@@ -56,6 +56,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 SITE = Path(__file__).resolve().parent / "openrlhf_site"
 sys.path.insert(0, str(ROOT / "tests" / "adapters"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launch_trl import _flat, _state_diff  # noqa: E402  (the controller-state comparison of the TRL launch)
 
 RUNS = ("gae_clip_v", "grpo_pilot_full", "grpo_pilot_resume")
 CUT = 3  # the checkpoint the resume starts from
@@ -244,29 +246,11 @@ def recompute(rec: dict[str, Any]) -> tuple[Any, Any]:
     return result.mask.keep, pilot.state_dict()
 
 
-def _flat(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in state.items():
-        out.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
-    return out
-
-
 def state_diff(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float:
-    """Largest relative difference of two controller states (inf when keys or non-float entries differ)."""
+    """Largest relative difference of two controller states (``launch_trl``'s, with None for no controller)."""
     if a is None or b is None:
         return 0.0 if a is b else math.inf
-    fa, fb = _flat(a), _flat(b)
-    if fa.keys() != fb.keys():
-        return math.inf
-    worst = 0.0
-    for key, x in fa.items():
-        y = fb[key]
-        if isinstance(x, float) and isinstance(y, float):
-            if not (math.isnan(x) and math.isnan(y)) and x != y:
-                worst = max(worst, abs(x - y) / max(abs(x), abs(y), 1e-300))
-        elif x != y:
-            return math.inf
-    return worst
+    return _state_diff(a, b)
 
 
 def checkpoint_client_state(out: Path) -> dict[str, Any]:

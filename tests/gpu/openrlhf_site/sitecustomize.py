@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.abc
 import os
 import sys
 
@@ -31,46 +30,11 @@ _STRATEGY = "openrlhf.utils.deepspeed.deepspeed"
 _COUNT = [0]
 
 
-class _WrappingLoader(importlib.abc.Loader):
-    def __init__(self, loader) -> None:
-        self.loader = loader
+def _helpers() -> dict:
+    """``tests/adapters/import_hook.py``'s names (run by path: that folder is not on ``sys.path`` here)."""
+    import runpy
 
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self.loader.exec_module(module)
-        if module.__name__ == _ROUND:
-            module.begin_round = _probe(module.begin_round)
-        else:
-            module.DeepspeedStrategy.get_ds_train_config = _torch_adam(module.DeepspeedStrategy.get_ds_train_config)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def __init__(self, names: tuple[str, ...]) -> None:
-        self.names = names
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in self.names:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _WrappingLoader(spec.loader)
-                return spec
-        return None
-
-
-def _selves() -> list[str]:
-    out, frame = [], sys._getframe(2)
-    while frame is not None:
-        obj = frame.f_locals.get("self")
-        if obj is not None:
-            out.append(f"{type(obj).__module__}.{type(obj).__qualname__}")
-        frame = frame.f_back
-    return out
+    return runpy.run_path(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "adapters", "import_hook.py"))
 
 
 def _probe(original):
@@ -88,7 +52,7 @@ def _probe(original):
         bound = _autopilot._BOUND.get(_autopilot._engine(trainer))
         _COUNT[0] += 1
         record = {
-            "pid": os.getpid(), "round": _COUNT[0], "selves": _selves(),
+            "pid": os.getpid(), "round": _COUNT[0], "selves": _helpers()["stack_classes"](sys._getframe(1)),
             "settings": _patch.encode_settings(config),
             "stats": {f: getattr(state.stats, f).detach().cpu() for f in _round._FIELDS},
             "advantages": advantages,
@@ -120,7 +84,15 @@ def _torch_adam(original):
     return get_ds_train_config
 
 
-_NAMES = ((_ROUND,) if os.environ.get("ED_LAUNCH_PROBE_DIR") else ()) + (
-    (_STRATEGY,) if os.environ.get("ED_TORCH_ADAM") == "1" else ())
-if _NAMES:
-    sys.meta_path.insert(0, _Finder(_NAMES))
+def _wrap_round(module) -> None:
+    module.begin_round = _probe(module.begin_round)
+
+
+def _wrap_strategy(module) -> None:
+    module.DeepspeedStrategy.get_ds_train_config = _torch_adam(module.DeepspeedStrategy.get_ds_train_config)
+
+
+_HOOKS = {**({_ROUND: _wrap_round} if os.environ.get("ED_LAUNCH_PROBE_DIR") else {}),
+          **({_STRATEGY: _wrap_strategy} if os.environ.get("ED_TORCH_ADAM") == "1" else {})}
+if _HOOKS:
+    sys.meta_path.insert(0, _helpers()["AfterImport"](_HOOKS))
