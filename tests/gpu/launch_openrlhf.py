@@ -122,7 +122,7 @@ def launch_env(probe: Path, torch_adam: bool) -> dict[str, str]:
     return env
 
 
-def run_launch(out: Path, name: str, assets: dict[str, Path], timeout: int, torch_adam: bool) -> int:
+def run_launch(out: Path, name: str, assets: dict[str, Path], timeout: int, torch_adam: bool, sync: str) -> int:
     script, method, extra, settings = PLAN[name]
     run_dir = out / name
     probe = run_dir / "probe"
@@ -140,7 +140,7 @@ def run_launch(out: Path, name: str, assets: dict[str, Path], timeout: int, torc
     from entropy_discriminator.adapters.openrlhf import split_argv
 
     _, stock = split_argv(example_argv(script, method, env))  # the run's --entropy_disc.* settings replace the example's
-    argv = stock + SHRUNK + extra + ["--ckpt.path", str(ckpt)]
+    argv = stock + SHRUNK + extra + ["--ckpt.path", str(ckpt)] + (["--vllm.sync_backend", "gloo"] if sync == "gloo" else [])
     argv += [str(x) for k, v in settings.items() for x in (f"--entropy_disc.{k}", v)]
     cmd = [sys.executable, "-m", "entropy_discriminator.adapters.openrlhf", *argv]
     (run_dir / "argv.json").write_text(json.dumps(cmd, indent=0))
@@ -179,7 +179,7 @@ def build_fused_adam() -> tuple[str, bool]:
     return message, False
 
 
-def train(out: Path, runs: list[str], timeout: int, torch_adam: bool) -> int:
+def train(out: Path, runs: list[str], timeout: int, torch_adam: bool, sync: str) -> int:
     import torch
 
     from launch_assets import write_model, write_prompts_jsonl
@@ -194,10 +194,10 @@ def train(out: Path, runs: list[str], timeout: int, torch_adam: bool) -> int:
     if torch.cuda.is_available() and not torch_adam:
         fused_adam, torch_adam = build_fused_adam()
     (out / "device.json").write_text(json.dumps({"device": device, "torch": torch.__version__, "torch_adam": torch_adam,
-                                                 "fused_adam_build": fused_adam}))
+                                                 "fused_adam_build": fused_adam, "weight_sync": sync}))
     codes = []
     for name in runs:
-        codes.append(run_launch(out, name, assets, timeout, torch_adam))
+        codes.append(run_launch(out, name, assets, timeout, torch_adam, sync))
         if codes[-1] != 0 and name == "grpo_pilot_full":
             break  # the resume needs its checkpoint
     return max(codes) if codes else 0
@@ -274,7 +274,7 @@ def check(out: Path) -> int:
     device = json.loads((out / "device.json").read_text())
     print(f"device: {device['device']}, torch {device['torch']}; DeepSpeed optimizer: "
           f"{'torch AdamW (--torch-adam)' if device['torch_adam'] else 'FusedAdam'} (FusedAdam build: "
-          f"{device.get('fused_adam_build')})")
+          f"{device.get('fused_adam_build')}); weight sync: {device.get('weight_sync', 'ipc')}")
     print(f"{'run':<19}{'round':>6}{'step':>5}{'tokens':>7}{'valid':>7}{'clipped':>8}{'frac':>8}{'diff':>6}"
           f"{'state':>9}{'logged clip/frac':>18}")
     recs = {name: rounds(out, name) for name in RUNS}
@@ -291,9 +291,10 @@ def check(out: Path) -> int:
         expect(len({r['pid'] for r in rs}) <= 1, f"{name}: rounds from several processes")
         events = engine_events(out, name)
         kinds = [e["event"] for e in events]
-        expect(kinds.count("generate") > 0 and "update_weight_cuda_ipc" in kinds and "sleep" in kinds,
+        update = "update_weight" if device.get("weight_sync") == "gloo" else "update_weight_cuda_ipc"
+        expect(kinds.count("generate") > 0 and update in kinds and "sleep" in kinds,
                f"{name}: the rollout engine did not generate, sleep and receive weights ({sorted(set(kinds))})")
-        syncs = sum(1 for i, k in enumerate(kinds) if k == "update_weight_cuda_ipc" and (i == 0 or kinds[i - 1] != k))
+        syncs = sum(1 for i, k in enumerate(kinds) if k == update and (i == 0 or kinds[i - 1] != k))
         expect(syncs >= len(rs), f"{name}: {syncs} weight syncs to the engine for {len(rs)} steps")
         clipped_total = 0
         for i, r in enumerate(rs):
@@ -382,11 +383,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--torch-adam", action="store_true",
                         help="train: torch's AdamW in DeepSpeed instead of FusedAdam (a fallback where DeepSpeed cannot "
                         "compile FusedAdam just in time; see openrlhf_site/sitecustomize.py)")
+    parser.add_argument("--weight-sync", choices=("ipc", "gloo"), default="ipc",
+                        help="train: ipc (OpenRLHF's colocated default: CUDA IPC handles) or gloo (--vllm.sync_backend "
+                        "gloo: OpenRLHF's broadcast path, over the stand-in's gloo group; a fallback where CUDA IPC "
+                        "fails; see openrlhf_site/vllm/distributed)")
     parser.add_argument("--archive", type=Path, default=None,
                         help="check: first write what it reads to this .tgz (see archive())")
     ns = parser.parse_args(argv)
     if ns.mode == "train":
-        return train(ns.out, ns.runs, ns.timeout, ns.torch_adam)
+        return train(ns.out, ns.runs, ns.timeout, ns.torch_adam, ns.weight_sync)
     if ns.archive is not None:
         archive(ns.out, ns.archive)
     return check(ns.out)

@@ -139,3 +139,31 @@ def test_openrlhf_s_single_turn_executor_drives_it(engine, tmp_path):
     assert out["observation_tokens"][:start] == prompt_ids and 1 <= end - start <= 8
     assert out["reward"] == float(len(engine.tokenizer.decode(out["observation_tokens"], skip_special_tokens=False)))
     assert len(out["rollout_log_probs"]) == end and all(lp <= 0 for lp in out["rollout_log_probs"][start:])
+
+
+_SYNC_PEER = """
+import runpy, sys, torch
+site, port, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+group = runpy.run_path(site + "/vllm/distributed/utils.py")["StatelessProcessGroup"].create("127.0.0.1", port, rank, 2)
+comm = runpy.run_path(site + "/vllm/distributed/device_communicators/pynccl.py")["PyNcclCommunicator"](group, "cpu")
+torch.manual_seed(0)
+sent = torch.randn(3, 5).to(torch.bfloat16)
+got = sent.clone() if rank == 0 else torch.zeros(3, 5, dtype=torch.bfloat16)
+comm.broadcast(got, src=0, stream=None)
+print("equal" if torch.equal(got, sent) else "differ")
+"""
+
+
+def test_weight_sync_group_without_cuda_ipc_broadcasts_bit_for_bit():
+    """``--weight-sync gloo``: the stand-in ``StatelessProcessGroup`` / ``PyNcclCommunicator`` that OpenRLHF's
+    ``stateless_init_process_group`` builds on both sides, two processes, a bf16 tensor."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    peers = [subprocess.Popen([sys.executable, "-c", _SYNC_PEER, str(SITE), str(port), str(rank)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in peers]
+    assert [o.strip() for o, _ in outs] == ["equal", "equal"], outs

@@ -7,8 +7,9 @@ OpenRLHF 0.11 generates only through its ``RolloutRayActor`` (``openrlhf/trainer
 runs unchanged: ``create_vllm_engines`` and the placement of the rollout actors, ``RolloutRayActor`` with its agent
 executor (``SingleTurnAgentExecutor``: prompt tokenisation, truncation, the reward function), the sleep / wake-up
 choreography of the colocated hybrid engine, and the weight sync after every update through OpenRLHF's
-``WorkerWrap`` (the ``worker_extension_cls`` OpenRLHF names; CUDA IPC handles when colocated, a broadcast group
-otherwise).  What differs from vLLM: generation is a plain token-by-token loop over the HF model with its KV cache,
+``WorkerWrap`` (the ``worker_extension_cls`` OpenRLHF names): CUDA IPC handles when colocated, else OpenRLHF's
+broadcast group, for which ``vllm.distributed`` provides ``StatelessProcessGroup`` and ``PyNcclCommunicator`` (over
+gloo, staged through host memory: NCCL cannot join two processes on one GPU).  What differs from vLLM: generation is a plain token-by-token loop over the HF model with its KV cache,
 one request at a time (no batching, no paged attention).
 
 Sampling per request (``SamplingParams``): logits ``z`` (fp32) of the last position are divided by ``temperature``,
