@@ -1,5 +1,6 @@
 """Loaded by every Python process of ``tests/gpu/launch_openrlhf.py``'s launches (this directory is on ``PYTHONPATH``
-of the launcher and, through Ray's inherited environment, of every Ray worker); never by the library.
+of the launcher and, through Ray's inherited environment, of every Ray worker); never by the library. It first runs
+the ``sitecustomize`` it shadows, if the machine has one.
 
 This directory also holds the launch's stand-ins: ``vllm/`` (OpenRLHF's rollout engine generating with HF) and
 ``flash_attn/`` (an import OpenRLHF makes but this launch never calls); see their docstrings.
@@ -92,6 +93,19 @@ def _wrap_strategy(module) -> None:
     module.DeepspeedStrategy.get_ds_train_config = _torch_adam(module.DeepspeedStrategy.get_ds_train_config)
 
 
+def _chain() -> None:
+    """Run the machine's own ``sitecustomize`` (if any, later on ``sys.path``), which this file shadows."""
+    import importlib.machinery
+    import runpy
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    spec = importlib.machinery.PathFinder.find_spec(
+        "sitecustomize", [p for p in sys.path if os.path.abspath(p or os.curdir) != here])
+    if spec is not None and spec.origin:
+        runpy.run_path(spec.origin, run_name="sitecustomize")
+
+
+_chain()
 _HOOKS = {**({_ROUND: _wrap_round} if os.environ.get("ED_LAUNCH_PROBE_DIR") else {}),
           **({_STRATEGY: _wrap_strategy} if os.environ.get("ED_TORCH_ADAM") == "1" else {})}
 if _HOOKS:
