@@ -33,8 +33,11 @@ before the round), and so does the controller's state after it; some tokens were
 step's ``entropy_disc/*`` metrics (``Global step N: {...}``) and they equal the worker's; the runs made at least 5
 steps.  The resume: the checkpoint's client state holds the controller (``entropy_disc_autopilot``) at step 3, equal
 to the state the uninterrupted run's round 4 started from (round 3's, with the law calibration fed after its update);
-the resumed run's first round starts from it, its controller
-steps continue 4, 5, 6 and the driver's global steps 4-6.  It prints a table and exits 1 if a check fails.
+the resumed run's first round starts from it, its controller steps continue 4, 5, 6 and the driver's global steps
+4-6.  It prints a table and exits 1 if a check fails.
+
+Fallbacks, recorded in ``DIR/device.json``: torch's AdamW inside DeepSpeed where FusedAdam cannot be compiled
+(automatic; ``--torch-adam`` forces it), and ``--weight-sync gloo`` where CUDA IPC between processes fails.
 """
 
 from __future__ import annotations
@@ -47,8 +50,8 @@ import re
 import shutil
 import signal
 import subprocess
-import tarfile
 import sys
+import tarfile
 import time
 from pathlib import Path
 from typing import Any
