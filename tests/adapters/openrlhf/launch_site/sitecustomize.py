@@ -54,19 +54,6 @@ class _StandIn(importlib.abc.Loader):
         pass
 
 
-class _ProbingLoader(importlib.abc.Loader):
-    def __init__(self, loader) -> None:
-        self.loader = loader
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self.loader.exec_module(module)
-        cls = module.DeepspeedStrategy
-        cls.setup_distributed = _probe(cls.setup_distributed)
-
-
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
         root = fullname.split(".")[0]
@@ -78,14 +65,6 @@ class _Finder(importlib.abc.MetaPathFinder):
             import transformers.modeling_utils  # noqa: F401  (its checks see the real environment first)
 
             return importlib.machinery.ModuleSpec(fullname, _StandIn(), is_package=True)
-        if fullname == _PROBED:
-            for finder in sys.meta_path:
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(fullname, path, target)
-                if spec is not None and spec.loader is not None:
-                    spec.loader = _ProbingLoader(spec.loader)
-                    return spec
         return None
 
 
@@ -98,12 +77,7 @@ def _probe(original):
     def setup_distributed(self, *args, **kwargs):
         from entropy_discriminator.adapters.openrlhf import _patch
 
-        selves, frame = [], sys._getframe(1)
-        while frame is not None:
-            obj = frame.f_locals.get("self")
-            if obj is not None:
-                selves.append(f"{type(obj).__module__}.{type(obj).__qualname__}")
-            frame = frame.f_back
+        selves = _helpers()["stack_classes"](sys._getframe(1))
         module = sys.modules.get(_patch.TRAINER_MODULE)
         config = _patch._STATE.config
         record = {
@@ -126,5 +100,17 @@ def _probe(original):
     return setup_distributed
 
 
+def _probe_strategy(module) -> None:
+    module.DeepspeedStrategy.setup_distributed = _probe(module.DeepspeedStrategy.setup_distributed)
+
+
+def _helpers() -> dict:
+    """``tests/adapters/import_hook.py``'s names (run by path: that folder is not on ``sys.path`` here)."""
+    import runpy
+
+    return runpy.run_path(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "import_hook.py"))
+
+
 if os.environ.get("ED_LAUNCH_PROBE_DIR"):
+    sys.meta_path.insert(0, _helpers()["AfterImport"]({_PROBED: _probe_strategy}))
     sys.meta_path.insert(0, _Finder())

@@ -1,0 +1,1 @@
+"""TEST STAND-IN (see ``flash_attn/__init__.py``)."""

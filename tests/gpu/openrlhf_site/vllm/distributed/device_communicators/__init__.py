@@ -1,0 +1,1 @@
+"""TEST STAND-IN (see ``vllm/__init__.py``)."""
