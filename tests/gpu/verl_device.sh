@@ -4,7 +4,7 @@
 #
 #   bash tests/gpu/verl_device.sh stash DIR        copy the wheel parts in carry folder DIR to /tmp/verl_parts
 #   bash tests/gpu/verl_device.sh install DIR      stash DIR, join the parts, check their sha256, install the wheels
-#                                                  and this checkout (its verl.plugins entry point) into /tmp/site
+#                                                  (the project's among them) into /tmp/site
 #   bash tests/gpu/verl_device.sh launch ARGS...   launch_verl.py train ARGS (output /tmp/lv), then check; logs and
 #                                                  records (no checkpoints) to $OUT
 #   bash tests/gpu/verl_device.sh check [ARGS...]  launch_verl.py check on /tmp/lv again; logs to $OUT
@@ -45,7 +45,6 @@ case "${1:-}" in
         mkdir -p "$PARTS/whl"
         tar xf "$PARTS/wheels.tar" -C "$PARTS/whl"
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$PARTS"/whl/*.whl
-        python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --target "$SITE" .
         use_site
         python3 -c "import verl, ray, transformers, torch, entropy_discriminator as e; print('verl', verl.__version__, \
 'ray', ray.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__, 'entropy_discriminator', \

@@ -9,8 +9,8 @@
 # what the launch never imports (megatron-core, wandb, torchcodec, av, qwen-vl-utils, mathruler, pylatexenc,
 # py-spy, virtualenv, pytest plug-ins, cryptography). transformers 5.10.4 is carried because verl 0.9.1 asks for
 # <5.11 and the image has 5.17. antlr4-python3-runtime 4.9.3 (hydra's parser) exists only as an sdist; pip builds
-# its wheel here. The project itself is not carried as a wheel: tests/gpu/verl_device.sh installs it from the
-# carried working tree (its verl.plugins entry point needs installed metadata).
+# its wheel here. The project's own wheel is built here too, from this checkout (verl finds the adapter through
+# its installed verl.plugins entry point): rerun this script after changing the library or the adapters.
 #
 # All wheels go into one tar, split into parts of at most 50 MiB (a call carries 64 MiB with the ~10 MB tree);
 # each part is its own carry folder. tests/gpu/launch_verl_README.md has the device calls.
@@ -40,11 +40,11 @@ mkdir -p "$DEST/whl"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d "$DEST/whl" "${WHEELS[@]}"
-python3 -m pip wheel -q --no-deps -w "$DEST/whl" "${SDISTS[@]}"
+python3 -m pip wheel -q --no-deps -w "$DEST/whl" "${SDISTS[@]}" .
 
 count=$(ls "$DEST/whl" | wc -l)
-if [[ "$count" -ne $(( ${#WHEELS[@]} + ${#SDISTS[@]} )) ]]; then
-    echo "expected $(( ${#WHEELS[@]} + ${#SDISTS[@]} )) wheels in $DEST/whl, found $count" >&2
+if [[ "$count" -ne $(( ${#WHEELS[@]} + ${#SDISTS[@]} + 1 )) ]]; then
+    echo "expected $(( ${#WHEELS[@]} + ${#SDISTS[@]} + 1 )) wheels in $DEST/whl, found $count" >&2
     exit 1
 fi
 (cd "$DEST/whl" && ls -l --block-size=1 *.whl | awk '{printf "%10.2f MiB  %s\n", $5 / 1048576, $9}' | sort -rn) \
