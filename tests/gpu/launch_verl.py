@@ -7,8 +7,8 @@ of an example script (``examples/verl/*.sh``, recorded as ``test_verl_examples.o
 tiny offline inputs of ``tests/adapters/launch_assets.py`` (a random Qwen2, a BPE tokenizer, GSM8K-layout
 parquet), sizes shrunk, on ``N`` GPUs of one node (FSDP, data parallel ``N``):
 
-1. ``grpo_clip_v``: ``grpo_clip_v.sh`` (GRPO, KL loss, so ``drop_token``) with Clip_V at mu 1.5 below and above, both sides,
-   ``--steps`` steps;
+1. ``grpo_clip_v``: ``grpo_clip_v.sh`` (GRPO, KL loss, so ``drop_token``) with Clip_V at mu 1.5 below and
+   above, both sides, ``--steps`` steps;
 2. ``gae_pilot_full``: ``ppo_gae_clip_v.sh`` (PPO with GAE and verl's critic) with the autopilot in place of
    Clip_V (target entropy ``--target``, ``max_frac`` 0.25, both sides, ``drop_token``), ``2 * --cut`` steps,
    a checkpoint every ``--cut`` steps;
@@ -17,8 +17,9 @@ parquet), sizes shrunk, on ``N`` GPUs of one node (FSDP, data parallel ``N``):
 
 Everything is verl's own: its Hydra config, ``TaskRunnerV1``, the adapter's ``EntropyDiscTrainerSync``, verl's
 Ray worker group (the adapter's ``EntropyDiscActorRolloutRefWorker``, FSDP, fp32 parameters), reward loop,
-agent loop, TransferQueue, naive weight sync and checkpoints.  Two things stand in: the critic loads with SDPA attention (``verl_sdpa_critic.py``: verl 0.9.1 writes
-flash-attn, which is not installed, into its value-model loader), and the rollout engine:
+agent loop, TransferQueue, naive weight sync and checkpoints.  Two things stand in: the critic loads with SDPA
+attention (``verl_sdpa_critic.py``: verl 0.9.1 writes flash-attn, which is not installed, into its value-model
+loader), and the rollout engine:
 ``tests/adapters/verl/hf_rollout.py`` (HF generation), registered through verl's rollout registries
 (``actor_rollout_ref.rollout.name=hf``).  ``verl_launch_probe.py``, which verl loads in every process
 (``VERL_USE_EXTERNAL_MODULES``), records what the adapter computed: per step in the driver (the inputs and
@@ -95,7 +96,8 @@ N_TRAIN, N_TEST = 64, 8
 FIELDS = ("old_log_probs", "entropy", "s_expected")  # entropy_disc_step's names of the hook's three fields
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None, **kwargs: Any) -> float:
+def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None,
+                  **kwargs: Any) -> float:
     """The runs' reward (verl's ``custom_reward_function``): the share of digits among the response's characters.
 
     GSM8K's exact-answer reward is 0 for every response of the random model, so every advantage would be 0 and
@@ -111,7 +113,8 @@ def _plan(out: pathlib.Path, steps: int, cut: int, target: str) -> list[tuple[st
     pilot = _ed({**PILOT, "target_entropy": target})
     full = out / "gae_pilot_full" / "ckpt"
     return [
-        ("grpo_clip_v", "grpo_clip_v.sh", [*_ed(CLIP_V), f"trainer.total_training_steps={steps}", "trainer.save_freq=-1"]),
+        ("grpo_clip_v", "grpo_clip_v.sh", [*_ed(CLIP_V), f"trainer.total_training_steps={steps}",
+                                            "trainer.save_freq=-1"]),
         ("gae_pilot_full", "ppo_gae_clip_v.sh", [*pilot, f"trainer.total_training_steps={2 * cut}",
                                                   f"trainer.save_freq={cut}"]),
         ("gae_pilot_resume", "ppo_gae_clip_v.sh", [*pilot, f"trainer.total_training_steps={2 * cut}",
@@ -130,8 +133,8 @@ def _overrides(script: str, assets: pathlib.Path, run_dir: pathlib.Path, gpus: i
     base = overrides_of(script, DATA_DIR=str(assets / "data"), MODEL=str(assets / "model"), N_GPUS=str(gpus))
     if any(e.startswith("+entropy_disc.method=autopilot") for e in extra):
         base = [o for o in base if not o.startswith("+entropy_disc.mu_low=")]  # Clip_V's bound, not the autopilot's
-    return _merged(base, [*SHRUNK, f"trainer.default_local_dir={run_dir / 'ckpt'}", f"hydra.run.dir={run_dir / 'hydra'}",
-                          *extra])
+    own = [f"trainer.default_local_dir={run_dir / 'ckpt'}", f"hydra.run.dir={run_dir / 'hydra'}"]
+    return _merged(base, [*SHRUNK, *own, *extra])
 
 
 def _versions() -> dict[str, str]:
@@ -177,8 +180,11 @@ def train(out: pathlib.Path, gpus: int, steps: int, cut: int, target: str, only:
             "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
         }
         if cpu_smoke:
-            env.update({"ED_VERL_CPU_GLOO": "1", "VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda", "RAY_OVERRIDE_RESOURCES": json.dumps(
-                {"CPU": 8, "GPU": gpus}), "VERL_USE_EXTERNAL_MODULES": "verl_cpu_platform," + env["VERL_USE_EXTERNAL_MODULES"]})
+            env.update({
+                "ED_VERL_CPU_GLOO": "1", "VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda",
+                "RAY_OVERRIDE_RESOURCES": json.dumps({"CPU": 8, "GPU": gpus}),
+                "VERL_USE_EXTERNAL_MODULES": "verl_cpu_platform," + env["VERL_USE_EXTERNAL_MODULES"],
+            })
         extra = [*extra, *(CPU_SMOKE if cpu_smoke else [])]
         cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *_overrides(script, assets, run_dir, gpus, extra)]
         (run_dir / "command.json").write_text(json.dumps(cmd, indent=1))
@@ -297,7 +303,8 @@ def check(out: pathlib.Path, tol: float) -> int:
 
     meta = json.loads((out / "meta.json").read_text())
     cut, gpus = meta["cut"], meta["gpus"]
-    print(f"devices: {meta['devices']}; {gpus} GPU(s) per run (FSDP, data parallel {gpus}); versions {meta['versions']}")
+    print(f"devices: {meta['devices']}; {gpus} GPU(s) per run (FSDP, data parallel {gpus}); "
+          f"versions {meta['versions']}")
     print(f"{'run':<17}{'step':>5}{'rows':>6}{'valid':>7}{'clipped':>8}{'frac':>8}{'diff':>6}{'diff64':>7}{'state':>7}"
           f"{'unmatched':>10}{'  tokens per rank':<22}{'weights':>8}{'logged frac':>12}")
     present = [name for name in RUNS if (out / name / "probe").is_dir()]
@@ -337,7 +344,7 @@ def check(out: pathlib.Path, tol: float) -> int:
                                                    f"is not the recomputed {frac}")
             expect(any(k.startswith("entropy_disc/") for k in logged.get(step, {})),
                    f"{name} step {step}: verl logged no entropy_disc/* metric")
-            versions = {t.get("max_global_steps") for t in rec["tags"]} | {t.get("min_global_steps") for t in rec["tags"]}
+            versions = {t.get(k) for t in rec["tags"] for k in ("min_global_steps", "max_global_steps")}
             expect(versions == {step - 1}, f"{name} step {step}: the rollout used weights of steps {versions}, "
                                            f"expected {step - 1}")
             print(f"{name:<17}{step:>5}{valid.size(0):>6}{int(valid.sum()):>7}{clipped:>8}{frac:>8.4f}{diff:>6}"
@@ -383,9 +390,10 @@ def _check_resume(out: pathlib.Path, cut: int, runs: dict[str, tuple], expect: A
            _flat(on_disk.get("autopilot", {})) == _flat(json.loads(json.dumps(at_cut["after"]))),
            f"{file}: not the controller's state after step {cut}")
     loaded = [c for c in resumed_ckpts if c["event"] == "load"]
-    expect(len(loaded) == 1 and loaded[0]["step"] == cut and at_cut is not None and loaded[0]["state"] == at_cut["after"],
+    after_cut = None if at_cut is None else at_cut["after"]
+    expect(len(loaded) == 1 and loaded[0]["step"] == cut and after_cut is not None and loaded[0]["state"] == after_cut,
            "gae_pilot_resume: the resumed run did not load the controller's state of the checkpoint")
-    expect(bool(resumed) and at_cut is not None and resumed[0]["step"] == cut + 1 and resumed[0]["before"] == at_cut["after"],
+    expect(bool(resumed) and after_cut is not None and resumed[0]["step"] == cut + 1 and resumed[0]["before"] == after_cut,
            "gae_pilot_resume: its first step did not start from the checkpoint's controller state")
     same_prompts = [sorted(map(tuple, a["prompts"])) == sorted(map(tuple, b["prompts"]))
                     for a, b in zip([r for r in full if r["step"] > cut], resumed)]
@@ -394,7 +402,8 @@ def _check_resume(out: pathlib.Path, cut: int, runs: dict[str, tuple], expect: A
     if at_cut is not None and resumed:
         state = at_cut["after"]
         print(f"resume: global_step_{cut} holds the controller at its step {state.get('step')} (h_start "
-              f"{state.get('h_start')}); the resumed run loaded it: {bool(loaded) and loaded[0]['state'] == state}; its "
+              f"{state.get('h_start')}); the resumed run loaded it: {bool(loaded) and loaded[0]['state'] == state}; "
+              f"its "
               f"step {resumed[0]['step']} started from it: {resumed[0]['before'] == state}; steps {cut + 1}-{2 * cut} "
               f"drew the uninterrupted run's prompts: {same_prompts}")
 

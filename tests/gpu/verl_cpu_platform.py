@@ -5,7 +5,8 @@ this module registers ``cpu`` through verl's ``PlatformRegistry`` (selected with
 ``cpu``, process group ``gloo``, Ray resource ``GPU`` (declared through ``RAY_OVERRIDE_RESOURCES``, so that verl's
 GPU placement still places one worker per declared GPU), and a device module that is ``torch.cpu`` plus
 no-op memory and RNG calls; ``Tensor.pin_memory`` returns the tensor itself (FSDP2's CPU offload of verl's
-reference model pins its shards, which needs an accelerator).  Loaded (``VERL_USE_EXTERNAL_MODULES``) before verl asks for its platform.
+reference model pins its shards, which needs an accelerator).  Loaded (``VERL_USE_EXTERNAL_MODULES``) before verl
+asks for its platform.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def _zero(*args: Any, **kwargs: Any) -> int:
 
 #: ``torch.cuda``-like calls verl makes on its device module, for the CPU.
 CPU_MODULE = SimpleNamespace(
-    is_available=lambda: True, device_count=lambda: 1, current_device=torch.cpu.current_device, set_device=_none, synchronize=_none,
+    is_available=lambda: True, device_count=lambda: 1, current_device=torch.cpu.current_device, set_device=_none,
+    synchronize=_none,
     empty_cache=_none, manual_seed=torch.manual_seed, manual_seed_all=torch.manual_seed,
     get_rng_state=torch.get_rng_state, set_rng_state=torch.set_rng_state,
     memory_allocated=_zero, memory_reserved=_zero, max_memory_allocated=_zero, max_memory_reserved=_zero,

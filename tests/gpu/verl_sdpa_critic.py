@@ -1,4 +1,5 @@
-"""verl 0.9.1's critic with PyTorch's SDPA attention, for ``launch_verl.py`` (loaded through ``VERL_USE_EXTERNAL_MODULES``).
+"""verl 0.9.1's critic with PyTorch's SDPA attention, for ``launch_verl.py`` (loaded through
+``VERL_USE_EXTERNAL_MODULES``).
 
 verl builds its value model (``verl.utils.model.load_valuehead_model``, called by the FSDP engine for
 ``critic``) with ``attn_implementation="flash_attention_2"`` written into the call, whatever the critic's

@@ -54,7 +54,8 @@ def server_name(replica_rank: int) -> str:
 def _single_gpu_replica(config: Any) -> None:
     for key in ("tensor_model_parallel_size", "data_parallel_size", "pipeline_model_parallel_size"):
         if int(getattr(config, key)) != 1:
-            raise ValueError(f"actor_rollout_ref.rollout.{key} must be 1 for the HF rollout (got {getattr(config, key)})")
+            raise ValueError(
+                f"actor_rollout_ref.rollout.{key} must be 1 for the HF rollout (got {getattr(config, key)})")
 
 
 def _filtered(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -201,7 +202,8 @@ class HFReplica(RolloutReplica):
 
     async def launch_servers(self) -> None:
         if self.rollout_mode != RolloutMode.HYBRID:
-            raise ValueError(f"the HF rollout runs colocated with the actor only (hybrid engine), not {self.rollout_mode}")
+            raise ValueError(
+                f"the HF rollout runs colocated with the actor only (hybrid engine), not {self.rollout_mode}")
         (worker,) = self.workers
 
         def where(_self: Any) -> tuple[str, list[str]]:
