@@ -7,8 +7,10 @@
 # The closure: what the `nox -s "verl(release='0.9.1')"` environment holds (the versions the CPU tests and the CPU
 # smoke run of launch_verl.py used) minus the device image's packages (the device README's package list), less
 # what the launch never imports (megatron-core, wandb, torchcodec, av, qwen-vl-utils, mathruler, pylatexenc,
-# py-spy, virtualenv, pytest plug-ins, cryptography). transformers 5.10.4 is carried because verl 0.9.1 asks for
-# <5.11 and the image has 5.17. antlr4-python3-runtime 4.9.3 (hydra's parser) exists only as an sdist; pip builds
+# py-spy, virtualenv, pytest plug-ins, cryptography). transformers: the image's 5.17 by default (verl 0.9.1 asks
+# for <5.11, but its launch ran on 5.17 in the CPU smoke run and its FSDP engine on the device); TRANSFORMERS=5.10.4
+# carries 5.10.4 with the tokenizers 0.22.2 it accepts (the image's 0.23.2 fails its import-time version check),
+# 13.4 MiB more. antlr4-python3-runtime 4.9.3 (hydra's parser) exists only as an sdist; pip builds
 # its wheel here. The project's own wheel is built here too, from this checkout (verl finds the adapter through
 # its installed verl.plugins entry point): rerun this script after changing the library or the adapters.
 #
@@ -19,7 +21,7 @@ set -euo pipefail
 DEST=${DEST:-.devcarry-verl}
 PART_BYTES=${PART_BYTES:-50M}
 WHEELS=(
-    ray==2.60.0 tensordict==0.10.0 TransferQueue==0.1.11 verl==0.9.1 transformers==5.10.4 torchdata==0.11.0
+    ray==2.60.0 tensordict==0.10.0 TransferQueue==0.1.11 verl==0.9.1 torchdata==0.11.0
     omegaconf==2.3.1 hydra-core==1.3.8 codetiming==1.4.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
     jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
     msgspec==0.22.0 orjson==3.13.0 nvtx==0.2.17 pyvers==0.1.0 pyzmq==27.3.0
@@ -34,6 +36,10 @@ WHEELS=(
     aiohttp-cors==0.8.1 opencensus==0.11.4 opencensus-context==0.1.3 smart_open==9.0.2
 )
 SDISTS=(antlr4-python3-runtime==4.9.3)
+if [[ -n "${TRANSFORMERS:-}" ]]; then
+    [[ "$TRANSFORMERS" == 5.10.4 ]] || { echo "TRANSFORMERS: only 5.10.4 is prepared (got $TRANSFORMERS)" >&2; exit 2; }
+    WHEELS+=(transformers==5.10.4 tokenizers==0.22.2)
+fi
 
 rm -rf "$DEST"
 mkdir -p "$DEST/whl"
