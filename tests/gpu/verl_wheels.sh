@@ -7,7 +7,8 @@
 # The closure: what the `nox -s "verl(release='0.9.1')"` environment holds (the versions the CPU tests and the CPU
 # smoke run of launch_verl.py used) minus the device image's packages (the device README's package list), less
 # what the launch never imports (megatron-core, wandb, torchcodec, av, qwen-vl-utils, mathruler, pylatexenc,
-# py-spy, virtualenv, pytest plug-ins, cryptography). transformers: the image's 5.17 by default (verl 0.9.1 asks
+# py-spy, virtualenv, pytest plug-ins, cryptography; lazy-importer stays: importlib_metadata 10.2, which tensordict
+# requires, imports it on Python < 3.15). transformers: the image's 5.17 by default (verl 0.9.1 asks
 # for <5.11, but its launch ran on 5.17 in the CPU smoke run and its FSDP engine on the device); TRANSFORMERS=5.10.4
 # carries 5.10.4 with the tokenizers 0.22.2 it accepts (the image's 0.23.2 fails its import-time version check),
 # 13.4 MiB more. antlr4-python3-runtime 4.9.3 (hydra's parser) exists only as an sdist; pip builds
@@ -28,7 +29,7 @@ WHEELS=(
     pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
     fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 sniffio==1.3.1 cachetools==8.0.2 colorful==0.5.8
     google-api-core==2.44.0 google-auth==2.63.0 googleapis-common-protos==1.76.0 proto-plus==1.29.0
-    pyasn1==0.6.5 pyasn1_modules==0.4.2 importlib_metadata==10.2.0
+    pyasn1==0.6.5 pyasn1_modules==0.4.2 importlib_metadata==10.2.0 lazy-importer==0.1.0
     opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-proto==1.45.2
     opentelemetry-exporter-otlp-proto-common==1.45.2 opentelemetry-exporter-otlp-proto-http==1.45.2
     opentelemetry-semantic-conventions==0.66b2 opentelemetry-exporter-prometheus==0.66b2
