@@ -41,8 +41,9 @@ trains some), per run and step:
 * verl logged the adapter's ``entropy_disc/*`` metrics at every step, and ``entropy_disc/clip/frac`` is the
   recomputed share; the rollout generated every step with the weights verl synced after the previous step;
 * **the resume continued the controller**: ``gae_pilot_full``'s checkpoint at ``--cut`` holds the controller's
-  state after step ``--cut`` (in the probe and in ``entropy_disc_autopilot.json``), the resumed run loaded
-  exactly that state and started its step ``--cut + 1`` from it, and verl's resumed dataloader gave it the
+  state that the run carried into step ``--cut + 1`` (after step ``--cut``'s mask and law calibration; in the probe
+  and in ``entropy_disc_autopilot.json``), the resumed run loaded exactly that state and started its step
+  ``--cut + 1`` from it, and verl's resumed dataloader gave it the
   prompts of the uninterrupted run's steps (the responses are sampled anew, so later states are not compared);
 * Clip_V clipped some tokens (the comparisons are not vacuous).
 
@@ -377,35 +378,37 @@ def check(out: pathlib.Path, tol: float) -> int:
 
 
 def _check_resume(out: pathlib.Path, cut: int, runs: dict[str, tuple], expect: Any) -> None:
-    """The resumed autopilot run continued the uninterrupted run's controller (see the module docstring)."""
+    """The resumed autopilot run continued the uninterrupted run's controller (see the module docstring).
+
+    The state that must cross the checkpoint is the one the uninterrupted run carried into step ``cut + 1``:
+    after step ``cut``'s advantage step and the law calibration of its actor update (the adapter saves after both)."""
     full, full_ckpts, _ = runs["gae_pilot_full"]
     resumed, resumed_ckpts, _ = runs["gae_pilot_resume"]
+    nxt = next((r for r in full if r["step"] == cut + 1), None)
+    carried = None if nxt is None else nxt["before"]
     saved = [c for c in full_ckpts if c["event"] == "save" and c["step"] == cut]
-    at_cut = next((r for r in full if r["step"] == cut), None)
-    expect(len(saved) == 1 and at_cut is not None and saved[0]["state"] == at_cut["after"],
-           f"gae_pilot_full: the checkpoint at step {cut} does not hold the controller's state after step {cut}")
+    expect(carried is not None and len(saved) == 1 and saved[0]["state"] == carried,
+           f"gae_pilot_full: the checkpoint at step {cut} does not hold the state the run carried into step {cut + 1}")
     file = out / "gae_pilot_full" / "ckpt" / f"global_step_{cut}" / "entropy_disc_autopilot.json"
     on_disk = json.loads(file.read_text()) if file.exists() else {}
-    expect(on_disk.get("global_step") == cut and at_cut is not None and
-           _flat(on_disk.get("autopilot", {})) == _flat(json.loads(json.dumps(at_cut["after"]))),
-           f"{file}: not the controller's state after step {cut}")
+    expect(on_disk.get("global_step") == cut and carried is not None and
+           _flat(on_disk.get("autopilot", {})) == _flat(json.loads(json.dumps(carried))),
+           f"{file}: not the state the run carried into step {cut + 1}")
     loaded = [c for c in resumed_ckpts if c["event"] == "load"]
-    after_cut = None if at_cut is None else at_cut["after"]
-    expect(len(loaded) == 1 and loaded[0]["step"] == cut and after_cut is not None and loaded[0]["state"] == after_cut,
-           "gae_pilot_resume: the resumed run did not load the controller's state of the checkpoint")
-    expect(bool(resumed) and after_cut is not None and resumed[0]["step"] == cut + 1 and resumed[0]["before"] == after_cut,
-           "gae_pilot_resume: its first step did not start from the checkpoint's controller state")
+    loaded_ok = len(loaded) == 1 and loaded[0]["step"] == cut and carried is not None and loaded[0]["state"] == carried
+    expect(loaded_ok, "gae_pilot_resume: the resumed run did not load the controller's state of the checkpoint")
+    started_ok = bool(resumed) and carried is not None and resumed[0]["step"] == cut + 1 and \
+        resumed[0]["before"] == carried
+    expect(started_ok, "gae_pilot_resume: its first step did not start from the checkpoint's controller state")
     same_prompts = [sorted(map(tuple, a["prompts"])) == sorted(map(tuple, b["prompts"]))
                     for a, b in zip([r for r in full if r["step"] > cut], resumed)]
     expect(len(same_prompts) == cut and all(same_prompts),
            f"gae_pilot_resume: the resumed steps' prompts differ from the uninterrupted run's ({same_prompts})")
-    if at_cut is not None and resumed:
-        state = at_cut["after"]
-        print(f"resume: global_step_{cut} holds the controller at its step {state.get('step')} (h_start "
-              f"{state.get('h_start')}); the resumed run loaded it: {bool(loaded) and loaded[0]['state'] == state}; "
-              f"its "
-              f"step {resumed[0]['step']} started from it: {resumed[0]['before'] == state}; steps {cut + 1}-{2 * cut} "
-              f"drew the uninterrupted run's prompts: {same_prompts}")
+    if carried is not None:
+        print(f"resume: global_step_{cut} holds the controller the run carried into step {cut + 1} (its step "
+              f"{carried.get('step')}, h_start {carried.get('h_start')}); the resumed run loaded it: {loaded_ok}; "
+              f"started step {cut + 1} from it: {started_ok}; steps {cut + 1}-{2 * cut} drew the uninterrupted "
+              f"run's prompts: {same_prompts}")
 
 
 def main(argv: list[str]) -> int:
