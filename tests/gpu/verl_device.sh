@@ -63,7 +63,9 @@ e.__file__, 'GPUs', [torch.cuda.get_device_name(i) for i in range(torch.cuda.dev
         rc=${PIPESTATUS[0]}
         set -e
         for log in "$RUN"/*/train.log; do
-            [[ -f "$log" ]] && tail -c 200000 "$log" > "$OUT/launch_verl_${tag}_$(basename "$(dirname "$log")").log"
+            if [[ -f "$log" ]]; then
+                tail -c 200000 "$log" > "$OUT/launch_verl_${tag}_$(basename "$(dirname "$log")").log"
+            fi
         done
         [[ "$rc" -eq 0 ]] || exit "$rc"
         check
