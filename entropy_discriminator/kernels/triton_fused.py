@@ -190,7 +190,6 @@ def _store_partials(part_ptr, pid_m, pid_n, num_pid_n, N, m, s0, s1, s2, s3, BM:
     tl.store(q + 5 * stride_f, m, mask=row_ok)
 
 
-
 @triton.jit
 def _tile_epilogue(
     acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
@@ -344,6 +343,22 @@ def _merge_two(m0, a0, a1, a2, a3, m1, b0, b1, b2, b3):
 
 
 @triton.jit
+def _finish_tile(
+    acc1, pid_m, pid_n, m0, a0, a1, a2, a3, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
+    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MOMENTS: tl.constexpr, ROUND: tl.constexpr,
+    T_ROUND: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr,
+):  # fmt: skip
+    """Reduce the second column half ``acc1`` of tile (pid_m, pid_n) (:func:`_half_sums`), merge its sums
+    with the first half's ``(m0, a0..a3)`` (:func:`_merge_two`) and store the tile's partials."""
+    m1, b0, b1, b2, b3 = _half_sums(
+        acc1, pid_m, pid_n, 1, b_ptr, lab_ptr, yk_ptr, N, V, c, inv_t,
+        HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ, BRANCH=BRANCH,
+    )  # fmt: skip
+    m, s0, s1, s2, s3 = _merge_two(m0, a0, a1, a2, a3, m1, b0, b1, b2, b3)
+    _store_partials(part_ptr, pid_m, pid_n, num_pid_n, N, m, s0, s1, s2, s3, BM=BM)
+
+
+@triton.jit
 def _fused_pipelined_kernel(
     a_desc, w_desc, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, c, inv_t,
     HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, T_ROUND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -357,7 +372,7 @@ def _fused_pipelined_kernel(
     its K loop: half h of t_(i-1) is reduced inside the K loop of t_i right after that loop's dots of
     step EPI_AT + h are issued, so that the tensor cores work on t_i (the dots are asynchronous in
     the pipelined loop) while the CUDA cores reduce t_(i-1); the second half's sums are merged with
-    the first's (:func:`_merge_two`) and stored as the tile's partials.  A half whose step the K loop
+    the first's and stored as the tile's partials (:func:`_finish_tile`).  A half whose step the K loop
     does not reach is reduced after the loop; one extra trip of the tile loop, without dots, drains
     the last tile.  Two tiles' accumulators live at once: the register budget of 128 x 128 tiles at
     8 warps.  Out-of-range rows, columns and K are zero-filled by the copy engine, as in
@@ -397,25 +412,22 @@ def _fused_pipelined_kernel(
                     BRANCH=BRANCH,
                 )  # fmt: skip
             if (ki == EPI_AT + 1) & (i > 0):
-                m1, b0, b1, b2, b3 = _half_sums(
-                    prev1, prev_m, prev_n, 1, b_ptr, lab_ptr, yk_ptr, N, V, c, inv_t,
-                    HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ,
-                    BRANCH=BRANCH,
+                _finish_tile(
+                    prev1, prev_m, prev_n, m0, a0, a1, a2, a3, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t,
+                    num_pid_n, HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND,
+                    FTZ=FTZ, BRANCH=BRANCH,
                 )  # fmt: skip
-                m, s0, s1, s2, s3 = _merge_two(m0, a0, a1, a2, a3, m1, b0, b1, b2, b3)
-                _store_partials(part_ptr, prev_m, prev_n, num_pid_n, N, m, s0, s1, s2, s3, BM=BM)
         if (k_end <= EPI_AT) & (i > 0):
             m0, a0, a1, a2, a3 = _half_sums(
                 prev0, prev_m, prev_n, 0, b_ptr, lab_ptr, yk_ptr, N, V, c, inv_t,
                 HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ, BRANCH=BRANCH,
             )  # fmt: skip
         if (k_end <= EPI_AT + 1) & (i > 0):
-            m1, b0, b1, b2, b3 = _half_sums(
-                prev1, prev_m, prev_n, 1, b_ptr, lab_ptr, yk_ptr, N, V, c, inv_t,
-                HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ, BRANCH=BRANCH,
+            _finish_tile(
+                prev1, prev_m, prev_n, m0, a0, a1, a2, a3, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t,
+                num_pid_n, HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND,
+                FTZ=FTZ, BRANCH=BRANCH,
             )  # fmt: skip
-            m, s0, s1, s2, s3 = _merge_two(m0, a0, a1, a2, a3, m1, b0, b1, b2, b3)
-            _store_partials(part_ptr, prev_m, prev_n, num_pid_n, N, m, s0, s1, s2, s3, BM=BM)
         prev0 = acc0
         prev1 = acc1
         prev_m = pid_m
