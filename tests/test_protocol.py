@@ -540,6 +540,27 @@ def _first_rollout(cfg: CompareConfig, state: dict[str, torch.Tensor], seed: int
     return model, task, ro, stats
 
 
+def _spy_control(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> tuple[list, list[int]]:
+    """Record every result of the arm's per-step control ``owner.name`` (the controller's step or the mask) and,
+    for every mini-batch update (``rl.policy_update``), how many tokens its keep-mask drops: ``(results,
+    dropped)``, filled while the patches hold."""
+    results: list = []
+    dropped: list[int] = []
+    core, core_update = getattr(owner, name), rl.policy_update
+
+    def spy(*a, **k):  # noqa: ANN002, ANN003
+        results.append(core(*a, **k))
+        return results[-1]
+
+    def spy_update(*a, keep_mask=None, **k):  # noqa: ANN001, ANN002, ANN003
+        dropped.append(int((~keep_mask).sum()))
+        return core_update(*a, keep_mask=keep_mask, **k)
+
+    monkeypatch.setattr(owner, name, spy)
+    monkeypatch.setattr(rl, "policy_update", spy_update)
+    return results, dropped
+
+
 def test_autopilot_arm_matches_the_core_controller(monkeypatch: pytest.MonkeyPatch) -> None:
     """One controller step per RL step on the old policy's statistics of the whole batch: the first step's mask is
     the one a fresh core EntropyAutopilot gives on the same rollout, the mini-batches drop exactly its tokens, and
@@ -547,19 +568,7 @@ def test_autopilot_arm_matches_the_core_controller(monkeypatch: pytest.MonkeyPat
     cfg = parse_config(TINY)
     seed, arm = 101, Arm("autopilot(hold)", "autopilot", mask="autopilot", lr=3e-2)
     state = _tiny_state(cfg, seed)
-    results, dropped = [], []
-    core_step, core_update = EntropyAutopilot.from_stats, rl.policy_update
-
-    def spy_step(self, *a, **k):  # noqa: ANN001, ANN002, ANN003
-        results.append(core_step(self, *a, **k))
-        return results[-1]
-
-    def spy_update(*a, keep_mask=None, **k):  # noqa: ANN001, ANN002, ANN003
-        dropped.append(int((~keep_mask).sum()))
-        return core_update(*a, keep_mask=keep_mask, **k)
-
-    monkeypatch.setattr(EntropyAutopilot, "from_stats", spy_step)
-    monkeypatch.setattr(rl, "policy_update", spy_update)
+    results, dropped = _spy_control(monkeypatch, EntropyAutopilot, "from_stats")
     trace = run_arm_checkpoints(state, cfg, arm, seed, (0, 6), lambda step, model: {})
     assert len(results) == 6 and len(dropped) == 6 * cfg.minibatches
     monkeypatch.undo()
@@ -582,19 +591,7 @@ def test_fixed_share_arm_drops_the_autopilots_first_tokens_at_a_constant_share(m
     cfg = parse_config(TINY)
     seed, arm = 101, parse_arm("fs@fixed_share:mask=fixed_share,share=0.04,lr=0.03")
     state = _tiny_state(cfg, seed)
-    results, dropped = [], []
-    core_mask, core_update = rl.fixed_share_mask, rl.policy_update
-
-    def spy_mask(*a, **k):  # noqa: ANN001, ANN002, ANN003
-        results.append(core_mask(*a, **k))
-        return results[-1]
-
-    def spy_update(*a, keep_mask=None, **k):  # noqa: ANN001, ANN002, ANN003
-        dropped.append(int((~keep_mask).sum()))
-        return core_update(*a, keep_mask=keep_mask, **k)
-
-    monkeypatch.setattr(rl, "fixed_share_mask", spy_mask)
-    monkeypatch.setattr(rl, "policy_update", spy_update)
+    results, dropped = _spy_control(monkeypatch, rl, "fixed_share_mask")
     trace = run_arm_checkpoints(state, cfg, arm, seed, (0, 8), lambda step, model: {})
     monkeypatch.undo()
     assert len(results) == 8 and len(dropped) == 8 * cfg.minibatches
