@@ -143,6 +143,8 @@ def run_launch(out: Path, name: str, assets: dict[str, Path], timeout: int, torc
     from entropy_discriminator.adapters.openrlhf import split_argv
 
     _, stock = split_argv(example_argv(script, method, env))  # the run's --entropy_disc.* settings replace the example's
+    if torch_adam:  # DeepSpeed offloads (sleeps) only a FusedAdam optimizer's states
+        stock = [a for a in stock if a != "--ds.enable_sleep"]
     argv = stock + SHRUNK + extra + ["--ckpt.path", str(ckpt)] + (["--vllm.sync_backend", "gloo"] if sync == "gloo" else [])
     argv += [str(x) for k, v in settings.items() for x in (f"--entropy_disc.{k}", v)]
     cmd = [sys.executable, "-m", "entropy_discriminator.adapters.openrlhf", *argv]
@@ -169,6 +171,15 @@ def build_fused_adam() -> tuple[str, bool]:
     then load), outside the launches' time limits.  Returns ``(what happened, torch_adam)``: where it cannot be built,
     the launches fall back to torch's AdamW (``--torch-adam``), and the reason is kept in ``device.json``."""
     started = time.time()
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+    if arch and not all(re.fullmatch(r"\d+\.\d+(\+PTX)?", cc) for cc in arch.replace(" ", ";").split(";") if cc):
+        # DeepSpeed's JIT builder parses each entry as MAJOR.MINOR[+PTX]: an image's "9.0a" stops it (int("0a")).
+        # The launches inherit this process's environment, so the workers load the same build.
+        import torch
+
+        caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+        os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(f"{a}.{b}" for a, b in caps)
+        print(f"TORCH_CUDA_ARCH_LIST {arch!r} -> {os.environ['TORCH_CUDA_ARCH_LIST']!r} for DeepSpeed", flush=True)
     try:
         from deepspeed.ops.op_builder import FusedAdamBuilder
 

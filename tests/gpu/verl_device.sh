@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device side of tests/gpu/launch_verl.py (see tests/gpu/launch_verl_README.md). Run from the repository root on the
-# device machine; everything it keeps lives in /tmp (kept while the machine stays warm between calls).
+# device machine; everything it keeps lives in /tmp (kept while the machine stays warm between calls): the wheels in
+# $SITE (default /tmp/site), a launch's runs in $RUN (default /tmp/lv).
 #
 #   bash tests/gpu/verl_device.sh stash DIR        copy the wheel parts in carry folder DIR to /tmp/verl_parts
 #   bash tests/gpu/verl_device.sh install DIR      stash DIR, join the parts, check their sha256, install the wheels
@@ -11,8 +12,8 @@
 set -euo pipefail
 
 PARTS=/tmp/verl_parts
-SITE=/tmp/site
-RUN=/tmp/lv
+SITE=${SITE:-/tmp/site}
+RUN=${RUN:-/tmp/lv}   # RUN=/tmp/lv2 keeps a second launch (e.g. 2 GPUs beside 1) apart
 
 use_site() {
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
