@@ -583,6 +583,42 @@ def test_autopilot_arm_matches_the_core_controller(monkeypatch: pytest.MonkeyPat
     assert max(r["control_frac"] for r in trace.records) > 0
 
 
+def test_calibrated_autopilot_arm_feeds_same_batch_pairs_to_its_controller(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``calibrate_every=k``: on RL steps 1, k+1, ... the arm records the whole batch's cheap prediction (recomputed
+    here from the same rollout) and the realised change of the same tokens' mean entropy over that step's updates
+    (recomputed from the policy after step 1); the controller's scale is then realised / cheap (one pair, least
+    squares through 0), and the other steps record no pair."""
+    cfg = parse_config(TINY)
+    seed, arm = 7, parse_arm("ap@autopilot:mask=autopilot,lr=0.03,calibrate_every=2")  # seed 7: step 1 has rewards to compare
+    assert arm.calibrate_every == 2 and type(arm.calibrate_every) is int
+    state = _tiny_state(cfg, seed)
+    _, task, ro, stats = _first_rollout(cfg, state, seed)
+    after: dict[str, float] = {}
+
+    def read(step: int, model: TinyGPT) -> dict[str, object]:
+        if step == 1:
+            with torch.no_grad():
+                h = token_stats(model.response_logits(ro.seq, task.prompt_len).float(), ro.resp).entropy
+            after["realised"] = float((h - stats.entropy).double().mean())
+        return {}
+
+    trace = run_arm_checkpoints(state, cfg, arm, seed, (0, 1, 5), read)
+    recs = trace.records
+    assert [("autopilot_cheap_dh" in r) for r in recs] == [True, False, True, False, True]
+    a, y = ro.adv.double().flatten(), stats.s_centered.double().flatten()
+    cheap = float(-0.03 * ((a - a.mean()) * (y - y.mean())).mean())
+    assert cheap != 0 and recs[0]["autopilot_cheap_dh"] == pytest.approx(cheap, rel=1e-6)
+    assert recs[0]["autopilot_realised_dh"] == pytest.approx(after["realised"], rel=1e-6, abs=1e-9)
+    fed = recs[0]["autopilot_scale_skipped"] == 0.0
+    assert fed == (after["realised"] / cheap > 0)  # a pair that would make the scale non-positive is left out
+    assert recs[0]["autopilot_scale"] == pytest.approx(after["realised"] / cheap if fed else 1.0, rel=1e-6)
+    assert recs[1]["autopilot_scale"] == recs[0]["autopilot_scale"]  # unchanged without a pair
+    with pytest.raises(ValueError, match="calibrate_every is the autopilot's"):
+        Arm("x", "x", mask="clip_b", calibrate_every=3)
+    with pytest.raises(ValueError, match="calibrate_every must be an int"):
+        Arm("x", "x", mask="autopilot", calibrate_every=-1)
+
+
 def test_fixed_share_arm_drops_the_autopilots_first_tokens_at_a_constant_share(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fixed-share control: every RL step, on the old policy's statistics of the whole batch, the core
     fixed_share_mask with the autopilot's order drops floor(share * N) tokens (fewer only when fewer candidates

@@ -32,7 +32,7 @@ rides in the client state of the actor's DeepSpeed checkpoints (``DeepspeedStrat
 Every method: ``entropy_disc/delta_entropy/cheap`` is the round's ``-eta Cov_B(A, S_c)``; every
 ``calibrate_every``-th round (default 10) the after-update pass measures the realised change of the round's
 tokens and feeds ``kappa`` (``entropy_disc/delta_entropy/predicted = kappa * cheap``, ``/scale``), whose state
-rides in the same client state under ``entropy_disc_law`` (``adapters/_law.py``,
+rides in the same client state under ``entropy_disc_law`` (``entropy_discriminator/law_scale.py``,
 docs/adapters/law-and-autopilot.md).
 
 Packed samples and ring attention are served from the actor's own packed / per-rank logits (see

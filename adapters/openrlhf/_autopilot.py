@@ -42,11 +42,11 @@ import torch
 
 from entropy_discriminator import EntropyAutopilot, EntropyDiscConfig, MaskResult, TokenStats
 
-from .._law import LawScale
+from entropy_discriminator.law_scale import LawScale
 
 #: Key of the controller's ``state_dict()`` in the client state of the actor's DeepSpeed checkpoints.
 STATE_KEY = "entropy_disc_autopilot"
-#: Key of the :class:`~.._law.LawScale` state (calibration schedule and, without the autopilot, ``kappa``).
+#: Key of the :class:`~entropy_discriminator.law_scale.LawScale` state (calibration schedule and, without the autopilot, ``kappa``).
 LAW_KEY = "entropy_disc_law"
 
 
@@ -74,7 +74,7 @@ def clear() -> None:
 
 
 def law_scale(trainer: Any, config: EntropyDiscConfig, group: Any) -> LawScale:
-    """The :class:`~.._law.LawScale` of ``trainer``'s policy engine, built on first use and restored from the
+    """The :class:`~entropy_discriminator.law_scale.LawScale` of ``trainer``'s policy engine, built on first use and restored from the
     client state its ``load_ckpt`` returned (key :data:`LAW_KEY`, when present); with method ``"autopilot"``
     bound to the controller's calibration.  A changed ``calibrate_every`` takes effect, the state kept."""
     engine = _engine(trainer)

@@ -54,7 +54,7 @@ from entropy_discriminator import (
     apply_keep_mask,
     token_stats,
 )
-from .._law import PREDICTED_KEY, REALISED_KEY, SKIPPED_KEY, cheap_change
+from entropy_discriminator.law_scale import PREDICTED_KEY, REALISED_KEY, SKIPPED_KEY, cheap_change
 from ._checks import check_training_args
 from entropy_discriminator.distributed import Group, all_gather_cat, all_reduce
 
@@ -408,7 +408,7 @@ def _law_step_size(trainer: Any, config: EntropyDiscConfig) -> float | None:
 def end_round(trainer: Any, config: EntropyDiscConfig, state: RoundState) -> dict[str, float]:
     """``entropy_disc/delta_entropy/realised``: mean entropy change of the round's tokens after the
     update, from a second no-grad pass over the same samples (same valid tokens as before).  On a
-    calibration round it feeds ``(cheap, realised)`` to the law scale (:mod:`.._law`)."""
+    calibration round it feeds ``(cheap, realised)`` to the law scale (:mod:`entropy_discriminator.law_scale`)."""
     items = trainer.replay_buffer.items
     after = replay_buffer_stats(
         trainer.actor,

@@ -1,6 +1,6 @@
 """The entropy autopilot (``method="autopilot"``) in ``GRPOTrainer``: one controller per trainer,
 stepped once per training batch, its state in every Trainer checkpoint; and, for every method, the
-scale ``kappa`` of the cheap prediction (:mod:`.._law`).
+scale ``kappa`` of the cheap prediction (:mod:`entropy_discriminator.law_scale`).
 
 Law scale: :func:`law_batch` counts each statistics batch, logs ``entropy_disc/delta_entropy/cheap``
 (``-eta Cov_B(A, r S_c)`` of the batch, global over the group), ``/predicted = kappa * cheap`` and
@@ -45,13 +45,13 @@ from transformers import TrainerCallback
 
 from entropy_discriminator import EntropyMonitor, MaskResult, TokenStats
 
-from .._law import REALISED_KEY, SKIPPED_KEY, LawScale, cheap_change
+from entropy_discriminator.law_scale import REALISED_KEY, SKIPPED_KEY, LawScale, cheap_change
 from ._mask import loss_mask, process_group
 from ._stats import restrict
 
 #: Key of the controller's ``state_dict()`` in ``TrainerState.stateful_callbacks`` (trainer_state.json).
 STATE_KEY = "EntropyDiscAutopilot"
-#: Key of the law scale's ``state_dict()`` (:mod:`.._law`: schedule, and ``kappa`` without the autopilot).
+#: Key of the law scale's ``state_dict()`` (:mod:`entropy_discriminator.law_scale`: schedule, and ``kappa`` without the autopilot).
 LAW_KEY = "EntropyDiscLawScale"
 #: The inputs of TRL's log-prob pass that the after-update pass of a calibration batch reads again.
 _PASS_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
@@ -138,7 +138,7 @@ def vocab_size(trainer: Any) -> int | None:
 
 
 def sync_law(trainer: Any, state: Any) -> None:
-    """Bind the law scale (:mod:`.._law`) to this ``train()`` call's ``trainer.state``: restored from its
+    """Bind the law scale (:mod:`entropy_discriminator.law_scale`) to this ``train()`` call's ``trainer.state``: restored from its
     :data:`LAW_KEY` entry when there is one (a resume), else fresh; bound to the controller's calibration
     with method ``"autopilot"`` (call after :func:`sync`).  A pending calibration of another call is dropped."""
     run = trainer.state

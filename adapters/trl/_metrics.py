@@ -12,7 +12,7 @@ from entropy_discriminator import EntropyMonitor, MaskResult, TokenStats
 def log_metrics(trainer: Any, stats: TokenStats, advantages: torch.Tensor, mask: MaskResult | None,
                 group: Any, law: dict[str, float] | None = None) -> None:
     """The monitor's metrics of one batch (global over ``group``) and the law scale's ``law`` (``delta_entropy/cheap``,
-    ``/predicted``, ``/scale``; :mod:`.._law`) appended to ``trainer._metrics["train"]``."""
+    ``/predicted``, ``/scale``; :mod:`entropy_discriminator.law_scale`) appended to ``trainer._metrics["train"]``."""
     metrics = EntropyMonitor(process_group=group).from_stats(stats, advantages=advantages, mask=mask)
     metrics.update(law or {})
     for key, value in metrics.items():

@@ -34,7 +34,7 @@ from trl import GRPOTrainer
 
 from entropy_discriminator import EntropyAutopilot, EntropyDiscConfig, MaskResult, TokenStats
 
-from .._law import LawScale
+from entropy_discriminator.law_scale import LawScale
 from .._patching import PatchSet
 from . import _autopilot
 from ._mask import KEEP_KEY, apply_keep, compute_mask, keep_advantages, kept_token_count, loss_mask, process_group

@@ -40,11 +40,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from entropy_discriminator import EntropyAutopilot
 
-from .._law import LawScale
+from entropy_discriminator.law_scale import LawScale
 
 #: The controller's file in verl's ``global_step_N`` checkpoint folder.
 STATE_FILE = "entropy_disc_autopilot.json"
-#: The law scale's file (:mod:`.._law`; every method) in the same folder.
+#: The law scale's file (:mod:`entropy_discriminator.law_scale`; every method) in the same folder.
 LAW_FILE = "entropy_disc_law.json"
 
 

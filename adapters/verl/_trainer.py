@@ -25,7 +25,7 @@ parts (``train_batch_size / parameter_sync_step`` prompts, which verl requires t
 ``ppo_mini_batch_size``), each with its own advantage step and actor update (and its own
 autopilot step).
 
-Law scale (every method, :mod:`.._law`): the advantage step logs ``entropy_disc/delta_entropy/cheap``
+Law scale (every method, :mod:`entropy_discriminator.law_scale`): the advantage step logs ``entropy_disc/delta_entropy/cheap``
 (``-eta Cov_B(A, r S_c)``), ``/predicted = kappa * cheap`` and ``/scale``; on every
 ``calibrate_every``-th batch, after ``_update_actor``, the driver runs the actor group's
 ``compute_log_prob`` once more on the same batch (as verl's old-policy pass: ``calculate_entropy``, no
@@ -59,7 +59,7 @@ from verl.workers.utils.padding import response_from_nested, response_to_nested
 
 from entropy_discriminator import EntropyAutopilot, EntropyMonitor, MaskResult, discriminator_score
 
-from .._law import CHEAP_KEY, PREDICTED_KEY, REALISED_KEY, SKIPPED_KEY, LawScale, cheap_change
+from entropy_discriminator.law_scale import CHEAP_KEY, PREDICTED_KEY, REALISED_KEY, SKIPPED_KEY, LawScale, cheap_change
 from . import _autopilot
 from ._engine import SEQ_FIELDS, STATS_CHUNK, STATS_FLAG, STATS_IMPL
 from ._support import BASE_MODES, TRAINER_MODES, check_config
@@ -107,7 +107,7 @@ class _PendingMask:
 
 @dataclass
 class _PendingCalibration:
-    """A calibration batch waiting for its after-update pass (:mod:`.._law`)."""
+    """A calibration batch waiting for its after-update pass (:mod:`entropy_discriminator.law_scale`)."""
 
     keys: tuple[str, ...]
     entropy: torch.Tensor  # float [B, T_resp]: verl's own old-pass entropy (the after pass reads the same field)

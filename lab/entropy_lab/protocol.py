@@ -98,6 +98,8 @@ def parse_arm(spec: str) -> Arm:
             kw[key] = value
         elif key == "cap":
             kw[key] = None if value.lower() == "none" else float(value)
+        elif isinstance(default, int):
+            kw[key] = int(value)
         else:
             kw[key] = float(value)
     return Arm(name=name, family=family or name, **kw)
@@ -583,7 +585,7 @@ def extend_stage(spec: RunSpec, run_dir: Path, *, jobs: int, rounds: int = 4, lo
 
 def main_arms(selections: Sequence[dict[str, dict[str, object]]], grpo_lr: float, ppo_lr: float,
               families: Sequence[str] | None = None, start_entropy: float = 0.70,
-              fixed_share: float | None = None) -> list[Arm]:
+              fixed_share: float | None = None, autopilot_calibrate_every: int = 0) -> list[Arm]:
     """The main run's arms: the chosen setting of every family in ``selections`` (:func:`write_selection` outputs),
     as defined by :func:`~entropy_lab.tuning.stage_a` / ``stage_b(grpo_lr, ppo_lr)`` /
     ``adaptive_bonus_arms(grpo_lr, start_entropy)``, plus GRPO at
@@ -592,7 +594,8 @@ def main_arms(selections: Sequence[dict[str, dict[str, object]]], grpo_lr: float
 
     ``families``: only the arms of these families (``grpo_second_lr`` names the second GRPO line); the family
     ``autopilot`` (never tuned, so in no selection) adds :func:`~entropy_lab.tuning.autopilot_arms`'
-    default setting at ``grpo_lr``, and ``fixed_share`` the autopilot's control at the share ``fixed_share``
+    default setting at ``grpo_lr`` (its cheap score calibrated every ``autopilot_calibrate_every`` RL steps, 0 never),
+    and ``fixed_share`` the autopilot's control at the share ``fixed_share``
     (:func:`~entropy_lab.tuning.fixed_share_arm`; required then).  The selections must then choose GRPO at
     ``grpo_lr`` only if ``grpo`` or ``grpo_second_lr`` is among them.  A family neither in a selection nor one of
     those raises ``ValueError``."""
@@ -615,7 +618,7 @@ def main_arms(selections: Sequence[dict[str, dict[str, object]]], grpo_lr: float
             if "grpo_second_lr" in wanted:
                 arms.append(Arm(f"grpo(lr={second_lr(grpo_lr):g})", "grpo_second_lr", lr=second_lr(grpo_lr)))
         if "autopilot" in wanted:
-            arms += autopilot_arms(grpo_lr)
+            arms += autopilot_arms(grpo_lr, autopilot_calibrate_every)
         if "fixed_share" in wanted:
             arms.append(fixed_share_arm(grpo_lr, fixed_share))
         return arms
@@ -692,6 +695,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                           "(repeat for several files)")
     mp_.add_argument("--start-entropy", type=float, default=0.70,
                      help="as tune-c's (names the adaptive_bonus settings of a stage-C selection)")
+    mp_.add_argument("--autopilot-calibrate-every", type=int, default=0, metavar="K",
+                     help="the autopilot arm calibrates its cheap score every K RL steps as the adapters do "
+                          "(default 0: uncalibrated, as the earlier evaluations ran)")
     mp_.add_argument("--seeds", required=True)
     mp_.add_argument("--checkpoints", default="0/10/20/30/40/60/80/100/125/150/200")
     mp_.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
@@ -764,7 +770,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sels = [json.loads(p.read_text()) for p in args.selection]
         fams = args.families.split(",") if args.families else None
         share = mean_autopilot_share(load_jsonl(*args.fixed_share_from)) if args.fixed_share_from else None
-        arms = main_arms(sels, args.grpo_lr, args.ppo_lr, fams, args.start_entropy, share)
+        arms = main_arms(sels, args.grpo_lr, args.ppo_lr, fams, args.start_entropy, share,
+                         args.autopilot_calibrate_every)
         if not arms:
             raise SystemExit("main: no arm to run (no selected setting in the requested families)")
         run_stage(spec, arms, args.out, jobs=args.jobs, warm_cache=args.warm_cache)

@@ -46,6 +46,7 @@ from entropy_discriminator.baselines import (
 from entropy_discriminator.demo.model import ModelConfig, TinyGPT
 from entropy_discriminator.demo.train import LoopConfig, group_advantages
 from entropy_discriminator.demo.train import warm_up as supervised_warm_up
+from entropy_discriminator.law_scale import LawScale, cheap_change
 
 from .countdown import CountdownTask
 
@@ -93,7 +94,12 @@ class Arm:
     ``mask="autopilot"``: the core :class:`~entropy_discriminator.EntropyAutopilot` toward ``target_entropy``
     (``"hold"`` or nats/token) with the core's defaults for everything else (cap 0.05, sides ``negative``), stepped
     once per RL step on the old policy's statistics of the whole batch with the loop's advantages and ``eta = lr``;
-    its keep-mask is applied to every mini-batch like Clip_B's.  ``mask="fixed_share"``: the autopilot's control
+    its keep-mask is applied to every mini-batch like Clip_B's.  ``calibrate_every`` (autopilot only): 0 leaves
+    the cheap score uncalibrated (``kappa = 1``; under Adam it is orders of magnitude too small and the controller
+    sits at its cap); k > 0 calibrates it as the adapters do (:class:`~entropy_discriminator.law_scale.LawScale`
+    bound to the controller): on the 1st, (k+1)-th, ... RL step, the pair (the whole batch's cheap prediction
+    ``-lr Cov_B(A, S_c)`` before the mask, the realised change of the batch's mean token entropy over the step's
+    mini-batch updates, read by one no-grad forward of the same tokens).  ``mask="fixed_share"``: the autopilot's control
     without its feedback: the core :func:`~entropy_discriminator.fixed_share_mask` drops the ``share`` of the tokens
     the autopilot would drop first to raise the entropy (its defaults: sides ``negative``, the cheap score), stepped
     and applied the same way.
@@ -129,6 +135,7 @@ class Arm:
     entropy_coef_delta: float = 0.005
     entropy_coef_min: float = 0.0
     entropy_coef_max: float = 1.0
+    calibrate_every: int = 0
 
     def __post_init__(self) -> None:
         for label, allowed in (("estimator", ESTIMATORS), ("loss", LOSSES), ("mask", MASKS), ("shaping", SHAPINGS)):
@@ -144,6 +151,10 @@ class Arm:
             raise ValueError(f"arm {self.name}: baseline must be one of {ESTIMATORS}, got {self.baseline!r}")
         if self.mask == "autopilot":
             self.autopilot_config()
+        if type(self.calibrate_every) is not int or self.calibrate_every < 0:
+            raise ValueError(f"arm {self.name}: calibrate_every must be an int >= 0, got {self.calibrate_every!r}")
+        if self.calibrate_every and self.mask != "autopilot":
+            raise ValueError(f"arm {self.name}: calibrate_every is the autopilot's, got mask {self.mask!r}")
         if not 0 < self.share <= 1:
             raise ValueError(f"arm {self.name}: share must be in (0, 1], got {self.share}")
         if self.adaptive_entropy:
@@ -418,7 +429,8 @@ def rl_steps(
     removed: Clip_B / Clip_V clipped, the autopilot dropped, forking tokens' dropped low-entropy tokens, Clip-Cov
     detached, KL-Cov penalised), ``ppo_clip_frac`` and ``value_loss`` (0 without a critic).  The autopilot arm adds
     ``autopilot_*`` (the controller's measured and target entropy, its desired and predicted change, its dropped
-    share); the fixed-share arm ``fixed_share_predicted_dh`` (the cheap score's prediction after the drop, eta = lr);
+    share, its scale ``autopilot_scale``; on a calibration step also ``autopilot_cheap_dh``,
+    ``autopilot_realised_dh`` and ``autopilot_scale_skipped``); the fixed-share arm ``fixed_share_predicted_dh`` (the cheap score's prediction after the drop, eta = lr);
     the adaptive-bonus arm adds ``entropy_coef_applied`` (mean over the step's mini-batches of the coefficient
     applied) and ``entropy_coef`` (the coefficient after the step)."""
     task = cfg.task()
@@ -435,6 +447,8 @@ def rl_steps(
     sample_gen = torch.Generator().manual_seed(seed + 1)
     g, p_len, n_mb = cfg.group_size, task.prompt_len, cfg.minibatches
     pilot: EntropyAutopilot | None = arm.autopilot_config().build_autopilot() if arm.mask == "autopilot" else None
+    law_scale = LawScale(arm.calibrate_every)
+    law_scale.bind(pilot)
     adaptive = AdaptiveEntropyCoef.of(arm) if arm.adaptive_entropy else None
     yield 0, model, None, []
     for step in range(1, steps + 1):
@@ -444,13 +458,16 @@ def rl_steps(
         rec = {"reward": float(ro.rewards.mean()), "entropy": 0.0, "control_frac": 0.0, "ppo_clip_frac": 0.0,
                "value_loss": 0.0}
         dh: list[tuple[float, float]] = []
-        keep_all = None
+        keep_all = cheap = before = None
         if pilot is not None:  # once per RL step, on the old policy's statistics of the whole batch
-            res = pilot.from_stats(token_stats(ro.old_logits, ro.resp), ro.adv, lr=arm.lr)
+            before = token_stats(ro.old_logits, ro.resp)
+            res = pilot.from_stats(before, ro.adv, lr=arm.lr)
             keep_all = res.keep
             rec.update(autopilot_entropy=res.entropy, autopilot_target_entropy=res.target_entropy,
                        autopilot_target_dh=res.target_dh, autopilot_predicted_dh=res.predicted_dh_after,
                        autopilot_dropped_frac=res.dropped_frac)
+            if law_scale.tick():
+                cheap = cheap_change(ro.adv, before.s_centered, before.valid, eta=arm.lr)
         elif arm.mask == "fixed_share":  # the autopilot's order and defaults, a constant share
             stats = token_stats(ro.old_logits, ro.resp)
             res = fixed_share_mask(stats.s_centered, ro.adv, stats.valid, share=arm.share, lr=arm.lr,
@@ -477,4 +494,12 @@ def rl_steps(
                 rec["value_loss"] += value_update(critic, vopt, s_mb, p_len, ro.returns[idx]) / n_mb
         if adaptive is not None:
             rec["entropy_coef"] = adaptive.coef
+        if cheap is not None and before is not None:  # a calibration step: the same tokens after the updates
+            with torch.no_grad():
+                after = token_stats(model.response_logits(ro.seq, p_len).float(), ro.resp)
+            realised = float((after.entropy - before.entropy).double()[before.valid].mean())
+            rec.update(autopilot_cheap_dh=cheap, autopilot_realised_dh=realised,
+                       autopilot_scale_skipped=float(not law_scale.feed(cheap, realised)))
+        if pilot is not None:
+            rec["autopilot_scale"] = pilot.calibration.scale
         yield step, model, rec, dh

@@ -52,10 +52,11 @@ def stage_b(grpo_lr: float, ppo_lr: float) -> list[Arm]:
     return arms
 
 
-def autopilot_arms(grpo_lr: float) -> list[Arm]:
-    """The entropy autopilot (issue 23), evaluated untuned: its one default setting, holding the starting entropy,
-    at the stage-A GRPO learning rate (``eta`` = that rate; the core's cap 0.05 and sides ``negative``)."""
-    return [Arm("autopilot(hold)", "autopilot", mask="autopilot", lr=grpo_lr)]
+def autopilot_arms(grpo_lr: float, calibrate_every: int = 0) -> list[Arm]:
+    """The entropy autopilot, evaluated untuned: its one default setting, holding the starting entropy, at the
+    stage-A GRPO learning rate (``eta`` = that rate; the core's cap 0.05 and sides ``negative``), its cheap score
+    calibrated every ``calibrate_every`` RL steps (0: not calibrated; :class:`~entropy_lab.rl.Arm`)."""
+    return [Arm("autopilot(hold)", "autopilot", mask="autopilot", lr=grpo_lr, calibrate_every=calibrate_every)]
 
 
 def fixed_share_arm(grpo_lr: float, share: float) -> Arm:

@@ -16,7 +16,7 @@ from trl import GRPOConfig, GRPOTrainer, TrlParser
 
 import entropy_discriminator.adapters.trl._autopilot as ed_autopilot
 from entropy_discriminator import EntropyAutopilot, EntropyDiscConfig, batch_entropy_change
-from entropy_discriminator.adapters._law import LawScale
+from entropy_discriminator.law_scale import LawScale
 from entropy_discriminator.adapters.trl import EntropyDiscGRPOConfig, EntropyDiscGRPOTrainer, patch, unpatch
 
 #: Settings under which the tiny model's batches drop tokens every step: a target near log V = log 24 (the

@@ -1,0 +1,85 @@
+"""The calibration schedule of the cheap entropy prediction (``entropy_discriminator.law_scale``), which the three
+adapters and the lab's autopilot arm share: its schedule, the least-squares scale against a float64 fit written
+here, the rule that keeps a bound controller's ``kappa`` positive, and its state."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import entropy_discriminator as ed
+from entropy_discriminator.law_scale import (
+    CHEAP_KEY,
+    PREDICTED_KEY,
+    SCALE_KEY,
+    LawScale,
+    cheap_change,
+)
+
+
+def test_tick_marks_the_first_batch_and_every_kth_after_it() -> None:
+    scale = LawScale(3)
+    assert [scale.tick() for _ in range(7)] == [True, False, False, True, False, False, True]
+    off = LawScale(0)
+    assert not any(off.tick() for _ in range(5))
+
+
+@settings(max_examples=30, deadline=None)
+@given(pairs=st.lists(st.tuples(st.floats(-1e-3, 1e-3).filter(lambda x: abs(x) > 1e-9), st.floats(-0.1, 0.1)),
+                      min_size=1, max_size=12))
+def test_unbound_scale_is_the_forgetting_least_squares_fit(pairs: list[tuple[float, float]]) -> None:
+    scale = LawScale(1)
+    for x, y in pairs:
+        assert scale.feed(x, y)
+    n = len(pairs)
+    w = [0.9 ** (n - 1 - i) for i in range(n)]
+    s_xy = math.fsum(wi * x * y for wi, (x, y) in zip(w, pairs))
+    s_xx = math.fsum(wi * x * x for wi, (x, _) in zip(w, pairs))
+    assert scale.scale == pytest.approx(s_xy / s_xx, rel=1e-9, abs=1e-12)
+
+
+def test_bound_controller_never_gets_a_non_positive_scale() -> None:
+    pilot = ed.EntropyDiscConfig(method="autopilot").build_autopilot()
+    scale = LawScale(1)
+    scale.bind(pilot)
+    assert scale.feed(1e-6, 2e-2)  # kappa = 2e4
+    assert pilot.calibration.scale == pytest.approx(2e4)
+    assert not scale.feed(1e-6, -1.0)  # would flip kappa's sign: left out
+    assert pilot.calibration.scale == pytest.approx(2e4)
+    assert not scale.feed(float("nan"), 1.0)
+    unbound = LawScale(1)
+    assert unbound.feed(1e-6, 2e-2) and unbound.feed(1e-6, -1.0)  # without a controller every pair is fed
+    assert unbound.scale < 0
+
+
+def test_metrics_and_state_round_trip() -> None:
+    scale = LawScale(2)
+    scale.tick()
+    scale.feed(2e-6, 1e-2)
+    m = scale.metrics(2e-6)
+    assert m["entropy_disc/" + CHEAP_KEY] == 2e-6
+    assert m["entropy_disc/" + SCALE_KEY] == pytest.approx(5e3)
+    assert m["entropy_disc/" + PREDICTED_KEY] == pytest.approx(1e-2)
+    assert scale.metrics(None) == {}
+    restored = LawScale(2)
+    restored.load_state_dict(scale.state_dict())
+    assert restored.state_dict() == scale.state_dict() and restored.scale == scale.scale
+    with pytest.raises(ValueError, match="version"):
+        restored.load_state_dict({**scale.state_dict(), "version": 99})
+    with pytest.raises(ValueError, match="calibrate_every"):
+        LawScale(-1)
+
+
+def test_cheap_change_is_minus_eta_times_the_covariance() -> None:
+    gen = torch.Generator().manual_seed(0)
+    adv = torch.randn(4, 6, generator=gen)
+    s_c = torch.randn(4, 6, generator=gen) * 1e-3
+    valid = torch.rand(4, 6, generator=gen) > 0.2
+    a, y = adv[valid].double(), s_c[valid].double()
+    cov = ((a - a.mean()) * (y - y.mean())).mean()
+    assert cheap_change(adv, s_c, valid, eta=0.5) == pytest.approx(float(-0.5 * cov), rel=1e-6)
+    assert cheap_change(adv, s_c, valid, eta=None) is None
