@@ -4,7 +4,7 @@ For each variant of :data:`benchmarks.fused_vs_cublas.SWEEP` that runs the persi
 compile it for sm_90 (Triton's own ``ptxas``, ``--arch`` sm_90a) exactly as the public call would
 launch it with bf16 inputs, no bias and unrounded logits, and print what costs no device time to
 read: registers per thread, spill bytes, shared memory, the ``wgmma`` count per K step and the
-``wgmma.wait_group`` depths (a pipelined loop waits with depth >= 1).  A variant that spills, or
+``wgmma.wait_group`` depths.  A variant that spills, or
 needs more shared memory than the 227 KiB a Hopper block may have, is worth dropping before a
 device run.  Runs on any machine with Triton 3.6 (the GPU's count of multiprocessors is taken as
 132, an H100 SXM's).
@@ -33,9 +33,8 @@ def compile_variant(cfg: dict, sms: int = 132) -> dict:
 
     n_prog = cfg["persistent"] * sms
     kernel, consts = persistent_spec(cfg, False, 0, False, n_prog, True)
-    w_rows = cfg["bn"] // 2 if cfg["pipeline"] else cfg["bn"]
     sig = {
-        "a_desc": f"tensordesc<bf16[{cfg['bm']},{cfg['bk']}]>", "w_desc": f"tensordesc<bf16[{w_rows},{cfg['bk']}]>",
+        "a_desc": f"tensordesc<bf16[{cfg['bm']},{cfg['bk']}]>", "w_desc": f"tensordesc<bf16[{cfg['bn']},{cfg['bk']}]>",
         "b_ptr": "*bf16", "lab_ptr": "*i64", "part_ptr": "*fp32", "yk_ptr": "*fp32", "N": "i32", "V": "i32",
         "H": "i32", "c": "fp32", "inv_t": "fp32", **{k: "constexpr" for k in consts},
     }  # fmt: skip

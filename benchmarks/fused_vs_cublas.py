@@ -52,12 +52,6 @@ SWEEP: dict[str, dict | None] = {
     "noflat s4": {"flatten": 0, "stages": 4},
     "noflat g16": {"flatten": 0, "group_m": 16},
     "noflat bk128 s2": {"flatten": 0, "bk": 128, "stages": 2},
-    "pipe 128x128 e1": {"bn": 128, "pipeline": 1},
-    "pipe 128x128 e1 s4": {"bn": 128, "pipeline": 1, "stages": 4},
-    "pipe 128x128 e4": {"bn": 128, "pipeline": 4},
-    "pipe 128x128 e1 unbranched": {"bn": 128, "pipeline": 1, "branch": 0},
-    "pipe 128x128 bk128 e1": {"bn": 128, "bk": 128, "pipeline": 1},
-    "pipe 128x128 bk128 e1 s2": {"bn": 128, "bk": 128, "pipeline": 1, "stages": 2},
     "floor noflat": {"flatten": 0, "moments": 0},
 }
 ERR_MAX = 2e-3  # max |error| of logp, H, E_p[S] against float64 for a variant to count as correct

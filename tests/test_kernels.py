@@ -240,36 +240,33 @@ def test_choose_config_splits_only_small_batches(dtype):
 
 
 @pytest.mark.parametrize(
-    ("n", "h", "v", "dtype", "bias", "temperature", "rows_per_launch", "persistent", "pipeline"),
+    ("n", "h", "v", "dtype", "bias", "temperature", "rows_per_launch", "persistent", "max_programs"),
     [
         (37, 48, 300, torch.float16, False, 1.0, None, 1, 0),
         (37, 48, 300, torch.float16, True, 1.2, 16, 0, 0),
         (20, 40, 130, torch.float32, True, 0.8, 16, 1, 0),
-        # the pipelined kernel: epilogue inside the next K loop (after its 1st / 2nd dot), and a K loop
-        # too short for it (3 steps, epilogue after the loop); two programs, so each has several tiles
-        (37, 48, 300, torch.float16, True, 1.2, None, 1, 1),
-        (37, 40, 130, torch.float16, False, 0.8, 16, 1, 2),
-        (21, 40, 300, torch.float16, True, 1.0, None, 1, 4),
+        # two persistent programs, so each walks several tiles
+        (37, 48, 300, torch.float16, True, 1.2, None, 1, 2),
+        (21, 40, 300, torch.float16, True, 1.0, 16, 1, 2),
     ],
 )
-def test_fused_kernel_matches_float64(n, h, v, dtype, bias, temperature, rows_per_launch, persistent, pipeline):
-    # persistent=1 with fp16 runs the persistent TMA-descriptor kernel (pipelined when pipeline > 0),
-    # 0 (and fp32) the pointer one.
+def test_fused_kernel_matches_float64(n, h, v, dtype, bias, temperature, rows_per_launch, persistent, max_programs):
+    # persistent=1 with fp16 runs the persistent TMA-descriptor kernel, 0 (and fp32) the pointer one.
     # The interpreter does not emulate bf16 tl.dot; bf16 is covered on the GPU (tests/gpu/).
     g = torch.Generator().manual_seed(n)
     hid = torch.randn(n, h, generator=g).to(dtype).to(DEV)
     w = (torch.randn(v, h, generator=g) * 0.5).to(dtype).to(DEV)
     b = torch.randn(v, generator=g).to(dtype).to(DEV) if bias else None
     labels = _labels(n, n, v)
-    cfg = {"bm": 16, "bn": 32 if v < 200 else 64, "bk": 16, "group_m": 3, "persistent": persistent, "pipeline": pipeline,
-           "max_programs": 2 if pipeline else 0}  # two programs: each walks several tiles
+    cfg = {"bm": 16, "bn": 32 if v < 200 else 64, "bk": 16, "group_m": 3, "persistent": persistent,
+           "max_programs": max_programs}
     out = token_stats_fused_triton(hid, w, labels, b, temperature, -100, config=cfg, rows_per_launch=rows_per_launch)
     logits = hid.cpu().double() @ w.cpu().double().T + (b.cpu().double() if bias else 0.0)
     _check(out, logits, labels, temperature)
 
 
-@pytest.mark.parametrize("pipeline", [0, 1])
-def test_fused_kernel_flags_labels_outside_the_vocabulary(pipeline):
+@pytest.mark.parametrize("persistent", [0, 1])
+def test_fused_kernel_flags_labels_outside_the_vocabulary(persistent):
     # the label logit is picked by the label's int32 column inside its tile: labels past V, negative
     # or past int32 (2^32 + 1 would alias column 1) must still read as bad rows, the others unchanged
     g = torch.Generator().manual_seed(5)
@@ -278,7 +275,7 @@ def test_fused_kernel_flags_labels_outside_the_vocabulary(pipeline):
     labels = _labels(5, 20, 70)
     bad = [2, 7, 11]
     labels[bad] = torch.tensor([70, 2**32 + 1, -5], device=labels.device)
-    cfg = {"bm": 16, "bn": 32, "bk": 16, "group_m": 3, "pipeline": pipeline, "max_programs": 2}
+    cfg = {"bm": 16, "bn": 32, "bk": 16, "group_m": 3, "persistent": persistent, "max_programs": 2}
     out = token_stats_fused_triton(hid, w, labels, None, 1.0, -100, config=cfg)
     assert out.errors.tolist() == [3, 0, 0, 0]
     assert bool(torch.isnan(out.logp.cpu()[bad]).all())
@@ -500,13 +497,12 @@ def test_launcher_caches_after_tritons_path_and_steps_aside_for_hooks(monkeypatc
     temperature=st.sampled_from([1.0, 0.7]),
     persistent=st.sampled_from([0, 1]),
     branch=st.sampled_from([0, 1]),  # the -inf mask and the label logit in every tile, or only where needed
-    pipeline=st.sampled_from([0, 1, 3]),  # persistent: epilogue inside the next K loop (3 steps) or after it
 )
 # a last column tile whose two vocabulary entries are both -inf (its rows' tile max is -inf): CI's failing case
 @example(seed=81, n=31, v=66, logits_dtype=torch.bfloat16, scale=2.0**-6, t_low=False, neg_inf=True, temperature=1.0,
-         persistent=0, branch=0, pipeline=0)
+         persistent=0, branch=0)
 def test_fused_kernel_rounds_logits_as_the_reference(seed, n, v, logits_dtype, scale, t_low, neg_inf, temperature,
-                                                     persistent, branch, pipeline):
+                                                     persistent, branch):
     """``logits_dtype`` in the epilogue: float64 statistics of the rounded logits (fp16 inputs: the
     interpreter does not emulate a bf16 tl.dot), at least as accurate as the chunked torch path."""
     from rounding_reference import exact_problem, rounded_reference
@@ -515,7 +511,7 @@ def test_fused_kernel_rounds_logits_as_the_reference(seed, n, v, logits_dtype, s
 
     hid, w, b, labels = exact_problem(seed, n, 40, v, torch.float16, scale, neg_inf)
     cfg = {"bm": 16, "bn": 32, "bk": 16, "group_m": 3, "persistent": persistent, "branch": branch,
-           "pipeline": pipeline, "max_programs": 2}
+           "max_programs": 2}
     out = token_stats_fused_triton(hid.to(DEV), w.to(DEV), labels, b.to(DEV), temperature, -100, config=cfg,
                                    logits_dtype=logits_dtype, temperature_in_logits_dtype=t_low)
     naive = token_stats_from_hidden(hid, w, labels, bias=b, temperature=temperature, impl="torch",

@@ -5,9 +5,8 @@ row blocks so that the hidden and weight tiles in flight stay in L2).  The confi
 stages, whether the tile loop is flattened) comes from a per-shape table (:data:`SHAPE_CONFIGS`).
 By default one persistent program per multiprocessor walks the tiles, its operands loaded by TMA
 descriptors, the next tile's loads in flight during this tile's epilogue when the loop is
-flattened, or (``pipeline``) with each tile's epilogue run inside the next tile's K loop while its
-asynchronous dots are in flight; otherwise (fp32, unaligned strides, pre-Hopper
-GPUs) one program per tile loads through pointers.  The epilogue reduces the tile, on chip, to
+flattened; otherwise (fp32, unaligned strides, pre-Hopper GPUs) one program per tile loads
+through pointers.  The epilogue reduces the tile, on chip, to
 six numbers per row (the reference m, the sums s0..s3 of :mod:`._reduce`, and a NaN-propagating
 max); the program whose tile holds a row's label
 also writes that logit.  :func:`._reduce.merge_kernel` then merges the ceil(V/BN) partials of every
@@ -25,7 +24,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from ._reduce import D_FLOOR, ERR_WORDS, LOG2E, exp2, max_nan, merge_block, merge_kernel, rescale
+from ._reduce import D_FLOOR, ERR_WORDS, LOG2E, exp2, max_nan, merge_block, merge_kernel
 from .triton_stats import KernelStats
 
 try:  # host-side TMA descriptors (Triton >= 3.2); without them the pointer kernel is used
@@ -40,16 +39,12 @@ __all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG", "SHAPE_CONFIGS", "choos
 # cap per thread (0: none; lets two programs share a multiprocessor, so that one's epilogue could
 # run while the other's matmul does: benchmarks only, never faster so far); branch: mask the
 # columns past V only in the last column tile and form the label logit only in tiles that hold a
-# label (block-uniform branches; 0: in every tile); pipeline: 0, or n >= 1 to run, where the
-# persistent kernel would, :func:`_fused_pipelined_kernel`: each tile's epilogue inside the next
-# tile's K loop, its first column half after the dots of K step n, the second after step n + 1
-# (two tiles' accumulators in registers, so for tiles of <= 128 x 128 at 8 warps);
-# max_programs: at most this many persistent programs (0: no cap beyond persistent per
+# label (block-uniform branches; 0: in every tile); max_programs: at most this many persistent programs (0: no cap beyond persistent per
 # multiprocessor).  H100, N=16384, H=3584, V=152064 (results/h100/tune_fused.csv): persistent
 # 666 TFLOP/s, one program per tile 595.
 DEFAULT_CONFIG = {
     "bm": 128, "bn": 256, "bk": 64, "group_m": 8, "num_warps": 8, "stages": 3, "moments": 4,
-    "persistent": 1, "flatten": 1, "ws": 0, "maxnreg": 0, "branch": 1, "pipeline": 0,
+    "persistent": 1, "flatten": 1, "ws": 0, "maxnreg": 0, "branch": 1,
     "max_programs": 0,
 }  # fmt: skip
 # Per-shape overrides of DEFAULT_CONFIG for 16-bit inputs: (largest hidden size, overrides), first
@@ -316,124 +311,6 @@ def _fused_persistent_kernel(
         )  # fmt: skip
 
 
-@triton.jit
-def _half_sums(
-    acc, pid_m, pid_n, half, b_ptr, lab_ptr, yk_ptr, N, V, c, inv_t,
-    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MOMENTS: tl.constexpr, ROUND: tl.constexpr,
-    T_ROUND: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr,
-):  # fmt: skip
-    """:func:`_tile_sums` of column half ``half`` (0 or 1) of tile (pid_m, pid_n): the [BM, BN // 2]
-    block at columns pid_n * BN + half * BN // 2 + [0, BN // 2)."""
-    return _tile_sums(
-        acc, pid_m, 2 * pid_n + half, b_ptr, lab_ptr, yk_ptr, N, V, c, inv_t,
-        HAS_BIAS=HAS_BIAS, BM=BM, BN=BN // 2, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ, BRANCH=BRANCH,
-    )  # fmt: skip
-
-
-@triton.jit
-def _merge_two(m0, a0, a1, a2, a3, m1, b0, b1, b2, b3):
-    """One set of row sums from two, each against its own row max (:func:`._reduce.rescale` moves
-    both to the larger max; a -inf max has zero sums).  Returns (m, s0, s1, s2, s3), m the
-    NaN-propagating max of m0 and m1."""
-    m = max_nan(m0, m1)
-    mu = tl.where(m > float("-inf"), m, 0.0)
-    a0, a1, a2, a3 = rescale(a0, a1, a2, a3, m0, mu)
-    b0, b1, b2, b3 = rescale(b0, b1, b2, b3, m1, mu)
-    return m, a0 + b0, a1 + b1, a2 + b2, a3 + b3
-
-
-@triton.jit
-def _finish_tile(
-    acc1, pid_m, pid_n, m0, a0, a1, a2, a3, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
-    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MOMENTS: tl.constexpr, ROUND: tl.constexpr,
-    T_ROUND: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr,
-):  # fmt: skip
-    """Reduce the second column half ``acc1`` of tile (pid_m, pid_n) (:func:`_half_sums`), merge its sums
-    with the first half's ``(m0, a0..a3)`` (:func:`_merge_two`) and store the tile's partials."""
-    m1, b0, b1, b2, b3 = _half_sums(
-        acc1, pid_m, pid_n, 1, b_ptr, lab_ptr, yk_ptr, N, V, c, inv_t,
-        HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ, BRANCH=BRANCH,
-    )  # fmt: skip
-    m, s0, s1, s2, s3 = _merge_two(m0, a0, a1, a2, a3, m1, b0, b1, b2, b3)
-    _store_partials(part_ptr, pid_m, pid_n, num_pid_n, N, m, s0, s1, s2, s3, BM=BM)
-
-
-@triton.jit
-def _fused_pipelined_kernel(
-    a_desc, w_desc, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, c, inv_t,
-    HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, T_ROUND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr, MOMENTS: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, EPI_AT: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr,
-):  # fmt: skip
-    """Persistent variant whose epilogue is software-pipelined across tiles.
-
-    Program p walks its tiles t_0, t_1, ... (p, p + NUM_PROGRAMS, ...).  A tile is two [BM, BN / 2]
-    accumulators (two dots per K step; ``w_desc`` has [BN / 2, BK] blocks), kept in registers after
-    its K loop: half h of t_(i-1) is reduced inside the K loop of t_i right after that loop's dots of
-    step EPI_AT + h are issued, so that the tensor cores work on t_i (the dots are asynchronous in
-    the pipelined loop) while the CUDA cores reduce t_(i-1); the second half's sums are merged with
-    the first's and stored as the tile's partials (:func:`_finish_tile`).  A half whose step the K loop
-    does not reach is reduced after the loop; one extra trip of the tile loop, without dots, drains
-    the last tile.  Two tiles' accumulators live at once: the register budget of 128 x 128 tiles at
-    8 warps.  Out-of-range rows, columns and K are zero-filled by the copy engine, as in
-    :func:`_fused_persistent_kernel`.
-    """
-    HALF: tl.constexpr = BN // 2
-    num_pid_m = tl.cdiv(N, BM)
-    num_pid_n = tl.cdiv(V, BN)
-    k_tiles = tl.cdiv(H, BK)
-    num_tiles = num_pid_m * num_pid_n
-    pid = tl.program_id(0)
-    n_mine = tl.cdiv(num_tiles - pid, NUM_PROGRAMS)  # >= 1: the grid is at most num_tiles
-    prev0 = tl.zeros([BM, HALF], dtype=tl.float32)
-    prev1 = tl.zeros([BM, HALF], dtype=tl.float32)
-    prev_m = pid * 0
-    prev_n = pid * 0
-    for i in range(0, n_mine + 1):
-        tile = tl.minimum(pid + i * NUM_PROGRAMS, num_tiles - 1)
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        k_end = tl.where(i < n_mine, k_tiles, 0)
-        acc0 = tl.zeros([BM, HALF], dtype=tl.float32)
-        acc1 = tl.zeros([BM, HALF], dtype=tl.float32)
-        # the first half's sums of the previous tile, carried until the second half's are formed
-        m0 = tl.full([BM], float("-inf"), tl.float32)
-        a0 = tl.zeros([BM], dtype=tl.float32)
-        a1 = a0
-        a2 = a0
-        a3 = a0
-        for ki in tl.range(0, k_end, num_stages=STAGES):
-            a = a_desc.load([pid_m * BM, ki * BK])
-            acc0 = tl.dot(a, w_desc.load([pid_n * BN, ki * BK]).T, acc0)
-            acc1 = tl.dot(a, w_desc.load([pid_n * BN + HALF, ki * BK]).T, acc1)
-            if (ki == EPI_AT) & (i > 0):
-                m0, a0, a1, a2, a3 = _half_sums(
-                    prev0, prev_m, prev_n, 0, b_ptr, lab_ptr, yk_ptr, N, V, c, inv_t,
-                    HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ,
-                    BRANCH=BRANCH,
-                )  # fmt: skip
-            if (ki == EPI_AT + 1) & (i > 0):
-                _finish_tile(
-                    prev1, prev_m, prev_n, m0, a0, a1, a2, a3, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t,
-                    num_pid_n, HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND,
-                    FTZ=FTZ, BRANCH=BRANCH,
-                )  # fmt: skip
-        if (k_end <= EPI_AT) & (i > 0):
-            m0, a0, a1, a2, a3 = _half_sums(
-                prev0, prev_m, prev_n, 0, b_ptr, lab_ptr, yk_ptr, N, V, c, inv_t,
-                HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ, BRANCH=BRANCH,
-            )  # fmt: skip
-        if (k_end <= EPI_AT + 1) & (i > 0):
-            _finish_tile(
-                prev1, prev_m, prev_n, m0, a0, a1, a2, a3, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t,
-                num_pid_n, HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND,
-                FTZ=FTZ, BRANCH=BRANCH,
-            )  # fmt: skip
-        prev0 = acc0
-        prev1 = acc1
-        prev_m = pid_m
-        prev_n = pid_n
-
-
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
@@ -441,17 +318,13 @@ def _num_sms(device: torch.device) -> int:
 def persistent_spec(
     cfg: dict, has_bias: bool, round_code: int, t_round: bool, n_prog: int, ftz: bool
 ) -> tuple[object, dict]:
-    """The persistent TMA kernel a configuration runs (:func:`_fused_pipelined_kernel` when
-    ``cfg["pipeline"]``, else :func:`_fused_persistent_kernel`) and its compile-time arguments.
-    Its weight descriptor has [BN / 2, BK] blocks when pipelined, [BN, BK] otherwise."""
-    consts = {
+    """The persistent TMA kernel (:func:`_fused_persistent_kernel`) and a configuration's compile-time arguments."""
+    return _fused_persistent_kernel, {
         "HAS_BIAS": has_bias, "ROUND": round_code, "T_ROUND": t_round, "BM": cfg["bm"], "BN": cfg["bn"],
         "BK": cfg["bk"], "GROUP_M": cfg["group_m"], "STAGES": cfg["stages"], "MOMENTS": cfg["moments"],
-        "NUM_PROGRAMS": n_prog, "FTZ": ftz, "BRANCH": bool(cfg["branch"]),
+        "NUM_PROGRAMS": n_prog, "FTZ": ftz, "BRANCH": bool(cfg["branch"]), "FLATTEN": bool(cfg["flatten"]),
+        "WARP_SPECIALIZE": bool(cfg["ws"]),
     }  # fmt: skip
-    if cfg["pipeline"]:
-        return _fused_pipelined_kernel, {**consts, "EPI_AT": cfg["pipeline"] - 1}
-    return _fused_persistent_kernel, {**consts, "FLATTEN": bool(cfg["flatten"]), "WARP_SPECIALIZE": bool(cfg["ws"])}
 
 
 def _use_persistent(cfg: dict, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -534,8 +407,6 @@ def token_stats_fused_triton(
     ftz = not interpreting()
     bm, bn, bk = cfg["bm"], cfg["bn"], cfg["bk"]
     persistent = _use_persistent(cfg, hidden, weight)
-    pipelined = persistent and bool(cfg["pipeline"])
-    halves = 2 if pipelined else 1  # the pipelined kernel loads the weight in half-width blocks
     n_tiles = triton.cdiv(vocab, bn)
     if rows_per_launch is None:
         rows_per_launch = max(bm, (_WORKSPACE_BYTES // (24 * n_tiles)) // bm * bm)
@@ -549,7 +420,7 @@ def token_stats_fused_triton(
     inv_t = float(np.float32(1.0) / np.float32(temperature))
     c = LOG2E if t_round else LOG2E / float(temperature)
     bias_arg = bias.contiguous() if bias is not None else hidden
-    w_desc = TensorDescriptor.from_tensor(weight, [bn // halves, bk]) if persistent else None
+    w_desc = TensorDescriptor.from_tensor(weight, [bn, bk]) if persistent else None
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         for r0 in range(0, n_rows, rows_per_launch):
             r1 = min(n_rows, r0 + rows_per_launch)
