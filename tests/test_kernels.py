@@ -265,6 +265,16 @@ def test_fused_kernel_matches_float64(n, h, v, dtype, bias, temperature, rows_pe
     _check(out, logits, labels, temperature)
 
 
+def test_fused_kernel_refuses_unknown_config_keys():
+    # a key the kernel does not read (a misspelling, or one from an older version) is refused by name before any
+    # work, empty batch included, never silently ignored
+    hid = torch.zeros(0, 32, dtype=torch.float16).to(DEV)
+    w = torch.zeros(70, 32, dtype=torch.float16).to(DEV)
+    labels = torch.zeros(0, dtype=torch.int64, device=hid.device)
+    with pytest.raises(ValueError, match=r"unknown keys \['pipeline'\]"):
+        token_stats_fused_triton(hid, w, labels, None, 1.0, -100, config={"bn": 32, "pipeline": 1})
+
+
 @pytest.mark.parametrize("persistent", [0, 1])
 def test_fused_kernel_flags_labels_outside_the_vocabulary(persistent):
     # the label logit is picked by the label's int32 column inside its tile: labels past V, negative

@@ -39,9 +39,9 @@ __all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG", "SHAPE_CONFIGS", "choos
 # cap per thread (0: none; lets two programs share a multiprocessor, so that one's epilogue could
 # run while the other's matmul does: benchmarks only, never faster so far); branch: mask the
 # columns past V only in the last column tile and form the label logit only in tiles that hold a
-# label (block-uniform branches; 0: in every tile); max_programs: at most this many persistent programs (0: no cap beyond persistent per
-# multiprocessor).  H100, N=16384, H=3584, V=152064 (results/h100/tune_fused.csv): persistent
-# 666 TFLOP/s, one program per tile 595.
+# label (block-uniform branches; 0: in every tile); max_programs: at most this many persistent
+# programs (0: no cap beyond persistent per multiprocessor).  H100, N=16384, H=3584, V=152064
+# (results/h100/tune_fused.csv): persistent 666 TFLOP/s, one program per tile 595.
 DEFAULT_CONFIG = {
     "bm": 128, "bn": 256, "bk": 64, "group_m": 8, "num_warps": 8, "stages": 3, "moments": 4,
     "persistent": 1, "flatten": 1, "ws": 0, "maxnreg": 0, "branch": 1,
@@ -86,17 +86,19 @@ def _round_bf16(x):
 
 
 @triton.jit
-def _tile_sums(
+def _tile_epilogue(
     acc,
     pid_m,
     pid_n,
     b_ptr,
     lab_ptr,
+    part_ptr,
     yk_ptr,
     N,
     V,
     c,
     inv_t,
+    num_pid_n,
     HAS_BIAS: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -106,9 +108,11 @@ def _tile_sums(
     FTZ: tl.constexpr,
     BRANCH: tl.constexpr,
 ):
-    """Reduce one [BM, BN] fp32 logits tile to (m, s0, s1, s2, s3) per row ([BM] each; m is the
-    NaN-propagating row max of y, the sums are against it) and store the label logit y_k of the
-    rows whose label lies in the tile.
+    """Reduce one [BM, BN] fp32 logits tile to the six partials per row (and the label logit).
+
+    The partials go to part_ptr, fp32 [6, N, num_pid_n] at this tile's column pid_n: m (the
+    NaN-propagating row max of y), the sums s0..s3 against it, and m again as the max the merge
+    validates; y_k is stored for the rows whose label lies in the tile.
 
     ROUND (0: none, 1: bf16, 2: fp16) rounds L = acc + bias to that dtype (round to nearest even);
     with T_ROUND also ``L * inv_t`` (torch's ``low / T``: a multiply by the fp32 reciprocal) is
@@ -166,15 +170,6 @@ def _tile_sums(
     else:
         yk = tl.sum(tl.where(cols[None, :] == col[:, None], acc, 0.0), axis=1) * c
         tl.store(yk_ptr + rm, yk, mask=in_tile)
-    return m, s0, s1, s2, s3
-
-
-@triton.jit
-def _store_partials(part_ptr, pid_m, pid_n, num_pid_n, N, m, s0, s1, s2, s3, BM: tl.constexpr):
-    """Write one tile's partials: part_ptr is fp32 [6, N, num_pid_n] (m, s0..s3, and m again as the
-    NaN-propagating max the merge validates), this tile's column pid_n, rows pid_m * BM + [0, BM)."""
-    rm = pid_m * BM + tl.arange(0, BM)
-    row_ok = rm < N
     stride_f = tl.cast(N, tl.int64) * num_pid_n
     q = part_ptr + rm.to(tl.int64) * num_pid_n + pid_n
     tl.store(q, m, mask=row_ok)
@@ -183,20 +178,6 @@ def _store_partials(part_ptr, pid_m, pid_n, num_pid_n, N, m, s0, s1, s2, s3, BM:
     tl.store(q + 3 * stride_f, s2, mask=row_ok)
     tl.store(q + 4 * stride_f, s3, mask=row_ok)
     tl.store(q + 5 * stride_f, m, mask=row_ok)
-
-
-@triton.jit
-def _tile_epilogue(
-    acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
-    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MOMENTS: tl.constexpr, ROUND: tl.constexpr,
-    T_ROUND: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr,
-):  # fmt: skip
-    """:func:`_tile_sums` of one tile, stored as its partials (:func:`_store_partials`)."""
-    m, s0, s1, s2, s3 = _tile_sums(
-        acc, pid_m, pid_n, b_ptr, lab_ptr, yk_ptr, N, V, c, inv_t,
-        HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ, BRANCH=BRANCH,
-    )  # fmt: skip
-    _store_partials(part_ptr, pid_m, pid_n, num_pid_n, N, m, s0, s1, s2, s3, BM=BM)
 
 
 @triton.jit
@@ -388,6 +369,9 @@ def token_stats_fused_triton(
         raise ValueError(f"hidden and weight must share a bf16/fp16/fp32 dtype, got {hidden.dtype}, {weight.dtype}")
     if not interpreting() and hidden.device.type != "cuda":
         raise ValueError(f"hidden must be a CUDA tensor, got device {hidden.device}")
+    unknown = sorted(set(config or {}) - set(DEFAULT_CONFIG))
+    if unknown:
+        raise ValueError(f"config has unknown keys {unknown}; the keys are {sorted(DEFAULT_CONFIG)}")
     n_rows, hdim = hidden.shape
     vocab = weight.shape[0]
     hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
