@@ -99,8 +99,8 @@ class Arm:
     sits at its cap); k > 0 calibrates it as the adapters do (:class:`~entropy_discriminator.law_scale.LawScale`
     bound to the controller): on the 1st, (k+1)-th, ... RL step, the pair (the whole batch's cheap prediction
     ``-lr Cov_B(A, S_c)`` before the mask, the realised change of the batch's mean token entropy over the step's
-    mini-batch updates, read by one no-grad forward of the same tokens).  ``mask="fixed_share"``: the autopilot's control
-    without its feedback: the core :func:`~entropy_discriminator.fixed_share_mask` drops the ``share`` of the tokens
+    mini-batch updates, read by one no-grad forward of the same tokens).  ``mask="fixed_share"``: the autopilot's
+    control without its feedback: the core :func:`~entropy_discriminator.fixed_share_mask` drops the ``share`` of the tokens
     the autopilot would drop first to raise the entropy (its defaults: sides ``negative``, the cheap score), stepped
     and applied the same way.
 
@@ -430,9 +430,10 @@ def rl_steps(
     detached, KL-Cov penalised), ``ppo_clip_frac`` and ``value_loss`` (0 without a critic).  The autopilot arm adds
     ``autopilot_*`` (the controller's measured and target entropy, its desired and predicted change, its dropped
     share, its scale ``autopilot_scale``; on a calibration step also ``autopilot_cheap_dh``,
-    ``autopilot_realised_dh`` and ``autopilot_scale_skipped``); the fixed-share arm ``fixed_share_predicted_dh`` (the cheap score's prediction after the drop, eta = lr);
-    the adaptive-bonus arm adds ``entropy_coef_applied`` (mean over the step's mini-batches of the coefficient
-    applied) and ``entropy_coef`` (the coefficient after the step)."""
+    ``autopilot_realised_dh`` and ``autopilot_scale_skipped``); the fixed-share arm ``fixed_share_predicted_dh``
+    (the cheap score's prediction after the drop, eta = lr); the adaptive-bonus arm adds ``entropy_coef_applied``
+    (mean over the step's mini-batches of the coefficient applied) and ``entropy_coef`` (the coefficient after the
+    step)."""
     task = cfg.task()
     mcfg = cfg.model_config()
     torch.manual_seed(seed)
@@ -458,9 +459,10 @@ def rl_steps(
         rec = {"reward": float(ro.rewards.mean()), "entropy": 0.0, "control_frac": 0.0, "ppo_clip_frac": 0.0,
                "value_loss": 0.0}
         dh: list[tuple[float, float]] = []
-        keep_all = cheap = before = None
-        if pilot is not None:  # once per RL step, on the old policy's statistics of the whole batch
-            before = token_stats(ro.old_logits, ro.resp)
+        keep_all = cheap = None
+        # the batch controls step once per RL step, on the old policy's statistics of the whole batch
+        before = token_stats(ro.old_logits, ro.resp) if arm.mask in BATCH_MASKS else None
+        if pilot is not None:
             res = pilot.from_stats(before, ro.adv, lr=arm.lr)
             keep_all = res.keep
             rec.update(autopilot_entropy=res.entropy, autopilot_target_entropy=res.target_entropy,
@@ -469,8 +471,7 @@ def rl_steps(
             if law_scale.tick():
                 cheap = cheap_change(ro.adv, before.s_centered, before.valid, eta=arm.lr)
         elif arm.mask == "fixed_share":  # the autopilot's order and defaults, a constant share
-            stats = token_stats(ro.old_logits, ro.resp)
-            res = fixed_share_mask(stats.s_centered, ro.adv, stats.valid, share=arm.share, lr=arm.lr,
+            res = fixed_share_mask(before.s_centered, ro.adv, before.valid, share=arm.share, lr=arm.lr,
                                    sides=FIXED_SHARE_ORDER.sides, form=FIXED_SHARE_ORDER.form)
             keep_all = res.keep
             rec["fixed_share_predicted_dh"] = res.predicted_dh_after
@@ -494,7 +495,7 @@ def rl_steps(
                 rec["value_loss"] += value_update(critic, vopt, s_mb, p_len, ro.returns[idx]) / n_mb
         if adaptive is not None:
             rec["entropy_coef"] = adaptive.coef
-        if cheap is not None and before is not None:  # a calibration step: the same tokens after the updates
+        if cheap is not None:  # a calibration step: the same tokens after the updates
             with torch.no_grad():
                 after = token_stats(model.response_logits(ro.seq, p_len).float(), ro.resp)
             realised = float((after.entropy - before.entropy).double()[before.valid].mean())
