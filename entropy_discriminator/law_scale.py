@@ -1,4 +1,5 @@
-"""The cheap entropy prediction in nats, for the adapters and any training loop: a scale ``kappa`` fed from the same batch.
+"""The cheap entropy prediction in nats, for the adapters and any training loop: a scale ``kappa`` fed from the
+same batch.
 
 Corollary 4's cheap prediction of a batch, ``cheap = -eta Cov_B(A, r S_c)`` (``eta`` the step size of the
 law, :meth:`~entropy_discriminator.EntropyDiscConfig.step_size`), ranks the tokens but, under Adam and a

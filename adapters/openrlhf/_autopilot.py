@@ -46,7 +46,8 @@ from entropy_discriminator.law_scale import LawScale
 
 #: Key of the controller's ``state_dict()`` in the client state of the actor's DeepSpeed checkpoints.
 STATE_KEY = "entropy_disc_autopilot"
-#: Key of the :class:`~entropy_discriminator.law_scale.LawScale` state (calibration schedule and, without the autopilot, ``kappa``).
+#: Key of the :class:`~entropy_discriminator.law_scale.LawScale` state (calibration schedule and, without the
+#: autopilot, ``kappa``).
 LAW_KEY = "entropy_disc_law"
 
 
@@ -74,9 +75,9 @@ def clear() -> None:
 
 
 def law_scale(trainer: Any, config: EntropyDiscConfig, group: Any) -> LawScale:
-    """The :class:`~entropy_discriminator.law_scale.LawScale` of ``trainer``'s policy engine, built on first use and restored from the
-    client state its ``load_ckpt`` returned (key :data:`LAW_KEY`, when present); with method ``"autopilot"``
-    bound to the controller's calibration.  A changed ``calibrate_every`` takes effect, the state kept."""
+    """The :class:`~entropy_discriminator.law_scale.LawScale` of ``trainer``'s policy engine, built on first use and
+    restored from the client state its ``load_ckpt`` returned (key :data:`LAW_KEY`, when present); with method
+    ``"autopilot"`` bound to the controller's calibration.  A changed ``calibrate_every`` takes effect, the state kept."""
     engine = _engine(trainer)
     scale = _SCALES.get(engine)
     if scale is None:

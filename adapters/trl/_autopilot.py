@@ -51,7 +51,8 @@ from ._stats import restrict
 
 #: Key of the controller's ``state_dict()`` in ``TrainerState.stateful_callbacks`` (trainer_state.json).
 STATE_KEY = "EntropyDiscAutopilot"
-#: Key of the law scale's ``state_dict()`` (:mod:`entropy_discriminator.law_scale`: schedule, and ``kappa`` without the autopilot).
+#: Key of the law scale's ``state_dict()`` (:mod:`entropy_discriminator.law_scale`: schedule, and ``kappa``
+#: without the autopilot).
 LAW_KEY = "EntropyDiscLawScale"
 #: The inputs of TRL's log-prob pass that the after-update pass of a calibration batch reads again.
 _PASS_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
@@ -138,8 +139,8 @@ def vocab_size(trainer: Any) -> int | None:
 
 
 def sync_law(trainer: Any, state: Any) -> None:
-    """Bind the law scale (:mod:`entropy_discriminator.law_scale`) to this ``train()`` call's ``trainer.state``: restored from its
-    :data:`LAW_KEY` entry when there is one (a resume), else fresh; bound to the controller's calibration
+    """Bind the law scale (:mod:`entropy_discriminator.law_scale`) to this ``train()`` call's ``trainer.state``:
+    restored from its :data:`LAW_KEY` entry when there is one (a resume), else fresh; bound to the controller's calibration
     with method ``"autopilot"`` (call after :func:`sync`).  A pending calibration of another call is dropped."""
     run = trainer.state
     if state.law_run is run:

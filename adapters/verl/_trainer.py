@@ -25,8 +25,8 @@ parts (``train_batch_size / parameter_sync_step`` prompts, which verl requires t
 ``ppo_mini_batch_size``), each with its own advantage step and actor update (and its own
 autopilot step).
 
-Law scale (every method, :mod:`entropy_discriminator.law_scale`): the advantage step logs ``entropy_disc/delta_entropy/cheap``
-(``-eta Cov_B(A, r S_c)``), ``/predicted = kappa * cheap`` and ``/scale``; on every
+Law scale (every method, :mod:`entropy_discriminator.law_scale`): the advantage step logs
+``entropy_disc/delta_entropy/cheap`` (``-eta Cov_B(A, r S_c)``), ``/predicted = kappa * cheap`` and ``/scale``; on every
 ``calibrate_every``-th batch, after ``_update_actor``, the driver runs the actor group's
 ``compute_log_prob`` once more on the same batch (as verl's old-policy pass: ``calculate_entropy``, no
 loss, the rollout temperature), takes the realised change of verl's own ``entropy`` field over the
