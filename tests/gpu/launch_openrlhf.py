@@ -37,7 +37,8 @@ the resumed run's first round starts from it, its controller steps continue 4, 5
 4-6.  It prints a table and exits 1 if a check fails.
 
 Fallbacks, recorded in ``DIR/device.json``: torch's AdamW inside DeepSpeed where FusedAdam cannot be compiled
-(automatic; ``--torch-adam`` forces it), and ``--weight-sync gloo`` where CUDA IPC between processes fails.
+(automatic; ``--torch-adam`` forces it; the launches then drop ``--ds.enable_sleep``, which DeepSpeed allows only
+with FusedAdam), and ``--weight-sync gloo`` where CUDA IPC between processes fails.
 """
 
 from __future__ import annotations
