@@ -363,7 +363,13 @@ def test_seed_count_follows_the_tuning_runs_paired_sd(tmp_path: Path, capsys: py
     assert seed_count(runs, [("c", "g")], detect=0.3, margin=0.3, tests=1)["n"] == 10  # the floor
     capped = seed_count(runs, [("c", "g")], detect=0.001, margin=0.001, tests=16)
     assert capped["n"] == 40 and capped["capped"] and capped["detectable_at_n"] > 0.001
-    with pytest.raises(ValueError, match="SD needs 2"):
+    # An endpoint finite on fewer than 2 tuning seeds (an arm that reached a level on one seed) has no SD: it is
+    # listed under "undefined" and left out of the maximum, and with no SD at all the count is refused.
+    lone = _tuning_run(Arm("c1", "clip_v", mask="clip_v"), 100, base[100] + 0.5)
+    partial = seed_count(runs + [lone], [("c", "g"), ("c1", "g")], detect=0.03, margin=0.02, tests=16)
+    assert partial["sd_max"] == pytest.approx(0.02) and len(partial["sd"]) == 4
+    assert len(partial["undefined"]) == 4 and set(partial["undefined"].values()) == {1}
+    with pytest.raises(ValueError, match="no endpoint is finite on 2"):
         seed_count(runs[:1] + runs[3:4], [("c", "g")], detect=0.03, margin=0.02, tests=16)
     pilot = ROOT / "docs" / "reproduction" / "headroom" / "pilot" / "runs.jsonl.xz"
     protocol.main(["seeds", str(pilot), "--pair", "grpo_lr3e-4|grpo_lr1e-4", "--detect", "0.05", "--margin", "0.05",

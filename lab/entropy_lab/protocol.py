@@ -356,28 +356,33 @@ def seed_count(runs: Sequence[dict], pairs: Sequence[tuple[str, str]], *, detect
     """The main run's seed count from the tuning runs' paired spread (a pre-registration's power rule).
 
     ``sd`` = the largest standard deviation over seeds of the paired differences ``arm - vs`` over ``pairs`` and the
-    primary endpoints (:func:`primary_keys`; seeds where both are finite, at least 2);
+    primary endpoints (:func:`primary_keys`; seeds where both are finite).  An endpoint finite on fewer than 2 tuning
+    seeds has no SD: it is listed under ``undefined`` (with its count of finite seeds) and left out of the maximum;
     ``n = max(n_min, min(n_max, max(n_d, n_e)))`` with ``n_d`` the least seeds whose Holm-first-step test over
     ``tests`` tests detects ``detect`` at 80 % power and ``n_e`` the least whose TOST shows equivalence within
     ``margin`` at 80 % power (:mod:`~entropy_lab.equivalence`).  Also returns every SD, both counts, whether the cap
     bound, and the difference and margin the design reaches at ``n``."""
     per = endpoints_by_arm(runs)
     sds: dict[str, float] = {}
+    undefined: dict[str, int] = {}
     for arm, vs in pairs:
         seeds = sorted(set(per.get(arm, {})) & set(per.get(vs, {})))
         for key in primary_keys(temperature):
             d = [per[arm][s][key] - per[vs][s][key] for s in seeds]
             d = [x for x in d if math.isfinite(x)]
             if len(d) < 2:
-                raise ValueError(f"{arm} - {vs}: {key} is finite on {len(d)} tuning seed(s); the SD needs 2")
-            sds[f"{arm} - {vs}: {key}"] = statistics.stdev(d)
-    if not sds:
+                undefined[f"{arm} - {vs}: {key}"] = len(d)
+            else:
+                sds[f"{arm} - {vs}: {key}"] = statistics.stdev(d)
+    if not pairs:
         raise ValueError("pairs: no comparison given")
+    if not sds:
+        raise ValueError(f"pairs: no endpoint is finite on 2 tuning seeds ({undefined})")
     sd = max(sds.values())
     n_d = seeds_for_difference(sd, detect, tests=tests, n_max=100_000)
     n_e = seeds_for_equivalence(sd, margin, n_max=100_000)
     n = max(n_min, min(n_max, max(n_d, n_e)))
-    return {"sd": sds, "sd_max": sd, "n_difference": n_d, "n_equivalence": n_e, "n": n, "capped": max(n_d, n_e) > n_max,
+    return {"sd": sds, "undefined": undefined, "sd_max": sd, "n_difference": n_d, "n_equivalence": n_e, "n": n, "capped": max(n_d, n_e) > n_max,
             "detectable_at_n": detectable_difference(sd, n, tests=tests), "margin_at_n": equivalence_margin(sd, n)}
 
 
