@@ -147,11 +147,8 @@ DEMO_APPLIES = {
     "paper": {"device", "seed", "steps", "seeds", "jobs", "size"},
     "render": {"render_only"},  # it redraws saved results: only --out applies
 }
-DEMO_WHY_NOT = {
-    "demo": "only applies with --paper",
-    "paper": "does not apply with --paper",
-    "render": "does not apply with --render-only (it redraws the saved results)",
-}
+DEMO_WHY_NOT = {"demo": "only applies with --paper", "paper": "does not apply with --paper",
+                "render": "does not apply with --render-only (it redraws the saved results)"}
 DEMO_DEFAULT_OUT = {"demo": Path("demo_out"), "paper": Path("demo_out/paper"), "render": Path("demo_out/paper")}
 
 
@@ -179,12 +176,10 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
         help=f"GRPO steps per arm, minimum 3 (default {full.grpo_steps}; --quick {quick.grpo_steps}; --paper: its size's)",
     )
     demo.add_argument("--threads", type=_int_in(1), help="torch CPU threads, >= 1 (default 1 on CPU: fastest for tiny models)")
-    demo.add_argument(
-        "--mu-b", type=_mask_setting("mu_low", "clip_b"), help=f"Clip_B lower bound in batch stds (default {DemoOptions.mu_b})"
-    )
-    demo.add_argument(
-        "--mu-v", type=_mask_setting("mu_low", "clip_v"), help=f"Clip_V lower bound in batch stds (default {DemoOptions.mu_v})"
-    )
+    demo.add_argument("--mu-b", type=_mask_setting("mu_low", "clip_b"),
+                      help=f"Clip_B lower bound in batch stds (default {DemoOptions.mu_b})")
+    demo.add_argument("--mu-v", type=_mask_setting("mu_low", "clip_v"),
+                      help=f"Clip_V lower bound in batch stds (default {DemoOptions.mu_v})")
     demo.add_argument(
         "--max-frac-v", type=_mask_setting("max_frac", "clip_v"),
         help="cap on Clip_V's clipped share, in [0, 1] (default none; 1e-4 clips nothing in a demo batch of under 10,000 tokens)",
@@ -197,9 +192,8 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     demo.add_argument("--seeds", type=_int_in(2), help="--paper: seeds per arm for Table 1, >= 2 (default: its size's)")
     demo.add_argument("--jobs", type=_int_in(1), help="--paper: parallel worker processes, >= 1 (default: its size's)")
     demo.add_argument("--size", choices=("gpu", "cpu-small"), help="--paper: sizes (default gpu; cpu-small for a smoke run)")
-    demo.add_argument(
-        "--render-only", action="store_true", help="--paper: redraw figures and report.md from the results saved in --out"
-    )
+    demo.add_argument("--render-only", action="store_true",
+                      help="--paper: redraw figures and report.md from the results saved in --out")
     demo.set_defaults(run=lambda args: _run_demo(args, demo))
 
 

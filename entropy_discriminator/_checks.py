@@ -67,15 +67,8 @@ def _real_wanted(finite: bool, minimum: float | None, above: float | None, maxim
     return " ".join(["a finite real number" if finite else "a real number (inf allowed)", *filter(None, bounds)])
 
 
-def real_number(
-    name: str,
-    value: object,
-    *,
-    finite: bool = True,
-    minimum: float | None = None,
-    above: float | None = None,
-    maximum: float | None = None,
-) -> float:
+def real_number(name: str, value: object, *, finite: bool = True, minimum: float | None = None,
+                above: float | None = None, maximum: float | None = None) -> float:
     """``value`` as a Python float, or ``ValueError``/``TypeError`` naming ``name``.
 
     Accepts any real number (``int``, ``float``, ``numpy`` scalars, ``Fraction``...) and 0-d real

@@ -57,16 +57,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._checks import (
-    DataChecks,
-    broadcast_advantages,
-    integer,
-    one_of,
-    real_number,
-    require_float,
-    require_shape,
-    valid_mask,
-)
+from ._checks import (DataChecks, broadcast_advantages, integer, one_of, real_number, require_float, require_shape,
+                      valid_mask)
 from .distributed import Group, _lexsort_desc, all_gather_cat, reduce_or_raise
 from .dynamics import FORMS, covariance_terms
 from .law import Calibration
@@ -130,37 +122,18 @@ class AutopilotResult:
 
     def metrics(self) -> dict[str, float]:
         """The step's numbers under ``entropy_disc/autopilot/*`` (the same keys on every batch)."""
-        values = {
-            "entropy": self.entropy,
-            "entropy_smoothed": self.entropy_smoothed,
-            "target_entropy": self.target_entropy,
-            "target_dh": self.target_dh,
-            "predicted_dh_before": self.predicted_dh_before,
-            "predicted_dh_after": self.predicted_dh_after,
-            "scale": self.scale,
-            "dropped_frac": self.dropped_frac,
-            "n_dropped": self.mask.n_clipped,
-            "capped": float(self.mask.capped),
-        }
+        values = {"entropy": self.entropy, "entropy_smoothed": self.entropy_smoothed,
+                  "target_entropy": self.target_entropy, "target_dh": self.target_dh,
+                  "predicted_dh_before": self.predicted_dh_before, "predicted_dh_after": self.predicted_dh_after,
+                  "scale": self.scale, "dropped_frac": self.dropped_frac, "n_dropped": self.mask.n_clipped,
+                  "capped": float(self.mask.capped)}
         return {AUTOPILOT_PREFIX + k: float(v) for k, v in values.items()}
 
 
-def autopilot_mask(
-    s_centered: torch.Tensor,
-    advantages: torch.Tensor,
-    valid: torch.Tensor,
-    *,
-    lr: float | None = None,
-    target_dh: float,
-    ratio: torch.Tensor | None = None,
-    max_frac: float | None = DEFAULT_MAX_FRAC,
-    sides: str = "negative",
-    form: str = "cov",
-    terms: torch.Tensor | None = None,
-    carry: float = 0.0,
-    scale: float = 1.0,
-    process_group: Group = None,
-) -> AutopilotResult:
+def autopilot_mask(s_centered: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor, *, lr: float | None = None,
+                   target_dh: float, ratio: torch.Tensor | None = None, max_frac: float | None = DEFAULT_MAX_FRAC,
+                   sides: str = "negative", form: str = "cov", terms: torch.Tensor | None = None, carry: float = 0.0,
+                   scale: float = 1.0, process_group: Group = None) -> AutopilotResult:
     """Drop the fewest tokens so that the predicted entropy change of the step meets ``target_dh``.
 
     The terms and the selection rule are in the module docstring; this is the selection for a given target
@@ -189,29 +162,15 @@ def autopilot_mask(
         keeps everything with ``P_0 = P(D) = 0``.
     """
     target = real_number("target_dh", target_dh)
-    return _select(
-        s_centered, advantages, valid, None, lr=lr, ratio=ratio, max_frac=max_frac, sides=sides, form=form,
-        terms=terms, carry=carry, scale=scale, process_group=process_group,
-        law=lambda h: (math.nan, math.nan, target),
-    )  # fmt: skip
+    return _select(s_centered, advantages, valid, None, lr=lr, ratio=ratio, max_frac=max_frac, sides=sides, form=form,
+                   terms=terms, carry=carry, scale=scale, process_group=process_group,
+                   law=lambda h: (math.nan, math.nan, target))  # fmt: skip
 
 
-def fixed_share_mask(
-    s_centered: torch.Tensor,
-    advantages: torch.Tensor,
-    valid: torch.Tensor,
-    *,
-    share: float,
-    raise_entropy: bool = True,
-    lr: float = 1.0,
-    ratio: torch.Tensor | None = None,
-    sides: str = "negative",
-    form: str = "cov",
-    terms: torch.Tensor | None = None,
-    carry: float = 0.0,
-    scale: float = 1.0,
-    process_group: Group = None,
-) -> AutopilotResult:
+def fixed_share_mask(s_centered: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor, *, share: float,
+                     raise_entropy: bool = True, lr: float = 1.0, ratio: torch.Tensor | None = None,
+                     sides: str = "negative", form: str = "cov", terms: torch.Tensor | None = None, carry: float = 0.0,
+                     scale: float = 1.0, process_group: Group = None) -> AutopilotResult:
     """Drop a fixed share of the tokens every step: the autopilot's selection without its feedback.
 
     The candidates and their order are the autopilot's (module docstring) for a target that can never be met:
@@ -234,31 +193,15 @@ def fixed_share_mask(
     if share is None:
         raise TypeError("share must be a real number in [0, 1], got None")
     target = math.inf if raise_entropy else -math.inf
-    return _select(
-        s_centered, advantages, valid, None, lr=lr, ratio=ratio, max_frac=share, sides=sides, form=form,
-        terms=terms, carry=carry, scale=scale, process_group=process_group,
-        law=lambda h: (math.nan, math.nan, target), cap_name="share",
-    )  # fmt: skip
+    return _select(s_centered, advantages, valid, None, lr=lr, ratio=ratio, max_frac=share, sides=sides, form=form,
+                   terms=terms, carry=carry, scale=scale, process_group=process_group,
+                   law=lambda h: (math.nan, math.nan, target), cap_name="share")  # fmt: skip
 
 
-def _select(
-    s_centered: torch.Tensor,
-    advantages: torch.Tensor,
-    valid: torch.Tensor,
-    entropy: torch.Tensor | None,
-    *,
-    lr: float | None,
-    ratio: torch.Tensor | None,
-    max_frac: float | None,
-    sides: str,
-    form: str,
-    terms: torch.Tensor | None,
-    carry: float,
-    scale: float,
-    process_group: Group,
-    law: Callable[[float], tuple[float, float, float]],
-    cap_name: str = "max_frac",
-) -> AutopilotResult:
+def _select(s_centered: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor, entropy: torch.Tensor | None, *,
+            lr: float | None, ratio: torch.Tensor | None, max_frac: float | None, sides: str, form: str,
+            terms: torch.Tensor | None, carry: float, scale: float, process_group: Group,
+            law: Callable[[float], tuple[float, float, float]], cap_name: str = "max_frac") -> AutopilotResult:
     """The selection of the module docstring; ``law(H_t)`` gives ``(Ĥ_t, H*_t, target_dh)`` once ``H_t`` is reduced;
     ``cap_name`` names ``max_frac`` in its errors.
 
@@ -372,27 +315,13 @@ def _select(
 
 
 def _result(
-    dropped: torch.Tensor,
-    n: float,
-    n_pos: float,
-    n_neg: float,
-    n_drop: int,
-    n_drop_pos: int,
-    capped: bool,
-    h: float,
-    h_read: float,
-    h_target: float,
-    target: float,
-    before: float,
-    after: float,
-    kappa: float,
+    dropped: torch.Tensor, n: float, n_pos: float, n_neg: float, n_drop: int, n_drop_pos: int, capped: bool, h: float,
+    h_read: float, h_target: float, target: float, before: float, after: float, kappa: float,
 ) -> AutopilotResult:
     """An :class:`AutopilotResult` whose ``MaskResult`` keeps every token but ``dropped`` (counts are global)."""
-    mask = MaskResult(
-        keep=~dropped, method="autopilot", center=0.0, std=0.0, lower=-math.inf, upper=math.inf,
-        n_valid=int(n), n_valid_pos=int(n_pos), n_valid_neg=int(n_neg), n_clipped=n_drop,
-        n_clipped_pos=n_drop_pos, n_clipped_neg=n_drop - n_drop_pos, capped=capped,
-    )  # fmt: skip
+    mask = MaskResult(keep=~dropped, method="autopilot", center=0.0, std=0.0, lower=-math.inf, upper=math.inf,
+                      n_valid=int(n), n_valid_pos=int(n_pos), n_valid_neg=int(n_neg), n_clipped=n_drop,
+                      n_clipped_pos=n_drop_pos, n_clipped_neg=n_drop - n_drop_pos, capped=capped)  # fmt: skip
     return AutopilotResult(mask, h, h_target, target, before, after, h_read, kappa)
 
 
@@ -434,17 +363,9 @@ class EntropyAutopilot:
     """
 
     def __init__(
-        self,
-        target_entropy: float | str = "hold",
-        *,
-        decay_steps: int | None = None,
-        gain: float = DEFAULT_GAIN,
-        max_step: float = DEFAULT_MAX_STEP,
-        max_frac: float | None = DEFAULT_MAX_FRAC,
-        sides: str = "negative",
-        form: str = "cov",
-        smoothing: float = DEFAULT_SMOOTHING,
-        vocab_size: int | None = None,
+        self, target_entropy: float | str = "hold", *, decay_steps: int | None = None, gain: float = DEFAULT_GAIN,
+        max_step: float = DEFAULT_MAX_STEP, max_frac: float | None = DEFAULT_MAX_FRAC, sides: str = "negative",
+        form: str = "cov", smoothing: float = DEFAULT_SMOOTHING, vocab_size: int | None = None,
         process_group: Group = None,
     ) -> None:
         if isinstance(target_entropy, str):
@@ -506,18 +427,9 @@ class EntropyAutopilot:
         desired = (nxt - now) - self.gain * (read - now)
         return read, now, min(max(desired, -self.max_step), self.max_step)
 
-    def step(
-        self,
-        advantages: torch.Tensor,
-        *,
-        s_centered: torch.Tensor,
-        entropy: torch.Tensor,
-        valid: torch.Tensor,
-        lr: float | None = None,
-        ratio: torch.Tensor | None = None,
-        terms: torch.Tensor | None = None,
-        carry: float = 0.0,
-    ) -> AutopilotResult:
+    def step(self, advantages: torch.Tensor, *, s_centered: torch.Tensor, entropy: torch.Tensor, valid: torch.Tensor,
+             lr: float | None = None, ratio: torch.Tensor | None = None, terms: torch.Tensor | None = None,
+             carry: float = 0.0) -> AutopilotResult:
         """One batch: measure ``H_t``, set ``target_dh_t`` by the law, select the tokens to drop.
 
         Call once per optimizer step, before it, every rank in the same order.  ``entropy``: per-token entropy
@@ -526,11 +438,9 @@ class EntropyAutopilot:
         arguments as in :func:`autopilot_mask`.  Advances the state unless the batch has no valid token, which is
         a no-op (everything kept, state unchanged).
         """
-        res = _select(
-            s_centered, advantages, valid, entropy, lr=lr, ratio=ratio, max_frac=self.max_frac, sides=self.sides,
-            form=self.form, terms=terms, carry=carry, scale=self.calibration.scale, process_group=self.process_group,
-            law=self._law,
-        )  # fmt: skip
+        res = _select(s_centered, advantages, valid, entropy, lr=lr, ratio=ratio, max_frac=self.max_frac,
+                      sides=self.sides, form=self.form, terms=terms, carry=carry, scale=self.calibration.scale,
+                      process_group=self.process_group, law=self._law)  # fmt: skip
         if res.mask.n_valid:
             if self.h_start is None:
                 self.h_start = res.entropy
@@ -546,14 +456,8 @@ class EntropyAutopilot:
         return self.calibration.update(cheap, exact)
 
     def from_stats(
-        self,
-        stats: TokenStats,
-        advantages: torch.Tensor,
-        *,
-        lr: float | None = None,
-        ratio: torch.Tensor | None = None,
-        terms: torch.Tensor | None = None,
-        carry: float = 0.0,
+        self, stats: TokenStats, advantages: torch.Tensor, *, lr: float | None = None,
+        ratio: torch.Tensor | None = None, terms: torch.Tensor | None = None, carry: float = 0.0,
     ) -> AutopilotResult:
         """:meth:`step` on the fields of a :class:`~entropy_discriminator.TokenStats`."""
         if not isinstance(stats, TokenStats):

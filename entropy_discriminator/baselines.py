@@ -53,14 +53,8 @@ class CovLossResult:
         return self.n_selected / self.n_valid if self.n_valid else 0.0
 
 
-def ppo_clip_losses(
-    log_prob: torch.Tensor,
-    old_log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def ppo_clip_losses(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, *,
+                    clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate per token: ``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``, ``r = exp(logp - old)``.
 
     Shapes ``[B, T]`` (``advantages`` may be ``[B]``).  Returns ``(pg_losses, clipped)``: the losses in
@@ -106,20 +100,11 @@ def _checked(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: tor
     return adv, valid
 
 
-def clip_cov_losses(
-    log_prob: torch.Tensor,
-    old_log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    valid: torch.Tensor,
-    *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_cov_ratio: float = VERL_CLIP_COV_RATIO,
-    clip_cov_lb: float = VERL_CLIP_COV_LB,
-    clip_cov_ub: float = VERL_CLIP_COV_UB,
-    generator: torch.Generator | None = None,
-    process_group: Group = None,
-) -> CovLossResult:
+def clip_cov_losses(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor,
+                    *, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+                    clip_cov_ratio: float = VERL_CLIP_COV_RATIO, clip_cov_lb: float = VERL_CLIP_COV_LB,
+                    clip_cov_ub: float = VERL_CLIP_COV_UB, generator: torch.Generator | None = None,
+                    process_group: Group = None) -> CovLossResult:
     """Clip-Cov (verl 0.9.1 ``compute_policy_loss_clip_cov``), per token.
 
     ``cov_t = (A_t - mean_B A) (logp_t - mean_B logp)`` over the valid tokens; candidates are valid tokens with
@@ -139,9 +124,8 @@ def clip_cov_losses(
         raise ValueError(f"clip_cov_ratio must be a number in (0, 1], got {clip_cov_ratio!r}")
     if not clip_cov_lb < clip_cov_ub:
         raise ValueError(f"clip_cov_lb ({clip_cov_lb}) must be < clip_cov_ub ({clip_cov_ub})")
-    pg, clipped = ppo_clip_losses(
-        log_prob, old_log_prob, adv, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high
-    )
+    pg, clipped = ppo_clip_losses(log_prob, old_log_prob, adv, clip_ratio_low=clip_ratio_low,
+                                  clip_ratio_high=clip_ratio_high)
     clipped = clipped & valid
     cov, n = _token_covariance(adv, log_prob, valid, process_group)
     cand = valid & ~clipped & (cov > clip_cov_lb) & (cov < clip_cov_ub)
@@ -158,21 +142,13 @@ def clip_cov_losses(
         chosen[idx[global_top_k(keys, idx + offset, limit, process_group)]] = True
     selected = chosen.reshape(cand.shape)
     n_sel = int(all_reduce(selected.sum().to(torch.float64), process_group))
-    return CovLossResult(
-        pg_losses=pg * (~selected).to(pg.dtype), selected=selected, ppo_clipped=clipped, n_valid=n, n_selected=n_sel
-    )
+    return CovLossResult(pg_losses=pg * (~selected).to(pg.dtype), selected=selected, ppo_clipped=clipped, n_valid=n,
+                         n_selected=n_sel)
 
 
-def kl_cov_losses(
-    log_prob: torch.Tensor,
-    old_log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    valid: torch.Tensor,
-    *,
-    kl_cov_ratio: float = VERL_KL_COV_RATIO,
-    ppo_kl_coef: float = VERL_PPO_KL_COEF,
-    process_group: Group = None,
-) -> CovLossResult:
+def kl_cov_losses(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor, *,
+                  kl_cov_ratio: float = VERL_KL_COV_RATIO, ppo_kl_coef: float = VERL_PPO_KL_COEF,
+                  process_group: Group = None) -> CovLossResult:
     """KL-Cov (verl 0.9.1 ``compute_policy_loss_kl_cov``), per token.
 
     Loss ``-A_t r_t`` (no PPO clip), plus ``ppo_kl_coef * |logp_t - old_logp_t|`` on the
@@ -200,9 +176,8 @@ def kl_cov_losses(
     selected = selected.reshape(valid.shape)
     pg = torch.where(selected, pg + ppo_kl_coef * diff.abs(), pg)
     n_sel = int(all_reduce(selected.sum().to(torch.float64), process_group))
-    return CovLossResult(
-        pg_losses=pg, selected=selected, ppo_clipped=torch.zeros_like(selected), n_valid=n, n_selected=n_sel
-    )
+    return CovLossResult(pg_losses=pg, selected=selected, ppo_clipped=torch.zeros_like(selected), n_valid=n,
+                         n_selected=n_sel)
 
 
 def high_entropy_mask(
@@ -281,12 +256,5 @@ def entropy_bonus(entropy: torch.Tensor, valid: torch.Tensor, *, coef: float, pr
     return -coef * total / max(n, 1.0)
 
 
-__all__ = [
-    "CovLossResult",
-    "clip_cov_losses",
-    "entropy_bonus",
-    "high_entropy_mask",
-    "kl_cov_losses",
-    "ppo_clip_losses",
-    "unlikeliness_scores",
-]
+__all__ = ["CovLossResult", "clip_cov_losses", "entropy_bonus", "high_entropy_mask", "kl_cov_losses", "ppo_clip_losses",
+           "unlikeliness_scores"]

@@ -183,16 +183,9 @@ class EntropyDiscConfig:
         max_frac = DEFAULT_MAX_FRAC[self.method] if self.max_frac == "auto" else self.max_frac
         return mu_low, max_frac
 
-    def compute_mask(
-        self,
-        *,
-        advantages: torch.Tensor,
-        valid: torch.Tensor,
-        s_star: torch.Tensor | None = None,
-        s_centered: torch.Tensor | None = None,
-        stats: TokenStats | None = None,
-        process_group: Group = None,
-    ) -> MaskResult:
+    def compute_mask(self, *, advantages: torch.Tensor, valid: torch.Tensor, s_star: torch.Tensor | None = None,
+                     s_centered: torch.Tensor | None = None, stats: TokenStats | None = None,
+                     process_group: Group = None) -> MaskResult:
         """The configured mask: :func:`clip_b_mask` on ``s_star`` or :func:`clip_v_mask` on ``s_centered``.
 
         ``stats``: the :class:`~entropy_discriminator.TokenStats` instead of the score tensors;
@@ -331,18 +324,10 @@ def _flag(name: str, value: object) -> bool:
 
 #: How :meth:`EntropyDiscConfig.from_mapping` reads a string for a field: ``(kind, words kept as text, takes None)``.
 _TEXT_KINDS: dict[str, tuple[type, tuple[str, ...], bool]] = {
-    "mu_low": (float, (), True),
-    "mu_high": (float, (), False),
-    "max_frac": (float, ("auto",), True),
-    "chunk_size": (int, (), True),
-    "log_metrics": (bool, (), False),
-    "target_entropy": (float, ("hold",), False),
-    "decay_steps": (int, (), True),
-    "gain": (float, (), False),
-    "max_step": (float, (), False),
-    "eta": (float, (), True),
-    "smoothing": (float, (), False),
-    "calibrate_every": (int, (), False),
+    "mu_low": (float, (), True), "mu_high": (float, (), False), "max_frac": (float, ("auto",), True),
+    "chunk_size": (int, (), True), "log_metrics": (bool, (), False), "target_entropy": (float, ("hold",), False),
+    "decay_steps": (int, (), True), "gain": (float, (), False), "max_step": (float, (), False),
+    "eta": (float, (), True), "smoothing": (float, (), False), "calibrate_every": (int, (), False),
 }
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 

@@ -13,17 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import (
-    DataChecks,
-    broadcast_advantages,
-    one_of,
-    real_number,
-    real_or_tensor,
-    require_float,
-    require_shape,
-    valid_mask,
-    valid_within,
-)
+from ._checks import (DataChecks, broadcast_advantages, one_of, real_number, real_or_tensor, require_float,
+                      require_shape, valid_mask, valid_within)
 from .distributed import Group, reduce_or_raise
 from .stats import TokenStats, field_of
 
@@ -56,14 +47,8 @@ def entropy_change_step(alpha: torch.Tensor | float, s_star: torch.Tensor, s_exp
 
 
 def batch_entropy_change(
-    advantages: torch.Tensor,
-    s_centered: torch.Tensor | TokenStats,
-    valid: torch.Tensor,
-    *,
-    lr: float,
-    ratio: torch.Tensor | None = None,
-    form: str = "cov",
-    process_group: Group = None,
+    advantages: torch.Tensor, s_centered: torch.Tensor | TokenStats, valid: torch.Tensor, *, lr: float,
+    ratio: torch.Tensor | None = None, form: str = "cov", process_group: Group = None,
 ) -> float:
     """First-order change of the batch-mean token entropy after one step on this batch.
 

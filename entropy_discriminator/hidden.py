@@ -47,18 +47,9 @@ class _Rounding(NamedTuple):
 
 
 def token_stats_from_hidden(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    ignore_index: int | None = -100,
-    chunk_size: int | None = None,
-    impl: str = "auto",
-    check: bool = True,
-    logits_dtype: torch.dtype | None = None,
-    temperature_in_logits_dtype: bool = False,
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, bias: torch.Tensor | None = None,
+    temperature: float = 1.0, ignore_index: int | None = -100, chunk_size: int | None = None, impl: str = "auto",
+    check: bool = True, logits_dtype: torch.dtype | None = None, temperature_in_logits_dtype: bool = False,
 ) -> TokenStats:
     """``token_stats(hidden @ weight.T + bias, labels, temperature=...)`` without [N, V] logits.
 
@@ -130,18 +121,16 @@ def token_stats_from_hidden(
         impl == "auto" and hidden.is_cuda and hidden.dtype != torch.float32 and kernels.is_available()
     )
     if not use_triton:
-        return _from_hidden_torch(
-            h2, weight, k, bias, float(temperature), int(ignore_index), chunk_size, impl, check, shape, rounding
-        )
+        return _from_hidden_torch(h2, weight, k, bias, float(temperature), int(ignore_index), chunk_size, impl, check,
+                                  shape, rounding)
     if not (hidden.is_cuda and kernels.is_available()):
         raise RuntimeError("impl='triton' needs CUDA tensors and an importable triton")
     from .kernels.triton_fused import token_stats_fused_triton
 
     with torch.no_grad():
-        out = token_stats_fused_triton(
-            h2, weight, k, bias, float(temperature), int(ignore_index),
-            logits_dtype=logits_dtype, temperature_in_logits_dtype=temperature_in_logits_dtype,
-        )  # fmt: skip
+        out = token_stats_fused_triton(h2, weight, k, bias, float(temperature), int(ignore_index),
+                                       logits_dtype=logits_dtype,
+                                       temperature_in_logits_dtype=temperature_in_logits_dtype)  # fmt: skip
     result = TokenStats(*(t.view(shape) for t in out[:6]))
     if check:
         errors = out.errors.tolist()  # the one host synchronisation
@@ -150,19 +139,9 @@ def token_stats_from_hidden(
     return result
 
 
-def _from_hidden_torch(
-    h2: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    bias: torch.Tensor | None,
-    temperature: float,
-    ignore_index: int,
-    chunk_size: int | None,
-    impl: str,
-    check: bool,
-    shape: torch.Size,
-    rounding: _Rounding,
-) -> TokenStats:
+def _from_hidden_torch(h2: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None,
+                       temperature: float, ignore_index: int, chunk_size: int | None, impl: str, check: bool,
+                       shape: torch.Size, rounding: _Rounding) -> TokenStats:
     """Chunked torch path: fp32 logits of ``chunk_size`` rows at a time (rounded as ``rounding``
     says), then :func:`token_stats`."""
     n, vocab = h2.shape[0], weight.shape[0]

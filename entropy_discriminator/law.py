@@ -154,14 +154,9 @@ class StepLinearisation:
         return w, carry
 
 
-def linearise_step(
-    optimizer: torch.optim.Optimizer,
-    params: Sequence[torch.Tensor],
-    *,
-    grads: Sequence[torch.Tensor | None] | None = None,
-    preconditioner: str = "step",
-    grad_scale: float = 1.0,
-) -> StepLinearisation:
+def linearise_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], *,
+                   grads: Sequence[torch.Tensor | None] | None = None, preconditioner: str = "step",
+                   grad_scale: float = 1.0) -> StepLinearisation:
     """Closed form of the next step of ``torch.optim.Adam`` / ``AdamW`` / ``SGD`` (read, nothing changed).
 
     Adam (step ``t`` = stored step + 1, ``ĝ = s g`` with ``s = grad_scale``; ``+ λθ`` in ``ĝ`` for Adam's L2
@@ -300,13 +295,8 @@ def _lookahead(optimizer: torch.optim.Optimizer, ps: list[torch.Tensor]) -> list
     return delta
 
 
-def step_entropy_change(
-    optimizer: torch.optim.Optimizer,
-    params: Sequence[torch.Tensor],
-    entropy_grads: Sequence[torch.Tensor | None],
-    *,
-    route: str = "auto",
-) -> float:
+def step_entropy_change(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
+                        entropy_grads: Sequence[torch.Tensor | None], *, route: str = "auto") -> float:
     """Exact first-order change of the batch-mean entropy in the step the optimizer is about to take.
 
     ``Σ_p ⟨∇_p H_B, Δθ_p⟩`` (float64), ``Δθ`` from :func:`optimizer_step_delta` (same ``route``),
@@ -335,9 +325,8 @@ def batch_mean_entropy(logits: torch.Tensor, valid: torch.Tensor, *, temperature
     return torch.where(v, h, torch.zeros_like(h)).sum() / v.sum().clamp_min(1)
 
 
-def _primals_and_tangents(
-    primals: Mapping[str, torch.Tensor], tangents: Mapping[str, torch.Tensor], names: tuple[str, str]
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _primals_and_tangents(primals: Mapping[str, torch.Tensor], tangents: Mapping[str, torch.Tensor],
+                          names: tuple[str, str]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """``primals`` detached and ``tangents`` cast to each primal's dtype, after checking that both map the same
     names to tensors of equal shapes (``names``: the two arguments' names, for the error)."""
     prim_name, tang_name = names
@@ -351,11 +340,8 @@ def _primals_and_tangents(
     return prim, tang
 
 
-def logit_tangents(
-    fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
-    primals: Mapping[str, torch.Tensor],
-    tangents: Mapping[str, torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
+def logit_tangents(fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], primals: Mapping[str, torch.Tensor],
+                   tangents: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(z, δz) = (fn(θ), J_fn(θ) w)``: one forward-mode product (``torch.func.jvp``).
 
     ``fn(params) -> logits`` (e.g. ``lambda p: functional_call(model, p, (seq,))[:, P-1:-1]``);
@@ -371,14 +357,9 @@ def logit_tangents(
     return z, dz
 
 
-def step_entropy_curvature(
-    fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
-    named_params: Mapping[str, torch.Tensor],
-    delta: Mapping[str, torch.Tensor],
-    valid: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-) -> float:
+def step_entropy_curvature(fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+                           named_params: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor],
+                           valid: torch.Tensor, *, temperature: float = 1.0) -> float:
     """The second-order term of the step's entropy change: ``½ Δθᵀ ∇²θH_B Δθ`` (float).
 
     ``H_B(θ)`` = :func:`batch_mean_entropy` of ``fn(θ)`` over ``valid`` at ``temperature``; ``delta`` maps each
@@ -402,15 +383,9 @@ def step_entropy_curvature(
     return 0.5 * float(second)
 
 
-def logit_step_entropy_change(
-    fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
-    named_params: Mapping[str, torch.Tensor],
-    delta: Mapping[str, torch.Tensor],
-    valid: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    order: int = 2,
-) -> float:
+def logit_step_entropy_change(fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+                              named_params: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor],
+                              valid: torch.Tensor, *, temperature: float = 1.0, order: int = 2) -> float:
     """The step's entropy change with the network expanded in the step and the entropy taken exactly (float).
 
     ``z = fn(θ)`` ``[..., V]``; ``δz = J Δθ`` and ``δ²z = Δθᵀ ∇²θz Δθ`` (per logit) along ``delta`` (as in
@@ -442,15 +417,8 @@ def logit_step_entropy_change(
     return float(after - before)
 
 
-def token_contributions(
-    logits: torch.Tensor,
-    tangents: torch.Tensor,
-    labels: torch.Tensor,
-    weights: torch.Tensor,
-    valid: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-) -> torch.Tensor:
+def token_contributions(logits: torch.Tensor, tangents: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                        valid: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
     """Per-token terms ``c_t = -(ω_t / T)(δz_{t,k} - p_t · δz_t)`` of a policy-gradient step (float64 ``[B, T]``).
 
     ``logits`` ``z`` and ``tangents`` ``δz = J w`` ``[B, T, V]`` (from :func:`logit_tangents`, ``-inf`` logits
@@ -498,20 +466,11 @@ class TokenTerms:
         return self.carry + float(self.terms.sum())
 
 
-def token_terms(
-    optimizer: torch.optim.Optimizer,
-    named_params: Mapping[str, torch.Tensor],
-    fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
-    labels: torch.Tensor,
-    weights: torch.Tensor,
-    valid: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    preconditioner: str | None = None,
-    grads: Sequence[torch.Tensor | None] | None = None,
-    grad_scale: float = 1.0,
-    entropy_grads: Sequence[torch.Tensor | None] | None = None,
-) -> TokenTerms:
+def token_terms(optimizer: torch.optim.Optimizer, named_params: Mapping[str, torch.Tensor],
+                fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], labels: torch.Tensor, weights: torch.Tensor,
+                valid: torch.Tensor, *, temperature: float = 1.0, preconditioner: str | None = None,
+                grads: Sequence[torch.Tensor | None] | None = None, grad_scale: float = 1.0,
+                entropy_grads: Sequence[torch.Tensor | None] | None = None) -> TokenTerms:
     """Per-token contributions to the entropy change of the optimizer's next step, and its carry.
 
     ``z = fn(named_params)`` are the logits of the batch's tokens ``[B, T, V]``; one backward of
@@ -600,17 +559,6 @@ class Calibration:
         self.s_xy, self.s_xx, self.count = s_xy, s_xx, state["count"]
 
 
-__all__ = [
-    "Calibration",
-    "StepLinearisation",
-    "TokenTerms",
-    "batch_mean_entropy",
-    "linearise_step",
-    "logit_step_entropy_change",
-    "logit_tangents",
-    "optimizer_step_delta",
-    "step_entropy_change",
-    "step_entropy_curvature",
-    "token_contributions",
-    "token_terms",
-]
+__all__ = ["Calibration", "StepLinearisation", "TokenTerms", "batch_mean_entropy", "linearise_step",
+           "logit_step_entropy_change", "logit_tangents", "optimizer_step_delta", "step_entropy_change",
+           "step_entropy_curvature", "token_contributions", "token_terms"]

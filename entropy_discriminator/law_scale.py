@@ -128,16 +128,8 @@ class LawScale:
         self.batches = batches
 
 
-def cheap_change(
-    advantages: torch.Tensor,
-    s_centered: torch.Tensor,
-    valid: torch.Tensor,
-    *,
-    eta: float | None,
-    ratio: torch.Tensor | None = None,
-    form: str = "cov",
-    process_group: Any = None,
-) -> float | None:
+def cheap_change(advantages: torch.Tensor, s_centered: torch.Tensor, valid: torch.Tensor, *, eta: float | None,
+                 ratio: torch.Tensor | None = None, form: str = "cov", process_group: Any = None) -> float | None:
     """``-eta Cov_B(A, r S_c)`` (``form="cov"``) or ``-eta E_B[A r S_c]`` over the valid tokens of the group
     (:func:`~entropy_discriminator.batch_entropy_change`); None when ``eta`` is None; 0 for no valid token."""
     if eta is None:

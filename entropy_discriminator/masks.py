@@ -26,18 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import (
-    DataChecks,
-    as_valid_mask,
-    broadcast_advantages,
-    exact_fraction,
-    one_of,
-    real_number,
-    require_float,
-    require_tensor,
-    valid_mask,
-    valid_within,
-)
+from ._checks import (DataChecks, as_valid_mask, broadcast_advantages, exact_fraction, one_of, real_number,
+                      require_float, require_tensor, valid_mask, valid_within)
 from .distributed import Group, all_reduce, reduce_or_raise, top_k_mask
 from .stats import TokenStats, field_of
 
@@ -81,18 +71,9 @@ class MaskResult:
         return self.n_clipped / self.n_valid if self.n_valid else 0.0
 
 
-def clip_b_mask(
-    s_star: torch.Tensor | TokenStats,
-    advantages: torch.Tensor,
-    valid: torch.Tensor,
-    *,
-    mu_low: float = DEFAULT_MU,
-    mu_high: float = math.inf,
-    sides: str = "negative",
-    max_frac: float | None = None,
-    cap_rule: str = "share",
-    process_group: Group = None,
-) -> MaskResult:
+def clip_b_mask(s_star: torch.Tensor | TokenStats, advantages: torch.Tensor, valid: torch.Tensor, *,
+                mu_low: float = DEFAULT_MU, mu_high: float = math.inf, sides: str = "negative",
+                max_frac: float | None = None, cap_rule: str = "share", process_group: Group = None) -> MaskResult:
     """Clip_B: keep token t when ``-mu_low*sigma <= S*_t - mean(S*) <= mu_high*sigma``.
 
     Args:
@@ -118,23 +99,13 @@ def clip_b_mask(
     Returns:
         :class:`MaskResult`; ``keep`` has the scores' shape.
     """
-    return _outlier_mask(
-        "clip_b", "s_star", s_star, advantages, valid, True, mu_low, mu_high, sides, max_frac, cap_rule, process_group
-    )
+    return _outlier_mask("clip_b", "s_star", s_star, advantages, valid, True, mu_low, mu_high, sides, max_frac,
+                         cap_rule, process_group)
 
 
-def clip_v_mask(
-    s_centered: torch.Tensor | TokenStats,
-    advantages: torch.Tensor,
-    valid: torch.Tensor,
-    *,
-    mu_low: float = DEFAULT_MU,
-    mu_high: float = math.inf,
-    sides: str = "negative",
-    max_frac: float | None = None,
-    cap_rule: str = "share",
-    process_group: Group = None,
-) -> MaskResult:
+def clip_v_mask(s_centered: torch.Tensor | TokenStats, advantages: torch.Tensor, valid: torch.Tensor, *,
+                mu_low: float = DEFAULT_MU, mu_high: float = math.inf, sides: str = "negative",
+                max_frac: float | None = None, cap_rule: str = "share", process_group: Group = None) -> MaskResult:
     """Clip_V: keep token t when ``-mu_low*sigma' <= S_c,t <= mu_high*sigma'``, sigma' = std(S_c).
 
     ``S_c = S* - E_p[S]`` from :func:`~entropy_discriminator.token_stats` (or the
@@ -144,10 +115,8 @@ def clip_v_mask(
     reference's settings for 7B models (mu = 8.5, ``max_frac=1e-4``) clip nothing in a batch of a
     few thousand tokens; pass ``cap_rule="reference"`` to cap as the reference does.
     """
-    return _outlier_mask(
-        "clip_v", "s_centered", s_centered, advantages, valid, False, mu_low, mu_high, sides, max_frac, cap_rule,
-        process_group,
-    )
+    return _outlier_mask("clip_v", "s_centered", s_centered, advantages, valid, False, mu_low, mu_high, sides, max_frac,
+                         cap_rule, process_group)
 
 
 def apply_keep_mask(
@@ -176,20 +145,9 @@ def apply_keep_mask(
     return pg_losses, loss_mask * keep.to(loss_mask.dtype)
 
 
-def _outlier_mask(
-    method: str,
-    name: str,
-    scores: torch.Tensor | TokenStats,
-    advantages: torch.Tensor,
-    valid: torch.Tensor,
-    recentre: bool,
-    mu_low: object,
-    mu_high: object,
-    sides: str,
-    max_frac: object,
-    cap_rule: str,
-    group: Group,
-) -> MaskResult:
+def _outlier_mask(method: str, name: str, scores: torch.Tensor | TokenStats, advantages: torch.Tensor,
+                  valid: torch.Tensor, recentre: bool, mu_low: object, mu_high: object, sides: str, max_frac: object,
+                  cap_rule: str, group: Group) -> MaskResult:
     scores, within = field_of(scores, name)
 
     def local() -> tuple[torch.Tensor, tuple]:
@@ -235,21 +193,9 @@ def _outlier_mask(
     n_clip_pos = {"negative": 0, "positive": n_clip}.get(sides)
     if n_clip_pos is None:
         n_clip_pos = int(all_reduce((clipped & pos).sum(), group))
-    return MaskResult(
-        keep=~clipped,
-        method=method,
-        center=center,
-        std=std,
-        lower=lower,
-        upper=upper,
-        n_valid=int(n),
-        n_valid_pos=int(n_pos),
-        n_valid_neg=int(n_neg),
-        n_clipped=n_clip,
-        n_clipped_pos=n_clip_pos,
-        n_clipped_neg=n_clip - n_clip_pos,
-        capped=capped,
-    )
+    return MaskResult(keep=~clipped, method=method, center=center, std=std, lower=lower, upper=upper, n_valid=int(n),
+                      n_valid_pos=int(n_pos), n_valid_neg=int(n_neg), n_clipped=n_clip, n_clipped_pos=n_clip_pos,
+                      n_clipped_neg=n_clip - n_clip_pos, capped=capped)
 
 
 #: DataChecks of a mask call: valid is 0/1, scores and advantages finite at the valid positions.

@@ -7,17 +7,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ._checks import (
-    DataChecks,
-    broadcast_advantages,
-    exact_fraction,
-    real_number,
-    require_float,
-    require_shape,
-    require_tensor,
-    valid_mask,
-    valid_within,
-)
+from ._checks import (DataChecks, broadcast_advantages, exact_fraction, real_number, require_float, require_shape,
+                      require_tensor, valid_mask, valid_within)
 from .distributed import Group, kth_smallest, reduce_or_raise
 from .masks import MaskResult
 from .stats import TokenStats, field_of
@@ -49,9 +40,8 @@ class EntropyMonitor:
     * ``tokens/valid``, ``tokens/adv_pos``, ``tokens/adv_neg``.
     """
 
-    def __init__(
-        self, *, prefix: str = "entropy_disc/", percentiles: Sequence[float] = (10, 50, 90, 99), process_group: Group = None
-    ) -> None:
+    def __init__(self, *, prefix: str = "entropy_disc/", percentiles: Sequence[float] = (10, 50, 90, 99),
+                 process_group: Group = None) -> None:
         self.prefix = prefix
         self.percentiles = percentiles
         self.process_group = process_group
@@ -90,19 +80,10 @@ class EntropyMonitor:
         """
         return [min(max(math.ceil(r * n), 1), n) for r in self._ranks]
 
-    def __call__(
-        self,
-        *,
-        entropy: torch.Tensor,
-        valid: torch.Tensor,
-        advantages: torch.Tensor | None = None,
-        s_star: torch.Tensor | None = None,
-        s_centered: torch.Tensor | None = None,
-        mask: MaskResult | None = None,
-        ratio: torch.Tensor | None = None,
-        lr: float | None = None,
-        scale: float | None = None,
-    ) -> dict[str, float]:
+    def __call__(self, *, entropy: torch.Tensor, valid: torch.Tensor, advantages: torch.Tensor | None = None,
+                 s_star: torch.Tensor | None = None, s_centered: torch.Tensor | None = None,
+                 mask: MaskResult | None = None, ratio: torch.Tensor | None = None, lr: float | None = None,
+                 scale: float | None = None) -> dict[str, float]:
         """Metrics of one batch. Tensors share ``entropy``'s shape (``advantages`` may be ``[B]``).
 
         ``mask`` must have been computed on this batch over the same valid tokens (its
@@ -121,18 +102,9 @@ class EntropyMonitor:
                              s_centered=s_centered, mask=mask, ratio=ratio, lr=lr, scale=scale)
 
     def _metrics(
-        self,
-        within: torch.Tensor | None,
-        *,
-        entropy: torch.Tensor,
-        valid: torch.Tensor,
-        advantages: torch.Tensor | None,
-        s_star: torch.Tensor | None,
-        s_centered: torch.Tensor | None,
-        mask: MaskResult | None,
-        ratio: torch.Tensor | None,
-        lr: float | None,
-        scale: float | None,
+        self, within: torch.Tensor | None, *, entropy: torch.Tensor, valid: torch.Tensor,
+        advantages: torch.Tensor | None, s_star: torch.Tensor | None, s_centered: torch.Tensor | None,
+        mask: MaskResult | None, ratio: torch.Tensor | None, lr: float | None, scale: float | None,
     ) -> dict[str, float]:
         """:meth:`__call__` counting only the positions of ``valid`` inside ``within`` (a TokenStats' ``valid``)."""
         group = self.process_group
@@ -227,17 +199,9 @@ class EntropyMonitor:
                     out["delta_entropy/scale"] = float(scale)
         return {self.prefix + k: float(v) for k, v in out.items()}
 
-    def from_stats(
-        self,
-        stats: TokenStats,
-        advantages: torch.Tensor | None = None,
-        mask: MaskResult | None = None,
-        ratio: torch.Tensor | None = None,
-        lr: float | None = None,
-        scale: float | None = None,
-        *,
-        valid: torch.Tensor | None = None,
-    ) -> dict[str, float]:
+    def from_stats(self, stats: TokenStats, advantages: torch.Tensor | None = None, mask: MaskResult | None = None,
+                   ratio: torch.Tensor | None = None, lr: float | None = None, scale: float | None = None, *,
+                   valid: torch.Tensor | None = None) -> dict[str, float]:
         """:meth:`__call__` on the fields of a :class:`~entropy_discriminator.TokenStats`.
 
         ``valid`` (optional, bool or 0/1 of the statistics' shape, e.g. a response mask) narrows
@@ -246,25 +210,12 @@ class EntropyMonitor:
         if not isinstance(stats, TokenStats):
             raise TypeError(f"stats must be a TokenStats (from entropy_discriminator.token_stats), got "
                             f"{type(stats).__name__}; for separate tensors call the monitor itself")
-        return self._metrics(
-            stats.valid,
-            entropy=stats.entropy,
-            valid=stats.valid if valid is None else valid,
-            advantages=advantages,
-            s_star=stats.s_star,
-            s_centered=stats.s_centered,
-            mask=mask,
-            ratio=ratio,
-            lr=lr,
-            scale=scale,
-        )
+        return self._metrics(stats.valid, entropy=stats.entropy, valid=stats.valid if valid is None else valid,
+                             advantages=advantages, s_star=stats.s_star, s_centered=stats.s_centered, mask=mask,
+                             ratio=ratio, lr=lr, scale=scale)
 
-    def realised(
-        self,
-        entropy_before: torch.Tensor | TokenStats,
-        entropy_after: torch.Tensor | TokenStats,
-        valid: torch.Tensor,
-    ) -> dict[str, float]:
+    def realised(self, entropy_before: torch.Tensor | TokenStats, entropy_after: torch.Tensor | TokenStats,
+                 valid: torch.Tensor) -> dict[str, float]:
         """``delta_entropy/realised`` = mean(H after) - mean(H before) over the valid tokens of all ranks.
 
         Both entropies are of the same tokens (same shape), before and after the update; ``NaN``
@@ -301,13 +252,9 @@ class EntropyMonitor:
 
     @staticmethod
     def _mask_metrics(mask: MaskResult, n: float, h_sum: float, h_kept: float, n_kept: float) -> dict[str, float]:
-        out = {
-            "clip/frac": mask.clip_frac,
-            "clip/n_clipped": mask.n_clipped,
-            "clip/capped": float(mask.capped),
-            "clip/frac_adv_pos": mask.n_clipped_pos / mask.n_valid_pos if mask.n_valid_pos else 0.0,
-            "clip/frac_adv_neg": mask.n_clipped_neg / mask.n_valid_neg if mask.n_valid_neg else 0.0,
-        }
+        out = {"clip/frac": mask.clip_frac, "clip/n_clipped": mask.n_clipped, "clip/capped": float(mask.capped),
+               "clip/frac_adv_pos": mask.n_clipped_pos / mask.n_valid_pos if mask.n_valid_pos else 0.0,
+               "clip/frac_adv_neg": mask.n_clipped_neg / mask.n_valid_neg if mask.n_valid_neg else 0.0}
         for key, value in (("clip/threshold_low", mask.lower), ("clip/threshold_high", mask.upper)):
             if math.isfinite(value):
                 out[key] = value

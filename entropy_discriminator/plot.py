@@ -22,15 +22,11 @@ def summarise_run(rows: list[dict[str, float]]) -> dict[str, float]:
     both = [(r["delta_entropy/predicted"], r["delta_entropy/realised"]) for r in rows
             if math.isfinite(r.get("delta_entropy/predicted", math.nan))
             and math.isfinite(r.get("delta_entropy/realised", math.nan))]
-    return {
-        "steps": float(len(rows)),
-        "entropy_first": entropy[0] if entropy else math.nan,
-        "entropy_last": entropy[-1] if entropy else math.nan,
-        "clip_frac_mean": sum(frac) / len(frac) if frac else math.nan,
-        "clip_frac_median": _median(frac),
-        "steps_clipping_none": float(sum(f == 0 for f in frac)) if frac else math.nan,
-        "dH_corr": _pearson(*zip(*both)) if len(both) >= 3 else math.nan,
-    }
+    return {"steps": float(len(rows)), "entropy_first": entropy[0] if entropy else math.nan,
+            "entropy_last": entropy[-1] if entropy else math.nan,
+            "clip_frac_mean": sum(frac) / len(frac) if frac else math.nan, "clip_frac_median": _median(frac),
+            "steps_clipping_none": float(sum(f == 0 for f in frac)) if frac else math.nan,
+            "dH_corr": _pearson(*zip(*both)) if len(both) >= 3 else math.nan}
 
 
 def format_summary(summary: dict[str, float]) -> str:

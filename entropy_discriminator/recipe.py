@@ -45,15 +45,8 @@ class MuSuggestion:
     max_share: float
 
 
-def mu_for_share(
-    scores: torch.Tensor,
-    advantages: torch.Tensor,
-    valid: torch.Tensor,
-    *,
-    target_share: float,
-    method: str = "clip_b",
-    sides: str = "negative",
-) -> MuSuggestion:
+def mu_for_share(scores: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor, *, target_share: float,
+                 method: str = "clip_b", sides: str = "negative") -> MuSuggestion:
     """The ``mu_low`` with which ``method``'s mask clips the share of ``valid`` tokens nearest ``target_share``.
 
     Args:

@@ -119,18 +119,9 @@ def _check_score_domain(logp: torch.Tensor, entropy: torch.Tensor) -> None:
                              "outside (check=False skips this for a framework's own entropies)")
 
 
-def token_stats(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    ignore_index: int | None = -100,
-    chunk_size: int | None = None,
-    impl: str = "auto",
-    check: bool = True,
-    vocab_parallel_group: dist.ProcessGroup | None = None,
-    vocab_start_index: int = 0,
-) -> TokenStats:
+def token_stats(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
+                ignore_index: int | None = -100, chunk_size: int | None = None, impl: str = "auto", check: bool = True,
+                vocab_parallel_group: dist.ProcessGroup | None = None, vocab_start_index: int = 0) -> TokenStats:
     """Exact per-token ``logp, H, S*, E_p[S], S_c`` of ``softmax(logits / temperature)``.
 
     Equivalent (memory-hungry) torch, with ``k = labels``::
@@ -197,20 +188,13 @@ def token_stats(
                     return _token_stats_torch(logits, labels, float(temperature), ignore_index, chunk_size, check, None, 0)
                 raise_for_errors(errors, labels, logits.shape[-1], ignore_index)
         return result
-    return _token_stats_torch(
-        logits, labels, float(temperature), ignore_index, chunk_size, check, vocab_parallel_group, vocab_start_index
-    )
+    return _token_stats_torch(logits, labels, float(temperature), ignore_index, chunk_size, check, vocab_parallel_group,
+                              vocab_start_index)
 
 
 def _token_stats_torch(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    temperature: float,
-    ignore_index: int,
-    chunk_size: int | None,
-    check: bool,
-    group: dist.ProcessGroup | None,
-    vocab_start: int,
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, ignore_index: int, chunk_size: int | None,
+    check: bool, group: dist.ProcessGroup | None, vocab_start: int,
 ) -> TokenStats:
     """The chunked torch path of :func:`token_stats` (any device, fp64 logits, vocabulary-parallel)."""
     v_total = _global_vocab(logits.shape[-1], group, logits.device)
@@ -267,15 +251,8 @@ def raise_for_errors(errors: list[int], labels: torch.Tensor, vocab: int, ignore
         )
 
 
-def check_stats_args(
-    labels: object,
-    source: torch.Tensor,
-    source_name: str,
-    temperature: object,
-    ignore_index: object,
-    chunk_size: object,
-    impl: object,
-) -> tuple[float, int]:
+def check_stats_args(labels: object, source: torch.Tensor, source_name: str, temperature: object, ignore_index: object,
+                     chunk_size: object, impl: object) -> tuple[float, int]:
     """Validate the arguments :func:`token_stats` and ``token_stats_from_hidden`` share.
 
     ``labels`` must be an integer tensor of shape ``source.shape[:-1]`` on ``source``'s device;
@@ -369,15 +346,8 @@ def _row_chunks(x: torch.Tensor, chunk_size: int) -> Iterator[tuple[slice, torch
             yield slice(lo, hi), x[torch.unravel_index(idx, x.shape[:-1])]
 
 
-def _moments_torch(
-    rows: torch.Tensor,
-    labels: torch.Tensor,
-    temperature: float,
-    ignore_index: int,
-    acc: torch.dtype,
-    group: dist.ProcessGroup | None,
-    vocab_start: int,
-) -> tuple[torch.Tensor, ...]:
+def _moments_torch(rows: torch.Tensor, labels: torch.Tensor, temperature: float, ignore_index: int, acc: torch.dtype,
+                   group: dist.ProcessGroup | None, vocab_start: int) -> tuple[torch.Tensor, ...]:
     """logp, H, S*, E_p[S] and the unscaled row max of one ``[n, V]`` chunk (three [n, V] buffers).
 
     u = (x - max x) / T (the shift first: finite logits cannot overflow).  A first sweep gives

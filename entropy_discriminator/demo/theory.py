@@ -60,25 +60,15 @@ def tabular_start(
     ``[P, T, V]`` on ``n_prompts`` training prompts (one answer sampled at temperature 1), and
     those prompts' operands ``a, b`` (int64 ``[P]``)."""
     a, b = task.sample(n_prompts, torch.Generator().manual_seed(seed), split="train")
-    seq = model.generate(
-        task.prompts(a, b).to(device), task.response_len, temperature=1.0, generator=torch.Generator().manual_seed(seed)
-    )
+    seq = model.generate(task.prompts(a, b).to(device), task.response_len, temperature=1.0,
+                         generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         init = model.response_logits(seq, task.prompt_len).double().cpu()
     return init, a, b
 
 
-def tabular_check(
-    task: AdditionTask,
-    *,
-    init_logits: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    group_size: int,
-    steps: int,
-    step_size: float,
-    seed: int,
-) -> Agreement:
+def tabular_check(task: AdditionTask, *, init_logits: torch.Tensor, a: torch.Tensor, b: torch.Tensor, group_size: int,
+                  steps: int, step_size: float, seed: int) -> Agreement:
     """GRPO on a logit table; Corollary 4's prediction vs the realised batch-entropy change per step.
 
     Args:

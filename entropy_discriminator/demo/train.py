@@ -148,17 +148,9 @@ class TrainConfig(LoopConfig):
 Progress = Callable[[int, int, str], None]
 
 
-def warm_up(
-    model: TinyGPT,
-    cfg: LoopConfig,
-    *,
-    seed: int,
-    device: torch.device,
-    progress: Progress | None = None,
-    target_avg: float | None = None,
-    max_steps: int | None = None,
-    on_step: Callable[[int, TinyGPT], None] | None = None,
-) -> dict[str, float]:
+def warm_up(model: TinyGPT, cfg: LoopConfig, *, seed: int, device: torch.device, progress: Progress | None = None,
+            target_avg: float | None = None, max_steps: int | None = None,
+            on_step: Callable[[int, TinyGPT], None] | None = None) -> dict[str, float]:
     """Supervised warm-up on noisy targets (the task's ``warmup_targets``, e.g. :meth:`AdditionTask.warmup_targets`),
     the one warm-up of every experiment: Adam at ``warmup_lr`` (problems drawn from a generator seeded
     ``seed + 7919``), gradient norm clipped at 1, loss = mean cross-entropy over the response tokens;
@@ -267,15 +259,8 @@ def _law_terms(model: TinyGPT, opt: torch.optim.Optimizer, seq: torch.Tensor, re
     return {"terms": res.terms, "carry": res.carry}
 
 
-def run_arm(
-    state: dict[str, torch.Tensor],
-    cfg: TrainConfig,
-    arm: ArmSpec,
-    *,
-    seed: int,
-    device: torch.device,
-    progress: Progress | None = None,
-) -> ArmResult:
+def run_arm(state: dict[str, torch.Tensor], cfg: TrainConfig, arm: ArmSpec, *, seed: int, device: torch.device,
+            progress: Progress | None = None) -> ArmResult:
     """GRPO from the warmed-up ``state`` for ``cfg.grpo_steps`` steps; every arm with the same ``seed`` sees the
     same prompts and the same sampling random stream (they diverge only through their updates)."""
     task = cfg.task()
@@ -337,25 +322,16 @@ def run_arm(
             after = token_stats(model.response_logits(seq, p_len), resp, temperature=cfg.temperature)
         realised = monitor.realised(stats.entropy, after.entropy, valid)[pre + "delta_entropy/realised"]
 
-        rec = {
-            "step": step,
-            "reward": float(rewards.mean()),
-            "entropy": metrics[pre + "entropy/mean"],
-            "entropy_p10": metrics[pre + "entropy/p10"],
-            "entropy_p50": metrics[pre + "entropy/p50"],
-            "entropy_p90": metrics[pre + "entropy/p90"],
-            "s_star_mean": metrics[pre + "s_star/mean"],
-            "s_star_std": metrics[pre + "s_star/std"],
-            "s_c_mean": metrics[pre + "s_centered/mean"],
-            "s_c_std": metrics[pre + "s_centered/std"],
-            "clip_frac": 1.0 - float((keep & valid).sum()) / max(n_valid, 1.0),
-            "cov_adv_sc": metrics.get(pre + "cov/adv_s_centered", 0.0),
-            "neg_cov_pos_part": -float(a_sc[adv > 0].sum()) / max(n_valid, 1.0),
-            "neg_cov_neg_part": -float(a_sc[adv < 0].sum()) / max(n_valid, 1.0),
-            "pred_dH": pred,
-            "real_dH": realised,
-            "loss": float(loss.detach()),
-        }
+        rec = {"step": step, "reward": float(rewards.mean()), "entropy": metrics[pre + "entropy/mean"],
+               "entropy_p10": metrics[pre + "entropy/p10"], "entropy_p50": metrics[pre + "entropy/p50"],
+               "entropy_p90": metrics[pre + "entropy/p90"], "s_star_mean": metrics[pre + "s_star/mean"],
+               "s_star_std": metrics[pre + "s_star/std"], "s_c_mean": metrics[pre + "s_centered/mean"],
+               "s_c_std": metrics[pre + "s_centered/std"],
+               "clip_frac": 1.0 - float((keep & valid).sum()) / max(n_valid, 1.0),
+               "cov_adv_sc": metrics.get(pre + "cov/adv_s_centered", 0.0),
+               "neg_cov_pos_part": -float(a_sc[adv > 0].sum()) / max(n_valid, 1.0),
+               "neg_cov_neg_part": -float(a_sc[adv < 0].sum()) / max(n_valid, 1.0), "pred_dH": pred,
+               "real_dH": realised, "loss": float(loss.detach())}
         if grads is not None and before is not None:
             rec["pred_lin_dH"] = float(
                 sum((gr * (p_.detach() - b_)).sum() for gr, p_, b_ in zip(grads, model.parameters(), before))

@@ -119,10 +119,8 @@ class DirectLauncher:
             if entry is not None:
                 kernel, const_values = entry
                 stream = torch._C._cuda_getCurrentRawStream(device)
-                kernel.run(
-                    grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
-                    *args, *const_values,
-                )  # fmt: skip
+                kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
+                           *args, *const_values)  # fmt: skip
                 return
         kernel = self.fn[grid](*args, **dict(consts), num_warps=num_warps)
         if direct and kernel is not None and not hasattr(kernel, "result"):  # compiled, not a pending compilation

@@ -42,21 +42,15 @@ __all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG", "SHAPE_CONFIGS", "choos
 # label (block-uniform branches; 0: in every tile); max_programs: at most this many persistent
 # programs (0: no cap beyond persistent per multiprocessor).  H100, N=16384, H=3584, V=152064
 # (results/h100/tune_fused.csv): persistent 666 TFLOP/s, one program per tile 595.
-DEFAULT_CONFIG = {
-    "bm": 128, "bn": 256, "bk": 64, "group_m": 8, "num_warps": 8, "stages": 3, "moments": 4,
-    "persistent": 1, "flatten": 1, "ws": 0, "maxnreg": 0, "branch": 1,
-    "max_programs": 0,
-}  # fmt: skip
+DEFAULT_CONFIG = {"bm": 128, "bn": 256, "bk": 64, "group_m": 8, "num_warps": 8, "stages": 3, "moments": 4,
+                  "persistent": 1, "flatten": 1, "ws": 0, "maxnreg": 0, "branch": 1, "max_programs": 0}  # fmt: skip
 # Per-shape overrides of DEFAULT_CONFIG for 16-bit inputs: (largest hidden size, overrides), first
 # match wins; fp32 takes DEFAULT_CONFIG.  From the sweep `python -m benchmarks
 # fused-vs-cublas --sweep --dtypes bf16` and an A/B of the epilogues on one H100
 # (benchmarks/RESULTS.md, "Fused head against cuBLAS"): small H runs best with the tile loop not
 # flattened (and the block-uniform branches of ``branch``); larger H flattened and unbranched
 # (the branches inside the flattened loop cost 8-29 % there).
-SHAPE_CONFIGS: tuple[tuple[int, dict], ...] = (
-    (1536, {"flatten": 0}),
-    (2**62, {"branch": 0}),
-)
+SHAPE_CONFIGS: tuple[tuple[int, dict], ...] = ((1536, {"flatten": 0}), (2**62, {"branch": 0}))
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # logits_dtype -> the epilogue's ROUND code (fp32 logits need no rounding)
 _ROUND_CODES = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -86,28 +80,9 @@ def _round_bf16(x):
 
 
 @triton.jit
-def _tile_epilogue(
-    acc,
-    pid_m,
-    pid_n,
-    b_ptr,
-    lab_ptr,
-    part_ptr,
-    yk_ptr,
-    N,
-    V,
-    c,
-    inv_t,
-    num_pid_n,
-    HAS_BIAS: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    MOMENTS: tl.constexpr,
-    ROUND: tl.constexpr,
-    T_ROUND: tl.constexpr,
-    FTZ: tl.constexpr,
-    BRANCH: tl.constexpr,
-):
+def _tile_epilogue(acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
+                   HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MOMENTS: tl.constexpr,
+                   ROUND: tl.constexpr, T_ROUND: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr):
     """Reduce one [BM, BN] fp32 logits tile to the six partials per row (and the label logit).
 
     The partials go to part_ptr, fp32 [6, N, num_pid_n] at this tile's column pid_n: m (the
@@ -181,34 +156,10 @@ def _tile_epilogue(
 
 
 @triton.jit
-def _fused_tile_kernel(
-    h_ptr,
-    w_ptr,
-    b_ptr,
-    lab_ptr,
-    part_ptr,
-    yk_ptr,
-    N,
-    V,
-    H,
-    stride_h,
-    stride_w,
-    c,
-    inv_t,
-    HAS_BIAS: tl.constexpr,
-    ROUND: tl.constexpr,
-    T_ROUND: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    IEEE: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    STAGES: tl.constexpr,
-    MOMENTS: tl.constexpr,
-    FTZ: tl.constexpr,
-    BRANCH: tl.constexpr,
-):
+def _fused_tile_kernel(h_ptr, w_ptr, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, stride_h, stride_w, c, inv_t,
+                       HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, T_ROUND: tl.constexpr, EVEN_K: tl.constexpr,
+                       IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                       STAGES: tl.constexpr, MOMENTS: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(N, BM)
     num_pid_n = tl.cdiv(V, BN)
@@ -233,40 +184,16 @@ def _fused_tile_kernel(
             acc = tl.dot(a, tl.trans(b), acc)
         a_ptrs += BK
         b_ptrs += BK
-    _tile_epilogue(
-        acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
-        HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ, BRANCH=BRANCH,
-    )  # fmt: skip
+    _tile_epilogue(acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n, HAS_BIAS=HAS_BIAS,
+                   BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ, BRANCH=BRANCH)  # fmt: skip
 
 
 @triton.jit
-def _fused_persistent_kernel(
-    a_desc,
-    w_desc,
-    b_ptr,
-    lab_ptr,
-    part_ptr,
-    yk_ptr,
-    N,
-    V,
-    H,
-    c,
-    inv_t,
-    HAS_BIAS: tl.constexpr,
-    ROUND: tl.constexpr,
-    T_ROUND: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    STAGES: tl.constexpr,
-    MOMENTS: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
-    FLATTEN: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
-    FTZ: tl.constexpr,
-    BRANCH: tl.constexpr,
-):
+def _fused_persistent_kernel(a_desc, w_desc, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, c, inv_t,
+                             HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, T_ROUND: tl.constexpr, BM: tl.constexpr,
+                             BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
+                             MOMENTS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
+                             WARP_SPECIALIZE: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr):
     """Persistent variant: NUM_PROGRAMS programs walk the tiles; operands arrive by TMA descriptors.
 
     With FLATTEN the tile loop and the K loop are pipelined as one, so the loads of the next tile
@@ -277,19 +204,17 @@ def _fused_persistent_kernel(
     num_pid_n = tl.cdiv(V, BN)
     k_tiles = tl.cdiv(H, BK)
     num_tiles = num_pid_m * num_pid_n
-    for tile in tl.range(
-        tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE, num_stages=STAGES
-    ):
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE,
+                         num_stages=STAGES):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for ki in range(k_tiles):
             a = a_desc.load([pid_m * BM, ki * BK])
             b = w_desc.load([pid_n * BN, ki * BK])
             acc = tl.dot(a, b.T, acc)
-        _tile_epilogue(
-            acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
-            HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ, BRANCH=BRANCH,
-        )  # fmt: skip
+        _tile_epilogue(acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
+                       HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ,
+                       BRANCH=BRANCH)  # fmt: skip
 
 
 def _num_sms(device: torch.device) -> int:
@@ -300,12 +225,11 @@ def persistent_spec(
     cfg: dict, has_bias: bool, round_code: int, t_round: bool, n_prog: int, ftz: bool
 ) -> tuple[object, dict]:
     """The persistent TMA kernel (:func:`_fused_persistent_kernel`) and a configuration's compile-time arguments."""
-    return _fused_persistent_kernel, {
-        "HAS_BIAS": has_bias, "ROUND": round_code, "T_ROUND": t_round, "BM": cfg["bm"], "BN": cfg["bn"],
-        "BK": cfg["bk"], "GROUP_M": cfg["group_m"], "STAGES": cfg["stages"], "MOMENTS": cfg["moments"],
-        "NUM_PROGRAMS": n_prog, "FTZ": ftz, "BRANCH": bool(cfg["branch"]), "FLATTEN": bool(cfg["flatten"]),
-        "WARP_SPECIALIZE": bool(cfg["ws"]),
-    }  # fmt: skip
+    return _fused_persistent_kernel, {"HAS_BIAS": has_bias, "ROUND": round_code, "T_ROUND": t_round, "BM": cfg["bm"],
+                                      "BN": cfg["bn"], "BK": cfg["bk"], "GROUP_M": cfg["group_m"],
+                                      "STAGES": cfg["stages"], "MOMENTS": cfg["moments"], "NUM_PROGRAMS": n_prog,
+                                      "FTZ": ftz, "BRANCH": bool(cfg["branch"]), "FLATTEN": bool(cfg["flatten"]),
+                                      "WARP_SPECIALIZE": bool(cfg["ws"])}  # fmt: skip
 
 
 def _use_persistent(cfg: dict, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -333,17 +257,9 @@ def choose_fused_config(hdim: int, dtype: torch.dtype) -> dict:
 
 
 def token_stats_fused_triton(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    bias: torch.Tensor | None,
-    temperature: float,
-    ignore_index: int,
-    *,
-    config: dict | None = None,
-    rows_per_launch: int | None = None,
-    logits_dtype: torch.dtype | None = None,
-    temperature_in_logits_dtype: bool = False,
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None, temperature: float,
+    ignore_index: int, *, config: dict | None = None, rows_per_launch: int | None = None,
+    logits_dtype: torch.dtype | None = None, temperature_in_logits_dtype: bool = False,
 ) -> KernelStats:
     """Statistics of z = (hidden @ weight.T + bias) / T without materialising [N, V] logits.
 

@@ -45,19 +45,8 @@ from . import interpreting
 from . import is_available as _is_available
 from ._host_report import NO_FAULTS, HostReport, host_report
 from ._launch import DirectLauncher
-from ._reduce import (
-    D_FLOOR,
-    ERR_WORDS,
-    ERR_WORDS_C,
-    LOG2E,
-    count_row,
-    exp2,
-    max_nan,
-    merge_partials,
-    rescale,
-    row_faults,
-    store_stats,
-)
+from ._reduce import (D_FLOOR, ERR_WORDS, ERR_WORDS_C, LOG2E, count_row, exp2, max_nan, merge_partials, rescale,
+                      row_faults, store_stats)
 
 __all__ = ["KernelStats", "token_stats_triton", "is_available", "choose_config", "HostReport", "host_report", "NO_FAULTS"]
 
@@ -210,34 +199,10 @@ def _finish_row(ws_ptr, N, bad, err_ptr, host_ptr, seq, REPORT: tl.constexpr, SP
 
 
 @triton.jit(do_not_specialize=["seq"])
-def _stats_kernel(
-    x_ptr,
-    inner,
-    stride_outer,
-    stride_inner,
-    lab_ptr,
-    V,
-    chunk,
-    c,
-    ignore_index,
-    out_ptr,
-    valid_ptr,
-    part_ptr,
-    ws_ptr,
-    N,
-    err_ptr,
-    host_ptr,
-    seq,
-    SPLIT: tl.constexpr,
-    SPLIT_P2: tl.constexpr,
-    BLOCK: tl.constexpr,
-    TAU: tl.constexpr,
-    STAGES: tl.constexpr,
-    FTZ: tl.constexpr,
-    REPORT: tl.constexpr,
-    PACKED: tl.constexpr,
-    COUNTERS: tl.constexpr,
-):
+def _stats_kernel(x_ptr, inner, stride_outer, stride_inner, lab_ptr, V, chunk, c, ignore_index, out_ptr, valid_ptr,
+                  part_ptr, ws_ptr, N, err_ptr, host_ptr, seq, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr,
+                  BLOCK: tl.constexpr, TAU: tl.constexpr, STAGES: tl.constexpr, FTZ: tl.constexpr, REPORT: tl.constexpr,
+                  PACKED: tl.constexpr, COUNTERS: tl.constexpr):
     row = tl.program_id(0)
     sp = tl.program_id(1)
     r = row.to(tl.int64)
@@ -418,14 +383,8 @@ def _row_layout(shape: tuple, strides: tuple) -> tuple[int, int, int] | None:
 
 
 def token_stats_triton(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    temperature: float,
-    ignore_index: int,
-    *,
-    config: dict | None = None,
-    report: HostReport | None = None,
-    counters: bool = True,
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, ignore_index: int, *, config: dict | None = None,
+    report: HostReport | None = None, counters: bool = True,
 ) -> KernelStats:
     """One-pass statistics of every row of ``logits`` [..., V] (bf16/fp16/fp32, CUDA).
 
@@ -591,10 +550,8 @@ def _launch(x, layout, labels, rows, out, valid, n_out, c, ignore_index, plan, p
     current device, through :class:`._launch.DirectLauncher` (Triton's own launch path costs more
     host time than the kernel takes at N = 256)."""
     inner, stride_outer, stride_inner = layout
-    args = (
-        x, inner, stride_outer, stride_inner, labels, plan.vocab, plan.chunk, c, ignore_index,
-        out, valid, part, ws, n_out, errors if errors is not None else ws, host, seq,
-    )  # fmt: skip
+    args = (x, inner, stride_outer, stride_inner, labels, plan.vocab, plan.chunk, c, ignore_index, out, valid, part, ws,
+            n_out, errors if errors is not None else ws, host, seq)  # fmt: skip
     # two bf16 per int32 word: the rows' starts (and so every block) must be 4-byte aligned
     packed = plan.packed if not (x.data_ptr() & 3 or stride_outer & 1 or stride_inner & 1) else 0
     consts = plan.consts[seq != 0, packed, errors is not None]  # COUNTERS: the call wants device counters
