@@ -26,16 +26,11 @@ import torch
 
 from ._reduce import ERR_WORDS
 
-#: How the host waits for the words: a tight poll for SPIN_SECONDS, then polls with ``time.sleep(0)``
-#: between them (the GIL is released at each, so other Python threads run) until YIELD_SECONDS, then
-#: ``stream.synchronize()``.  The spin is what CUDA's own synchronisation does by default while
-#: CPU cores outnumber GPUs; a spinning Python thread still hands the GIL to other threads every
-#: ``sys.getswitchinterval()``.  Yielding early is what costs: on a loaded host ``sched_yield`` can
-#: give the core away for a scheduler time slice (H100 machine, N = 16384, a 1.68 ms kernel: a 0.5 ms
-#: spin then yields measured the checked call at 1.13x torch.sum in one run, 1.04x in the next), and
-#: a synchronisation's wake-up can take 0.1-0.2 ms (``benchmarks.host_path``: kernel + stream
-#: synchronisation 61-168 us against 58 us for kernel + polled words at N = 256), while a polled
-#: word is seen within a microsecond.
+#: How the host waits for the words: a tight poll for SPIN_SECONDS, then polls with ``time.sleep(0)`` between them
+#: (the GIL released at each) until YIELD_SECONDS, then ``stream.synchronize()``.  The spin is what CUDA's own
+#: synchronisation does while CPU cores outnumber GPUs; yielding early can give the core away for a scheduler time
+#: slice, and a synchronisation's wake-up takes 0.1-0.2 ms, a polled word a microsecond (benchmarks/RESULTS.md,
+#: "direct launches and the wait's spin").
 SPIN_SECONDS = 5e-3
 YIELD_SECONDS = 5e-2
 _SEQ_LIMIT = 2**31 - 1
@@ -71,16 +66,11 @@ class HostReport:
         return self.seq
 
     def wait(self) -> tuple[int, ...]:
-        """Block until the armed kernel has written its words; return the ``ERR_WORDS`` counts
-        (:data:`NO_FAULTS` when no row was bad).
-
-        Polls the summary word (no CUDA call; see :data:`SPIN_SECONDS` for the schedule): once it
-        carries this call's tag and says no row was bad, that is the answer; if it says some row
-        was, every counter word is read once it carries the tag.  Checks the stream every 256 polls
-        (a CUDA error or a capturing stream raises there, and a finished stream ends the wait); a
-        kernel that outlasts :data:`YIELD_SECONDS` is waited for with ``stream.synchronize()``.
-        The one host synchronisation of a checked call.
-        """
+        """Block until the armed kernel has written its words; return the ``ERR_WORDS`` counts (:data:`NO_FAULTS`
+        when no row was bad).  Polls the summary word (no CUDA call; :data:`SPIN_SECONDS`) until it carries this
+        call's tag, then, if some row was bad, every counter word once it carries the tag.  Checks the stream every
+        256 polls (errors raise there; a finished stream ends the wait).  The one host synchronisation of a checked
+        call."""
         if self._summary.value == self._clean:  # the common case, kept to one load and one compare
             self.busy = False
             return NO_FAULTS
