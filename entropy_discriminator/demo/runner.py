@@ -58,11 +58,8 @@ class DemoOptions:
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto`` -> cuda when available else cpu; ``cpu``, ``cuda`` and ``cuda:N`` are checked against this machine.
-
-    Raises ``ValueError`` naming the device for anything else, for CUDA without a GPU and for a GPU index
-    this machine does not have.
-    """
+    """``auto`` -> cuda when available else cpu; ``cpu``, ``cuda`` and ``cuda:N`` are checked against this machine
+    (``ValueError`` naming the device for anything else, CUDA without a GPU or a GPU index it does not have)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -81,11 +78,8 @@ def resolve_device(name: str) -> torch.device:
 
 @contextlib.contextmanager
 def torch_threads(n: int | None) -> Iterator[None]:
-    """Run with ``torch.set_num_threads(n)`` (None: unchanged), restoring the old value afterwards.
-
-    One thread is the demo's default on CPU: its matrices are tiny, so extra threads mostly add
-    synchronisation (on a busy 2-core machine one thread ran 5x faster than two).
-    """
+    """Run with ``torch.set_num_threads(n)`` (None: unchanged), restoring the old value afterwards.  One thread is
+    the demo's default on CPU: its matrices are tiny (on a busy 2-core machine one thread ran 5x faster than two)."""
     old = torch.get_num_threads()
     if n is not None:
         if n < 1:
@@ -122,13 +116,10 @@ def summarise(result: ArmResult) -> dict[str, object]:
 
 
 def run_demo(opts: DemoOptions, *, stream: TextIO | None = None) -> dict[str, object]:
-    """Run the demo; write ``demo_steps.csv``, ``demo_summary.csv``, ``demo_table.md`` and ``demo.png``
-    (``demo.png`` only with matplotlib) under ``opts.out``.  Returns ``{"rows", "tabular", "files"}``.
-
-    Every option is checked before any work (``ValueError`` naming the option): ``steps >= 3``,
-    ``threads >= 1``, the mask settings (as :class:`~entropy_discriminator.EntropyDiscConfig` checks them),
-    the device, and that ``out`` can be written.  ``threads=None``: one thread on CPU, torch's default on CUDA.
-    """
+    """Run the demo; write ``demo_steps.csv``, ``demo_summary.csv``, ``demo_table.md`` and (with matplotlib)
+    ``demo.png`` under ``opts.out``.  Returns ``{"rows", "tabular", "files"}``.  Every option is checked before any
+    work (``ValueError`` naming it): ``steps >= 3``, ``threads >= 1``, the mask settings, the device, and that ``out``
+    can be written.  ``threads=None``: one thread on CPU, torch's default on CUDA."""
     stream = stream if stream is not None else sys.stdout
     cfg = PRESETS["quick" if opts.quick else "full"]
     if opts.steps is not None:
