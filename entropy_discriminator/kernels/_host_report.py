@@ -1,19 +1,12 @@
 """Host-mapped words through which a kernel hands its error counters to the calling thread.
 
-A call that must raise on bad data (``token_stats(..., check=True)``) has to wait for its kernel
-once.  Reading device counters back costs a copy on top of that wait (``tolist()``: a pageable
-device-to-host copy, ~25 us at N = 256 on an H100).  Instead the kernel's last program stores the
-counters straight into pinned host memory (UVA-mapped, so the kernel takes the host tensor as a
-pointer), each as one 64-bit word ``(seq << 32) | count`` written with a single store, then a summary
-word ``(seq << 32) | (any count non-zero)``.  The host polls the summary word until it carries its
-call's ``seq``, and reads the counters only when it says some row was bad (then once all of them
-carry the ``seq``): no CUDA copy, no fence, and a torn or stale word is never taken for the answer.
-
-Each thread owns one :class:`HostReport` (``threading.local``): a call waits for its kernel
-before it returns, so nothing else writes a report's words while its owner reads them; a report
-still in use (re-entrant call, e.g. from a signal handler) is never handed out again, the caller
-gets a fresh one.  If the wait is interrupted the stream is synchronised before the exception
-propagates, so no kernel writes into a report after its call has left.
+A checked call (``token_stats(..., check=True)``) waits for its kernel once; reading device counters back would add
+a copy (~25 us at N = 256 on an H100).  Instead the kernel's last program stores the counters straight into pinned,
+UVA-mapped host memory, each as one 64-bit word ``(seq << 32) | count``, then a summary word
+``(seq << 32) | (any count non-zero)``.  The host polls the summary word until it carries its call's ``seq`` and
+reads the counters only when some row was bad: no CUDA copy, no fence, and a stale word is never taken for the
+answer.  Each thread owns one :class:`HostReport` (a report still in use, e.g. by a re-entrant call, is never handed
+out again); an interrupted wait synchronises the stream before the exception propagates.
 """
 
 from __future__ import annotations
