@@ -18,29 +18,8 @@ from .stats import TokenStats, discriminator_score, token_stats
 
 from ._version import __version__
 
-__all__ = [
-    "AutopilotResult",
-    "Calibration",
-    "EntropyAutopilot",
-    "EntropyDiscConfig",
-    "EntropyMonitor",
-    "MaskResult",
-    "MuSuggestion",
-    "TokenStats",
-    "apply_keep_mask",
-    "autopilot_mask",
-    "fixed_share_mask",
-    "batch_entropy_change",
-    "clip_b_mask",
-    "clip_v_mask",
-    "discriminator_score",
-    "entropy_change_logit",
-    "entropy_change_step",
-    "law",
-    "mu_for_share",
-    "save_batch",
-    "step_entropy_change",
-    "token_stats",
-    "token_stats_from_hidden",
-    "token_terms",
-]
+__all__ = ["AutopilotResult", "Calibration", "EntropyAutopilot", "EntropyDiscConfig", "EntropyMonitor", "MaskResult",
+           "MuSuggestion", "TokenStats", "apply_keep_mask", "autopilot_mask", "fixed_share_mask",
+           "batch_entropy_change", "clip_b_mask", "clip_v_mask", "discriminator_score", "entropy_change_logit",
+           "entropy_change_step", "law", "mu_for_share", "save_batch", "step_entropy_change", "token_stats",
+           "token_stats_from_hidden", "token_terms"]

@@ -1,15 +1,10 @@
 """Command line ``entropy-discriminator <command>`` (also ``python -m entropy_discriminator <command>``).
 
-Every command has a parser of its own (:class:`CommandParser`: its own usage, help and errors) and a
-``run(args)`` default that checks what argparse cannot (options that do not apply together,
-the output folder) before it starts any work.  A command is added by one ``_add_<name>(commands)``
-function listed in ``COMMANDS``.
-
-Usage errors (a bad value, an option that does not apply, an output folder that cannot be written)
-print the command's usage and exit with status 2 before anything runs; ``main`` returns that status.
-
-``compare`` and ``demo --paper`` run the research harness, the separate ``entropy_lab`` package of the repository's
-``lab/`` folder; they import it only when run, and without it they are a usage error that says how to install it.
+Every command has a parser of its own (:class:`CommandParser`) and a ``run(args)`` default that checks what argparse
+cannot (options that do not apply together, the output folder) before any work; a command is added by one
+``_add_<name>(commands)`` function listed in ``COMMANDS``.  Usage errors print the command's usage and exit with
+status 2 before anything runs.  ``compare`` and ``demo --paper`` run the research harness (``entropy_lab``, the
+repository's ``lab/`` folder), imported only when run; without it they are a usage error that says how to install it.
 """
 
 from __future__ import annotations
@@ -59,36 +54,32 @@ def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
-def _mask_setting(field: str, method: str) -> Callable[[str], float]:
-    """argparse type: a number that :class:`EntropyDiscConfig` accepts as ``field`` of ``method`` (the core's rule)."""
+def _config_checked(field: str, method: str, parse: Callable[[str], Any], wanted: str) -> Callable[[str], Any]:
+    """argparse type: ``parse(text)`` (else "must be ``wanted``") that :class:`EntropyDiscConfig` accepts as ``field``
+    of ``method`` (the core's rule)."""
 
-    def parse(text: str) -> float:
+    def check(text: str) -> Any:
         try:
-            value = float(text)
+            value = parse(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}") from None
         try:
             EntropyDiscConfig(method=method, **{field: value})
         except ValueError as exc:  # argparse names the option as typed: drop the config field's name
             raise argparse.ArgumentTypeError(str(exc).replace(f"entropy_disc.{field} ", "", 1)) from None
         return value
 
-    return parse
+    return check
 
 
-def _autopilot_target(text: str) -> str | float:
-    """argparse type: ``hold`` or a target entropy in nats/token that :class:`EntropyDiscConfig` accepts."""
-    value: str | float = text
-    if text != "hold":
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be 'hold' or a number (nats/token), got {text!r}") from None
-    try:
-        EntropyDiscConfig(method="autopilot", target_entropy=value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc).replace("entropy_disc.target_entropy ", "", 1)) from None
-    return value
+def _mask_setting(field: str, method: str) -> Callable[[str], float]:
+    """argparse type: a number that :class:`EntropyDiscConfig` accepts as ``field`` of ``method``."""
+    return _config_checked(field, method, float, "a number")
+
+
+#: argparse type: ``hold`` or a target entropy in nats/token that :class:`EntropyDiscConfig` accepts.
+_autopilot_target = _config_checked("target_entropy", "autopilot", lambda text: text if text == "hold" else float(text),
+                                    "'hold' or a number (nats/token)")
 
 
 def _folder(text: str) -> Path:
@@ -102,11 +93,8 @@ def _warn_threads(threads: int | None) -> None:
     """Warn on stderr when ``--threads`` asks for more threads than this machine has CPU cores (it runs slower)."""
     cores = os.cpu_count()
     if threads is not None and cores is not None and threads > cores:
-        print(
-            f"warning: --threads {threads} is more than this machine's {cores} CPU cores; the demo runs slower "
-            f"with more threads than cores (the default, 1, is fastest for its tiny models)",
-            file=sys.stderr,
-        )
+        print(f"warning: --threads {threads} is more than this machine's {cores} CPU cores; the demo runs slower "
+              f"with more threads than cores (the default, 1, is fastest for its tiny models)", file=sys.stderr)
 
 
 #: Why a lab command cannot run without the ``entropy_lab`` package, and how to install it.
@@ -147,11 +135,8 @@ DEMO_APPLIES = {
     "paper": {"device", "seed", "steps", "seeds", "jobs", "size"},
     "render": {"render_only"},  # it redraws saved results: only --out applies
 }
-DEMO_WHY_NOT = {
-    "demo": "only applies with --paper",
-    "paper": "does not apply with --paper",
-    "render": "does not apply with --render-only (it redraws the saved results)",
-}
+DEMO_WHY_NOT = {"demo": "only applies with --paper", "paper": "does not apply with --paper",
+                "render": "does not apply with --render-only (it redraws the saved results)"}
 DEMO_DEFAULT_OUT = {"demo": Path("demo_out"), "paper": Path("demo_out/paper"), "render": Path("demo_out/paper")}
 
 
@@ -179,12 +164,10 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
         help=f"GRPO steps per arm, minimum 3 (default {full.grpo_steps}; --quick {quick.grpo_steps}; --paper: its size's)",
     )
     demo.add_argument("--threads", type=_int_in(1), help="torch CPU threads, >= 1 (default 1 on CPU: fastest for tiny models)")
-    demo.add_argument(
-        "--mu-b", type=_mask_setting("mu_low", "clip_b"), help=f"Clip_B lower bound in batch stds (default {DemoOptions.mu_b})"
-    )
-    demo.add_argument(
-        "--mu-v", type=_mask_setting("mu_low", "clip_v"), help=f"Clip_V lower bound in batch stds (default {DemoOptions.mu_v})"
-    )
+    demo.add_argument("--mu-b", type=_mask_setting("mu_low", "clip_b"),
+                      help=f"Clip_B lower bound in batch stds (default {DemoOptions.mu_b})")
+    demo.add_argument("--mu-v", type=_mask_setting("mu_low", "clip_v"),
+                      help=f"Clip_V lower bound in batch stds (default {DemoOptions.mu_v})")
     demo.add_argument(
         "--max-frac-v", type=_mask_setting("max_frac", "clip_v"),
         help="cap on Clip_V's clipped share, in [0, 1] (default none; 1e-4 clips nothing in a demo batch of under 10,000 tokens)",
@@ -197,9 +180,8 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     demo.add_argument("--seeds", type=_int_in(2), help="--paper: seeds per arm for Table 1, >= 2 (default: its size's)")
     demo.add_argument("--jobs", type=_int_in(1), help="--paper: parallel worker processes, >= 1 (default: its size's)")
     demo.add_argument("--size", choices=("gpu", "cpu-small"), help="--paper: sizes (default gpu; cpu-small for a smoke run)")
-    demo.add_argument(
-        "--render-only", action="store_true", help="--paper: redraw figures and report.md from the results saved in --out"
-    )
+    demo.add_argument("--render-only", action="store_true",
+                      help="--paper: redraw figures and report.md from the results saved in --out")
     demo.set_defaults(run=lambda args: _run_demo(args, demo))
 
 

@@ -1,12 +1,8 @@
 """Argument validation shared by the core modules: every error names the argument at fault.
 
-Two kinds of check live here:
-
-* argument coercion (:func:`real_number`, :func:`integer`, :func:`one_of`, shape checks), which
-  raises at once: the arguments are the same on every rank;
-* :class:`DataChecks`, counts of bad entries (NaN, non-0/1 masks) kept on the device and read with
-  the call's first reduction, so a bad value on one rank raises the same error on every rank and
-  costs no extra host synchronisation.
+Argument coercion (:func:`real_number`, :func:`integer`, :func:`one_of`, shape checks) raises at once (the arguments
+are the same on every rank); :class:`DataChecks` counts bad entries (NaN, non-0/1 masks) on the device and reads them
+with the call's first reduction, so a bad value on one rank raises on every rank at no extra host synchronisation.
 """
 
 from __future__ import annotations
@@ -31,11 +27,8 @@ def require_tensor(name: str, value: object) -> torch.Tensor:
 
 
 def require_finite(name: str, values: torch.Tensor, where: torch.Tensor | None = None) -> None:
-    """Raise ``ValueError`` naming ``name`` if ``values`` (restricted to ``where``) holds NaN or inf.
-
-    A local check with one host sync; the masks and the monitor instead carry their checks in their
-    first all-reduce (:class:`DataChecks`) so that every rank raises together.
-    """
+    """Raise ``ValueError`` naming ``name`` if ``values`` (restricted to ``where``) holds NaN or inf (a local check,
+    one host sync; the masks and the monitor use :class:`DataChecks` instead)."""
     bad = ~torch.isfinite(values)
     if where is not None:
         bad = bad & where
@@ -67,21 +60,11 @@ def _real_wanted(finite: bool, minimum: float | None, above: float | None, maxim
     return " ".join(["a finite real number" if finite else "a real number (inf allowed)", *filter(None, bounds)])
 
 
-def real_number(
-    name: str,
-    value: object,
-    *,
-    finite: bool = True,
-    minimum: float | None = None,
-    above: float | None = None,
-    maximum: float | None = None,
-) -> float:
-    """``value`` as a Python float, or ``ValueError``/``TypeError`` naming ``name``.
-
-    Accepts any real number (``int``, ``float``, ``numpy`` scalars, ``Fraction``...) and 0-d real
-    tensors / arrays; refuses ``bool``, strings, NaN, and (``finite=True``) ``±inf``.  Bounds:
-    ``minimum <= value``, ``above < value``, ``value <= maximum``.
-    """
+def real_number(name: str, value: object, *, finite: bool = True, minimum: float | None = None,
+                above: float | None = None, maximum: float | None = None) -> float:
+    """``value`` as a Python float, or ``ValueError``/``TypeError`` naming ``name``: any real number (``int``,
+    ``float``, numpy scalars, ``Fraction``...) or 0-d real tensor / array; not ``bool``, strings, NaN, nor
+    (``finite=True``) ``±inf``.  Bounds: ``minimum <= value``, ``above < value``, ``value <= maximum``."""
     if type(value) is float:  # the common case: no 0-d tensor or array to unwrap
         x = value
     else:
@@ -134,12 +117,9 @@ def did_you_mean(name: str, known: Iterable[str]) -> str:
 
 
 def exact_fraction(value: object) -> Fraction:
-    """The decimal a finite real number was written as: ``exact_fraction(99.9) == Fraction(999, 10)``.
-
-    Floats (also ``np.float32`` and 0-d float tensors) are read as their shortest round-tripping
-    decimal in their own precision, so ``ceil(q/100 * n)`` and ``floor(max_frac * n)`` evaluated
-    on the result are the exact decimal results a user expects; integers and fractions are exact.
-    """
+    """The decimal a finite real number was written as: ``exact_fraction(99.9) == Fraction(999, 10)`` (floats, also
+    ``np.float32`` and 0-d tensors, as their shortest round-tripping decimal in their own precision), so that
+    ``ceil(q/100 * n)`` and ``floor(max_frac * n)`` give the decimal results a user expects."""
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu()
         value = (value.float() if value.dtype == torch.bfloat16 else value).numpy()
@@ -192,11 +172,8 @@ def real_or_tensor(name: str, value: object, shape: torch.Size, ref: str) -> tor
 
 
 def valid_mask(valid: object, shape: torch.Size, checks: DataChecks, name: str = "valid") -> torch.Tensor:
-    """``valid`` as a bool tensor of ``shape``; non-0/1 entries of a numeric mask are counted in ``checks``
-    (one check is always added, so the number of checks does not depend on the dtype).
-
-    Accepts bool tensors and numeric 0/1 tensors (frameworks' ``response_mask`` / ``action_mask``).
-    """
+    """``valid`` (bool, or numeric 0/1 as frameworks' ``response_mask``) as a bool tensor of ``shape``; non-0/1
+    entries are counted in ``checks`` (one check is always added, whatever the dtype)."""
     t = require_tensor(name, valid)
     if t.shape != shape:
         raise ValueError(f"{name} must have the scores' shape {tuple(shape)}, got {tuple(t.shape)}")
@@ -212,14 +189,8 @@ def valid_mask(valid: object, shape: torch.Size, checks: DataChecks, name: str =
 
 
 def valid_within(valid: object, within: torch.Tensor | None, name: str = "valid") -> object:
-    """``valid`` with every position outside the bool tensor ``within`` set to 0 / False (``valid`` unchanged
-    when ``within`` is None).
-
-    ``within`` is a :class:`~entropy_discriminator.TokenStats`' ``valid`` (False where the label was
-    ``ignore_index``; those positions hold 0, not statistics), so a caller's response mask that
-    includes them never counts them.  ``valid`` keeps its dtype, so :func:`valid_mask` still checks
-    its 0/1 entries at the positions that count.
-    """
+    """``valid`` (its dtype kept) with every position outside the bool tensor ``within`` set to 0 / False: a
+    ``TokenStats``' ``valid``, so a response mask never counts ignored labels' zeros (None: ``valid`` unchanged)."""
     if within is None:
         return valid
     t = require_tensor(name, valid)
@@ -236,11 +207,8 @@ def as_valid_mask(valid: object, shape: torch.Size, name: str = "valid") -> torc
 
 
 def broadcast_advantages(advantages: object, shape: torch.Size) -> torch.Tensor:
-    """Return float64 advantages of ``shape``.
-
-    ``advantages`` is either per sequence, ``[B]`` with ``B == shape[0]`` (GRPO; broadcast over the
-    remaining dimensions), or per token with exactly ``shape`` (PPO with GAE).
-    """
+    """Float64 advantages of ``shape`` from per-sequence ``[B]`` (``B == shape[0]``, GRPO) or per-token (``shape``,
+    PPO with GAE) ``advantages``."""
     a = require_tensor("advantages", advantages)
     if a.dtype == torch.bool or a.dtype.is_complex:
         raise TypeError(f"advantages must be a real tensor, got dtype {a.dtype}")
@@ -257,24 +225,19 @@ def broadcast_advantages(advantages: object, shape: torch.Size) -> torch.Tensor:
 class DataChecks:
     """Checks of the data (NaN / inf, 0/1 masks) whose verdict rides on the call's first reduction.
 
-    Each check puts one float64 0-d *witness* into the reduced payload (:meth:`witnesses`): for a
-    finiteness check the sum of the values over the valid positions (non-finite exactly when a
-    valid value is NaN or inf, barring a float64 overflow, impossible for fp32 and narrower
-    inputs), for a 0/1 mask the count of other values.  :meth:`verdict` reads the reduced
-    witnesses: when all are clean nothing more happens (no extra kernel, no extra host
-    synchronisation); otherwise every rank (all see the same reduced witnesses) counts the bad
-    entries exactly, reduces the counts over the group, and raises ``ValueError`` naming the
-    first offender with its global count, the same message on every rank.
+    Each check puts one float64 0-d *witness* into the reduced payload: for a finiteness check the sum over the valid
+    positions (non-finite exactly when a valid value is NaN or inf, barring a float64 overflow), for a 0/1 mask the
+    count of other values.  :meth:`verdict` reads the reduced witnesses; only when one is not clean does every rank
+    count the bad entries exactly, reduce the counts and raise ``ValueError`` naming the first offender with its
+    global count, the same message on every rank.
     """
 
     def __init__(self) -> None:
         self._checks: list[tuple[str, torch.Tensor, bool, Callable[[], torch.Tensor]]] = []
 
     def finite(self, name: str, values: torch.Tensor, where: torch.Tensor, witness: torch.Tensor | None = None) -> None:
-        """Check ``values`` for NaN / inf at the ``where`` positions.
-
-        ``witness``: ``sum(where(where, values, 0))`` in float64 if the caller already has it.
-        """
+        """Check ``values`` for NaN / inf at the ``where`` positions (``witness``: ``sum(where(where, values, 0))`` in
+        float64 if the caller already has it)."""
         if witness is None:
             witness = torch.where(where, values.to(torch.float64), 0.0).sum()
         recount = lambda: (~torch.isfinite(values) & where).sum()  # noqa: E731

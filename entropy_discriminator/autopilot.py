@@ -1,50 +1,29 @@
-"""Entropy autopilot: each step, drop the fewest tokens so that the predicted entropy change meets a target.
+"""Entropy autopilot: each step, drop the fewest tokens so that the predicted entropy change meets a target
+(docs/autopilot.md).
 
-The first-order law writes the change of the batch-mean token entropy in one optimizer step as a sum of
-per-token terms plus a carry (:mod:`entropy_discriminator.law`).  The autopilot sets a desired change for
-the step from a smoothed entropy reading (a feedback law toward a user target) and drops, from the loss,
-the tokens whose terms stand between the predicted change and that target: the most entropy-decreasing
-ones when the entropy must rise, the most entropy-increasing ones when it must fall.  See docs/autopilot.md.
+Per valid token ``t`` of the whole batch (all ranks of the process group; ``N`` valid tokens) the term ``c_t`` is
+either the law's (``terms=``, ``carry=``: :func:`~entropy_discriminator.law.token_terms`, in nats; ``carry`` is the
+step's change without this step's gradient, e.g. Adam's momentum) or Corollary 4's cheap score scaled by ``kappa``
+(``scale``, e.g. a :class:`~entropy_discriminator.law.Calibration`'s), with ``a_t = A_t``, ``y_t = r_t * S_c,t``,
+``a_bar``, ``y_bar`` their means over the ``N`` valid tokens and ``carry = 0``::
 
-Per-token terms
----------------
-Per valid token ``t`` of the whole batch (all ranks of the process group), ``N`` valid tokens, either
+    form="cov"  (Cor. 4 / 4.1):  c_t = -kappa (eta / N) (a_t - a_bar) (y_t - y_bar)
+    form="mean" (eq. 23):        c_t = -kappa (eta / N) a_t y_t
 
-* given (``terms=``, ``carry=``): the law's terms for the optimizer used (:func:`~entropy_discriminator.law.token_terms`,
-  in nats; ``carry`` is the change of the step without this step's gradient, e.g. Adam's momentum), or
-* Corollary 4's cheap score, scaled by ``kappa`` (``scale``, e.g. a :class:`~entropy_discriminator.law.Calibration`'s),
-  with ``a_t = A_t``, ``y_t = r_t * S_c,t``::
+Dropping a set ``D`` as ``apply_keep_mask(mode="zero_pg")`` does (the loss normaliser stays ``N``) predicts
+``P(D) = P_0 - sum_{t in D} c_t`` with ``P_0 = carry + sum_t c_t`` (the full batch's ``N``, ``a_bar``, ``y_bar``, so
+the selection below is exact; under ``mode="drop_token"`` the kept tokens' steps grow by ``N / (N - |D|)``, a gain
+error the feedback absorbs).
 
-      form="cov"  (Cor. 4 / 4.1):  c_t = -kappa (eta / N) (a_t - a_bar) (y_t - y_bar)
-      form="mean" (eq. 23):        c_t = -kappa (eta / N) a_t y_t
-
-  (``a_bar``, ``y_bar``: means over all ``N`` valid tokens), ``carry = 0``.
-
-Dropping a set ``D`` the way ``apply_keep_mask(mode="zero_pg")`` does (a dropped token loses its
-policy-gradient term, the loss normaliser stays ``N``) gives the prediction::
-
-    P(D) = P_0 - sum_{t in D} c_t,      P_0 = carry + sum_t c_t
-
-(with the full batch's ``N``, ``a_bar``, ``y_bar``, so ``P`` stays a sum of per-token terms and the selection
-below is exact).  Under ``mode="drop_token"`` the kept tokens' steps grow by ``N / (N - |D|)``, a gain error
-the feedback absorbs.
-
-Selection
----------
-If ``target > P_0`` the candidates are the tokens with ``c_t < 0`` (dropping one raises ``P``), if
-``target < P_0`` those with ``c_t > 0``; in both cases only valid tokens whose advantage has a sign allowed by
-``sides`` (zero-advantage tokens never).  They are ordered by ``|c_t|`` descending, ties by the smaller flat
-position in the concatenated batch; ``L = min(#candidates, cap_limit(max_frac, N))``.  With ``P_j = P_0 -
-cumsum(c_(1), ..., c_(L))[j]`` (one float64 ``torch.cumsum`` over the ordered list, the same array on every
-rank), the first ``j*`` candidates are dropped::
-
-    j* = 0                                          if P_0 == target
-    j* = min{ j in 1..L : P_j has crossed target }  if that set is not empty
-    j* = L                                          otherwise (the cap, or the candidates, ran out)
-
-Across ranks each rank sends its own first ``L`` candidates (the global first ``L`` are among them) with one
-``all_gather``: the selection equals the one-process selection on the concatenated batch (up to the float64
-rounding of the all-reduced sums, as for the masks).
+Selection: the candidates are the valid tokens with ``c_t < 0`` if ``target > P_0`` (dropping one raises ``P``),
+else those with ``c_t > 0``, whose advantage sign ``sides`` allows (zero-advantage tokens never), ordered by
+``|c_t|`` descending, ties by the smaller flat position in the concatenated batch.  With
+``L = min(#candidates, cap_limit(max_frac, N))`` and ``P_j = P_0 - cumsum(c_(1), ..., c_(L))[j]`` (one float64
+``torch.cumsum``, the same array on every rank) the first ``j*`` candidates are dropped: ``j* = 0`` if
+``P_0 == target``, else the first ``j`` whose ``P_j`` has crossed the target, else ``L`` (the cap, or the
+candidates, ran out).  Across ranks each rank sends its own first ``L`` candidates with one ``all_gather``: the
+selection equals the one-process selection on the concatenated batch (up to the float64 rounding of the
+all-reduced sums, as for the masks).
 """
 
 from __future__ import annotations
@@ -57,16 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._checks import (
-    DataChecks,
-    broadcast_advantages,
-    integer,
-    one_of,
-    real_number,
-    require_float,
-    require_shape,
-    valid_mask,
-)
+from ._checks import (DataChecks, broadcast_advantages, integer, one_of, real_number, require_float, require_shape,
+                      valid_mask)
 from .distributed import Group, _lexsort_desc, all_gather_cat, reduce_or_raise
 from .dynamics import FORMS, covariance_terms
 from .law import Calibration
@@ -95,18 +66,13 @@ _SETTINGS = ("target_entropy", "decay_steps", "gain", "max_step", "max_frac", "s
 class AutopilotResult:
     """The autopilot's keep-mask for one batch and the numbers behind it (all global over the group).
 
-    ``mask`` is a :class:`~entropy_discriminator.MaskResult` with ``method="autopilot"``:
-    ``keep`` (bool, the scores' shape, True where the token stays, invalid positions True) goes to
-    :func:`~entropy_discriminator.apply_keep_mask`; ``center``/``std`` are 0 and the thresholds
-    infinite (the autopilot has no threshold in score units); ``capped`` is True when the target
-    was not met and more candidates than the cap existed.
-
-    ``entropy``: measured batch-mean token entropy ``H_t`` (nats/token, NaN when not given or no
-    valid token); ``entropy_smoothed``: the reading ``Ĥ_t`` the law used (NaN outside the controller);
-    ``target_entropy``: ``H*_t`` of the law (NaN outside the controller); ``target_dh``: the desired
-    change of this step (NaN for an empty batch); ``predicted_dh_before`` / ``_after``: ``P_0`` and
-    ``P(D)`` of the module docstring (nats when the terms are the law's or ``scale`` is calibrated);
-    ``scale``: ``kappa`` of the cheap score (NaN when ``terms`` were given).
+    ``mask``: a :class:`~entropy_discriminator.MaskResult` with ``method="autopilot"`` (``keep``: bool, the scores'
+    shape, True where the token stays and at invalid positions; ``center``/``std`` 0 and infinite thresholds;
+    ``capped``: the target was not met and more candidates than the cap existed).  ``entropy``: the measured
+    batch-mean token entropy ``H_t`` (nats/token; NaN when not given or no valid token); ``entropy_smoothed`` /
+    ``target_entropy``: the law's ``Ĥ_t`` / ``H*_t`` (NaN outside the controller); ``target_dh``: the desired change
+    of this step (NaN for an empty batch); ``predicted_dh_before`` / ``_after``: ``P_0`` and ``P(D)`` (nats when the
+    terms are the law's or ``scale`` is calibrated); ``scale``: ``kappa`` (NaN when ``terms`` were given).
     """
 
     mask: MaskResult
@@ -130,41 +96,20 @@ class AutopilotResult:
 
     def metrics(self) -> dict[str, float]:
         """The step's numbers under ``entropy_disc/autopilot/*`` (the same keys on every batch)."""
-        values = {
-            "entropy": self.entropy,
-            "entropy_smoothed": self.entropy_smoothed,
-            "target_entropy": self.target_entropy,
-            "target_dh": self.target_dh,
-            "predicted_dh_before": self.predicted_dh_before,
-            "predicted_dh_after": self.predicted_dh_after,
-            "scale": self.scale,
-            "dropped_frac": self.dropped_frac,
-            "n_dropped": self.mask.n_clipped,
-            "capped": float(self.mask.capped),
-        }
+        values = {"entropy": self.entropy, "entropy_smoothed": self.entropy_smoothed,
+                  "target_entropy": self.target_entropy, "target_dh": self.target_dh,
+                  "predicted_dh_before": self.predicted_dh_before, "predicted_dh_after": self.predicted_dh_after,
+                  "scale": self.scale, "dropped_frac": self.dropped_frac, "n_dropped": self.mask.n_clipped,
+                  "capped": float(self.mask.capped)}
         return {AUTOPILOT_PREFIX + k: float(v) for k, v in values.items()}
 
 
-def autopilot_mask(
-    s_centered: torch.Tensor,
-    advantages: torch.Tensor,
-    valid: torch.Tensor,
-    *,
-    lr: float | None = None,
-    target_dh: float,
-    ratio: torch.Tensor | None = None,
-    max_frac: float | None = DEFAULT_MAX_FRAC,
-    sides: str = "negative",
-    form: str = "cov",
-    terms: torch.Tensor | None = None,
-    carry: float = 0.0,
-    scale: float = 1.0,
-    process_group: Group = None,
-) -> AutopilotResult:
-    """Drop the fewest tokens so that the predicted entropy change of the step meets ``target_dh``.
-
-    The terms and the selection rule are in the module docstring; this is the selection for a given target
-    (the :class:`EntropyAutopilot` sets the target by feedback).
+def autopilot_mask(s_centered: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor, *, lr: float | None = None,
+                   target_dh: float, ratio: torch.Tensor | None = None, max_frac: float | None = DEFAULT_MAX_FRAC,
+                   sides: str = "negative", form: str = "cov", terms: torch.Tensor | None = None, carry: float = 0.0,
+                   scale: float = 1.0, process_group: Group = None) -> AutopilotResult:
+    """Drop the fewest tokens so that the predicted entropy change of the step meets ``target_dh`` (the terms and
+    the selection of the module docstring; :class:`EntropyAutopilot` sets the target by feedback).
 
     Args:
         s_centered: ``S_c = S* - E_p[S]``, ``[B, T]`` (or any shape), any float dtype (read as float64).
@@ -173,54 +118,35 @@ def autopilot_mask(
         lr: ``eta`` of the cheap score (a finite real > 0; required without ``terms``, ignored with them).
         target_dh: the desired predicted change (nats/token), a finite real.
         ratio: ``r = pi / pi_sample`` per token, ``s_centered``'s shape, finite and ``>= 0`` (None: 1).
-        max_frac: cap on the dropped share (:func:`~entropy_discriminator.masks.cap_limit`,
-            ``floor(max_frac * N)`` tokens; None: no cap).
+        max_frac: cap on the dropped share (``floor(max_frac * N)`` tokens, :func:`~.masks.cap_limit`; None: none).
         sides: advantage sign whose tokens may be dropped: ``negative``, ``positive`` or ``both``.
         form: ``"cov"`` (default, Corollaries 4 / 4.1) or ``"mean"`` (eq. 23), for the cheap score.
         terms: the law's per-token terms ``c_t`` (:func:`~entropy_discriminator.law.token_terms`), float,
             ``s_centered``'s shape, finite at valid positions; None: the cheap score.
         carry: the law's carry (the same number on every rank; only with ``terms``).
         scale: ``kappa`` of the cheap score (a finite real > 0; only without ``terms``).
-        process_group: everything is global over this group; a bad argument or value on one rank
-            raises the same ``ValueError`` / ``TypeError`` on every rank.
+        process_group: everything is global over this group; a bad value on one rank raises on every rank.
 
     Returns:
-        :class:`AutopilotResult` (``entropy``, ``entropy_smoothed`` and ``target_entropy`` NaN).  An empty batch
-        keeps everything with ``P_0 = P(D) = 0``.
+        :class:`AutopilotResult` (``entropy``, ``entropy_smoothed``, ``target_entropy`` NaN); an empty batch keeps
+        everything with ``P_0 = P(D) = 0``.
     """
     target = real_number("target_dh", target_dh)
-    return _select(
-        s_centered, advantages, valid, None, lr=lr, ratio=ratio, max_frac=max_frac, sides=sides, form=form,
-        terms=terms, carry=carry, scale=scale, process_group=process_group,
-        law=lambda h: (math.nan, math.nan, target),
-    )  # fmt: skip
+    return _select(s_centered, advantages, valid, None, lr=lr, ratio=ratio, max_frac=max_frac, sides=sides, form=form,
+                   terms=terms, carry=carry, scale=scale, process_group=process_group,
+                   law=lambda h: (math.nan, math.nan, target))  # fmt: skip
 
 
-def fixed_share_mask(
-    s_centered: torch.Tensor,
-    advantages: torch.Tensor,
-    valid: torch.Tensor,
-    *,
-    share: float,
-    raise_entropy: bool = True,
-    lr: float = 1.0,
-    ratio: torch.Tensor | None = None,
-    sides: str = "negative",
-    form: str = "cov",
-    terms: torch.Tensor | None = None,
-    carry: float = 0.0,
-    scale: float = 1.0,
-    process_group: Group = None,
-) -> AutopilotResult:
+def fixed_share_mask(s_centered: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor, *, share: float,
+                     raise_entropy: bool = True, lr: float = 1.0, ratio: torch.Tensor | None = None,
+                     sides: str = "negative", form: str = "cov", terms: torch.Tensor | None = None, carry: float = 0.0,
+                     scale: float = 1.0, process_group: Group = None) -> AutopilotResult:
     """Drop a fixed share of the tokens every step: the autopilot's selection without its feedback.
 
-    The candidates and their order are the autopilot's (module docstring) for a target that can never be met:
-    with ``raise_entropy`` the tokens with ``c_t < 0`` (those that lower the entropy), else those with ``c_t > 0``,
-    largest ``|c_t|`` first; the first ``min(#candidates, floor(share * N))`` are dropped.  The same as::
-
-        autopilot_mask(..., target_dh=math.inf if raise_entropy else -math.inf, max_frac=share)
-
-    It is the control that isolates the controller: a constant share where the autopilot varies it.
+    The autopilot's candidates and order for a target never met (with ``raise_entropy`` the tokens with
+    ``c_t < 0``, else ``c_t > 0``, largest ``|c_t|`` first); the first ``min(#candidates, floor(share * N))`` are
+    dropped: ``autopilot_mask(..., target_dh=math.inf if raise_entropy else -math.inf, max_frac=share)``.  The control
+    that isolates the controller: a constant share where the autopilot varies it.
 
     Args:
         share: the dropped share of the ``N`` valid tokens, a real in [0, 1] (0 drops nothing).
@@ -234,36 +160,18 @@ def fixed_share_mask(
     if share is None:
         raise TypeError("share must be a real number in [0, 1], got None")
     target = math.inf if raise_entropy else -math.inf
-    return _select(
-        s_centered, advantages, valid, None, lr=lr, ratio=ratio, max_frac=share, sides=sides, form=form,
-        terms=terms, carry=carry, scale=scale, process_group=process_group,
-        law=lambda h: (math.nan, math.nan, target), cap_name="share",
-    )  # fmt: skip
+    return _select(s_centered, advantages, valid, None, lr=lr, ratio=ratio, max_frac=share, sides=sides, form=form,
+                   terms=terms, carry=carry, scale=scale, process_group=process_group,
+                   law=lambda h: (math.nan, math.nan, target), cap_name="share")  # fmt: skip
 
 
-def _select(
-    s_centered: torch.Tensor,
-    advantages: torch.Tensor,
-    valid: torch.Tensor,
-    entropy: torch.Tensor | None,
-    *,
-    lr: float | None,
-    ratio: torch.Tensor | None,
-    max_frac: float | None,
-    sides: str,
-    form: str,
-    terms: torch.Tensor | None,
-    carry: float,
-    scale: float,
-    process_group: Group,
-    law: Callable[[float], tuple[float, float, float]],
-    cap_name: str = "max_frac",
-) -> AutopilotResult:
+def _select(s_centered: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor, entropy: torch.Tensor | None, *,
+            lr: float | None, ratio: torch.Tensor | None, max_frac: float | None, sides: str, form: str,
+            terms: torch.Tensor | None, carry: float, scale: float, process_group: Group,
+            law: Callable[[float], tuple[float, float, float]], cap_name: str = "max_frac") -> AutopilotResult:
     """The selection of the module docstring; ``law(H_t)`` gives ``(Ĥ_t, H*_t, target_dh)`` once ``H_t`` is reduced;
-    ``cap_name`` names ``max_frac`` in its errors.
-
-    Collectives: one all-reduce of the checks and sums; when something must be dropped, one
-    all-gather of the per-rank counts and one of the candidates (``[L, 3]`` float64 per rank).
+    ``cap_name`` names ``max_frac`` in its errors.  Collectives: one all-reduce of the checks and sums; when something
+    must be dropped, one all-gather of the per-rank counts and one of the candidates (``[L, 3]`` float64 per rank).
     """
     n_checks = 3 + (ratio is not None) * 2 + (entropy is not None) + (terms is not None)
 
@@ -372,27 +280,13 @@ def _select(
 
 
 def _result(
-    dropped: torch.Tensor,
-    n: float,
-    n_pos: float,
-    n_neg: float,
-    n_drop: int,
-    n_drop_pos: int,
-    capped: bool,
-    h: float,
-    h_read: float,
-    h_target: float,
-    target: float,
-    before: float,
-    after: float,
-    kappa: float,
+    dropped: torch.Tensor, n: float, n_pos: float, n_neg: float, n_drop: int, n_drop_pos: int, capped: bool, h: float,
+    h_read: float, h_target: float, target: float, before: float, after: float, kappa: float,
 ) -> AutopilotResult:
     """An :class:`AutopilotResult` whose ``MaskResult`` keeps every token but ``dropped`` (counts are global)."""
-    mask = MaskResult(
-        keep=~dropped, method="autopilot", center=0.0, std=0.0, lower=-math.inf, upper=math.inf,
-        n_valid=int(n), n_valid_pos=int(n_pos), n_valid_neg=int(n_neg), n_clipped=n_drop,
-        n_clipped_pos=n_drop_pos, n_clipped_neg=n_drop - n_drop_pos, capped=capped,
-    )  # fmt: skip
+    mask = MaskResult(keep=~dropped, method="autopilot", center=0.0, std=0.0, lower=-math.inf, upper=math.inf,
+                      n_valid=int(n), n_valid_pos=int(n_pos), n_valid_neg=int(n_neg), n_clipped=n_drop,
+                      n_clipped_pos=n_drop_pos, n_clipped_neg=n_drop - n_drop_pos, capped=capped)  # fmt: skip
     return AutopilotResult(mask, h, h_target, target, before, after, h_read, kappa)
 
 
@@ -409,20 +303,15 @@ class EntropyAutopilot:
         H*_t = H_0 + (H_end - H_0) * min(t, D) / D     target_entropy=H_end, decay_steps=D
         target_dh_t = clip((H*_{t+1} - H*_t) - gain * (Ĥ_t - H*_t), -max_step, max_step)
 
-    and :func:`autopilot_mask` with ``target_dh_t`` selects the tokens to drop, in either direction.  A batch
-    is a new sample of prompts, so ``H_t`` is noisy; ``Ĥ`` follows it through the law's own prediction of the
-    step taken, which is measured on the same tokens.  If the prediction is the law's (``terms``, or the cheap
-    score calibrated to nats) and the selection meets the target, the error ``e = Ĥ - H*`` shrinks by
-    ``1 - gain`` per step without momentum; with Adam the step also carries momentum (the law's ``carry``)
-    and ``gain / (1 - beta1)`` is the share of the error the projected rest point moves per step
-    (docs/autopilot.md).  Saturation (the cap, or no candidate) leaves the error to the free dynamics;
-    nothing accumulates.
+    and :func:`autopilot_mask` with ``target_dh_t`` selects the tokens to drop, in either direction.  ``Ĥ`` follows
+    the noisy batch reading through the law's own prediction of the step taken.  When the selection meets the
+    target the error ``Ĥ - H*`` shrinks by ``1 - gain`` per step without momentum; with Adam the projected rest point
+    moves by ``gain / (1 - beta1)`` of it (docs/autopilot.md).  Saturation leaves the error to the free dynamics.
 
     Args:
         target_entropy: ``"hold"`` (hold ``H_0``) or ``H_end`` in nats/token (a finite real >= 0, at most
             ``log(vocab_size)`` when that is given).
-        decay_steps: ramp linearly from ``H_0`` to ``H_end`` over this many steps (int >= 1;
-            only with a number ``target_entropy``).
+        decay_steps: ramp linearly from ``H_0`` to ``H_end`` over this many steps (int >= 1; needs a number target).
         gain: ``k`` in ``(0, 1]``.
         max_step: the band of ``target_dh`` (nats/token per step, > 0, ``inf`` allowed).
         smoothing: ``s`` in ``(0, 1]`` (1: the raw batch reading).
@@ -434,17 +323,9 @@ class EntropyAutopilot:
     """
 
     def __init__(
-        self,
-        target_entropy: float | str = "hold",
-        *,
-        decay_steps: int | None = None,
-        gain: float = DEFAULT_GAIN,
-        max_step: float = DEFAULT_MAX_STEP,
-        max_frac: float | None = DEFAULT_MAX_FRAC,
-        sides: str = "negative",
-        form: str = "cov",
-        smoothing: float = DEFAULT_SMOOTHING,
-        vocab_size: int | None = None,
+        self, target_entropy: float | str = "hold", *, decay_steps: int | None = None, gain: float = DEFAULT_GAIN,
+        max_step: float = DEFAULT_MAX_STEP, max_frac: float | None = DEFAULT_MAX_FRAC, sides: str = "negative",
+        form: str = "cov", smoothing: float = DEFAULT_SMOOTHING, vocab_size: int | None = None,
         process_group: Group = None,
     ) -> None:
         if isinstance(target_entropy, str):
@@ -506,31 +387,19 @@ class EntropyAutopilot:
         desired = (nxt - now) - self.gain * (read - now)
         return read, now, min(max(desired, -self.max_step), self.max_step)
 
-    def step(
-        self,
-        advantages: torch.Tensor,
-        *,
-        s_centered: torch.Tensor,
-        entropy: torch.Tensor,
-        valid: torch.Tensor,
-        lr: float | None = None,
-        ratio: torch.Tensor | None = None,
-        terms: torch.Tensor | None = None,
-        carry: float = 0.0,
-    ) -> AutopilotResult:
+    def step(self, advantages: torch.Tensor, *, s_centered: torch.Tensor, entropy: torch.Tensor, valid: torch.Tensor,
+             lr: float | None = None, ratio: torch.Tensor | None = None, terms: torch.Tensor | None = None,
+             carry: float = 0.0) -> AutopilotResult:
         """One batch: measure ``H_t``, set ``target_dh_t`` by the law, select the tokens to drop.
 
         Call once per optimizer step, before it, every rank in the same order.  ``entropy``: per-token entropy
-        (nats), ``s_centered``'s shape; ``terms`` / ``carry``: the law's (:func:`~entropy_discriminator.law.token_terms`)
-        or None for the cheap score scaled by :attr:`calibration` (update it with :meth:`calibrate`); the other
-        arguments as in :func:`autopilot_mask`.  Advances the state unless the batch has no valid token, which is
-        a no-op (everything kept, state unchanged).
+        (nats), ``s_centered``'s shape; ``terms`` / ``carry``: the law's (:func:`~.law.token_terms`) or None for the
+        cheap score scaled by :attr:`calibration` (see :meth:`calibrate`); the rest as in :func:`autopilot_mask`.  A
+        batch without a valid token keeps everything and leaves the state unchanged.
         """
-        res = _select(
-            s_centered, advantages, valid, entropy, lr=lr, ratio=ratio, max_frac=self.max_frac, sides=self.sides,
-            form=self.form, terms=terms, carry=carry, scale=self.calibration.scale, process_group=self.process_group,
-            law=self._law,
-        )  # fmt: skip
+        res = _select(s_centered, advantages, valid, entropy, lr=lr, ratio=ratio, max_frac=self.max_frac,
+                      sides=self.sides, form=self.form, terms=terms, carry=carry, scale=self.calibration.scale,
+                      process_group=self.process_group, law=self._law)  # fmt: skip
         if res.mask.n_valid:
             if self.h_start is None:
                 self.h_start = res.entropy
@@ -546,14 +415,8 @@ class EntropyAutopilot:
         return self.calibration.update(cheap, exact)
 
     def from_stats(
-        self,
-        stats: TokenStats,
-        advantages: torch.Tensor,
-        *,
-        lr: float | None = None,
-        ratio: torch.Tensor | None = None,
-        terms: torch.Tensor | None = None,
-        carry: float = 0.0,
+        self, stats: TokenStats, advantages: torch.Tensor, *, lr: float | None = None,
+        ratio: torch.Tensor | None = None, terms: torch.Tensor | None = None, carry: float = 0.0,
     ) -> AutopilotResult:
         """:meth:`step` on the fields of a :class:`~entropy_discriminator.TokenStats`."""
         if not isinstance(stats, TokenStats):
@@ -572,11 +435,8 @@ class EntropyAutopilot:
                 "calibration": self.calibration.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output; ``ValueError`` / ``TypeError`` naming the bad entry.
-
-        A state of another layout version, or saved by a controller with other settings, is refused (by the
-        setting's name): it would continue a different law.
-        """
+        """Restore :meth:`state_dict`'s output; ``ValueError`` / ``TypeError`` naming the bad entry.  A state of
+        another layout version or other settings is refused by name: it would continue a different law."""
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a mapping from state_dict(), got {type(state).__name__}")
         if "version" in state and state["version"] != STATE_VERSION:

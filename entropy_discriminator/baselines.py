@@ -8,10 +8,8 @@
 * :func:`entropy_bonus`: ``-coef * token-mean entropy`` added to the loss (verl's ``actor.entropy_coeff``).
 
 Conventions as :func:`~entropy_discriminator.clip_b_mask`: per-token tensors are ``[B, T]`` (any common shape),
-``valid`` is the bool / 0-1 response mask, advantages are ``[B]`` per sequence or per token, and every batch
-statistic (means, counts, top-k, quantile) is global over ``process_group`` (reduced from sums and counts, so a
-sharded batch gives the single-process result).  An empty batch is a no-op.  The functions return per-token
-losses (not aggregated): the caller applies its ``loss_agg_mode``.
+``valid`` is the bool / 0-1 response mask, advantages are ``[B]`` or per token, and every batch statistic is global
+over ``process_group``.  An empty batch is a no-op.  Losses are per token: the caller applies its ``loss_agg_mode``.
 """
 
 from __future__ import annotations
@@ -34,12 +32,9 @@ VERL_PPO_KL_COEF = 0.1
 
 @dataclass(frozen=True)
 class CovLossResult:
-    """Per-token losses of a covariance-based control and the tokens it acted on.
-
-    ``pg_losses`` has ``log_prob``'s shape and dtype and carries the gradient; ``selected`` (bool, same shape) marks
-    the tokens whose gradient Clip-Cov removed or that KL-Cov penalised; ``ppo_clipped`` marks the tokens where
-    the PPO clip was active (Clip-Cov only; all False for KL-Cov, which has no PPO clip).  Counts are global.
-    """
+    """Per-token losses of a covariance-based control and the tokens it acted on: ``pg_losses`` (``log_prob``'s shape
+    and dtype, with the gradient), ``selected`` (bool: the tokens whose gradient Clip-Cov removed or that KL-Cov
+    penalised), ``ppo_clipped`` (bool: the PPO clip was active; Clip-Cov only).  Counts are global."""
 
     pg_losses: torch.Tensor
     selected: torch.Tensor
@@ -53,14 +48,8 @@ class CovLossResult:
         return self.n_selected / self.n_valid if self.n_valid else 0.0
 
 
-def ppo_clip_losses(
-    log_prob: torch.Tensor,
-    old_log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def ppo_clip_losses(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, *,
+                    clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate per token: ``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``, ``r = exp(logp - old)``.
 
     Shapes ``[B, T]`` (``advantages`` may be ``[B]``).  Returns ``(pg_losses, clipped)``: the losses in
@@ -106,20 +95,11 @@ def _checked(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: tor
     return adv, valid
 
 
-def clip_cov_losses(
-    log_prob: torch.Tensor,
-    old_log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    valid: torch.Tensor,
-    *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_cov_ratio: float = VERL_CLIP_COV_RATIO,
-    clip_cov_lb: float = VERL_CLIP_COV_LB,
-    clip_cov_ub: float = VERL_CLIP_COV_UB,
-    generator: torch.Generator | None = None,
-    process_group: Group = None,
-) -> CovLossResult:
+def clip_cov_losses(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor,
+                    *, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+                    clip_cov_ratio: float = VERL_CLIP_COV_RATIO, clip_cov_lb: float = VERL_CLIP_COV_LB,
+                    clip_cov_ub: float = VERL_CLIP_COV_UB, generator: torch.Generator | None = None,
+                    process_group: Group = None) -> CovLossResult:
     """Clip-Cov (verl 0.9.1 ``compute_policy_loss_clip_cov``), per token.
 
     ``cov_t = (A_t - mean_B A) (logp_t - mean_B logp)`` over the valid tokens; candidates are valid tokens with
@@ -127,21 +107,18 @@ def clip_cov_losses(
     of them (all if fewer) are drawn uniformly at random and their loss is multiplied by 0 (gradient removed).
     The loss elsewhere is PPO's clipped surrogate (:func:`ppo_clip_losses`).
 
-    Randomness: without ``process_group`` the draw is ``torch.randperm(n_candidates, generator=generator)`` over the
-    candidates in row-major order, the first ones taken: with ``generator=None`` the same global-RNG draw as verl's.
-    With a group (verl draws per rank), each rank draws one uniform key per candidate and the globally largest keys
-    win: a uniform subset of the global candidates of the global size.
-
-    Shapes: ``log_prob``, ``old_log_prob``, ``valid`` ``[B, T]``; ``advantages`` ``[B]`` or ``[B, T]``.
+    Without ``process_group`` the draw is ``torch.randperm(n_candidates, generator=generator)`` over the candidates
+    in row-major order (``generator=None``: verl's global-RNG draw); with a group each rank draws a uniform key per
+    candidate and the globally largest keys win.  Shapes: ``log_prob``, ``old_log_prob``, ``valid`` ``[B, T]``;
+    ``advantages`` ``[B]`` or ``[B, T]``.
     """
     adv, valid = _checked(log_prob, old_log_prob, advantages, valid)
     if not (isinstance(clip_cov_ratio, (int, float)) and 0 < clip_cov_ratio <= 1):
         raise ValueError(f"clip_cov_ratio must be a number in (0, 1], got {clip_cov_ratio!r}")
     if not clip_cov_lb < clip_cov_ub:
         raise ValueError(f"clip_cov_lb ({clip_cov_lb}) must be < clip_cov_ub ({clip_cov_ub})")
-    pg, clipped = ppo_clip_losses(
-        log_prob, old_log_prob, adv, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high
-    )
+    pg, clipped = ppo_clip_losses(log_prob, old_log_prob, adv, clip_ratio_low=clip_ratio_low,
+                                  clip_ratio_high=clip_ratio_high)
     clipped = clipped & valid
     cov, n = _token_covariance(adv, log_prob, valid, process_group)
     cand = valid & ~clipped & (cov > clip_cov_lb) & (cov < clip_cov_ub)
@@ -158,28 +135,19 @@ def clip_cov_losses(
         chosen[idx[global_top_k(keys, idx + offset, limit, process_group)]] = True
     selected = chosen.reshape(cand.shape)
     n_sel = int(all_reduce(selected.sum().to(torch.float64), process_group))
-    return CovLossResult(
-        pg_losses=pg * (~selected).to(pg.dtype), selected=selected, ppo_clipped=clipped, n_valid=n, n_selected=n_sel
-    )
+    return CovLossResult(pg_losses=pg * (~selected).to(pg.dtype), selected=selected, ppo_clipped=clipped, n_valid=n,
+                         n_selected=n_sel)
 
 
-def kl_cov_losses(
-    log_prob: torch.Tensor,
-    old_log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    valid: torch.Tensor,
-    *,
-    kl_cov_ratio: float = VERL_KL_COV_RATIO,
-    ppo_kl_coef: float = VERL_PPO_KL_COEF,
-    process_group: Group = None,
-) -> CovLossResult:
+def kl_cov_losses(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor, *,
+                  kl_cov_ratio: float = VERL_KL_COV_RATIO, ppo_kl_coef: float = VERL_PPO_KL_COEF,
+                  process_group: Group = None) -> CovLossResult:
     """KL-Cov (verl 0.9.1 ``compute_policy_loss_kl_cov``), per token.
 
     Loss ``-A_t r_t`` (no PPO clip), plus ``ppo_kl_coef * |logp_t - old_logp_t|`` on the
     ``max(1, floor(kl_cov_ratio * N))`` valid tokens with the largest ``cov_t = (A_t - mean_B A)(logp_t - mean_B logp)``
-    (ties by row-major position; global over ``process_group``).  ``r_t = exp(logp_t - old_logp_t)``.
-
-    Shapes as :func:`clip_cov_losses`; the losses have ``log_prob``'s dtype and carry the gradient.
+    (ties by row-major position; global over ``process_group``).  ``r_t = exp(logp_t - old_logp_t)``.  Shapes as
+    :func:`clip_cov_losses`; the losses have ``log_prob``'s dtype and carry the gradient.
     """
     adv, valid = _checked(log_prob, old_log_prob, advantages, valid)
     if not (isinstance(kl_cov_ratio, (int, float)) and 0 < kl_cov_ratio <= 1):
@@ -200,9 +168,8 @@ def kl_cov_losses(
     selected = selected.reshape(valid.shape)
     pg = torch.where(selected, pg + ppo_kl_coef * diff.abs(), pg)
     n_sel = int(all_reduce(selected.sum().to(torch.float64), process_group))
-    return CovLossResult(
-        pg_losses=pg, selected=selected, ppo_clipped=torch.zeros_like(selected), n_valid=n, n_selected=n_sel
-    )
+    return CovLossResult(pg_losses=pg, selected=selected, ppo_clipped=torch.zeros_like(selected), n_valid=n,
+                         n_selected=n_sel)
 
 
 def high_entropy_mask(
@@ -214,9 +181,8 @@ def high_entropy_mask(
     float32 entropies of every valid token on every rank, and a token is kept when ``H_t >= threshold``.  Here the
     two order statistics around the quantile position ``q (N - 1)`` are found exactly without gathering the values
     (:func:`~entropy_discriminator.distributed.kth_smallest`), then interpolated in float64.  ``rho = 1`` keeps
-    every valid token (TRL skips the mask then); an empty batch gives an all-False mask.
-
-    Shapes: ``entropy``, ``valid`` ``[B, T]`` (any common shape); returns bool of that shape.
+    every valid token; an empty batch gives an all-False mask.  ``entropy``, ``valid`` ``[B, T]`` (any common
+    shape); returns bool of that shape.
     """
     require_float("entropy", entropy)
     valid = as_valid_mask(valid, entropy.shape)
@@ -246,9 +212,8 @@ def unlikeliness_scores(
     mean token log-probability under the sampling policy (0 = least likely; ties by position), and
     ``score_i <- score_i * (1 - rank_penalty * rank_i / G)``: a correct sample loses up to ``rank_penalty`` of its
     reward the likelier it is; a zero reward stays zero.  GRPO's group normalisation then runs on these scores.
-
-    Shapes: ``scores`` and ``seq_log_prob`` float ``[B]`` with ``B`` a multiple of ``group_size``; returns ``[B]`` in
-    ``scores``' dtype.  Per-group only (no cross-rank statistic): groups must not straddle ranks.
+    ``scores`` and ``seq_log_prob`` float ``[B]``, ``B`` a multiple of ``group_size``; returns ``[B]`` in ``scores``'
+    dtype.  Per group only: groups must not straddle ranks.
     """
     require_float("scores", scores)
     require_float("seq_log_prob", seq_log_prob)
@@ -281,12 +246,5 @@ def entropy_bonus(entropy: torch.Tensor, valid: torch.Tensor, *, coef: float, pr
     return -coef * total / max(n, 1.0)
 
 
-__all__ = [
-    "CovLossResult",
-    "clip_cov_losses",
-    "entropy_bonus",
-    "high_entropy_mask",
-    "kl_cov_losses",
-    "ppo_clip_losses",
-    "unlikeliness_scores",
-]
+__all__ = ["CovLossResult", "clip_cov_losses", "entropy_bonus", "high_entropy_mask", "kl_cov_losses", "ppo_clip_losses",
+           "unlikeliness_scores"]

@@ -46,58 +46,37 @@ DEFAULT_CALIBRATE_EVERY = 10
 class EntropyDiscConfig:
     """Entropy-discriminator settings, as adapters read them from a framework's config.
 
-    Every field is checked when it is set, at construction and on any later assignment
-    (``cfg.method = "clip_x"`` raises ``ValueError`` naming ``entropy_disc.method`` at once;
-    every bad setting raises ``ValueError``, whatever its type);
-    real-valued fields take any real number or 0-d tensor and are stored as Python floats.
-    Assigning a name that is not a field (``cfg.mu_lo = 1.0``) raises ``AttributeError`` naming
-    it and the closest field, instead of adding an attribute nothing reads.
-
-    Fields of one kind of method are refused, with a non-default value, under the other kind
-    (same check on every assignment, the config left unchanged): ``mu_low``, ``mu_high`` and
-    ``cap_rule`` (:data:`MASK_ONLY`) under ``"autopilot"``; ``target_entropy``, ``decay_steps``,
-    ``gain``, ``max_step``, ``eta`` and ``form`` (:data:`AUTOPILOT_ONLY`) under ``"clip_b"`` /
-    ``"clip_v"``.  ``"none"`` (the switch off, metrics only) refuses every one of them and
-    ``sides``, ``mask_mode`` and a number ``max_frac`` (:data:`CONTROL_ONLY`): set the method
-    first, then its settings.
+    Every field is checked whenever it is set, at construction and on any later assignment: a bad setting raises
+    ``ValueError`` naming ``entropy_disc.<field>``, whatever its type; real-valued fields take any real number or
+    0-d tensor and are stored as Python floats.  Assigning a name that is not a field raises ``AttributeError``
+    naming the closest field.  Fields of one kind of method are refused, away from their defaults, under the other
+    (the config left unchanged): :data:`MASK_ONLY` under ``"autopilot"``, :data:`AUTOPILOT_ONLY` under ``"clip_b"`` /
+    ``"clip_v"``, and :data:`CONTROL_ONLY` (also ``sides``, ``mask_mode``, a number ``max_frac``) under ``"none"``:
+    set the method first, then its settings.
 
     Attributes:
-        method: ``"none"`` (metrics only), ``"clip_b"`` (mask on S*), ``"clip_v"`` (mask on S_c)
-            or ``"autopilot"`` (:class:`~entropy_discriminator.EntropyAutopilot`: each batch, drop
-            the fewest tokens whose predicted entropy change keeps the entropy at a target;
-            docs/autopilot.md).
-        mu_low: lower bound in batch stds (>= 0, ``inf`` disables it); None takes the default
-            (2.5 for both masks).
+        method: ``"none"`` (metrics only), ``"clip_b"`` (mask on S*), ``"clip_v"`` (mask on S_c) or ``"autopilot"``
+            (:class:`~entropy_discriminator.EntropyAutopilot`, docs/autopilot.md).
+        mu_low: lower bound in batch stds (>= 0, ``inf`` disables it); None takes the default (2.5 for both masks).
         mu_high: upper bound in batch stds; ``inf`` (default) clips one side only.
         sides: advantage sign whose tokens may be clipped (dropped): negative, positive or both.
-        max_frac: cap on the clipped share, in [0, 1]: a batch of ``n`` valid tokens clips at most
-            ``floor(max_frac * n)`` (so 0 clips nothing; see
-            :func:`~entropy_discriminator.masks.cap_limit`); ``"auto"`` takes the default (no cap
-            for either mask, 0.05 for the autopilot), None disables the cap.  Stored as the
-            decimal it was written as (``np.float32(1e-4)`` becomes ``0.0001``).
-        cap_rule: ``"share"`` (``floor(max_frac * n)``) or ``"reference"`` (at least one token
-            when over the cap, Trinity-RFT's rule).
-        mask_mode: ``"zero_pg"`` (clipped tokens lose their policy-gradient term; the loss
-            normaliser is unchanged) or ``"drop_token"`` (they leave the loss mask).
+        max_frac: cap on the clipped share, in [0, 1] (at most ``floor(max_frac * n)`` of ``n`` valid tokens,
+            :func:`~entropy_discriminator.masks.cap_limit`); ``"auto"``: the default (no cap for either mask, 0.05
+            for the autopilot); None: no cap.  Stored as the decimal it was written as (``np.float32(1e-4)`` is
+            ``0.0001``).
+        cap_rule: ``"share"`` (``floor(max_frac * n)``) or ``"reference"`` (at least one token when over the cap,
+            Trinity-RFT's rule).
+        mask_mode: ``"zero_pg"`` (clipped tokens lose their policy-gradient term; the loss normaliser is unchanged)
+            or ``"drop_token"`` (they leave the loss mask).
         chunk_size, impl: passed to :func:`~entropy_discriminator.token_stats`.
         log_metrics: log the monitor's metrics every step.
-        target_entropy: autopilot: ``"hold"`` (hold the first batch's entropy ``H_0``) or
-            ``H_end`` in nats/token (a finite real >= 0).
-        decay_steps: autopilot: ramp the target linearly from ``H_0`` to ``H_end`` over this many
-            steps (int >= 1; needs a number ``target_entropy``); None: ``H_end`` from the start.
-        gain: autopilot: the feedback gain ``k`` in ``(0, 1]`` (default 0.05).
-        max_step: autopilot: the largest desired entropy change of one step, nats/token (> 0,
-            ``inf`` allowed; default 0.02).
-        eta: autopilot: the step size ``eta`` of the law ``dH ~ -eta Cov_B(A, r S_c)`` (a finite
-            real > 0).  None (default): the adapter passes its optimizer's configured learning
-            rate (TRL: ``args.learning_rate``, the schedule's peak; see :meth:`step_size`).
-        form: autopilot: ``"cov"`` (Corollaries 4 / 4.1, default) or ``"mean"`` (eq. 23).
-        smoothing: autopilot: weight of the new batch's entropy in the controller's smoothed
-            reading, in ``(0, 1]`` (1: the raw batch reading; default 0.2).
-        calibrate_every: every this many statistics batches the adapter measures the realised
-            entropy change of that batch's tokens and feeds the scale ``kappa`` that puts the
-            cheap prediction ``-eta Cov_B(A, r S_c)`` in nats (int >= 0; 0: off, the adapters then
-            log the cheap score as ``delta_entropy/cheap`` only; docs/adapters/law-and-autopilot.md).
+        target_entropy, decay_steps, gain, max_step, form, smoothing: the autopilot's (:class:`EntropyAutopilot`;
+            defaults ``"hold"``, None, 0.05, 0.02, ``"cov"``, 0.2).
+        eta: autopilot: the step size ``eta`` of the law ``dH ~ -eta Cov_B(A, r S_c)`` (a finite real > 0); None
+            (default): the optimizer's configured learning rate (:meth:`step_size`).
+        calibrate_every: every this many statistics batches the adapter measures the realised entropy change of
+            that batch's tokens and feeds the scale ``kappa`` that puts ``-eta Cov_B(A, r S_c)`` in nats (int >= 0;
+            0: off, the cheap score is logged as ``delta_entropy/cheap`` only; docs/adapters/law-and-autopilot.md).
     """
 
     method: str = "none"
@@ -136,16 +115,10 @@ class EntropyDiscConfig:
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None) -> EntropyDiscConfig:
-        """Build from a dict (e.g. a Hydra/OmegaConf node); unknown keys raise ``ValueError``
-        naming them and the closest field.
-
-        Values may also be command-line strings, parsed by the field's type (:func:`_from_text`):
-        numbers for the real-valued fields (``"inf"``, ``"1e-4"``; ``target_entropy`` also
-        ``"hold"``, ``max_frac`` also ``"auto"``), integers for ``chunk_size`` and ``decay_steps``
-        (``"1024"``), ``true``/``false`` (also ``1``/``0``, ``yes``/``no``, ``on``/``off``) for
-        ``log_metrics``, and ``none``/``null`` for the fields that take None.  A string that is
-        none of these raises ``ValueError`` naming the field and what it takes.
-        """
+        """Build from a dict (e.g. a Hydra/OmegaConf node); unknown keys raise ``ValueError`` naming the closest
+        field.  Values may be command-line strings, parsed by the field's type (:func:`_from_text`: numbers,
+        ``"inf"``, ``"hold"``, ``"auto"``, integers, ``true``/``false``/``1``/``0``/``yes``/``no``/``on``/``off``,
+        ``none``/``null``); any other string raises ``ValueError`` naming the field and what it takes."""
         values = dict(values or {})
         known = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(values) - set(known))
@@ -183,24 +156,12 @@ class EntropyDiscConfig:
         max_frac = DEFAULT_MAX_FRAC[self.method] if self.max_frac == "auto" else self.max_frac
         return mu_low, max_frac
 
-    def compute_mask(
-        self,
-        *,
-        advantages: torch.Tensor,
-        valid: torch.Tensor,
-        s_star: torch.Tensor | None = None,
-        s_centered: torch.Tensor | None = None,
-        stats: TokenStats | None = None,
-        process_group: Group = None,
-    ) -> MaskResult:
-        """The configured mask: :func:`clip_b_mask` on ``s_star`` or :func:`clip_v_mask` on ``s_centered``.
-
-        ``stats``: the :class:`~entropy_discriminator.TokenStats` instead of the score tensors;
-        then only positions valid in both ``valid`` and ``stats.valid`` count (give one or the
-        other, not both).  Method ``"autopilot"`` raises ``ValueError``: its mask depends on the
-        controller's state (:meth:`build_autopilot`, stepped once per training batch), not on one
-        batch alone.
-        """
+    def compute_mask(self, *, advantages: torch.Tensor, valid: torch.Tensor, s_star: torch.Tensor | None = None,
+                     s_centered: torch.Tensor | None = None, stats: TokenStats | None = None,
+                     process_group: Group = None) -> MaskResult:
+        """The configured mask: :func:`clip_b_mask` on ``s_star`` or :func:`clip_v_mask` on ``s_centered``, or on
+        ``stats`` (a :class:`~entropy_discriminator.TokenStats`, instead of the score tensors).  Method
+        ``"autopilot"`` raises ``ValueError``: its mask depends on the controller's state (:meth:`build_autopilot`)."""
         if self.method == "autopilot":
             raise ValueError(
                 "entropy_disc.method='autopilot' is a controller with state: build it once with "
@@ -227,10 +188,9 @@ class EntropyDiscConfig:
     def build_autopilot(self, process_group: Group = None, *, vocab_size: int | None = None) -> EntropyAutopilot:
         """A fresh :class:`~entropy_discriminator.EntropyAutopilot` with these settings (method ``"autopilot"``).
 
-        ``max_frac="auto"`` becomes the autopilot's default cap, 0.05.  ``process_group``: the
-        group its statistics are reduced over (None: this process's batch alone).  ``vocab_size``:
-        the policy's vocabulary size when the adapter knows it (a target above its log is refused).  The step size
-        is given per batch: ``from_stats(stats, advantages, lr=self.step_size(lr), ratio=r)``.
+        ``max_frac="auto"`` becomes the autopilot's default cap, 0.05; ``vocab_size``: the policy's vocabulary size
+        when known (a target above its log is refused).  The step size is given per batch:
+        ``from_stats(stats, advantages, lr=self.step_size(lr), ratio=r)``.
         """
         if self.method != "autopilot":
             raise ValueError(f"entropy_disc.method is {self.method!r}: build_autopilot needs method 'autopilot'")
@@ -242,15 +202,9 @@ class EntropyDiscConfig:
         )  # fmt: skip
 
     def step_size(self, learning_rate: float) -> float:
-        """``eta`` of the autopilot's law: the ``eta`` field when set, else ``learning_rate``.
-
-        ``learning_rate`` is what the adapter reads from its optimizer settings (TRL:
-        ``args.learning_rate``, the configured peak of the schedule rather than its current value,
-        which warm-up starts at 0 where the law predicts no change).  A schedule below its peak
-        is a gain ``g < 1`` of the law, which the feedback absorbs without overshoot (``g * gain
-        <= 1``; docs/autopilot.md).  Raises ``ValueError`` naming ``entropy_disc.eta`` when the
-        result is not a finite real > 0.
-        """
+        """``eta`` of the autopilot's law: the ``eta`` field when set, else ``learning_rate``, the optimizer's
+        configured peak (a schedule below it is a gain ``g < 1`` the feedback absorbs; docs/autopilot.md).
+        ``ValueError`` naming ``entropy_disc.eta`` when the result is not a finite real > 0."""
         if self.eta is not None:
             return self.eta
         try:
@@ -290,8 +244,9 @@ def _choice(options: tuple[str, ...]):
     return lambda name, value: one_of(name, value, options)
 
 
-def _mu_low(name: str, value: object) -> float | None:
-    return None if value is None else real_number(name, value, finite=False, minimum=0)
+def _optional(check):
+    """``check(name, value)`` that lets None through."""
+    return lambda name, value: None if value is None else check(name, value)
 
 
 def _max_frac(name: str, value: object) -> float | str | None:
@@ -303,24 +258,12 @@ def _max_frac(name: str, value: object) -> float | str | None:
     return float(exact_fraction(value))
 
 
-def _chunk_size(name: str, value: object) -> int | None:
-    return None if value is None else integer(name, value, minimum=1)
-
-
 def _target_entropy(name: str, value: object) -> float | str:
     if isinstance(value, str):
         if value != "hold":
             raise ValueError(f"{name} must be 'hold' or a number of nats/token >= 0, got {value!r}")
         return value
     return real_number(name, value, minimum=0)
-
-
-def _decay_steps(name: str, value: object) -> int | None:
-    return None if value is None else integer(name, value, minimum=1)
-
-
-def _eta(name: str, value: object) -> float | None:
-    return None if value is None else real_number(name, value, above=0)
 
 
 def _flag(name: str, value: object) -> bool:
@@ -331,18 +274,10 @@ def _flag(name: str, value: object) -> bool:
 
 #: How :meth:`EntropyDiscConfig.from_mapping` reads a string for a field: ``(kind, words kept as text, takes None)``.
 _TEXT_KINDS: dict[str, tuple[type, tuple[str, ...], bool]] = {
-    "mu_low": (float, (), True),
-    "mu_high": (float, (), False),
-    "max_frac": (float, ("auto",), True),
-    "chunk_size": (int, (), True),
-    "log_metrics": (bool, (), False),
-    "target_entropy": (float, ("hold",), False),
-    "decay_steps": (int, (), True),
-    "gain": (float, (), False),
-    "max_step": (float, (), False),
-    "eta": (float, (), True),
-    "smoothing": (float, (), False),
-    "calibrate_every": (int, (), False),
+    "mu_low": (float, (), True), "mu_high": (float, (), False), "max_frac": (float, ("auto",), True),
+    "chunk_size": (int, (), True), "log_metrics": (bool, (), False), "target_entropy": (float, ("hold",), False),
+    "decay_steps": (int, (), True), "gain": (float, (), False), "max_step": (float, (), False),
+    "eta": (float, (), True), "smoothing": (float, (), False), "calibrate_every": (int, (), False),
 }
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
@@ -367,20 +302,20 @@ def _from_text(key: str, text: str) -> object:
 
 _FIELD_CHECKS = {
     "method": _choice(METHODS),
-    "mu_low": _mu_low,
+    "mu_low": _optional(lambda name, value: real_number(name, value, finite=False, minimum=0)),
     "mu_high": lambda name, value: real_number(name, value, finite=False, minimum=0),
     "sides": _choice(SIDES),
     "max_frac": _max_frac,
     "cap_rule": _choice(CAP_RULES),
     "mask_mode": _choice(MASK_MODES),
-    "chunk_size": _chunk_size,
+    "chunk_size": _optional(lambda name, value: integer(name, value, minimum=1)),
     "impl": _choice(IMPLS),
     "log_metrics": _flag,
     "target_entropy": _target_entropy,
-    "decay_steps": _decay_steps,
+    "decay_steps": _optional(lambda name, value: integer(name, value, minimum=1)),
     "gain": lambda name, value: real_number(name, value, above=0, maximum=1),
     "max_step": lambda name, value: real_number(name, value, finite=False, above=0),
-    "eta": _eta,
+    "eta": _optional(lambda name, value: real_number(name, value, above=0)),
     "form": _choice(FORMS),
     "smoothing": lambda name, value: real_number(name, value, above=0, maximum=1),
     "calibrate_every": lambda name, value: integer(name, value, minimum=0),

@@ -1,12 +1,8 @@
 """Collectives the batch statistics need, each a no-op without a process group.
 
-Every batch statistic is reduced from sums and counts (never a mean of means), so a data-parallel
-job sees exactly the thresholds one process would compute on the concatenated batch.  All
-functions must be called by every rank of ``group`` in the same order, with empty shards too.
-
-A bad argument or value on one rank must not leave the others waiting in a collective:
-:func:`reduce_or_raise` runs a call's local checks, folds a failure flag into the call's first
-reduction and raises the same error on every rank.
+Every batch statistic is reduced from sums and counts (never a mean of means), so a data-parallel job sees the
+thresholds one process would compute on the concatenated batch.  Every rank of ``group`` calls each function in the
+same order, with empty shards too; :func:`reduce_or_raise` makes a bad value on one rank raise on every rank.
 """
 
 from __future__ import annotations
@@ -51,15 +47,11 @@ def all_gather_cat(values: torch.Tensor, group: Group) -> torch.Tensor:
 def reduce_or_raise(build: Callable[[], tuple[torch.Tensor, T]], size: int, group: Group) -> tuple[list[float], T]:
     """Run a call's local checks and sums, all-reduce them, and agree on failure across ranks.
 
-    ``build()`` validates the local arguments and returns ``(payload, context)``, ``payload`` a
-    float64 vector of ``size`` entries (counts and sums) to be summed over ``group``.  If
-    ``build`` raises on some rank, that rank still takes part in the reduction (with zeros and a
-    failure flag in an extra slot); every rank then sees the flag, the failing ranks' messages are
-    gathered, and every rank raises the lowest failing rank's error with the same message
-    (``ValueError`` / ``TypeError`` as raised, any other exception as ``RuntimeError``).  Without a
-    group the error propagates unchanged.
-
-    Returns the reduced payload as Python floats (one host synchronisation) and ``context``.
+    ``build()`` validates the local arguments and returns ``(payload, context)``, ``payload`` a float64 vector of
+    ``size`` entries to be summed over ``group``.  A rank whose ``build`` raises still takes part (zeros and a failure
+    flag in an extra slot); then every rank raises the lowest failing rank's error with its message (``ValueError`` /
+    ``TypeError`` as raised, others as ``RuntimeError``).  Without a group the error propagates unchanged.  Returns
+    the reduced payload as Python floats (one host synchronisation) and ``context``.
     """
     if group is None:
         payload, context = build()
@@ -101,9 +93,8 @@ def rank_offset(n_local: int, group: Group, device: torch.device) -> int:
 def top_k_mask(score: torch.Tensor, candidate: torch.Tensor, k: int, group: Group) -> torch.Tensor:
     """Bool mask (``candidate``'s shape) of the ``k`` candidates with the largest ``score`` over all ranks.
 
-    ``score`` is float64 of ``candidate``'s shape; ties go to the smaller position in the
-    concatenated flat batch, so the result does not depend on how the batch is sharded.
-    Equivalent single-process Python over the candidates' flat positions ``i``::
+    ``score`` is float64 of ``candidate``'s shape; ties go to the smaller position in the concatenated flat batch
+    (independent of the sharding).  Equivalent single-process Python over the candidates' flat positions ``i``::
 
         chosen = sorted(candidates, key=lambda i: (-score[i], i))[:k]
 
@@ -156,12 +147,10 @@ def _lexsort_desc(score: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
 def kth_smallest(values: torch.Tensor, ks: list[int], group: Group, where: torch.Tensor | None = None) -> list[float]:
     """Exact ``k``-th smallest (1-based) of the float32 ``values[where]`` of all ranks, for each k in ``ks``.
 
-    Equal to ``torch.sort(cat(values[where]).float())[k - 1]`` with ``-0.0`` below ``+0.0`` (the
-    order of the float32 bit patterns).  One process: one sort of integer keys on the device.
-    Across ranks: a radix select on the order-preserving integer image of the float32 bits,
-    8 bits a round, 4 rounds of one ``[len(ks), 256]`` all-reduce of counts; no gather of the
-    values and no ``torch.quantile`` (which fails above 2**24 elements).  Every ``k`` must lie in
-    ``[1, number of selected values]``.
+    Equal to ``torch.sort(cat(values[where]).float())[k - 1]`` with ``-0.0`` below ``+0.0``.  One process: one sort
+    of integer keys on the device.  Across ranks: a radix select on the order-preserving integer image of the float32
+    bits, 4 rounds of one ``[len(ks), 256]`` all-reduce of counts; no gather, no ``torch.quantile`` (which fails above
+    2**24 elements).  Every ``k`` must lie in ``[1, number of selected values]``.
     """
     if not ks:
         return []

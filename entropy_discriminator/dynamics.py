@@ -1,29 +1,18 @@
 """The paper's first-order entropy-change predictions (Theorems 1-2, Corollaries 4 and 4.1).
 
-The step size ``eta`` (``alpha = eta * r * A``) is measured on the logits the policy is the softmax of,
-i.e. the temperature-scaled logits ``u = z / T`` that :func:`~entropy_discriminator.token_stats` reads
-with ``temperature=T``.  In the tabular case (every token owns its raw logits ``z``), plain SGD at
-learning rate ``lambda`` on ``L = -(1/N) sum_t A_t log softmax(z_t / T)[k_t]`` moves
+The step size ``eta`` (``alpha = eta * r * A``) is measured on the temperature-scaled logits ``u = z / T`` that
+:func:`~entropy_discriminator.token_stats` reads with ``temperature=T``.  In the tabular case (every token owns its
+raw logits ``z``), plain SGD at learning rate ``lambda`` on ``L = -(1/N) sum_t A_t log softmax(z_t / T)[k_t]`` moves
 ``z_t`` by ``(lambda / (N T)) A_t (e_k - p_t)``, hence ``u_t`` by ``(lambda / (N T^2)) A_t (e_k - p_t)``:
-``eta = lambda / (N * T^2)`` (``lambda / N`` only at ``T = 1``; at ``T = 0.5`` ``lambda / N`` would predict
-a quarter of the realised change).  For a network ``eta`` is an effective rate.
+``eta = lambda / (N * T^2)``.  For a network ``eta`` is an effective rate.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._checks import (
-    DataChecks,
-    broadcast_advantages,
-    one_of,
-    real_number,
-    real_or_tensor,
-    require_float,
-    require_shape,
-    valid_mask,
-    valid_within,
-)
+from ._checks import (DataChecks, broadcast_advantages, one_of, real_number, real_or_tensor, require_float,
+                      require_shape, valid_mask, valid_within)
 from .distributed import Group, reduce_or_raise
 from .stats import TokenStats, field_of
 
@@ -33,8 +22,8 @@ FORMS = ("cov", "mean")
 def entropy_change_logit(eps: torch.Tensor | float, s_star: torch.Tensor) -> torch.Tensor:
     """Theorem 1: raising the sampled token's logit by ``eps`` changes entropy by ``-eps * S*``.
 
-    ``ΔH = -eps * S* + O(eps^2)`` for ``δz = eps * e_k``; element-wise.  ``eps`` is a real number
-    (or 0-d tensor) or a tensor broadcasting to ``s_star``'s shape; the result has that shape.
+    ``ΔH = -eps * S* + O(eps^2)`` for ``δz = eps * e_k``; element-wise.  ``eps``: a real number (or 0-d tensor) or
+    a tensor broadcasting to ``s_star``'s shape; the result has that shape.
     """
     require_float("s_star", s_star)
     eps = real_or_tensor("eps", eps, s_star.shape, "s_star")
@@ -44,9 +33,8 @@ def entropy_change_logit(eps: torch.Tensor | float, s_star: torch.Tensor) -> tor
 def entropy_change_step(alpha: torch.Tensor | float, s_star: torch.Tensor, s_expected: torch.Tensor) -> torch.Tensor:
     """Theorem 2: a policy-gradient step ``δz = alpha (e_k - p)``, ``alpha = lr * r * A``.
 
-    ``ΔH = -alpha * (S* - E_p[S]) + O(alpha^2)``; element-wise.  ``s_expected`` has ``s_star``'s
-    shape; ``alpha`` is a real number (or 0-d tensor) or a tensor broadcasting to that shape
-    (per-sequence values as ``alpha[:, None]``); the result has ``s_star``'s shape.
+    ``ΔH = -alpha * (S* - E_p[S]) + O(alpha^2)``; element-wise.  ``s_expected`` has ``s_star``'s shape; ``alpha``:
+    a real number (or 0-d tensor) or a tensor broadcasting to it (per sequence: ``alpha[:, None]``).
     """
     require_float("s_star", s_star)
     require_float("s_expected", s_expected)
@@ -56,43 +44,27 @@ def entropy_change_step(alpha: torch.Tensor | float, s_star: torch.Tensor, s_exp
 
 
 def batch_entropy_change(
-    advantages: torch.Tensor,
-    s_centered: torch.Tensor | TokenStats,
-    valid: torch.Tensor,
-    *,
-    lr: float,
-    ratio: torch.Tensor | None = None,
-    form: str = "cov",
-    process_group: Group = None,
+    advantages: torch.Tensor, s_centered: torch.Tensor | TokenStats, valid: torch.Tensor, *, lr: float,
+    ratio: torch.Tensor | None = None, form: str = "cov", process_group: Group = None,
 ) -> float:
     """First-order change of the batch-mean token entropy after one step on this batch.
 
-    * ``form="cov"`` (Corollaries 4 and 4.1): ``-lr * Cov_B(A, r * S_c)``, the population
-      covariance over the valid tokens of the whole batch (across ``process_group``).
-    * ``form="mean"`` (eq. 23, before Corollary 2 drops ``E_B[A] E_B[r S_c]``):
-      ``-lr * E_B[A * r * S_c]``.
+    * ``form="cov"`` (Corollaries 4 and 4.1): ``-lr * Cov_B(A, r * S_c)``, the population covariance over the
+      valid tokens of the whole batch (across ``process_group``).
+    * ``form="mean"`` (eq. 23, before Corollary 2 drops ``E_B[A] E_B[r S_c]``): ``-lr * E_B[A * r * S_c]``.
 
     Args:
         advantages: ``[B]`` per sequence or per token with ``s_centered``'s shape.
-        s_centered: ``S_c = S* - E_p[S]``, ``[B, T]`` (or any shape), or the
-            :class:`~entropy_discriminator.TokenStats` it comes from: then only positions valid in
-            both ``valid`` and its ``valid`` count (ignored positions hold 0, not statistics).
+        s_centered: ``S_c = S* - E_p[S]``, ``[B, T]`` (or any shape), or the ``TokenStats`` it comes from (then only
+            positions valid in both ``valid`` and its ``valid`` count).
         valid: bool or 0/1 tensor of ``s_centered``'s shape.
-        lr: the step size ``eta`` in ``alpha = eta * r * A``, on the temperature-scaled logits, a
-            finite real number >= 0 (or 0-d tensor; 0 predicts no change, a negative step would
-            flip the prediction's sign and is refused). In the tabular case (each token owns its logits) plain
-            SGD with learning rate ``lambda`` on a loss that averages over ``N`` tokens, sampled at
-            temperature ``T``, has ``eta = lambda / (N * T^2)`` (see the module docstring); for a
-            network it is an effective rate.
-        ratio: importance ratio ``r = pi / pi_sample`` per token, finite and >= 0 at the valid
-            positions (None: on-policy, r = 1).
-        process_group: reduce the sums over this group; a bad argument or NaN on one rank raises
-            the same error on every rank.
+        lr: the step size ``eta`` in ``alpha = eta * r * A`` on the temperature-scaled logits, a finite real >= 0
+            (``lambda / (N * T^2)`` in the tabular case, module docstring; for a network an effective rate).
+        ratio: importance ratio ``r = pi / pi_sample`` per token, finite and >= 0 (None: on-policy, r = 1).
+        process_group: reduce the sums over this group; a bad value on one rank raises on every rank.
 
-    Returns:
-        The predicted ``ΔH_B`` as a Python float (0.0 for an empty batch).
+    Returns the predicted ``ΔH_B`` as a Python float (0.0 for an empty batch).
     """
-
     s_centered, within = field_of(s_centered, "s_centered")
 
     def local() -> tuple[torch.Tensor, tuple[DataChecks, float]]:

@@ -1,15 +1,10 @@
 """Per-token statistics straight from LM-head inputs, for frameworks that fuse the LM head.
 
-``token_stats_from_hidden`` computes what :func:`entropy_discriminator.token_stats` computes from
-``logits = hidden @ weight.T + bias`` without holding the ``[N, V]`` logits: on CUDA (bf16/fp16)
-a Triton kernel keeps each logits tile on chip (matmul plus the streaming reduction in its
-epilogue); elsewhere a torch path materialises ``[chunk, V]`` fp32 logits for one slice of rows at
-a time.
-
-Logits rounding (``logits_dtype``): a framework that computes its LM head in bf16/fp16 (bf16
-weights, or fp32 master weights under autocast) rounds the fp32-accumulated ``hidden @ W.T + b``
-to that dtype before anything else reads it; passing ``logits_dtype`` reproduces that rounding so
-the statistics are those of the framework's own distribution (docs/precision.md).
+``token_stats_from_hidden`` computes :func:`entropy_discriminator.token_stats` of ``hidden @ weight.T + bias``
+without holding the ``[N, V]`` logits: on CUDA (bf16/fp16) a Triton kernel keeps each logits tile on chip (the
+matmul with the streaming reduction in its epilogue); elsewhere a torch path materialises ``[chunk, V]`` fp32
+logits for one slice of rows at a time.  ``logits_dtype`` reproduces the rounding of a framework that computes
+its LM head in bf16/fp16, so the statistics are those of its own distribution (docs/precision.md).
 """
 
 from __future__ import annotations
@@ -47,56 +42,33 @@ class _Rounding(NamedTuple):
 
 
 def token_stats_from_hidden(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    ignore_index: int | None = -100,
-    chunk_size: int | None = None,
-    impl: str = "auto",
-    check: bool = True,
-    logits_dtype: torch.dtype | None = None,
-    temperature_in_logits_dtype: bool = False,
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, bias: torch.Tensor | None = None,
+    temperature: float = 1.0, ignore_index: int | None = -100, chunk_size: int | None = None, impl: str = "auto",
+    check: bool = True, logits_dtype: torch.dtype | None = None, temperature_in_logits_dtype: bool = False,
 ) -> TokenStats:
     """``token_stats(hidden @ weight.T + bias, labels, temperature=...)`` without [N, V] logits.
 
     Args:
         hidden: ``[N, H]`` (or ``[..., H]``) bf16/fp16/fp32 LM-head inputs.
         weight: ``[V, H]`` LM-head weight, same dtype and device as ``hidden``.
-        labels: integer ``[N]`` (``hidden.shape[:-1]``): sampled token ids in ``[0, V)`` or
-            ``ignore_index``.
+        labels: integer ``[N]`` (``hidden.shape[:-1]``): sampled token ids in ``[0, V)`` or ``ignore_index``.
         bias: optional ``[V]`` LM-head bias.
-        temperature: z = logits / temperature (see ``logits_dtype`` for the rounding), logits
-            ``L = hidden @ weight.T + bias`` formed with fp32 accumulation.
+        temperature: ``z = L / temperature``, ``L = hidden @ weight.T + bias`` with fp32 accumulation.
         ignore_index: label of skipped positions (0 in every statistic, ``valid=False``).
-        chunk_size: rows per slice on the torch path (default ``2**25 // V``: the fp32 logits of
-            a slice stay under 128 MiB); ignored by the Triton path.
-        impl: ``"triton"`` (fused CUDA kernel: logits tiles never leave the chip), ``"torch"``
-            (chunked matmul + :func:`token_stats`, any device) or ``"auto"`` (Triton for bf16/fp16
-            CUDA inputs when available, else torch).
-        check: as in :func:`token_stats`: validate labels and logits rows with one host
-            synchronisation (the kernel counts bad rows on the device); ``False`` never blocks
-            the host and gives NaN statistics in bad rows instead of raising.
-        logits_dtype: None (default: ``z = L / T`` in fp32, L unrounded) or ``torch.bfloat16`` /
-            ``torch.float16`` / ``torch.float32``: the fp32-accumulated L is rounded to this dtype
-            (round to nearest even), as a framework computing its head in that dtype does, then
-            upcast: ``z = fp32(round(L)) / T``.  Give the inputs in the framework's compute
-            dtype too (e.g. hidden and weight cast to bf16 under bf16 autocast).
-        temperature_in_logits_dtype: with ``logits_dtype``, the division by the temperature is
-            also rounded to it, ``z = fp32(round(round(L) / T))``, as a framework dividing its
-            low-precision logits by T does (e.g. ``bf16_logits / T`` in torch).  Needs
-            ``logits_dtype``.
+        chunk_size: rows per slice on the torch path (default ``2**25 // V``: a slice's fp32 logits stay under
+            128 MiB); ignored by the Triton path.
+        impl: ``"triton"`` (fused CUDA kernel), ``"torch"`` (chunked matmul + :func:`token_stats`, any device) or
+            ``"auto"`` (Triton for bf16/fp16 CUDA inputs when available, else torch).
+        check: as in :func:`token_stats` (one host synchronisation; ``False``: NaN statistics in bad rows).
+        logits_dtype: None (``z = L / T`` in fp32, L unrounded) or ``torch.bfloat16`` / ``float16`` / ``float32``:
+            L is rounded to this dtype (to nearest even), as a framework computing its head in it does, then
+            upcast: ``z = fp32(round(L)) / T``.  Give the inputs in the framework's compute dtype too.
+        temperature_in_logits_dtype: with ``logits_dtype``, the division is rounded too,
+            ``z = fp32(round(round(L) / T))``, as a framework dividing its low-precision logits by T does.
 
-    Returns:
-        :class:`TokenStats` of ``labels.shape``: float32 ``logp, entropy, s_star, s_expected,
-        s_centered`` (formulas of :func:`token_stats`) and bool ``valid``.
-
-    Raises:
-        ValueError: bad shapes, dtypes, devices, labels outside ``[0, V)``, temperature <= 0,
-            ``logits_dtype`` not a float16/bfloat16/float32 dtype, ``temperature_in_logits_dtype``
-            without ``logits_dtype``, or logits rows holding NaN / +inf.
+    Returns :class:`TokenStats` of ``labels.shape``: float32 ``logp, entropy, s_star, s_expected, s_centered``
+    (formulas of :func:`token_stats`) and bool ``valid``; ``ValueError`` for bad shapes, dtypes, devices, labels,
+    temperature or ``logits_dtype``, or logits rows holding NaN / +inf.
     """
     hidden = require_float("hidden", hidden)
     weight = require_float("weight", weight)
@@ -130,18 +102,16 @@ def token_stats_from_hidden(
         impl == "auto" and hidden.is_cuda and hidden.dtype != torch.float32 and kernels.is_available()
     )
     if not use_triton:
-        return _from_hidden_torch(
-            h2, weight, k, bias, float(temperature), int(ignore_index), chunk_size, impl, check, shape, rounding
-        )
+        return _from_hidden_torch(h2, weight, k, bias, float(temperature), int(ignore_index), chunk_size, impl, check,
+                                  shape, rounding)
     if not (hidden.is_cuda and kernels.is_available()):
         raise RuntimeError("impl='triton' needs CUDA tensors and an importable triton")
     from .kernels.triton_fused import token_stats_fused_triton
 
     with torch.no_grad():
-        out = token_stats_fused_triton(
-            h2, weight, k, bias, float(temperature), int(ignore_index),
-            logits_dtype=logits_dtype, temperature_in_logits_dtype=temperature_in_logits_dtype,
-        )  # fmt: skip
+        out = token_stats_fused_triton(h2, weight, k, bias, float(temperature), int(ignore_index),
+                                       logits_dtype=logits_dtype,
+                                       temperature_in_logits_dtype=temperature_in_logits_dtype)  # fmt: skip
     result = TokenStats(*(t.view(shape) for t in out[:6]))
     if check:
         errors = out.errors.tolist()  # the one host synchronisation
@@ -150,19 +120,9 @@ def token_stats_from_hidden(
     return result
 
 
-def _from_hidden_torch(
-    h2: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    bias: torch.Tensor | None,
-    temperature: float,
-    ignore_index: int,
-    chunk_size: int | None,
-    impl: str,
-    check: bool,
-    shape: torch.Size,
-    rounding: _Rounding,
-) -> TokenStats:
+def _from_hidden_torch(h2: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None,
+                       temperature: float, ignore_index: int, chunk_size: int | None, impl: str, check: bool,
+                       shape: torch.Size, rounding: _Rounding) -> TokenStats:
     """Chunked torch path: fp32 logits of ``chunk_size`` rows at a time (rounded as ``rounding``
     says), then :func:`token_stats`."""
     n, vocab = h2.shape[0], weight.shape[0]
@@ -178,12 +138,8 @@ def _from_hidden_torch(
         for lo in range(0, n, rows):
             h_rows = h2[lo : lo + rows] if native else h2[lo : lo + rows].float()
             logits, temp = rounding.apply(torch.nn.functional.linear(h_rows, w32, b32), temperature)
-            parts.append(
-                token_stats(
-                    logits, labels[lo : lo + rows], temperature=temp, ignore_index=ignore_index,
-                    impl="torch" if impl == "torch" else "auto", check=check,
-                )  # fmt: skip
-            )
+            parts.append(token_stats(logits, labels[lo : lo + rows], temperature=temp, ignore_index=ignore_index,
+                                     impl="torch" if impl == "torch" else "auto", check=check))
             del logits
     fields = ("logp", "entropy", "s_star", "s_expected", "s_centered", "valid")
     if not parts:

@@ -1,41 +1,27 @@
-"""The first-order entropy law for the optimizer actually used: ``ΔH_B ≈ ∇θH_B · Δθ``.
+"""The first-order entropy law for the optimizer actually used: ``ΔH_B ≈ ∇θH_B · Δθ`` (docs/law.md).
 
-Corollary 4 (:func:`~entropy_discriminator.batch_entropy_change`, ``-η Cov_B(A, r S_c)``) is the law of
-plain SGD on the logits.  A network trained with Adam moves by a preconditioned, momentum-carrying step
-``Δθ``; to first order the batch-mean token entropy ``H_B`` (of the tokens of this batch, before and after
-the step) then changes by ``∇θH_B · Δθ``.  This module gives that prediction and its split into one term per
-token, for the step the optimizer is about to take:
+Corollary 4 (:func:`~entropy_discriminator.batch_entropy_change`, ``-η Cov_B(A, r S_c)``) is the law of plain SGD on
+the logits.  Under Adam the step ``Δθ`` is preconditioned and carries momentum; to first order the batch-mean token
+entropy ``H_B`` of this batch's tokens then changes by ``∇θH_B · Δθ``, for the step the optimizer is about to take:
 
-* **Exact prediction** (:func:`step_entropy_change`): ``Σ_p ⟨∇_p H_B, Δθ_p⟩`` with ``Δθ`` read from the
-  optimizer after ``loss.backward()`` and before ``optimizer.step()``.  Two routes, equal to rounding
-  (tested): ``"analytic"`` for ``torch.optim.Adam`` / ``AdamW`` / ``SGD`` from their state and hyper-parameters
-  (:func:`linearise_step`), ``"lookahead"`` for any optimizer (a step on the real parameters and state,
-  measured, then undone).  Cost: one backward of ``H_B`` besides the training step; the look-ahead adds one
-  optimizer step and a copy of the parameters and the optimizer state.
-* **Per-token terms** (:func:`token_terms`): the step is affine in this step's loss gradient ``g``,
-  ``Δθ = P ⊙ g + carry`` (:class:`StepLinearisation`: ``P`` is the optimizer's preconditioner with the
-  learning rate, Adam's bias corrections and the current gradient's share ``1 - β1`` of the momentum; ``carry``
-  is what the step does without ``g``: momentum of earlier gradients, weight decay).  With ``w = P ⊙ ∇θH_B``
-  and ``g = Σ_t J_tᵀ ∂L/∂z_t`` (``J_t`` the Jacobian of token ``t``'s logits ``z_t``)::
+* :func:`step_entropy_change`: ``Σ_p ⟨∇_p H_B, Δθ_p⟩``, ``Δθ`` read after ``loss.backward()`` and before
+  ``optimizer.step()``, in closed form for Adam / AdamW / SGD (:func:`linearise_step`) or, for any optimizer, by a
+  step that is measured and undone (``route="lookahead"``); the two agree to rounding.
+* :func:`token_terms`: the step is affine in this step's loss gradient ``g``, ``Δθ = P ⊙ g + carry``
+  (:class:`StepLinearisation`; ``P`` holds the learning rate, Adam's bias corrections and the gradient's share
+  ``1 - β1`` of the momentum, ``carry`` what the step does without ``g``: earlier momentum, weight decay).  With
+  ``w = P ⊙ ∇θH_B`` and ``g = Σ_t J_tᵀ ∂L/∂z_t`` (``J_t`` the Jacobian of token ``t``'s logits ``z_t``)::
 
       ΔH_B ≈ ∇θH_B · carry + Σ_t c_t,        c_t = (∂L/∂z_t) · δz_t,   δz_t = J_t w
 
-  ``δz = J w`` is one forward-mode product through the network (:func:`logit_tangents`).  For a policy-gradient
-  loss ``L = -Σ_t ω_t log softmax(z_t / T)[k_t]`` (``ω_t = A_t r_t keep_t / n``, the loss's normaliser ``n``)
-  ``∂L/∂z_t = -(ω_t / T)(e_k - p_t)``, so :func:`token_contributions` gives
-  ``c_t = -(ω_t / T)(δz_{t,k} - p_t · δz_t)``.  For SGD on tabular logits this is Corollary 4's own term
-  ``-(η/N) A_t r_t S_c,t`` with ``η = λ / (N T²)`` (tested in float64).  Cost: one backward of ``H_B`` and one
-  forward-mode product (about 2-3 forwards) per use; it may run every k steps.
+  ``δz = J w`` is one forward-mode product (:func:`logit_tangents`).  For ``L = -Σ_t ω_t log softmax(z_t / T)[k_t]``
+  (``ω_t = A_t r_t keep_t / n``) :func:`token_contributions` gives ``c_t = -(ω_t / T)(δz_{t,k} - p_t · δz_t)``; for
+  SGD on tabular logits this is Corollary 4's ``-(η/N) A_t r_t S_c,t`` with ``η = λ / (N T²)``.  Gradient-norm
+  clipping scales ``g``: pass its factor as ``grad_scale``.
+* Beyond first order, along the same ``Δθ``: :func:`step_entropy_curvature` (``½ Δθᵀ ∇²θH_B Δθ``) and
+  :func:`logit_step_entropy_change` (the network expanded, the softmax entropy of the moved logits taken exactly).
 
-The terms plus the carry sum to the exact prediction of the step whose gradient is ``Σ_t J_tᵀ ∂L/∂z_t``
-(tested).  Gradient-norm clipping scales ``g`` after the fact: pass its factor as ``grad_scale``.
 :class:`Calibration` turns Corollary 4's cheap score into nats from either prediction on the same batch.
-
-* **Beyond first order**, before the step, along the same ``Δθ``: :func:`step_entropy_curvature` gives
-  ``½ Δθᵀ ∇²θH_B Δθ`` (forward mode over forward mode, no backward), so that the two orders together are exact to
-  second order; :func:`logit_step_entropy_change` expands only the network, ``z + JΔθ [+ ½ Δθᵀ∇²θz Δθ]``, and
-  takes the softmax entropy of the moved logits exactly.  Where the steps are large for the entropy that is left,
-  the first-order prediction overshoots, mostly through the entropy's own curvature, which the latter keeps.
 """
 
 from __future__ import annotations
@@ -45,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ._checks import as_valid_mask, one_of, real_number, require_float, require_shape, require_tensor
 
@@ -58,9 +45,7 @@ CALIBRATION_VERSION = 1
 
 def _analytic_kind(optimizer: torch.optim.Optimizer) -> str | None:
     """``"adam"`` (Adam, AdamW), ``"sgd"`` or None (no closed form here)."""
-    if isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam from torch 2.6 on
-        return "adam"
-    if isinstance(optimizer, torch.optim.AdamW):
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):  # AdamW subclasses Adam from torch 2.6 on
         return "adam"
     if type(optimizer) is torch.optim.SGD:
         return "sgd"
@@ -106,9 +91,8 @@ def _aligned(name: str, values: object, params: list[torch.Tensor]) -> list[torc
 class StepLinearisation:
     """The optimizer's next step as an affine map of this step's loss gradient: ``Δθ_p = scale_p ⊙ g_p + carry_p``.
 
-    ``scale``/``carry``: one tensor per parameter of ``params`` (their shapes, float64), zero for a parameter the
-    step leaves alone.  ``scale`` is the preconditioner ``P`` of the module docstring (learning rate, bias
-    corrections and the current gradient's share of the momentum included).
+    ``scale`` (the preconditioner ``P`` of the module docstring) and ``carry``: one float64 tensor per parameter of
+    ``params``, of its shape, zero for a parameter the step leaves alone.
     """
 
     params: tuple[torch.Tensor, ...]
@@ -130,9 +114,8 @@ class StepLinearisation:
         """``(w, carry)``: ``w_p = scale_p ⊙ ∇_p H_B`` (float64, the tangent of :func:`logit_tangents`) and
         ``carry = Σ_p ∇_p H_B · carry_p``, the predicted change of the step without this step's gradient.
 
-        A parameter whose preconditioner is not formed (``formed[p]`` False: Adam's first step) is not split
-        over tokens: ``w_p = 0`` and its whole first-order change ``∇_p H_B · Δθ_p(g)`` joins the carry, with
-        ``g`` = ``grads`` (this step's loss gradient, required then; ``ValueError`` naming ``grads`` without it).
+        A parameter whose preconditioner is not formed (Adam's first step) is not split over tokens: ``w_p = 0`` and
+        its whole change ``∇_p H_B · Δθ_p(g)`` joins the carry, ``g`` = ``grads`` (then required).
         """
         ps = list(self.params)
         gs = _aligned("entropy_grads", entropy_grads, ps)
@@ -154,14 +137,9 @@ class StepLinearisation:
         return w, carry
 
 
-def linearise_step(
-    optimizer: torch.optim.Optimizer,
-    params: Sequence[torch.Tensor],
-    *,
-    grads: Sequence[torch.Tensor | None] | None = None,
-    preconditioner: str = "step",
-    grad_scale: float = 1.0,
-) -> StepLinearisation:
+def linearise_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], *,
+                   grads: Sequence[torch.Tensor | None] | None = None, preconditioner: str = "step",
+                   grad_scale: float = 1.0) -> StepLinearisation:
     """Closed form of the next step of ``torch.optim.Adam`` / ``AdamW`` / ``SGD`` (read, nothing changed).
 
     Adam (step ``t`` = stored step + 1, ``ĝ = s g`` with ``s = grad_scale``; ``+ λθ`` in ``ĝ`` for Adam's L2
@@ -184,9 +162,7 @@ def linearise_step(
             assumed to get a gradient; a parameter without Adam state yet raises ``ValueError``).
         grad_scale: factor the gradient is multiplied by before the step (gradient-norm clipping), ``> 0``.
 
-    Returns:
-        :class:`StepLinearisation` (float64).  ``TypeError`` for another optimizer (use ``route="lookahead"``
-        of :func:`optimizer_step_delta`).
+    Returns :class:`StepLinearisation` (float64); ``TypeError`` for another optimizer (use ``route="lookahead"``).
     """
     kind = _analytic_kind(optimizer)
     if kind is None:
@@ -300,18 +276,13 @@ def _lookahead(optimizer: torch.optim.Optimizer, ps: list[torch.Tensor]) -> list
     return delta
 
 
-def step_entropy_change(
-    optimizer: torch.optim.Optimizer,
-    params: Sequence[torch.Tensor],
-    entropy_grads: Sequence[torch.Tensor | None],
-    *,
-    route: str = "auto",
-) -> float:
+def step_entropy_change(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
+                        entropy_grads: Sequence[torch.Tensor | None], *, route: str = "auto") -> float:
     """Exact first-order change of the batch-mean entropy in the step the optimizer is about to take.
 
-    ``Σ_p ⟨∇_p H_B, Δθ_p⟩`` (float64), ``Δθ`` from :func:`optimizer_step_delta` (same ``route``),
-    ``entropy_grads`` = ``torch.autograd.grad(H_B, params)`` (None entries: zero).  Call after the
-    backward, before ``optimizer.step()``; compare with the entropy of the same tokens after the step.
+    ``Σ_p ⟨∇_p H_B, Δθ_p⟩`` (float), ``Δθ`` from :func:`optimizer_step_delta` (same ``route``), ``entropy_grads`` =
+    ``torch.autograd.grad(H_B, params)`` (None entries: zero).  Call after the backward, before ``optimizer.step()``;
+    compare with the entropy of the same tokens after the step.
     """
     ps = _params(params)
     hs = _aligned("entropy_grads", entropy_grads, ps)
@@ -320,11 +291,8 @@ def step_entropy_change(
 
 
 def batch_mean_entropy(logits: torch.Tensor, valid: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
-    """``H_B = mean over valid tokens of H(softmax(z / T))`` (0-d float32/64, differentiable; 0 when none is valid).
-
-    ``logits`` ``[..., V]`` (``-inf`` allowed), ``valid`` of its leading shape.  Differentiate it for
-    ``entropy_grads``.
-    """
+    """``H_B = mean over valid tokens of H(softmax(z / T))`` (0-d float32/64, differentiable; 0 when none is valid),
+    ``logits`` ``[..., V]`` (``-inf`` allowed), ``valid`` of its leading shape.  Its gradient is ``entropy_grads``."""
     require_float("logits", logits)
     t = real_number("temperature", temperature, above=0)
     v = as_valid_mask(valid, logits.shape[:-1])
@@ -335,9 +303,8 @@ def batch_mean_entropy(logits: torch.Tensor, valid: torch.Tensor, *, temperature
     return torch.where(v, h, torch.zeros_like(h)).sum() / v.sum().clamp_min(1)
 
 
-def _primals_and_tangents(
-    primals: Mapping[str, torch.Tensor], tangents: Mapping[str, torch.Tensor], names: tuple[str, str]
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _primals_and_tangents(primals: Mapping[str, torch.Tensor], tangents: Mapping[str, torch.Tensor],
+                          names: tuple[str, str]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """``primals`` detached and ``tangents`` cast to each primal's dtype, after checking that both map the same
     names to tensors of equal shapes (``names``: the two arguments' names, for the error)."""
     prim_name, tang_name = names
@@ -351,46 +318,31 @@ def _primals_and_tangents(
     return prim, tang
 
 
-def logit_tangents(
-    fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
-    primals: Mapping[str, torch.Tensor],
-    tangents: Mapping[str, torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
+def logit_tangents(fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], primals: Mapping[str, torch.Tensor],
+                   tangents: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(z, δz) = (fn(θ), J_fn(θ) w)``: one forward-mode product (``torch.func.jvp``).
 
-    ``fn(params) -> logits`` (e.g. ``lambda p: functional_call(model, p, (seq,))[:, P-1:-1]``);
-    ``primals`` and ``tangents`` map the same names to tensors of equal shapes (tangents are cast to each
-    primal's dtype).  Scaled-dot-product attention runs its math kernel inside (the fused CPU/GPU kernels
-    have no forward-mode derivative).
+    ``fn(params) -> logits`` (e.g. ``lambda p: functional_call(model, p, (seq,))[:, P-1:-1]``); ``primals`` and
+    ``tangents`` map the same names to tensors of equal shapes (tangents cast to each primal's dtype).
+    Scaled-dot-product attention runs its math kernel (the fused kernels have no forward-mode derivative).
     """
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     prim, tang = _primals_and_tangents(primals, tangents, ("primals", "tangents"))
     with sdpa_kernel(SDPBackend.MATH):
         z, dz = torch.func.jvp(fn, (prim,), (tang,))
     return z, dz
 
 
-def step_entropy_curvature(
-    fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
-    named_params: Mapping[str, torch.Tensor],
-    delta: Mapping[str, torch.Tensor],
-    valid: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-) -> float:
+def step_entropy_curvature(fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+                           named_params: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor],
+                           valid: torch.Tensor, *, temperature: float = 1.0) -> float:
     """The second-order term of the step's entropy change: ``½ Δθᵀ ∇²θH_B Δθ`` (float).
 
     ``H_B(θ)`` = :func:`batch_mean_entropy` of ``fn(θ)`` over ``valid`` at ``temperature``; ``delta`` maps each
     name of ``named_params`` to its ``Δθ`` (e.g. :func:`optimizer_step_delta`, read before ``optimizer.step()``;
-    cast to each parameter's dtype).  Added to the first-order :func:`step_entropy_change` it gives
-    ``ΔH_B ≈ ∇θH_B · Δθ + ½ Δθᵀ ∇²θH_B Δθ``, exact to second order in the step.  It is the second derivative of
-    ``ε ↦ H_B(θ + ε Δθ)`` at 0, taken by forward mode over forward mode (``torch.func.jvp`` of a ``jvp``): one
-    pass that carries two tangents, about 3-4 forwards of cost and no backward.  Scaled-dot-product attention
-    runs its math kernel, as in :func:`logit_tangents`.
+    cast to each parameter's dtype).  Added to :func:`step_entropy_change` it gives
+    ``ΔH_B ≈ ∇θH_B · Δθ + ½ Δθᵀ ∇²θH_B Δθ``.  The second derivative of ``ε ↦ H_B(θ + ε Δθ)`` at 0 by forward mode
+    over forward mode: about 3-4 forwards of cost, no backward; attention as in :func:`logit_tangents`.
     """
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     t = real_number("temperature", temperature, above=0)
     prim, tang = _primals_and_tangents(named_params, delta, ("named_params", "delta"))
 
@@ -402,15 +354,9 @@ def step_entropy_curvature(
     return 0.5 * float(second)
 
 
-def logit_step_entropy_change(
-    fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
-    named_params: Mapping[str, torch.Tensor],
-    delta: Mapping[str, torch.Tensor],
-    valid: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    order: int = 2,
-) -> float:
+def logit_step_entropy_change(fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+                              named_params: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor],
+                              valid: torch.Tensor, *, temperature: float = 1.0, order: int = 2) -> float:
     """The step's entropy change with the network expanded in the step and the entropy taken exactly (float).
 
     ``z = fn(θ)`` ``[..., V]``; ``δz = J Δθ`` and ``δ²z = Δθᵀ ∇²θz Δθ`` (per logit) along ``delta`` (as in
@@ -423,8 +369,6 @@ def logit_step_entropy_change(
     curvature dominates when a step is large for the entropy that is left, is not expanded.  Cost: one forward and
     one forward-mode product (order 1), or one forward-mode product over another (order 2); no backward.
     """
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     t = real_number("temperature", temperature, above=0)
     if order not in (1, 2):
         raise ValueError(f"order must be 1 or 2, got {order!r}")
@@ -442,15 +386,8 @@ def logit_step_entropy_change(
     return float(after - before)
 
 
-def token_contributions(
-    logits: torch.Tensor,
-    tangents: torch.Tensor,
-    labels: torch.Tensor,
-    weights: torch.Tensor,
-    valid: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-) -> torch.Tensor:
+def token_contributions(logits: torch.Tensor, tangents: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                        valid: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
     """Per-token terms ``c_t = -(ω_t / T)(δz_{t,k} - p_t · δz_t)`` of a policy-gradient step (float64 ``[B, T]``).
 
     ``logits`` ``z`` and ``tangents`` ``δz = J w`` ``[B, T, V]`` (from :func:`logit_tangents`, ``-inf`` logits
@@ -498,34 +435,23 @@ class TokenTerms:
         return self.carry + float(self.terms.sum())
 
 
-def token_terms(
-    optimizer: torch.optim.Optimizer,
-    named_params: Mapping[str, torch.Tensor],
-    fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
-    labels: torch.Tensor,
-    weights: torch.Tensor,
-    valid: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    preconditioner: str | None = None,
-    grads: Sequence[torch.Tensor | None] | None = None,
-    grad_scale: float = 1.0,
-    entropy_grads: Sequence[torch.Tensor | None] | None = None,
-) -> TokenTerms:
+def token_terms(optimizer: torch.optim.Optimizer, named_params: Mapping[str, torch.Tensor],
+                fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], labels: torch.Tensor, weights: torch.Tensor,
+                valid: torch.Tensor, *, temperature: float = 1.0, preconditioner: str | None = None,
+                grads: Sequence[torch.Tensor | None] | None = None, grad_scale: float = 1.0,
+                entropy_grads: Sequence[torch.Tensor | None] | None = None) -> TokenTerms:
     """Per-token contributions to the entropy change of the optimizer's next step, and its carry.
 
-    ``z = fn(named_params)`` are the logits of the batch's tokens ``[B, T, V]``; one backward of
-    ``H_B`` (:func:`batch_mean_entropy` of ``z`` over ``valid`` at ``temperature``), :func:`linearise_step`
-    (``preconditioner``, ``grads``, ``grad_scale`` as there; default ``"step"`` when ``grads`` are given, e.g. this
-    step's unmasked loss gradient, else ``"state"``, usable before any backward from the optimizer's second step on), ``w = P ⊙ ∇θH_B``, one :func:`logit_tangents` and
-    :func:`token_contributions` with ``weights`` ``ω_t``.  Where the optimizer's preconditioner is not formed yet
-    (Adam/AdamW with no step taken: that step is ``lr ĝ / (|ĝ| + ε)`` element by element, so dropping tokens
-    changes its size, not just its sum) a parameter's change is not split over tokens: its terms are 0 and its
-    change ``∇_p H_B · Δθ_p(g)`` is in the carry, so on Adam's first step every term is 0 (the autopilot then
-    drops nothing) and ``carry`` is the exact prediction.  Cost: one forward and one backward of ``H_B``, one
-    forward-mode product.  ``entropy_grads`` (``∇θH_B`` aligned with ``named_params``' values, e.g. from the
-    training forward's logits, ``retain_graph=True``) skips that forward and backward.  For the step whose loss
-    gradient is ``Σ_t ∂L/∂z_t`` with ``∂L/∂z_t = -(ω_t/T)(e_k - p_t)``, ``carry + Σ c_t`` equals
+    ``z = fn(named_params)`` are the logits of the batch's tokens ``[B, T, V]``: one backward of ``H_B``
+    (:func:`batch_mean_entropy` of ``z`` over ``valid`` at ``temperature``), :func:`linearise_step` (``preconditioner``,
+    ``grads``, ``grad_scale`` as there; default ``"step"`` with ``grads``, e.g. this step's unmasked loss gradient,
+    else ``"state"``, usable before any backward from the second step on), ``w = P ⊙ ∇θH_B``, one
+    :func:`logit_tangents` and :func:`token_contributions` with ``weights`` ``ω_t``.  Where the preconditioner is not
+    formed (Adam/AdamW before their first step, ``lr ĝ / (|ĝ| + ε)`` element by element) a parameter's change is not
+    split over tokens: its terms are 0 and its change is in the carry, so on Adam's first step every term is 0 and
+    ``carry`` is the exact prediction.  ``entropy_grads`` (``∇θH_B`` aligned with ``named_params``' values, e.g. from
+    the training forward, ``retain_graph=True``) skips the forward and backward of ``H_B``.  For the step whose loss
+    gradient is ``Σ_t J_tᵀ ∂L/∂z_t``, ``∂L/∂z_t = -(ω_t/T)(e_k - p_t)``, ``carry + Σ c_t`` equals
     :func:`step_entropy_change` to rounding.
     """
     names = list(named_params)
@@ -548,13 +474,12 @@ def token_terms(
 class Calibration:
     """The scale ``κ`` that puts Corollary 4's cheap prediction ``-lr Cov_B(A, r S_c)`` in nats.
 
-    After each calibration step, :meth:`update` with the cheap prediction ``x`` and the law's ``y``
-    (:func:`step_entropy_change`, or a :class:`TokenTerms`' ``predicted``) of the same batch::
+    :meth:`update` with the cheap prediction ``x`` and the law's ``y`` (:func:`step_entropy_change`, or a
+    :class:`TokenTerms`' ``predicted``) of the same batch::
 
         S_xy <- ρ S_xy + x y,   S_xx <- ρ S_xx + x²,   κ = S_xy / S_xx    (least squares through 0, forgetting ρ)
 
-    ``κ`` is 1 until the first update with ``x != 0``.  The cheap score keeps ranking the tokens; ``κ`` sets
-    its size.  ``state_dict`` / ``load_state_dict`` carry it through checkpoints.
+    ``κ`` is 1 until the first update with ``x != 0``.  ``state_dict`` / ``load_state_dict`` carry it in checkpoints.
     """
 
     def __init__(self, *, forgetting: float = 0.9) -> None:
@@ -600,17 +525,6 @@ class Calibration:
         self.s_xy, self.s_xx, self.count = s_xy, s_xx, state["count"]
 
 
-__all__ = [
-    "Calibration",
-    "StepLinearisation",
-    "TokenTerms",
-    "batch_mean_entropy",
-    "linearise_step",
-    "logit_step_entropy_change",
-    "logit_tangents",
-    "optimizer_step_delta",
-    "step_entropy_change",
-    "step_entropy_curvature",
-    "token_contributions",
-    "token_terms",
-]
+__all__ = ["Calibration", "StepLinearisation", "TokenTerms", "batch_mean_entropy", "linearise_step",
+           "logit_step_entropy_change", "logit_tangents", "optimizer_step_delta", "step_entropy_change",
+           "step_entropy_curvature", "token_contributions", "token_terms"]

@@ -1,31 +1,20 @@
 """The cheap entropy prediction in nats, for the adapters and any training loop: a scale ``kappa`` fed from the
-same batch.
+same batch (docs/adapters/law-and-autopilot.md).
 
-Corollary 4's cheap prediction of a batch, ``cheap = -eta Cov_B(A, r S_c)`` (``eta`` the step size of the
-law, :meth:`~entropy_discriminator.EntropyDiscConfig.step_size`), ranks the tokens but, under Adam and a
-network, misses the size of the change by orders of magnitude.  Every ``calibrate_every``-th statistics
-batch the adapter measures the realised change of the mean entropy of **that batch's tokens** (one no-grad
-forward over them after the update they were used for, the entropy read exactly as before the update) and
-feeds the pair ``(cheap, realised)`` to a :class:`~entropy_discriminator.law.Calibration`::
-
-    kappa = S_xy / S_xx,   S_xy <- rho S_xy + cheap * realised,   S_xx <- rho S_xx + cheap^2
-
-(least squares through 0 with forgetting ``rho = 0.9``).  Metrics (prefix ``entropy_disc/``):
-
-* ``delta_entropy/cheap``: ``cheap`` (always, when ``eta`` is known);
-* ``delta_entropy/predicted``: ``kappa * cheap``, nats (only with ``calibrate_every > 0``; 0 turns the
-  calibration off and the raw score is logged as ``delta_entropy/cheap`` alone);
-* ``delta_entropy/scale``: ``kappa`` (1 until the first calibration batch);
-* ``delta_entropy/realised`` and ``delta_entropy/scale_skipped`` (0 or 1): on calibration batches, the
-  measured change and whether its pair was left out (below).
+Corollary 4's ``cheap = -eta Cov_B(A, r S_c)`` (``eta``: :meth:`~entropy_discriminator.EntropyDiscConfig.step_size`)
+ranks the tokens but, under Adam and a network, misses the size of the change by orders of magnitude.  Every
+``calibrate_every``-th statistics batch the adapter measures the realised change of the mean entropy of **that
+batch's tokens** (one no-grad forward after the update) and feeds ``(cheap, realised)`` to a
+:class:`~entropy_discriminator.law.Calibration` (``kappa = S_xy / S_xx``, least squares through 0, forgetting 0.9).
+Metrics (prefix ``entropy_disc/``): ``delta_entropy/cheap``; with ``calibrate_every > 0`` also
+``delta_entropy/predicted`` (``kappa * cheap``, nats) and ``delta_entropy/scale`` (``kappa``); on calibration batches
+``delta_entropy/realised`` and ``delta_entropy/scale_skipped`` (1 when the pair was left out).
 
 With method ``"autopilot"`` the scale is the controller's own :attr:`EntropyAutopilot.calibration`
-(:meth:`LawScale.bind`), so the controller's selection reads the same ``kappa``; its state travels in the
-controller's state, and :class:`LawScale`'s state holds the schedule.  The controller selects with
-``kappa > 0`` only (a non-positive one would invert its selection): a pair that would bring the fit to
-``kappa <= 0`` (the measured change opposes the cheap score's sign strongly enough) is not fed to it, and the
-batch logs ``delta_entropy/scale_skipped = 1``.  Without the autopilot every pair is fed and ``kappa`` is the
-plain least-squares fit, of either sign.
+(:meth:`LawScale.bind`), so its selection reads the same ``kappa`` and its state carries it.  The controller needs
+``kappa > 0`` (a non-positive one would invert its selection): a pair that would bring the fit to ``kappa <= 0`` is
+not fed, and the batch logs ``scale_skipped = 1``.  Without the autopilot every pair is fed (``kappa`` of either
+sign).
 """
 
 from __future__ import annotations
@@ -128,16 +117,8 @@ class LawScale:
         self.batches = batches
 
 
-def cheap_change(
-    advantages: torch.Tensor,
-    s_centered: torch.Tensor,
-    valid: torch.Tensor,
-    *,
-    eta: float | None,
-    ratio: torch.Tensor | None = None,
-    form: str = "cov",
-    process_group: Any = None,
-) -> float | None:
+def cheap_change(advantages: torch.Tensor, s_centered: torch.Tensor, valid: torch.Tensor, *, eta: float | None,
+                 ratio: torch.Tensor | None = None, form: str = "cov", process_group: Any = None) -> float | None:
     """``-eta Cov_B(A, r S_c)`` (``form="cov"``) or ``-eta E_B[A r S_c]`` over the valid tokens of the group
     (:func:`~entropy_discriminator.batch_entropy_change`); None when ``eta`` is None; 0 for no valid token."""
     if eta is None:

@@ -11,12 +11,10 @@ advantage has the sign named by ``sides``:
 the batch, in float64, across all ranks of ``process_group``.  Zero-advantage tokens are never
 clipped: their policy-gradient term is already zero (the reference Clip_V clips them too).
 
-Valid tokens: the first argument may be the :class:`~entropy_discriminator.TokenStats` itself
-(``clip_v_mask(stats, advantages, response_mask)``); then only positions valid in both the
-caller's mask and ``stats.valid`` count, so a response mask that includes positions
-:func:`~entropy_discriminator.token_stats` ignored (labels ``ignore_index``, which hold 0) never
-lets those zeros into the mean, sigma or the counts.  A plain score tensor carries no validity:
-there ``valid`` alone decides, so pass ``response_mask & stats.valid`` (or the statistics).
+The first argument may be the :class:`~entropy_discriminator.TokenStats` itself
+(``clip_v_mask(stats, advantages, response_mask)``): then only positions valid in both the caller's mask and
+``stats.valid`` count, so ignored labels (which hold 0) never enter the mean, sigma or the counts.  With a plain
+score tensor ``valid`` alone decides: pass ``response_mask & stats.valid``.
 """
 
 from __future__ import annotations
@@ -26,18 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import (
-    DataChecks,
-    as_valid_mask,
-    broadcast_advantages,
-    exact_fraction,
-    one_of,
-    real_number,
-    require_float,
-    require_tensor,
-    valid_mask,
-    valid_within,
-)
+from ._checks import (DataChecks, as_valid_mask, broadcast_advantages, exact_fraction, one_of, real_number,
+                      require_float, require_tensor, valid_mask, valid_within)
 from .distributed import Group, all_reduce, reduce_or_raise, top_k_mask
 from .stats import TokenStats, field_of
 
@@ -55,10 +43,9 @@ ZERO_STD = 1e-12
 class MaskResult:
     """A keep-mask and the batch statistics behind it (counts are global over the process group).
 
-    ``keep`` is bool with the scores' shape, True where the token stays in the loss; invalid
-    positions are always True.  ``lower``/``upper`` are the thresholds in score units
-    (``-inf``/``inf`` where the matching ``mu`` is infinite); ``capped`` tells whether
-    ``max_frac`` limited the number of clipped tokens.
+    ``keep`` is bool with the scores' shape, True where the token stays in the loss (always at invalid positions).
+    ``lower``/``upper``: the thresholds in score units (``-inf``/``inf`` where the matching ``mu`` is infinite);
+    ``capped``: ``max_frac`` limited the number of clipped tokens.
     """
 
     keep: torch.Tensor
@@ -81,73 +68,44 @@ class MaskResult:
         return self.n_clipped / self.n_valid if self.n_valid else 0.0
 
 
-def clip_b_mask(
-    s_star: torch.Tensor | TokenStats,
-    advantages: torch.Tensor,
-    valid: torch.Tensor,
-    *,
-    mu_low: float = DEFAULT_MU,
-    mu_high: float = math.inf,
-    sides: str = "negative",
-    max_frac: float | None = None,
-    cap_rule: str = "share",
-    process_group: Group = None,
-) -> MaskResult:
+def clip_b_mask(s_star: torch.Tensor | TokenStats, advantages: torch.Tensor, valid: torch.Tensor, *,
+                mu_low: float = DEFAULT_MU, mu_high: float = math.inf, sides: str = "negative",
+                max_frac: float | None = None, cap_rule: str = "share", process_group: Group = None) -> MaskResult:
     """Clip_B: keep token t when ``-mu_low*sigma <= S*_t - mean(S*) <= mu_high*sigma``.
 
     Args:
         s_star: ``[B, T]`` (or any shape) float scores ``S* = p_k (H + log p_k)``, or the
-            :class:`~entropy_discriminator.TokenStats` they come from (its ``s_star`` is read and
-            ``valid`` is intersected with its ``valid``: module docstring).
+            :class:`~entropy_discriminator.TokenStats` they come from (module docstring).
         advantages: ``[B]`` per sequence (GRPO) or the scores' shape (per token, GAE).
         valid: bool or 0/1 tensor of the scores' shape (the response mask).
-        mu_low, mu_high: bounds in units of the batch std; ``math.inf`` disables a side (default
-            2.5 and inf: one-sided, the paper's Clip_B setting).
-        sides: advantage sign whose tokens may be clipped: ``negative`` (A < 0, the paper's and
-            the reference's default), ``positive`` (A > 0) or ``both``.
-        max_frac: if set, a cap on the clipped share (default None: no cap): at most
-            :func:`cap_limit` tokens are clipped, the most violating first (distance beyond the
-            bound in units of sigma), ties by position.
-        cap_rule: ``"share"`` (default: at most ``floor(max_frac * n_valid)``, so ``0`` clips
-            nothing) or ``"reference"`` (at least one token when over the cap, as Trinity-RFT).
-        process_group: statistics and the cap are global over this group.  A bad argument or
-            value on one rank raises the same error on every rank (no rank is left waiting).
+        mu_low, mu_high: bounds in units of the batch std (any real or 0-d tensor); ``math.inf`` disables a side
+            (default 2.5 and inf: one-sided, the paper's Clip_B setting).
+        sides: advantage sign whose tokens may be clipped: ``negative`` (A < 0, the paper's and the reference's
+            default), ``positive`` (A > 0) or ``both``.
+        max_frac: a cap on the clipped share (default None: no cap): at most :func:`cap_limit` tokens are
+            clipped, the most violating first (distance beyond the bound in units of sigma), ties by position.
+        cap_rule: ``"share"`` (default: at most ``floor(max_frac * n_valid)``, so ``0`` clips nothing) or
+            ``"reference"`` (at least one token when over the cap, as Trinity-RFT).
+        process_group: statistics and the cap are global over this group; a bad value on one rank raises the
+            same error on every rank.
 
-    ``mu_low``, ``mu_high`` and ``max_frac`` take any real number or 0-d tensor.
-
-    Returns:
-        :class:`MaskResult`; ``keep`` has the scores' shape.
+    Returns :class:`MaskResult`; ``keep`` has the scores' shape.
     """
-    return _outlier_mask(
-        "clip_b", "s_star", s_star, advantages, valid, True, mu_low, mu_high, sides, max_frac, cap_rule, process_group
-    )
+    return _outlier_mask("clip_b", "s_star", s_star, advantages, valid, True, mu_low, mu_high, sides, max_frac,
+                         cap_rule, process_group)
 
 
-def clip_v_mask(
-    s_centered: torch.Tensor | TokenStats,
-    advantages: torch.Tensor,
-    valid: torch.Tensor,
-    *,
-    mu_low: float = DEFAULT_MU,
-    mu_high: float = math.inf,
-    sides: str = "negative",
-    max_frac: float | None = None,
-    cap_rule: str = "share",
-    process_group: Group = None,
-) -> MaskResult:
+def clip_v_mask(s_centered: torch.Tensor | TokenStats, advantages: torch.Tensor, valid: torch.Tensor, *,
+                mu_low: float = DEFAULT_MU, mu_high: float = math.inf, sides: str = "negative",
+                max_frac: float | None = None, cap_rule: str = "share", process_group: Group = None) -> MaskResult:
     """Clip_V: keep token t when ``-mu_low*sigma' <= S_c,t <= mu_high*sigma'``, sigma' = std(S_c).
 
-    ``S_c = S* - E_p[S]`` from :func:`~entropy_discriminator.token_stats` (or the
-    :class:`~entropy_discriminator.TokenStats` itself: its ``s_centered`` is read and ``valid`` is
-    intersected with its ``valid``).  Arguments as in
-    :func:`clip_b_mask`, with the same defaults (mu = 2.5, negative side, no cap).  The
-    reference's settings for 7B models (mu = 8.5, ``max_frac=1e-4``) clip nothing in a batch of a
-    few thousand tokens; pass ``cap_rule="reference"`` to cap as the reference does.
+    ``S_c = S* - E_p[S]`` from :func:`~entropy_discriminator.token_stats` (or the ``TokenStats`` itself).
+    Arguments and defaults as in :func:`clip_b_mask`.  The reference's settings for 7B models (mu = 8.5,
+    ``max_frac=1e-4``) clip nothing in a batch of a few thousand tokens; ``cap_rule="reference"`` caps as it does.
     """
-    return _outlier_mask(
-        "clip_v", "s_centered", s_centered, advantages, valid, False, mu_low, mu_high, sides, max_frac, cap_rule,
-        process_group,
-    )
+    return _outlier_mask("clip_v", "s_centered", s_centered, advantages, valid, False, mu_low, mu_high, sides, max_frac,
+                         cap_rule, process_group)
 
 
 def apply_keep_mask(
@@ -176,20 +134,9 @@ def apply_keep_mask(
     return pg_losses, loss_mask * keep.to(loss_mask.dtype)
 
 
-def _outlier_mask(
-    method: str,
-    name: str,
-    scores: torch.Tensor | TokenStats,
-    advantages: torch.Tensor,
-    valid: torch.Tensor,
-    recentre: bool,
-    mu_low: object,
-    mu_high: object,
-    sides: str,
-    max_frac: object,
-    cap_rule: str,
-    group: Group,
-) -> MaskResult:
+def _outlier_mask(method: str, name: str, scores: torch.Tensor | TokenStats, advantages: torch.Tensor,
+                  valid: torch.Tensor, recentre: bool, mu_low: object, mu_high: object, sides: str, max_frac: object,
+                  cap_rule: str, group: Group) -> MaskResult:
     scores, within = field_of(scores, name)
 
     def local() -> tuple[torch.Tensor, tuple]:
@@ -235,21 +182,9 @@ def _outlier_mask(
     n_clip_pos = {"negative": 0, "positive": n_clip}.get(sides)
     if n_clip_pos is None:
         n_clip_pos = int(all_reduce((clipped & pos).sum(), group))
-    return MaskResult(
-        keep=~clipped,
-        method=method,
-        center=center,
-        std=std,
-        lower=lower,
-        upper=upper,
-        n_valid=int(n),
-        n_valid_pos=int(n_pos),
-        n_valid_neg=int(n_neg),
-        n_clipped=n_clip,
-        n_clipped_pos=n_clip_pos,
-        n_clipped_neg=n_clip - n_clip_pos,
-        capped=capped,
-    )
+    return MaskResult(keep=~clipped, method=method, center=center, std=std, lower=lower, upper=upper, n_valid=int(n),
+                      n_valid_pos=int(n_pos), n_valid_neg=int(n_neg), n_clipped=n_clip, n_clipped_pos=n_clip_pos,
+                      n_clipped_neg=n_clip - n_clip_pos, capped=capped)
 
 
 #: DataChecks of a mask call: valid is 0/1, scores and advantages finite at the valid positions.
@@ -259,12 +194,10 @@ _N_CHECKS = 3
 def cap_limit(max_frac: object, n_valid: int, cap_rule: str = "share") -> int | None:
     """Most tokens a mask may clip, from ``max_frac`` in exact decimal arithmetic (None: no cap).
 
-    ``cap_rule="share"`` (default): ``floor(max_frac * n_valid)``, so ``n_clipped <= max_frac *
-    n_valid`` always holds, ``max_frac = 0`` clips nothing and a batch with ``n_valid < 1 /
-    max_frac`` tokens clips none.  ``cap_rule="reference"``: ``max(floor(max_frac * n_valid), 1)``,
-    the rule of Trinity-RFT 0.6.0's ``ClipVAdvantageFn``: a batch over the cap clips at least its
-    one most violating token.  ``max_frac`` is read as the decimal it was written as (``0.29`` is
-    29/100).
+    ``cap_rule="share"`` (default): ``floor(max_frac * n_valid)``, so ``n_clipped <= max_frac * n_valid`` always
+    holds and ``max_frac = 0`` clips nothing.  ``cap_rule="reference"``: ``max(floor(max_frac * n_valid), 1)``, the
+    rule of Trinity-RFT 0.6.0's ``ClipVAdvantageFn``.  ``max_frac`` is read as the decimal it was written as
+    (``0.29`` is 29/100).
     """
     if max_frac is None:
         return None

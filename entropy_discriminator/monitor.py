@@ -7,17 +7,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ._checks import (
-    DataChecks,
-    broadcast_advantages,
-    exact_fraction,
-    real_number,
-    require_float,
-    require_shape,
-    require_tensor,
-    valid_mask,
-    valid_within,
-)
+from ._checks import (DataChecks, broadcast_advantages, exact_fraction, real_number, require_float, require_shape,
+                      require_tensor, valid_mask, valid_within)
 from .distributed import Group, kth_smallest, reduce_or_raise
 from .masks import MaskResult
 from .stats import TokenStats, field_of
@@ -26,32 +17,26 @@ from .stats import TokenStats, field_of
 class EntropyMonitor:
     """Turns one batch's per-token tensors into a flat ``dict[str, float]`` under ``prefix``.
 
-    Every mean, std and fraction is reduced from global sums and counts over the valid tokens of
-    all ranks of ``process_group`` (never a mean of per-rank means); percentiles are exact order
-    statistics (one sort on the device, or a radix select across ranks; no ``torch.quantile``,
-    no gather of the values): the nearest-rank percentile ``q`` is the ``ceil(q/100 * n)``-th
-    smallest valid entropy, the rank computed in exact arithmetic (:meth:`percentile_ranks`).
-    Keys (``prefix`` = ``entropy_disc/``), each present when its inputs are given; the key set
-    depends only on which arguments are given (and on whether the mask's thresholds are finite),
-    never on the batch's values: a statistic undefined on a batch (a mean over no token, e.g.
-    every token masked, or ``entropy/clipped_mean`` when nothing was clipped) is ``NaN``, and
-    counts and fractions of an empty set are 0.
+    Every mean, std and fraction is reduced from global sums and counts over the valid tokens of all ranks of
+    ``process_group``; percentiles are exact nearest-rank order statistics, the ``ceil(q/100 * n)``-th smallest
+    valid entropy (:meth:`percentile_ranks`; one sort, or a radix select across ranks, never ``torch.quantile``).
+    The key set depends only on which arguments are given (and on whether the mask's thresholds are finite), never
+    on the batch: a statistic undefined on a batch (a mean over no token) is ``NaN``, counts and fractions of an
+    empty set are 0.  Keys (``prefix`` = ``entropy_disc/``):
 
     * ``entropy/mean``, ``entropy/p10`` ... ``entropy/p99``, ``entropy/mean_adv_pos``,
       ``entropy/mean_adv_neg``, ``entropy/kept_mean``, ``entropy/clipped_mean``;
     * ``s_star/mean``, ``s_star/std``, ``s_centered/mean``, ``s_centered/std``;
     * ``clip/frac``, ``clip/frac_adv_pos``, ``clip/frac_adv_neg``, ``clip/n_clipped``,
       ``clip/threshold_low``, ``clip/threshold_high`` (finite ones), ``clip/capped``;
-    * ``cov/adv_s_centered`` = ``Cov_B(A, r S_c)``; ``delta_entropy/predicted`` =
-      ``-lr * Cov_B(A, r S_c)`` (Corollaries 4, 4.1; times ``scale`` when given, then also
-      ``delta_entropy/scale``); ``delta_entropy/realised`` from
-      :meth:`realised`;
+    * ``cov/adv_s_centered`` = ``Cov_B(A, r S_c)``; ``delta_entropy/predicted`` = ``-lr * Cov_B(A, r S_c)``
+      (Corollaries 4, 4.1; times ``scale`` when given, then also ``delta_entropy/scale``); ``delta_entropy/realised``
+      from :meth:`realised`;
     * ``tokens/valid``, ``tokens/adv_pos``, ``tokens/adv_neg``.
     """
 
-    def __init__(
-        self, *, prefix: str = "entropy_disc/", percentiles: Sequence[float] = (10, 50, 90, 99), process_group: Group = None
-    ) -> None:
+    def __init__(self, *, prefix: str = "entropy_disc/", percentiles: Sequence[float] = (10, 50, 90, 99),
+                 process_group: Group = None) -> None:
         self.prefix = prefix
         self.percentiles = percentiles
         self.process_group = process_group
@@ -83,56 +68,32 @@ class EntropyMonitor:
         self._ranks = tuple(exact_fraction(q) / 100 for q in values)
 
     def percentile_ranks(self, n: int) -> list[int]:
-        """Nearest-rank order statistics of the percentiles for ``n`` values: ``ceil(q/100 * n)``.
-
-        Exact rational arithmetic on the decimal each ``q`` was written as (p7 of 100 values is
-        the 7th smallest, p99.9 of 1000 the 999th), clamped to ``[1, n]``.
-        """
+        """Nearest-rank order statistics of the percentiles for ``n`` values: ``ceil(q/100 * n)`` clamped to
+        ``[1, n]``, in exact arithmetic on the decimal each ``q`` was written as (p99.9 of 1000 is the 999th)."""
         return [min(max(math.ceil(r * n), 1), n) for r in self._ranks]
 
-    def __call__(
-        self,
-        *,
-        entropy: torch.Tensor,
-        valid: torch.Tensor,
-        advantages: torch.Tensor | None = None,
-        s_star: torch.Tensor | None = None,
-        s_centered: torch.Tensor | None = None,
-        mask: MaskResult | None = None,
-        ratio: torch.Tensor | None = None,
-        lr: float | None = None,
-        scale: float | None = None,
-    ) -> dict[str, float]:
+    def __call__(self, *, entropy: torch.Tensor, valid: torch.Tensor, advantages: torch.Tensor | None = None,
+                 s_star: torch.Tensor | None = None, s_centered: torch.Tensor | None = None,
+                 mask: MaskResult | None = None, ratio: torch.Tensor | None = None, lr: float | None = None,
+                 scale: float | None = None) -> dict[str, float]:
         """Metrics of one batch. Tensors share ``entropy``'s shape (``advantages`` may be ``[B]``).
 
-        ``mask`` must have been computed on this batch over the same valid tokens (its
-        ``n_valid`` must equal the count here, else ``ValueError``: a mask built over positions
-        the statistics do not count, or the reverse, would give wrong shares) and the same
-        ``process_group``; ``ratio`` (``pi / pi_sample``, per token, finite and >= 0 at the valid
-        positions) weights ``S_c`` in the covariance off-policy; ``lr`` (a finite real number
-        >= 0 or 0-d tensor; 0 predicts no change) turns the covariance into the predicted entropy
-        change; ``scale`` (``kappa`` of a :class:`~entropy_discriminator.law.Calibration`, a finite
-        real > 0, with ``lr``) puts it in nats: ``delta_entropy/predicted = -kappa lr Cov_B`` and
-        ``delta_entropy/scale = kappa``.  NaN / inf at a valid position of any tensor raises
-        ``ValueError`` naming it, on every rank of the process group.  Host synchronisations: one
-        for the sums and counts, one for the percentiles.
+        ``mask`` must have been computed on this batch over the same valid tokens (its ``n_valid`` must equal the
+        count here, else ``ValueError``) and the same ``process_group``; ``ratio`` (``pi / pi_sample``, per token,
+        finite and >= 0) weights ``S_c`` in the covariance off-policy; ``lr`` (a finite real >= 0) turns the
+        covariance into the predicted entropy change; ``scale`` (``kappa`` of a
+        :class:`~entropy_discriminator.law.Calibration`, > 0, with ``lr``) puts it in nats:
+        ``delta_entropy/predicted = -kappa lr Cov_B``, ``delta_entropy/scale = kappa``.  NaN / inf at a valid
+        position raises ``ValueError`` naming the tensor, on every rank.  Host synchronisations: one for the sums
+        and counts, one for the percentiles.
         """
         return self._metrics(None, entropy=entropy, valid=valid, advantages=advantages, s_star=s_star,
                              s_centered=s_centered, mask=mask, ratio=ratio, lr=lr, scale=scale)
 
     def _metrics(
-        self,
-        within: torch.Tensor | None,
-        *,
-        entropy: torch.Tensor,
-        valid: torch.Tensor,
-        advantages: torch.Tensor | None,
-        s_star: torch.Tensor | None,
-        s_centered: torch.Tensor | None,
-        mask: MaskResult | None,
-        ratio: torch.Tensor | None,
-        lr: float | None,
-        scale: float | None,
+        self, within: torch.Tensor | None, *, entropy: torch.Tensor, valid: torch.Tensor,
+        advantages: torch.Tensor | None, s_star: torch.Tensor | None, s_centered: torch.Tensor | None,
+        mask: MaskResult | None, ratio: torch.Tensor | None, lr: float | None, scale: float | None,
     ) -> dict[str, float]:
         """:meth:`__call__` counting only the positions of ``valid`` inside ``within`` (a TokenStats' ``valid``)."""
         group = self.process_group
@@ -227,50 +188,24 @@ class EntropyMonitor:
                     out["delta_entropy/scale"] = float(scale)
         return {self.prefix + k: float(v) for k, v in out.items()}
 
-    def from_stats(
-        self,
-        stats: TokenStats,
-        advantages: torch.Tensor | None = None,
-        mask: MaskResult | None = None,
-        ratio: torch.Tensor | None = None,
-        lr: float | None = None,
-        scale: float | None = None,
-        *,
-        valid: torch.Tensor | None = None,
-    ) -> dict[str, float]:
-        """:meth:`__call__` on the fields of a :class:`~entropy_discriminator.TokenStats`.
-
-        ``valid`` (optional, bool or 0/1 of the statistics' shape, e.g. a response mask) narrows
-        the tokens counted to those valid in both it and ``stats.valid``; None: ``stats.valid``.
-        """
+    def from_stats(self, stats: TokenStats, advantages: torch.Tensor | None = None, mask: MaskResult | None = None,
+                   ratio: torch.Tensor | None = None, lr: float | None = None, scale: float | None = None, *,
+                   valid: torch.Tensor | None = None) -> dict[str, float]:
+        """:meth:`__call__` on the fields of a :class:`~entropy_discriminator.TokenStats`; ``valid`` (bool or 0/1 of
+        the statistics' shape, e.g. a response mask) narrows the tokens counted to those valid in both."""
         if not isinstance(stats, TokenStats):
             raise TypeError(f"stats must be a TokenStats (from entropy_discriminator.token_stats), got "
                             f"{type(stats).__name__}; for separate tensors call the monitor itself")
-        return self._metrics(
-            stats.valid,
-            entropy=stats.entropy,
-            valid=stats.valid if valid is None else valid,
-            advantages=advantages,
-            s_star=stats.s_star,
-            s_centered=stats.s_centered,
-            mask=mask,
-            ratio=ratio,
-            lr=lr,
-            scale=scale,
-        )
+        return self._metrics(stats.valid, entropy=stats.entropy, valid=stats.valid if valid is None else valid,
+                             advantages=advantages, s_star=stats.s_star, s_centered=stats.s_centered, mask=mask,
+                             ratio=ratio, lr=lr, scale=scale)
 
-    def realised(
-        self,
-        entropy_before: torch.Tensor | TokenStats,
-        entropy_after: torch.Tensor | TokenStats,
-        valid: torch.Tensor,
-    ) -> dict[str, float]:
+    def realised(self, entropy_before: torch.Tensor | TokenStats, entropy_after: torch.Tensor | TokenStats,
+                 valid: torch.Tensor) -> dict[str, float]:
         """``delta_entropy/realised`` = mean(H after) - mean(H before) over the valid tokens of all ranks.
 
-        Both entropies are of the same tokens (same shape), before and after the update; ``NaN``
-        when no token is valid.  Either may be the :class:`~entropy_discriminator.TokenStats`
-        itself: then only positions valid in ``valid`` and in its ``valid`` count (an ignored
-        position holds entropy 0, which would dilute the mean).
+        Both entropies are of the same tokens (same shape), before and after the update; ``NaN`` when no token is
+        valid.  Either may be the ``TokenStats`` itself: then only positions valid in both count.
         """
         entropy_before, before_valid = field_of(entropy_before, "entropy")
         entropy_after, after_valid = field_of(entropy_after, "entropy")
@@ -301,13 +236,9 @@ class EntropyMonitor:
 
     @staticmethod
     def _mask_metrics(mask: MaskResult, n: float, h_sum: float, h_kept: float, n_kept: float) -> dict[str, float]:
-        out = {
-            "clip/frac": mask.clip_frac,
-            "clip/n_clipped": mask.n_clipped,
-            "clip/capped": float(mask.capped),
-            "clip/frac_adv_pos": mask.n_clipped_pos / mask.n_valid_pos if mask.n_valid_pos else 0.0,
-            "clip/frac_adv_neg": mask.n_clipped_neg / mask.n_valid_neg if mask.n_valid_neg else 0.0,
-        }
+        out = {"clip/frac": mask.clip_frac, "clip/n_clipped": mask.n_clipped, "clip/capped": float(mask.capped),
+               "clip/frac_adv_pos": mask.n_clipped_pos / mask.n_valid_pos if mask.n_valid_pos else 0.0,
+               "clip/frac_adv_neg": mask.n_clipped_neg / mask.n_valid_neg if mask.n_valid_neg else 0.0}
         for key, value in (("clip/threshold_low", mask.lower), ("clip/threshold_high", mask.upper)):
             if math.isfinite(value):
                 out[key] = value

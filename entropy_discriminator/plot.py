@@ -8,6 +8,7 @@ clipped share of the valid tokens, and the predicted against the realised entrop
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 
 from .runlog import series
@@ -22,15 +23,12 @@ def summarise_run(rows: list[dict[str, float]]) -> dict[str, float]:
     both = [(r["delta_entropy/predicted"], r["delta_entropy/realised"]) for r in rows
             if math.isfinite(r.get("delta_entropy/predicted", math.nan))
             and math.isfinite(r.get("delta_entropy/realised", math.nan))]
-    return {
-        "steps": float(len(rows)),
-        "entropy_first": entropy[0] if entropy else math.nan,
-        "entropy_last": entropy[-1] if entropy else math.nan,
-        "clip_frac_mean": sum(frac) / len(frac) if frac else math.nan,
-        "clip_frac_median": _median(frac),
-        "steps_clipping_none": float(sum(f == 0 for f in frac)) if frac else math.nan,
-        "dH_corr": _pearson(*zip(*both)) if len(both) >= 3 else math.nan,
-    }
+    return {"steps": float(len(rows)), "entropy_first": entropy[0] if entropy else math.nan,
+            "entropy_last": entropy[-1] if entropy else math.nan,
+            "clip_frac_mean": sum(frac) / len(frac) if frac else math.nan,
+            "clip_frac_median": statistics.median(frac) if frac else math.nan,
+            "steps_clipping_none": float(sum(f == 0 for f in frac)) if frac else math.nan,
+            "dH_corr": _pearson(*zip(*both)) if len(both) >= 3 else math.nan}
 
 
 def format_summary(summary: dict[str, float]) -> str:
@@ -88,13 +86,6 @@ def plot_run(rows: list[dict[str, float]], out: str | Path, *, title: str = "") 
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
-
-
-def _median(values: list[float]) -> float:
-    if not values:
-        return math.nan
-    ordered, mid = sorted(values), len(values) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def _pearson(x: tuple[float, ...], y: tuple[float, ...]) -> float:

@@ -1,11 +1,9 @@
 """Choosing mu: the mu that makes Clip_B or Clip_V clip a target share of a logged batch's tokens.
 
-The masks (:mod:`.masks`) clip token t when its advantage has the sign ``sides`` names and its score
-``x_t`` (``S*`` for Clip_B, ``S_c`` for Clip_V) lies below ``lower = center - mu_low * sigma``, with the
-batch's population mean (Clip_B; 0 for Clip_V) and standard deviation over the valid tokens.  So, on
-one batch, the number clipped falls in steps as mu grows; :func:`mu_for_share` finds the step nearest
-a target share and a mu inside it (the shortest decimal there), then confirms it with the mask
-function itself.  docs/choosing-mu.md is the procedure around it.
+The masks clip token t when its advantage has the sign ``sides`` names and its score ``x_t`` (``S*`` for Clip_B,
+``S_c`` for Clip_V) lies below ``lower = center - mu_low * sigma``.  On one batch the number clipped falls in steps
+as mu grows; :func:`mu_for_share` finds the step nearest a target share and the shortest decimal mu inside it, then
+confirms it with the mask function itself.  docs/choosing-mu.md is the procedure around it.
 """
 
 from __future__ import annotations
@@ -28,12 +26,9 @@ BATCH_KEYS = ("s_star", "s_centered", "advantages", "valid")
 
 @dataclass(frozen=True)
 class MuSuggestion:
-    """The mu :func:`mu_for_share` chose and what it clips on the batch it was chosen on.
-
-    ``n_clipped`` and ``share = n_clipped / n_valid`` are what ``clip_b_mask`` / ``clip_v_mask`` return with
-    ``mu_low=mu`` (and every other argument at its default) on that batch; ``target_share`` is what was asked;
-    ``max_share`` the most any ``mu >= 0`` clips there (``mu = 0``: every eligible token below the centre).
-    """
+    """The mu :func:`mu_for_share` chose and what it clips on that batch: ``n_clipped`` and ``share = n_clipped /
+    n_valid`` as the mask returns them with ``mu_low=mu`` (other arguments at their defaults); ``max_share``: the most
+    any ``mu >= 0`` clips there (``mu = 0``: every eligible token below the centre)."""
 
     method: str
     sides: str
@@ -45,15 +40,8 @@ class MuSuggestion:
     max_share: float
 
 
-def mu_for_share(
-    scores: torch.Tensor,
-    advantages: torch.Tensor,
-    valid: torch.Tensor,
-    *,
-    target_share: float,
-    method: str = "clip_b",
-    sides: str = "negative",
-) -> MuSuggestion:
+def mu_for_share(scores: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor, *, target_share: float,
+                 method: str = "clip_b", sides: str = "negative") -> MuSuggestion:
     """The ``mu_low`` with which ``method``'s mask clips the share of ``valid`` tokens nearest ``target_share``.
 
     Args:
@@ -64,16 +52,12 @@ def mu_for_share(
         method: ``"clip_b"`` or ``"clip_v"``.
         sides: the advantage sign whose tokens may be clipped, as in the masks.
 
-    With ``m_c`` eligible tokens (advantage of sign ``sides``, valid) sorted by score ``x_(1) <= x_(2) <= ...``,
-    the masks clip exactly ``c`` of them when ``x_(c) < center - mu * sigma <= x_(c + 1)``.  Tied scores make some
-    counts unreachable: the count chosen is the reachable one nearest ``target_share * n_valid`` (ties toward
-    fewer), and ``mu`` is the shortest decimal inside its interval.  ``mu_high`` stays infinite and there is no
-    cap (the masks' defaults).  The returned count is the real mask's on this batch, so a mask called with
-    ``mu_low=result.mu`` clips ``result.n_clipped`` tokens, bit for bit; on other batches the share varies.
-
-    Raises ``ValueError`` naming ``target_share`` when it is not in ``(0, 1)`` or above ``max_share`` (the share
-    ``mu = 0`` clips: no ``mu >= 0`` clips more), and naming ``valid`` when no token is valid; the masks' own checks
-    (shapes, dtypes, NaN) apply to the tensors.
+    With the eligible tokens (valid, advantage of sign ``sides``) sorted by score ``x_(1) <= x_(2) <= ...``, the
+    masks clip exactly ``c`` of them when ``x_(c) < center - mu * sigma <= x_(c + 1)``.  The count chosen is the
+    reachable one (tied scores make some unreachable) nearest ``target_share * n_valid``, ties toward fewer;
+    ``mu_high`` stays infinite, no cap.  A mask called with ``mu_low=result.mu`` clips ``result.n_clipped`` tokens
+    on this batch, bit for bit.  ``ValueError`` naming ``target_share`` when it is not in ``(0, 1)`` or above
+    ``max_share``, naming ``valid`` when no token is valid; the masks' own checks apply to the tensors.
     """
     one_of("method", method, tuple(METHODS))
     one_of("sides", sides, SIDES)
@@ -122,10 +106,8 @@ def _reachable_counts(x: torch.Tensor, wanted: Fraction) -> list[int]:
 
 
 def _mu_inside(x: torch.Tensor, count: int, center: float, sigma: float) -> float | None:
-    """The shortest decimal ``mu >= 0`` with ``x_(count) < center - mu * sigma <= x_(count + 1)`` (None if no float fits).
-
-    ``x_(0) = -inf`` and ``x_(len + 1) = center`` (so ``count = len(x)`` gets ``mu = 0``).
-    """
+    """The shortest decimal ``mu >= 0`` with ``x_(count) < center - mu * sigma <= x_(count + 1)`` (None if no float
+    fits), ``x_(0) = -inf`` and ``x_(len + 1) = center``."""
     above = float(x[count]) if count < x.numel() else center  # lower must be <= this
     below = float(x[count - 1]) if count > 0 else -math.inf  # and > this
     if count == 0:  # any lower <= x_(1): the smallest mu that clips nothing
@@ -157,11 +139,9 @@ def _clipped(mask: object, scores: torch.Tensor, advantages: object, valid: obje
 
 def save_batch(path: str | Path, *, s_star: torch.Tensor, s_centered: torch.Tensor, advantages: torch.Tensor,
                valid: torch.Tensor) -> Path:
-    """Save one batch's mask inputs (``torch.save`` of a dict of CPU tensors) for ``entropy-discriminator suggest-mu``.
-
-    ``s_star``/``s_centered`` ``[B, T]`` float (``TokenStats`` fields), ``advantages`` ``[B]`` or ``[B, T]``,
-    ``valid`` ``[B, T]`` bool or 0/1.  Returns the path.
-    """
+    """Save one batch's mask inputs (``torch.save`` of a dict of CPU tensors) for ``entropy-discriminator suggest-mu``:
+    ``s_star``/``s_centered`` ``[B, T]`` float, ``advantages`` ``[B]`` or ``[B, T]``, ``valid`` ``[B, T]`` bool or 0/1.
+    Returns the path."""
     path = Path(path)
     tensors = {"s_star": s_star, "s_centered": s_centered, "advantages": advantages, "valid": valid}
     torch.save({k: v.detach().cpu() for k, v in tensors.items()}, path)

@@ -1,8 +1,7 @@
 """The commands that read what a run logged: ``suggest-mu`` (docs/choosing-mu.md) and ``plot``.
 
-Each ``add_<name>(commands)`` adds its parser to ``entropy-discriminator``'s subparsers (``__main__.COMMANDS``);
-bad input (a missing file, a file that is not a batch or a metrics log, a target share out of range) is a usage
-error (the command's usage, exit status 2) before any work.
+Each ``add_<name>(commands)`` adds its parser to ``entropy-discriminator``'s subparsers (``__main__.COMMANDS``); bad
+input (a missing file, not a batch or a metrics log, a target share out of range) is a usage error before any work.
 """
 
 from __future__ import annotations

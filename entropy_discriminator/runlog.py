@@ -1,18 +1,11 @@
 """A training run's logged ``entropy_disc/*`` metrics, read from the log each framework writes.
 
-:func:`read_run` returns one row per logged step, ``{"step": s, "<name>": value, ...}``, with every metric
-named by what follows ``entropy_disc/`` (``entropy/mean``, ``clip/frac``, ``delta_entropy/predicted``, ...),
-whatever prefix the framework put before it (OpenRLHF's ``train/``, verl's role names).  It reads:
-
-* TRL: ``trainer_state.json`` in a checkpoint (its ``log_history``), or any JSON holding a ``log_history`` list
-  (the TRL example's ``--summary_json``);
-* verl: the file logger's JSON lines ``{"step": s, "data": {...}}`` (``trainer.logger='["console","file"]'``),
-  or its console lines ``step:s - key:value - ...``;
-* JSON lines of flat dicts with a ``step`` key (``examples/custom_loop.py --log-jsonl``; OpenRLHF or any other
-  framework's metrics exported that way).
-
-Lines that are none of these (other console output) are skipped; a file with no ``entropy_disc/`` metric at
-all is refused by name.
+:func:`read_run` returns one row per logged step, ``{"step": s, "<name>": value, ...}``, every metric named by what
+follows ``entropy_disc/`` (``entropy/mean``, ``clip/frac``, ...) whatever prefix the framework put before it.  It
+reads a TRL ``trainer_state.json`` (or any JSON holding a ``log_history`` list, e.g. ``--summary_json``), verl's file
+logger JSON lines ``{"step": s, "data": {...}}`` or console lines ``step:s - key:value - ...``, and JSON lines of flat
+dicts with a ``step`` key (``examples/custom_loop.py --log-jsonl``, or any framework's metrics exported that way).
+Other lines are skipped; a file with no ``entropy_disc/`` metric at all is refused by name.
 """
 
 from __future__ import annotations
@@ -26,12 +19,9 @@ MARKER = "entropy_disc/"
 
 
 def read_run(path: str | Path) -> list[dict[str, float]]:
-    """Rows ``{"step": float, metric: float}`` in logged order, one per logged step that has ``entropy_disc/`` metrics.
-
-    ``path``: a TRL ``trainer_state.json`` (or a JSON with ``log_history``), or a text log of JSON lines / verl
-    console lines (see the module docstring).  Non-numeric values are dropped.  ``ValueError`` naming the file
-    when it holds no ``entropy_disc/`` metric; ``FileNotFoundError`` when it does not exist.
-    """
+    """Rows ``{"step": float, metric: float}`` in logged order, one per logged step that has ``entropy_disc/`` metrics
+    (a log of the module docstring's kinds; non-numeric values dropped).  ``ValueError`` naming the file when it holds
+    no ``entropy_disc/`` metric; ``FileNotFoundError`` when it does not exist."""
     path = Path(path)
     text = path.read_text()
     records = _json_document(text)

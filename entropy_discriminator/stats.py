@@ -12,12 +12,10 @@ All of them follow from the row max ``m`` and ``u_i = z_i - m``, ``e_i = exp(u_i
     s0 = sum e,  s1 = sum e u,  ubar = s1/s0 = E_p[u],   log Z = log s0 (+ m)
     H = log s0 - ubar,   log p_k = u_k - log s0,   E_p[S] = sum e^2 (u - ubar) / s0^2
 
-since ``H + log p_i = u_i - ubar``.  The last is the centred form: ``H sum p^2 + sum p^2 log p``
-subtracts two nearly equal numbers on near-uniform rows (relative error up to ~1e-1 in fp32),
-the centred sum does not.  The torch path below evaluates these per chunk of rows (``u - ubar``
-formed in a second sweep over the chunk it holds); ``kernels/`` holds a one-pass Triton kernel for
-CUDA (``impl="triton"``, ``E_p[S] = (sum e^2 u - ubar sum e^2) / s0^2``, accumulated in one sweep),
-chosen by ``impl="auto"`` when it is available.
+since ``H + log p_i = u_i - ubar``.  The last, centred form keeps its accuracy on near-uniform rows, where
+``H sum p^2 + sum p^2 log p`` subtracts two nearly equal numbers (relative error up to ~1e-1 in fp32).  The torch
+path evaluates it per chunk of rows in two sweeps; ``kernels/`` holds a one-pass Triton kernel for CUDA
+(``impl="triton"``, ``E_p[S] = (sum e^2 u - ubar sum e^2) / s0^2``), chosen by ``impl="auto"`` when available.
 """
 
 from __future__ import annotations
@@ -31,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ._checks import NO_IGNORE_INDEX, common_shape, ignore_index_value, real_number, require_float, require_tensor
+from .distributed import all_reduce
 
 #: ``impl=`` names accepted by :func:`token_stats`.
 IMPLS = ("auto", "torch", "triton")
@@ -50,11 +49,10 @@ _NEG_CLAMP = -1.0e4
 class TokenStats:
     """Per-token statistics, every field of the labels' shape.
 
-    ``logp, entropy, s_star, s_expected, s_centered`` are float32 (float64 when the logits are
-    float64); ``valid`` is bool (``labels != ignore_index``).  Ignored positions hold 0.
-    ``logp`` is ``-inf`` where the sampled token's logit is ``-inf`` (its ``s_star`` is then 0).
-    With ``check=False``, rows that would have raised (label out of range, NaN / ``+inf``, every
-    logit ``-inf``) hold NaN.
+    ``logp, entropy, s_star, s_expected, s_centered`` are float32 (float64 when the logits are float64); ``valid``
+    is bool (``labels != ignore_index``).  Ignored positions hold 0.  ``logp`` is ``-inf`` where the sampled token's
+    logit is ``-inf`` (its ``s_star`` is then 0).  With ``check=False``, rows that would have raised (label out of
+    range, NaN / ``+inf``, every logit ``-inf``) hold NaN.
     """
 
     logp: torch.Tensor
@@ -66,12 +64,9 @@ class TokenStats:
 
 
 def field_of(value: object, field: str) -> tuple[object, torch.Tensor | None]:
-    """``(value.<field>, value.valid)`` when ``value`` is a :class:`TokenStats`, else ``(value, None)``.
-
-    How the masks, the monitor and :func:`~entropy_discriminator.batch_entropy_change` take either a
-    score tensor or the statistics it comes from; with the statistics, their ``valid`` is
-    intersected with the caller's mask (:func:`~entropy_discriminator._checks.valid_within`).
-    """
+    """``(value.<field>, value.valid)`` when ``value`` is a :class:`TokenStats`, else ``(value, None)``: how the
+    masks, the monitor and ``batch_entropy_change`` take a score tensor or the statistics (whose ``valid`` is then
+    intersected with the caller's mask, :func:`~entropy_discriminator._checks.valid_within`)."""
     if isinstance(value, TokenStats):
         return getattr(value, field), value.valid
     return value, None
@@ -86,17 +81,15 @@ SCORE_SLACK = 0.125
 def discriminator_score(logp: torch.Tensor, entropy: torch.Tensor, *, check: bool = True) -> torch.Tensor:
     """``S* = exp(logp) * (entropy + logp)`` from what every framework already logs.
 
-    Equivalent torch: ``logp.exp() * (entropy + logp)``, computed in float32 (float64 stays float64),
-    with ``S* = 0`` where ``logp = -inf``; a NaN in ``logp`` or ``entropy`` gives a NaN score (which
-    the masks then refuse at a valid position).  ``logp`` and ``entropy`` must broadcast
-    (``ValueError`` naming both otherwise); the result has their broadcast shape.  Clip_B needs
+    Equivalent torch: ``logp.exp() * (entropy + logp)``, computed in float32 (float64 stays float64), with
+    ``S* = 0`` where ``logp = -inf``; a NaN in ``logp`` or ``entropy`` gives a NaN score (which the masks refuse at
+    a valid position).  ``logp`` and ``entropy`` must broadcast; the result has their broadcast shape.  Clip_B needs
     nothing more.
 
-    ``entropy`` must be ``>= -SCORE_SLACK`` and ``logp <= SCORE_SLACK`` (:data:`SCORE_SLACK`,
-    0.125 nats of rounding) at every entry, else ``ValueError`` naming the argument and the count
-    (one host synchronisation; pad positions must hold in-range values, e.g. 0).  ``check=False`` skips that
-    range check (no synchronisation), for entropies a framework computed itself, whose rounding can exceed the
-    slack (e.g. verl's vocabulary-parallel Megatron entropy from bf16 logits).
+    ``entropy >= -SCORE_SLACK`` and ``logp <= SCORE_SLACK`` (0.125 nats of rounding) at every entry, else
+    ``ValueError`` naming the argument and the count (one host synchronisation; pad positions must hold in-range
+    values, e.g. 0).  ``check=False`` skips that check, for entropies a framework computed itself whose rounding can
+    exceed the slack (e.g. verl's vocabulary-parallel Megatron entropy from bf16 logits).
     """
     require_float("logp", logp)
     require_float("entropy", entropy)
@@ -119,18 +112,9 @@ def _check_score_domain(logp: torch.Tensor, entropy: torch.Tensor) -> None:
                              "outside (check=False skips this for a framework's own entropies)")
 
 
-def token_stats(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    ignore_index: int | None = -100,
-    chunk_size: int | None = None,
-    impl: str = "auto",
-    check: bool = True,
-    vocab_parallel_group: dist.ProcessGroup | None = None,
-    vocab_start_index: int = 0,
-) -> TokenStats:
+def token_stats(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
+                ignore_index: int | None = -100, chunk_size: int | None = None, impl: str = "auto", check: bool = True,
+                vocab_parallel_group: dist.ProcessGroup | None = None, vocab_start_index: int = 0) -> TokenStats:
     """Exact per-token ``logp, H, S*, E_p[S], S_c`` of ``softmax(logits / temperature)``.
 
     Equivalent (memory-hungry) torch, with ``k = labels``::
@@ -139,38 +123,27 @@ def token_stats(
         H = -(p * logq).sum(-1); lpk = logq.gather(-1, k[..., None])[..., 0]
         s_star = lpk.exp() * (H + lpk); s_expected = (p**2 * (H[..., None] + logq)).sum(-1)
 
-    ``E_p[S]`` is evaluated in the centred form ``sum p_i^2 (u_i - sum_j p_j u_j)`` (u = z - max z),
-    which keeps its relative accuracy on near-uniform rows where ``H sum p^2 + sum p^2 log p``
-    cancels.
+    (``E_p[S]`` in the centred form of the module docstring.)
 
     Args:
-        logits: ``[..., V]`` bf16/fp16/fp32/fp64, any leading shape, any strides (non-contiguous
-            views are read in place). ``-inf`` entries are legal (masked vocabulary); NaN or
-            ``+inf`` in a counted row raises ``ValueError``.
-        labels: integer tensor of shape ``logits.shape[:-1]``: the sampled token of each row,
-            in ``[0, V)`` or ``ignore_index``. Aligning labels with logits (the one-token shift)
-            is the caller's job.
-        temperature: logits are upcast, then divided by it, exactly as samplers do (the row max
-            is subtracted first, so finite logits never overflow on division).
-        ignore_index: label of positions that are skipped; they return 0 and ``valid=False``.
-            ``None``: no position is skipped (every label must lie in ``[0, V)``).
-        chunk_size: rows per chunk on the torch path; peak extra memory is about
-            ``3 * chunk_size * V`` accumulator elements (fp32, or fp64 for fp64 logits), never a
-            full fp32 copy of the logits. Default: ``2**25 // V`` rows.
-        impl: ``"torch"`` (chunked, any device), ``"triton"`` (one-pass CUDA kernel) or
-            ``"auto"`` (Triton for CUDA logits when available, else torch).
-        check: validate the data (labels in range, no NaN / ``+inf`` logit and no row of
-            ``-inf`` only in a counted row) and raise ``ValueError`` naming the fault. On CUDA
-            the kernel counts bad rows on the device and its last program stores the counts in
-            pinned host memory, which the call polls: one host synchronisation per call (the
-            wait for the kernel; no device-to-host copy). ``check=False`` skips that read, so the call never blocks
-            the host; what is given up is the exception: a bad row's five statistics are NaN
-            instead (NaN propagates into any mask or monitor built from them, which reject NaN
-            scores), and with ``impl="auto"`` logits of magnitude above ``~3.4e38 * T / log2(e)``
-            give NaN instead of being recomputed on the torch path.
-        vocab_parallel_group: tensor-parallel group when each rank holds a vocabulary shard
-            (Megatron style). Labels stay global ids; max, the sums and the label logit are
-            all-reduced, so every rank returns the full-vocabulary statistics.
+        logits: ``[..., V]`` bf16/fp16/fp32/fp64, any leading shape, any strides (views are read in place).
+            ``-inf`` entries are legal (masked vocabulary); NaN or ``+inf`` in a counted row raises ``ValueError``.
+        labels: integer tensor of shape ``logits.shape[:-1]``: the sampled token of each row, in ``[0, V)`` or
+            ``ignore_index``.  Aligning labels with logits (the one-token shift) is the caller's job.
+        temperature: logits are upcast, then divided by it, exactly as samplers do (after subtracting the row max,
+            so finite logits never overflow).
+        ignore_index: label of positions that are skipped (0 and ``valid=False``); ``None``: none is skipped.
+        chunk_size: rows per chunk on the torch path; peak extra memory about ``3 * chunk_size * V`` accumulator
+            elements (fp32, or fp64 for fp64 logits), never a full fp32 copy.  Default: ``2**25 // V`` rows.
+        impl: ``"torch"`` (chunked, any device), ``"triton"`` (one-pass CUDA kernel) or ``"auto"`` (Triton for
+            CUDA logits when available, else torch).
+        check: raise ``ValueError`` naming the fault for a label out of range, a NaN / ``+inf`` logit or a row of
+            ``-inf`` only in a counted row.  On CUDA: one host synchronisation (the kernel writes its counts to
+            pinned host memory, which the call polls).  ``check=False`` never blocks the host; a bad row's
+            statistics are then NaN (which the masks and the monitor reject), and with ``impl="auto"`` logits above
+            ``~3.4e38 * T / log2(e)`` give NaN instead of being recomputed on the torch path.
+        vocab_parallel_group: tensor-parallel group when each rank holds a vocabulary shard (Megatron style).
+            Labels stay global ids; every rank returns the full-vocabulary statistics.
         vocab_start_index: first global vocabulary id of this rank's shard.
 
     Returns:
@@ -197,20 +170,13 @@ def token_stats(
                     return _token_stats_torch(logits, labels, float(temperature), ignore_index, chunk_size, check, None, 0)
                 raise_for_errors(errors, labels, logits.shape[-1], ignore_index)
         return result
-    return _token_stats_torch(
-        logits, labels, float(temperature), ignore_index, chunk_size, check, vocab_parallel_group, vocab_start_index
-    )
+    return _token_stats_torch(logits, labels, float(temperature), ignore_index, chunk_size, check, vocab_parallel_group,
+                              vocab_start_index)
 
 
 def _token_stats_torch(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    temperature: float,
-    ignore_index: int,
-    chunk_size: int | None,
-    check: bool,
-    group: dist.ProcessGroup | None,
-    vocab_start: int,
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, ignore_index: int, chunk_size: int | None,
+    check: bool, group: dist.ProcessGroup | None, vocab_start: int,
 ) -> TokenStats:
     """The chunked torch path of :func:`token_stats` (any device, fp64 logits, vocabulary-parallel)."""
     v_total = _global_vocab(logits.shape[-1], group, logits.device)
@@ -242,12 +208,9 @@ def _token_stats_torch(
 
 
 def raise_for_errors(errors: list[int], labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
-    """Raise the ``ValueError`` the first non-zero counter names.
-
-    ``errors`` counts counted rows with: a label outside ``[0, vocab)``, a NaN or ``+inf`` logit,
-    every logit ``-inf``, and (Triton kernels only) finite logits that overflow fp32 once scaled
-    by ``log2(e) / temperature``.
-    """
+    """Raise the ``ValueError`` the first non-zero counter names.  ``errors`` counts counted rows with: a label
+    outside ``[0, vocab)``, a NaN or ``+inf`` logit, every logit ``-inf``, and (Triton kernels only) finite logits
+    that overflow fp32 once scaled by ``log2(e) / temperature``."""
     bad_label, nan_inf, masked, overflow = (list(errors) + [0])[:4]
     if bad_label:
         flat = labels.reshape(-1)
@@ -267,21 +230,11 @@ def raise_for_errors(errors: list[int], labels: torch.Tensor, vocab: int, ignore
         )
 
 
-def check_stats_args(
-    labels: object,
-    source: torch.Tensor,
-    source_name: str,
-    temperature: object,
-    ignore_index: object,
-    chunk_size: object,
-    impl: object,
-) -> tuple[float, int]:
-    """Validate the arguments :func:`token_stats` and ``token_stats_from_hidden`` share.
-
-    ``labels`` must be an integer tensor of shape ``source.shape[:-1]`` on ``source``'s device;
-    ``temperature`` a real number > 0 (Python, numpy or 0-d tensor); ``ignore_index`` an integer
-    or None (ignore nothing).  Returns ``(temperature, ignore_index)`` as Python ``float`` / ``int``.
-    """
+def check_stats_args(labels: object, source: torch.Tensor, source_name: str, temperature: object, ignore_index: object,
+                     chunk_size: object, impl: object) -> tuple[float, int]:
+    """Validate the arguments :func:`token_stats` and ``token_stats_from_hidden`` share: ``labels`` an integer
+    tensor of shape ``source.shape[:-1]`` on ``source``'s device, ``temperature`` a real > 0, ``ignore_index`` an
+    integer or None.  Returns ``(temperature, ignore_index)`` as Python ``float`` / ``int``."""
     labels = require_tensor("labels", labels)
     if labels.dtype not in _INT_DTYPES:
         raise TypeError(f"labels must be an integer tensor, got dtype {labels.dtype}")
@@ -301,16 +254,7 @@ def check_stats_args(
 
 
 def _global_vocab(v_local: int, group: dist.ProcessGroup | None, device: torch.device) -> int:
-    if group is None:
-        return v_local
-    t = torch.tensor([v_local], dtype=torch.int64, device=_collective_device(group, device))
-    dist.all_reduce(t, group=group)
-    return int(t.item())
-
-
-def _collective_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
-    backend = dist.get_backend(group)
-    return device if backend == "nccl" else torch.device("cpu")
+    return v_local if group is None else int(all_reduce(torch.tensor([v_local], device=device), group).item())
 
 
 def _use_triton(impl: str, logits: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
@@ -349,12 +293,8 @@ def _triton_stats():
 
 
 def _row_chunks(x: torch.Tensor, chunk_size: int) -> Iterator[tuple[slice, torch.Tensor]]:
-    """Yield ``(flat_rows, [n, V] rows)`` covering ``x[..., V]`` in flat row order, ``n <= chunk_size``.
-
-    Where ``x`` views as ``[rows, V]`` the chunks are views. Otherwise (e.g. ``logits[:, :-1]``)
-    each chunk's rows are gathered into a ``[n, V]`` copy of the input dtype (one chunk at a time,
-    never the whole tensor).
-    """
+    """Yield ``(flat_rows, [n, V] rows)`` covering ``x[..., V]`` in flat row order, ``n <= chunk_size``: views where
+    ``x`` views as ``[rows, V]``, else (e.g. ``logits[:, :-1]``) a ``[n, V]`` copy of one chunk at a time."""
     n_rows = math.prod(x.shape[:-1])
     try:
         flat = x.view(-1, x.shape[-1])
@@ -369,15 +309,8 @@ def _row_chunks(x: torch.Tensor, chunk_size: int) -> Iterator[tuple[slice, torch
             yield slice(lo, hi), x[torch.unravel_index(idx, x.shape[:-1])]
 
 
-def _moments_torch(
-    rows: torch.Tensor,
-    labels: torch.Tensor,
-    temperature: float,
-    ignore_index: int,
-    acc: torch.dtype,
-    group: dist.ProcessGroup | None,
-    vocab_start: int,
-) -> tuple[torch.Tensor, ...]:
+def _moments_torch(rows: torch.Tensor, labels: torch.Tensor, temperature: float, ignore_index: int, acc: torch.dtype,
+                   group: dist.ProcessGroup | None, vocab_start: int) -> tuple[torch.Tensor, ...]:
     """logp, H, S*, E_p[S] and the unscaled row max of one ``[n, V]`` chunk (three [n, V] buffers).
 
     u = (x - max x) / T (the shift first: finite logits cannot overflow).  A first sweep gives
@@ -393,7 +326,7 @@ def _moments_torch(
     if group is not None:
         # NaN / +inf rows become +inf so that every rank of the group sees the same bad row.
         m = torch.where(torch.isnan(m), torch.full_like(m, math.inf), m)
-        m = _all_reduce(m, group, dist.ReduceOp.MAX)
+        m = all_reduce(m, group, dist.ReduceOp.MAX)
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     z.sub_(m_safe[:, None])
     if temperature != 1.0:
@@ -404,14 +337,14 @@ def _moments_torch(
     z.clamp_(min=_NEG_CLAMP)
     e = torch.exp(z)
     w = torch.mul(e, z)
-    s0, s1 = _all_reduce(torch.stack([e.sum(-1), w.sum(-1)]), group)
+    s0, s1 = all_reduce(torch.stack([e.sum(-1), w.sum(-1)]), group)
     ubar = s1 / s0
     z.sub_(ubar[:, None])  # v = u - ubar
     v_k = torch.where(here, u_k - ubar, u_k)
     torch.exp(z, out=e)
     torch.mul(e, z, out=w)
     sums = [e.sum(-1), w.sum(-1), w.mul_(e).sum(-1), e.square_().sum(-1), v_k]
-    s0, s1, s3, s2, v_k = _all_reduce(torch.stack(sums), group)
+    s0, s1, s3, s2, v_k = all_reduce(torch.stack(sums), group)
     del z, e, w
     log_s0 = torch.log(s0)
     vbar = s1 / s0
@@ -421,12 +354,3 @@ def _moments_torch(
     s_star = torch.where(p_k > 0, p_k * (entropy + logp), torch.zeros_like(p_k))
     s_expected = (s3 - s2 * vbar) / (s0 * s0)
     return logp, entropy, s_star, s_expected, m
-
-
-def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """``t`` summed (or ``op``-reduced) over the vocabulary-parallel group; ``t`` itself without one."""
-    if group is None:
-        return t
-    t_c = t.to(_collective_device(group, t.device))
-    dist.all_reduce(t_c, op=op, group=group)
-    return t_c.to(t.device)

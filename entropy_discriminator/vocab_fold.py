@@ -1,13 +1,9 @@
 """Per-token statistics folded over vocabulary chunks of logits that exist one tile at a time.
 
-A framework whose LM head never holds the ``[N, V]`` logits (it forms ``[n, C]`` tiles, reduces
-each and drops it) can hand every tile to :class:`VocabFold` as well: the statistics are then
-those of exactly the logits the framework computed, for the price of one more read of each tile
-(no second LM-head product).
-
-Per token the fold keeps, in base-2 units ``y_i = z_i log2(e)`` (``z`` the transformed logits,
-``y = x c`` with ``c = log2(e) scale / T`` for a raw tile entry ``x``), the running maximum ``m``
-and, against it (``d_i = y_i - m``, ``e_i = 2^d_i``)::
+A framework whose LM head never holds the ``[N, V]`` logits (it reduces ``[n, C]`` tiles and drops them) can hand
+every tile to :class:`VocabFold` too: the statistics of exactly the logits it computed, for one more read of each
+tile.  Per token the fold keeps, in base-2 units ``y = x c`` (``c = log2(e) scale / T`` for a raw tile entry ``x``),
+the running maximum ``m`` and, against it (``d_i = y_i - m``, ``e_i = 2^d_i``)::
 
     s0 = sum e,  s1 = sum e d,  s2 = sum e^2,  s3 = sum e^2 d,  and y_k of the label k.
 
@@ -39,10 +35,9 @@ _D_FLOOR = -256.0
 class VocabFold:
     """Accumulator of the statistics of ``n`` tokens over vocabulary tiles.
 
-    ``state`` is ``[6, n]`` float32: ``m, s0, s1, s2, s3, y_k`` (module doc).  ``scale`` and
-    ``temperature`` define the logits the statistics read: ``z = x * scale / temperature`` for a
-    tile entry ``x`` (upcast to fp32).  ``impl``: ``"auto"`` (the Triton kernel for CUDA tiles
-    when available, else torch), ``"torch"`` or ``"triton"``.
+    ``state`` is ``[6, n]`` float32: ``m, s0, s1, s2, s3, y_k`` (module doc); the statistics read
+    ``z = x * scale / temperature`` for a tile entry ``x`` (upcast to fp32).  ``impl``: ``"auto"`` (the Triton kernel
+    for CUDA tiles when available, else torch), ``"torch"`` or ``"triton"``.
     """
 
     def __init__(self, n: int, device: torch.device | str, *, temperature: float = 1.0, scale: float = 1.0,

@@ -48,12 +48,9 @@ class TextProgress:
 
 
 def prepare_output_folder(path: Path | str) -> Path:
-    """Create the output folder ``path`` (with its parents) if needed and prove that it can be written.
-
-    The proof is a real write (a probe file created and removed), so it also holds for root, read-only
-    mounts and pseudo-filesystems such as ``/proc``, where permission bits do not tell.  Raises
-    ``ValueError`` naming the folder when it is an existing file, lies under a file, or cannot be written.
-    """
+    """Create the output folder ``path`` (with its parents) if needed and prove that it can be written, by a real
+    write (a probe file created and removed; permission bits do not tell for root or ``/proc``).  ``ValueError``
+    naming the folder when it is an existing file, lies under a file, or cannot be written."""
     out = Path(path)
     for candidate in (out, *out.parents):
         if candidate.exists() and not candidate.is_dir():
@@ -147,12 +144,9 @@ ARM_STYLES = ("-", "--", "-.", ":")
 
 
 def plot_demo(path: Path, curves: dict[str, list[dict[str, float]]], *, window: int):
-    """Write the demo's PNG and return its matplotlib figure.
-
-    Top row: batch token entropy and training reward, both as moving averages over ``window`` steps, one line
-    style per arm.  Bottom row: one panel per arm with the Corollary 4 prediction against the realised per-batch
-    ``dH`` (each scaled to max 1 within the arm) and their Pearson r, so the arms' point clouds do not overlap.
-    """
+    """Write the demo's PNG and return its figure: batch token entropy and training reward (moving averages over
+    ``window`` steps, one line style per arm) on top; below, one panel per arm with the Corollary 4 prediction
+    against the realised per-batch ``dH`` (each scaled to max 1) and their Pearson r."""
     plt = pyplot()
     fig = plt.figure(figsize=(15, 8.4))
     grid = fig.add_gridspec(2, 2 * len(curves))

@@ -36,14 +36,8 @@ WARMUP_TARGET = 0.3
 def summary_columns(k: int) -> list[tuple[str, str]]:
     """``(key, header)`` pairs of the summary table; ``k`` (samples per held-out prompt) names the accuracy columns."""
     return [
-        ("arm", "arm"),
-        ("entropy_final", "final entropy"),
-        ("reward_final", "reward"),
-        ("avg_at_k", f"Avg@{k}"),
-        ("pass_at_k", f"Pass@{k}"),
-        ("clip_frac", "clip frac"),
-        ("dH_corr", "dH corr"),
-        ("dH_sign", "dH sign agree"),
+        ("arm", "arm"), ("entropy_final", "final entropy"), ("reward_final", "reward"), ("avg_at_k", f"Avg@{k}"),
+        ("pass_at_k", f"Pass@{k}"), ("clip_frac", "clip frac"), ("dH_corr", "dH corr"), ("dH_sign", "dH sign agree"),
     ]
 
 
@@ -64,11 +58,8 @@ class DemoOptions:
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto`` -> cuda when available else cpu; ``cpu``, ``cuda`` and ``cuda:N`` are checked against this machine.
-
-    Raises ``ValueError`` naming the device for anything else, for CUDA without a GPU and for a GPU index
-    this machine does not have.
-    """
+    """``auto`` -> cuda when available else cpu; ``cpu``, ``cuda`` and ``cuda:N`` are checked against this machine
+    (``ValueError`` naming the device for anything else, CUDA without a GPU or a GPU index it does not have)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -87,11 +78,8 @@ def resolve_device(name: str) -> torch.device:
 
 @contextlib.contextmanager
 def torch_threads(n: int | None) -> Iterator[None]:
-    """Run with ``torch.set_num_threads(n)`` (None: unchanged), restoring the old value afterwards.
-
-    One thread is the demo's default on CPU: its matrices are tiny, so extra threads mostly add
-    synchronisation (on a busy 2-core machine one thread ran 5x faster than two).
-    """
+    """Run with ``torch.set_num_threads(n)`` (None: unchanged), restoring the old value afterwards.  One thread is
+    the demo's default on CPU: its matrices are tiny (on a busy 2-core machine one thread ran 5x faster than two)."""
     old = torch.get_num_threads()
     if n is not None:
         if n < 1:
@@ -107,11 +95,8 @@ def demo_arms(opts: DemoOptions) -> list[ArmSpec]:
     """Vanilla GRPO, + Clip_B (S* lower tail, mu_b) and + Clip_V (S_c lower tail, mu_v), negative-advantage
     tokens only (the paper's setting); with ``autopilot`` (``"hold"`` or a target entropy in nats/token) a
     fourth arm, + Autopilot (:class:`~entropy_discriminator.EntropyAutopilot`, its defaults otherwise)."""
-    arms = [
-        ArmSpec("GRPO"),
-        ArmSpec("GRPO+Clip_B", method="clip_b", mu_low=opts.mu_b),
-        ArmSpec("GRPO+Clip_V", method="clip_v", mu_low=opts.mu_v, max_frac=opts.max_frac_v),
-    ]
+    arms = [ArmSpec("GRPO"), ArmSpec("GRPO+Clip_B", method="clip_b", mu_low=opts.mu_b),
+            ArmSpec("GRPO+Clip_V", method="clip_v", mu_low=opts.mu_v, max_frac=opts.max_frac_v)]
     if opts.autopilot is not None:
         arms.append(ArmSpec("GRPO+Autopilot", method="autopilot", target_entropy=opts.autopilot))
     return arms
@@ -124,28 +109,17 @@ def summarise(result: ArmResult) -> dict[str, object]:
     tail = recs[-max(1, len(recs) // 10) :]
     pred = [r["pred_dH"] for r in recs]
     real = [r["real_dH"] for r in recs]
-    return {
-        "arm": result.arm,
-        "seed": result.seed,
-        "entropy_final": sum(r["entropy"] for r in tail) / len(tail),
-        "reward_final": sum(r["reward"] for r in tail) / len(tail),
-        "avg_at_k": result.final["avg_at_k"],
-        "pass_at_k": result.final["pass_at_k"],
-        "clip_frac": sum(r["clip_frac"] for r in recs) / len(recs),
-        "dH_corr": pearson(pred, real),
-        "dH_sign": sign_agreement(pred, real),
-        "seconds": result.final["seconds"],
-    }
+    return {"arm": result.arm, "seed": result.seed, "entropy_final": sum(r["entropy"] for r in tail) / len(tail),
+            "reward_final": sum(r["reward"] for r in tail) / len(tail), "avg_at_k": result.final["avg_at_k"],
+            "pass_at_k": result.final["pass_at_k"], "clip_frac": sum(r["clip_frac"] for r in recs) / len(recs),
+            "dH_corr": pearson(pred, real), "dH_sign": sign_agreement(pred, real), "seconds": result.final["seconds"]}
 
 
 def run_demo(opts: DemoOptions, *, stream: TextIO | None = None) -> dict[str, object]:
-    """Run the demo; write ``demo_steps.csv``, ``demo_summary.csv``, ``demo_table.md`` and ``demo.png``
-    (``demo.png`` only with matplotlib) under ``opts.out``.  Returns ``{"rows", "tabular", "files"}``.
-
-    Every option is checked before any work (``ValueError`` naming the option): ``steps >= 3``,
-    ``threads >= 1``, the mask settings (as :class:`~entropy_discriminator.EntropyDiscConfig` checks them),
-    the device, and that ``out`` can be written.  ``threads=None``: one thread on CPU, torch's default on CUDA.
-    """
+    """Run the demo; write ``demo_steps.csv``, ``demo_summary.csv``, ``demo_table.md`` and (with matplotlib)
+    ``demo.png`` under ``opts.out``.  Returns ``{"rows", "tabular", "files"}``.  Every option is checked before any
+    work (``ValueError`` naming it): ``steps >= 3``, ``threads >= 1``, the mask settings, the device, and that ``out``
+    can be written.  ``threads=None``: one thread on CPU, torch's default on CUDA."""
     stream = stream if stream is not None else sys.stdout
     cfg = PRESETS["quick" if opts.quick else "full"]
     if opts.steps is not None:
@@ -184,11 +158,9 @@ def run_demo(opts: DemoOptions, *, stream: TextIO | None = None) -> dict[str, ob
 
     rows = [summarise(r) for r in results]
     first = results[0].records[0]
-    warm_row = {
-        "arm": "warm-up (no RL)", "seed": opts.seed, "entropy_final": first["entropy"], "reward_final": first["reward"],
-        "avg_at_k": base_eval["avg_at_k"], "pass_at_k": base_eval["pass_at_k"], "clip_frac": math.nan,
-        "dH_corr": math.nan, "dH_sign": math.nan,
-    }
+    warm_row = {"arm": "warm-up (no RL)", "seed": opts.seed, "entropy_final": first["entropy"],
+                "reward_final": first["reward"], "avg_at_k": base_eval["avg_at_k"], "pass_at_k": base_eval["pass_at_k"],
+                "clip_frac": math.nan, "dH_corr": math.nan, "dH_sign": math.nan}
     table_rows = [warm_row, *rows]
     table = format_table(table_rows, summary_columns(cfg.eval_k))
     notes = (

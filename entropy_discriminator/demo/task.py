@@ -1,15 +1,11 @@
 """The demo's verifiable task: addition of two ``n``-digit numbers, answer written least-significant digit first.
 
-A prompt is ``a_1 .. a_n + b_1 .. b_n =`` (digits most-significant first, ``n`` digits each, zero padded);
-the response is the ``n + 1`` digits of ``a + b`` least-significant first (zero padded), so a causal model
-can carry from one digit to the next.  Reward is 1 for the exact answer, else 0: cheap to verify, no
-parsing, and pass rates move under RL because the warm-up leaves carries uncertain.
-
-The warm-up data is deliberately imperfect, like a base model's: with probability ``noise`` a target is a
-*plausible wrong* answer (the carries forgotten, or one digit off by one), so the warmed-up policy keeps
-entropy on the decision tokens that RL then sharpens (or, without entropy control, collapses).
-
-Token ids: digits ``0-9`` are ``0-9``, ``+`` is 10, ``=`` is 11; the vocabulary has 12 entries.
+A prompt is ``a_1 .. a_n + b_1 .. b_n =`` (digits most-significant first, zero padded); the response is the ``n + 1``
+digits of ``a + b`` least-significant first, so a causal model can carry from one digit to the next.  Reward: 1 for
+the exact answer, else 0.  The warm-up data is deliberately imperfect, like a base model's: with probability ``noise``
+a target is a *plausible wrong* answer (the carries forgotten, or one digit off by one), so the warmed-up policy
+keeps entropy on the decision tokens that RL then sharpens (or, without entropy control, collapses).  Token ids:
+digits ``0-9`` are ``0-9``, ``+`` is 10, ``=`` is 11.
 """
 
 from __future__ import annotations

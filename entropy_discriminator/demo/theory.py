@@ -1,17 +1,11 @@
 """The reviewers' question: does the first-order law predict the realised per-batch entropy change?
 
-Tabular case (the paper's assumption: every token owns its logits).  A batch of ``P`` prompts x ``G``
-samples x ``T`` positions holds one free logit vector ``z_t`` per token; a GRPO step with plain SGD at
-learning rate ``lambda`` on ``L = -(1/N) sum_t A_t log p_t(k_t)`` moves each row by
-``dz_t = (lambda/N) A_t (e_k - p_t)``, which is Theorem 2 with ``alpha_t = eta A_t``, ``eta = lambda/N`` (the table samples at temperature 1;
-at temperature ``T`` it would be ``lambda / (N T^2)``, see :mod:`entropy_discriminator.dynamics`).
-Averaging Theorem 2 over the batch gives Corollary 4, ``dH_B = -eta Cov_B(A, S_c)``
-(:func:`~entropy_discriminator.batch_entropy_change`), exact up to ``O(eta^2)``.  We run the GRPO loop
-on such a table for several steps and compare that prediction with the realised change of the batch-mean
-entropy at every step.
-
-The network case is measured inside :func:`~entropy_discriminator.demo.train.run_arm` (``pred_dH`` vs
-``real_dH``, and with ``linearised=True`` the exact first-order change ``grad_theta H_B . dtheta``).
+Tabular case (the paper's assumption: every token owns its logits ``z_t``).  A GRPO step with plain SGD at learning
+rate ``lambda`` on ``L = -(1/N) sum_t A_t log p_t(k_t)`` moves each row by ``dz_t = (lambda/N) A_t (e_k - p_t)``:
+Theorem 2 with ``alpha_t = eta A_t``, ``eta = lambda/N`` (temperature 1; :mod:`entropy_discriminator.dynamics`).
+Averaged over the batch it gives Corollary 4, ``dH_B = -eta Cov_B(A, S_c)``, exact up to ``O(eta^2)``; the GRPO loop
+runs on such a table and compares that prediction with the realised change at every step.  The network case is
+measured inside :func:`~entropy_discriminator.demo.train.run_arm` (``pred_dH`` vs ``real_dH``).
 """
 
 from __future__ import annotations
@@ -29,12 +23,8 @@ from .train import group_advantages, pearson, sign_agreement
 
 @dataclass
 class Agreement:
-    """Per-step predicted and realised ``dH_B`` and their agreement.
-
-    ``slope``: least-squares ``realised ~ slope * predicted`` through the origin (1 means the
-    prediction has the right size); ``corr``: Pearson correlation; ``sign``: share of steps with the
-    same sign.
-    """
+    """Per-step predicted and realised ``dH_B`` and their agreement: ``slope`` (least squares ``realised ~ slope *
+    predicted`` through 0; 1: the right size), ``corr`` (Pearson) and ``sign`` (share of steps with the same sign)."""
 
     predicted: list[float]
     realised: list[float]
@@ -60,25 +50,15 @@ def tabular_start(
     ``[P, T, V]`` on ``n_prompts`` training prompts (one answer sampled at temperature 1), and
     those prompts' operands ``a, b`` (int64 ``[P]``)."""
     a, b = task.sample(n_prompts, torch.Generator().manual_seed(seed), split="train")
-    seq = model.generate(
-        task.prompts(a, b).to(device), task.response_len, temperature=1.0, generator=torch.Generator().manual_seed(seed)
-    )
+    seq = model.generate(task.prompts(a, b).to(device), task.response_len, temperature=1.0,
+                         generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         init = model.response_logits(seq, task.prompt_len).double().cpu()
     return init, a, b
 
 
-def tabular_check(
-    task: AdditionTask,
-    *,
-    init_logits: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    group_size: int,
-    steps: int,
-    step_size: float,
-    seed: int,
-) -> Agreement:
+def tabular_check(task: AdditionTask, *, init_logits: torch.Tensor, a: torch.Tensor, b: torch.Tensor, group_size: int,
+                  steps: int, step_size: float, seed: int) -> Agreement:
     """GRPO on a logit table; Corollary 4's prediction vs the realised batch-entropy change per step.
 
     Args:

@@ -1,20 +1,11 @@
 """Warm-up (supervised) and strict on-policy GRPO for the demo, with the core's statistics and masks.
 
-:class:`LoopConfig` and :func:`warm_up` are also the research harness's (``lab/``, ``entropy_lab``): every experiment
-sizes its policy and warms it up through them.
-
-One GRPO step on ``P`` prompts with ``G`` samples each (``N`` valid response tokens):
-
-1. sample responses at ``temperature`` (the behaviour policy is the current policy: ``r = 1``);
-2. reward ``R`` (exact match), group advantage ``A_i = (R_i - mean_g R) / (std_g R + 1e-6)``;
-3. :func:`~entropy_discriminator.token_stats` on the response logits -> ``H, S*, S_c``;
-4. keep-mask: none, :func:`~entropy_discriminator.clip_b_mask`, :func:`~entropy_discriminator.clip_v_mask`,
-   or a sign rule on ``S*`` (the paper's Figure 1 arms);
-5. loss ``sum_t keep_t * (-A_t log p_t) / N`` (``apply_keep_mask``, mode ``zero_pg`` by default), one
-   optimiser step;
-6. realised ``dH`` = mean entropy of the same tokens (same contexts) after minus before the step, next to
-   the Corollary 4 prediction ``-Cov_B(A * keep, S_c)`` per unit step size (the network's effective
-   logit step is unknown; agreement is measured by correlation and sign).
+:class:`LoopConfig` and :func:`warm_up` are also the research harness's (``lab/``, ``entropy_lab``).  One GRPO step on
+``P`` prompts x ``G`` samples (``N`` valid response tokens): sample at ``temperature`` (on-policy, ``r = 1``); reward
+``R`` (exact match), ``A_i = (R_i - mean_g R) / (std_g R + 1e-6)``; :func:`~entropy_discriminator.token_stats` on the
+response logits; a keep-mask (none, Clip_B, Clip_V, the autopilot, or the paper's Figure 1 sign rule on ``S*``);
+loss ``sum_t keep_t * (-A_t log p_t) / N`` (``apply_keep_mask``), one optimiser step; the realised ``dH`` of the same
+tokens next to Corollary 4's ``-Cov_B(A * keep, S_c)`` per unit step size (compared by correlation and sign).
 """
 
 from __future__ import annotations
@@ -38,15 +29,11 @@ SIGN_ACTIONS = ("only", "mask")
 
 @dataclass(frozen=True)
 class ArmSpec:
-    """One training arm.
-
-    ``method``: ``none`` (vanilla GRPO), ``clip_b``, ``clip_v`` (core masks with ``mu_low``,
+    """One training arm.  ``method``: ``none`` (vanilla GRPO), ``clip_b``, ``clip_v`` (core masks with ``mu_low``,
     ``max_frac``, ``sides``), ``autopilot`` (:class:`~entropy_discriminator.EntropyAutopilot` toward
-    ``target_entropy``, ``"hold"`` or nats/token, with ``max_frac`` (None: its default cap 0.05) and
-    ``sides``; its per-token terms are the law's for the arm's Adam, :func:`entropy_discriminator.law.token_terms`) or ``sign`` (Figure 1: ``action`` ``only`` keeps just, or ``mask`` drops
-    just, the tokens of ``sample_sign`` samples (``pos``: A > 0, ``neg``: A < 0) whose ``S*`` has sign
-    ``s_sign`` (``pos``: S* > 0, ``neg``: S* < 0); ``only`` also drops every other token).
-    """
+    ``target_entropy`` with ``max_frac`` (None: its default cap) and ``sides``, on the law's terms for the arm's
+    Adam) or ``sign`` (Figure 1: ``action`` ``only`` keeps just, ``mask`` drops just, the tokens of ``sample_sign``
+    samples (``pos``: A > 0, ``neg``: A < 0) whose ``S*`` has sign ``s_sign``)."""
 
     name: str
     method: str = "none"
@@ -79,11 +66,10 @@ class ArmSpec:
 
 @dataclass(frozen=True)
 class LoopConfig(ABC):
-    """What every experiment's training loop shares (the demo's :class:`TrainConfig`, the research harness's
-    configurations): the policy's size (``d_model``, ``n_layers``, ``n_heads``), the supervised warm-up of
-    :func:`warm_up` (``warmup_steps`` Adam steps at ``warmup_lr`` on ``warmup_batch`` problems, targets wrong with
-    probability ``warmup_noise``) and the RL batch (``prompts_per_step`` prompts x ``group_size`` samples, Adam at
-    ``lr``).  Abstract: a subclass names its task (:meth:`task`)."""
+    """What every experiment's training loop shares (the demo's :class:`TrainConfig`, the lab's configurations): the
+    policy's size, the supervised warm-up of :func:`warm_up` (``warmup_steps`` Adam steps at ``warmup_lr`` on
+    ``warmup_batch`` problems, targets wrong with probability ``warmup_noise``) and the RL batch (``prompts_per_step``
+    x ``group_size`` samples, Adam at ``lr``).  Abstract: a subclass names its task (:meth:`task`)."""
 
     d_model: int = 64
     n_layers: int = 2
@@ -148,26 +134,15 @@ class TrainConfig(LoopConfig):
 Progress = Callable[[int, int, str], None]
 
 
-def warm_up(
-    model: TinyGPT,
-    cfg: LoopConfig,
-    *,
-    seed: int,
-    device: torch.device,
-    progress: Progress | None = None,
-    target_avg: float | None = None,
-    max_steps: int | None = None,
-    on_step: Callable[[int, TinyGPT], None] | None = None,
-) -> dict[str, float]:
-    """Supervised warm-up on noisy targets (the task's ``warmup_targets``, e.g. :meth:`AdditionTask.warmup_targets`),
-    the one warm-up of every experiment: Adam at ``warmup_lr`` (problems drawn from a generator seeded
-    ``seed + 7919``), gradient norm clipped at 1, loss = mean cross-entropy over the response tokens;
-    ``on_step(step, model)`` after each step (1-based).
-
-    Runs ``cfg.warmup_steps`` steps; with ``target_avg`` (a :class:`TrainConfig`: the demo's :func:`evaluate`), keeps
-    going in blocks of a quarter of that until held-out Avg@k reaches ``target_avg`` or ``max_steps`` steps are done
-    (small transformers learn addition in a sudden, seed-dependent transition).  Returns ``{"steps", "loss"}``.
-    """
+def warm_up(model: TinyGPT, cfg: LoopConfig, *, seed: int, device: torch.device, progress: Progress | None = None,
+            target_avg: float | None = None, max_steps: int | None = None,
+            on_step: Callable[[int, TinyGPT], None] | None = None) -> dict[str, float]:
+    """Supervised warm-up on the task's noisy ``warmup_targets``, the one warm-up of every experiment: Adam at
+    ``warmup_lr`` (problems from a generator seeded ``seed + 7919``), gradient norm clipped at 1, mean cross-entropy
+    over the response tokens; ``on_step(step, model)`` after each step (1-based).  Runs ``cfg.warmup_steps`` steps;
+    with ``target_avg`` (a :class:`TrainConfig`) keeps going in blocks of a quarter of that until held-out Avg@k
+    reaches it or ``max_steps`` are done (small transformers learn addition in a sudden, seed-dependent transition).
+    Returns ``{"steps", "loss"}``."""
     if target_avg is not None and not isinstance(cfg, TrainConfig):
         raise ValueError(f"target_avg needs a TrainConfig (the demo's evaluation), got a {type(cfg).__name__}")
     task = cfg.task()
@@ -248,9 +223,8 @@ def _mean_entropy_grad(model: TinyGPT, seq: torch.Tensor, valid: torch.Tensor, c
 
 def _law_terms(model: TinyGPT, opt: torch.optim.Optimizer, seq: torch.Tensor, resp: torch.Tensor, adv: torch.Tensor,
                valid: torch.Tensor, cfg: TrainConfig, prompt_len: int) -> dict[str, object]:
-    """The autopilot's inputs from the law for Adam (:func:`entropy_discriminator.law.token_terms`): per-token terms of
-    the loss ``sum_t -A_t log p_t / N`` and the carry, with Adam's preconditioner set by this step's unmasked
-    gradient (one extra backward)."""
+    """The autopilot's inputs from the law for Adam (:func:`entropy_discriminator.law.token_terms`): the per-token
+    terms of ``sum_t -A_t log p_t / N`` and the carry, Adam's preconditioner set by this step's unmasked gradient."""
     named = dict(model.named_parameters())
     params = list(named.values())
 
@@ -267,15 +241,8 @@ def _law_terms(model: TinyGPT, opt: torch.optim.Optimizer, seq: torch.Tensor, re
     return {"terms": res.terms, "carry": res.carry}
 
 
-def run_arm(
-    state: dict[str, torch.Tensor],
-    cfg: TrainConfig,
-    arm: ArmSpec,
-    *,
-    seed: int,
-    device: torch.device,
-    progress: Progress | None = None,
-) -> ArmResult:
+def run_arm(state: dict[str, torch.Tensor], cfg: TrainConfig, arm: ArmSpec, *, seed: int, device: torch.device,
+            progress: Progress | None = None) -> ArmResult:
     """GRPO from the warmed-up ``state`` for ``cfg.grpo_steps`` steps; every arm with the same ``seed`` sees the
     same prompts and the same sampling random stream (they diverge only through their updates)."""
     task = cfg.task()
@@ -337,25 +304,16 @@ def run_arm(
             after = token_stats(model.response_logits(seq, p_len), resp, temperature=cfg.temperature)
         realised = monitor.realised(stats.entropy, after.entropy, valid)[pre + "delta_entropy/realised"]
 
-        rec = {
-            "step": step,
-            "reward": float(rewards.mean()),
-            "entropy": metrics[pre + "entropy/mean"],
-            "entropy_p10": metrics[pre + "entropy/p10"],
-            "entropy_p50": metrics[pre + "entropy/p50"],
-            "entropy_p90": metrics[pre + "entropy/p90"],
-            "s_star_mean": metrics[pre + "s_star/mean"],
-            "s_star_std": metrics[pre + "s_star/std"],
-            "s_c_mean": metrics[pre + "s_centered/mean"],
-            "s_c_std": metrics[pre + "s_centered/std"],
-            "clip_frac": 1.0 - float((keep & valid).sum()) / max(n_valid, 1.0),
-            "cov_adv_sc": metrics.get(pre + "cov/adv_s_centered", 0.0),
-            "neg_cov_pos_part": -float(a_sc[adv > 0].sum()) / max(n_valid, 1.0),
-            "neg_cov_neg_part": -float(a_sc[adv < 0].sum()) / max(n_valid, 1.0),
-            "pred_dH": pred,
-            "real_dH": realised,
-            "loss": float(loss.detach()),
-        }
+        rec = {"step": step, "reward": float(rewards.mean()), "entropy": metrics[pre + "entropy/mean"],
+               "entropy_p10": metrics[pre + "entropy/p10"], "entropy_p50": metrics[pre + "entropy/p50"],
+               "entropy_p90": metrics[pre + "entropy/p90"], "s_star_mean": metrics[pre + "s_star/mean"],
+               "s_star_std": metrics[pre + "s_star/std"], "s_c_mean": metrics[pre + "s_centered/mean"],
+               "s_c_std": metrics[pre + "s_centered/std"],
+               "clip_frac": 1.0 - float((keep & valid).sum()) / max(n_valid, 1.0),
+               "cov_adv_sc": metrics.get(pre + "cov/adv_s_centered", 0.0),
+               "neg_cov_pos_part": -float(a_sc[adv > 0].sum()) / max(n_valid, 1.0),
+               "neg_cov_neg_part": -float(a_sc[adv < 0].sum()) / max(n_valid, 1.0), "pred_dH": pred,
+               "real_dH": realised, "loss": float(loss.detach())}
         if grads is not None and before is not None:
             rec["pred_lin_dH"] = float(
                 sum((gr * (p_.detach() - b_)).sum() for gr, p_, b_ in zip(grads, model.parameters(), before))

@@ -1,10 +1,6 @@
-"""Optional fused GPU kernels (Triton), imported lazily.
-
-Importing this package never imports Triton; the kernels live in
-:mod:`entropy_discriminator.kernels.triton_stats` (one pass over a logits row) and
-:mod:`entropy_discriminator.kernels.triton_fused` (LM-head matmul with the same reduction in its
-epilogue), which callers import only after :func:`is_available` said yes.
-"""
+"""Optional fused GPU kernels (Triton), imported lazily: :mod:`.triton_stats` (one pass over a logits row) and
+:mod:`.triton_fused` (LM-head matmul with the same reduction in its epilogue), imported only after
+:func:`is_available` said yes; importing this package never imports Triton."""
 
 from __future__ import annotations
 
@@ -20,10 +16,7 @@ def interpreting() -> bool:
 
 
 def is_available() -> bool:
-    """True when a CUDA device is present and Triton imports (the kernels' run condition).
-
-    Triton is imported here, on the first call with a CUDA device, never at package import.
-    """
+    """True when a CUDA device is present and Triton imports (on the first call with a CUDA device)."""
     import torch
 
     if not torch.cuda.is_available() or importlib.util.find_spec("triton") is None:

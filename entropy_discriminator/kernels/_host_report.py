@@ -1,19 +1,12 @@
 """Host-mapped words through which a kernel hands its error counters to the calling thread.
 
-A call that must raise on bad data (``token_stats(..., check=True)``) has to wait for its kernel
-once.  Reading device counters back costs a copy on top of that wait (``tolist()``: a pageable
-device-to-host copy, ~25 us at N = 256 on an H100).  Instead the kernel's last program stores the
-counters straight into pinned host memory (UVA-mapped, so the kernel takes the host tensor as a
-pointer), each as one 64-bit word ``(seq << 32) | count`` written with a single store, then a summary
-word ``(seq << 32) | (any count non-zero)``.  The host polls the summary word until it carries its
-call's ``seq``, and reads the counters only when it says some row was bad (then once all of them
-carry the ``seq``): no CUDA copy, no fence, and a torn or stale word is never taken for the answer.
-
-Each thread owns one :class:`HostReport` (``threading.local``): a call waits for its kernel
-before it returns, so nothing else writes a report's words while its owner reads them; a report
-still in use (re-entrant call, e.g. from a signal handler) is never handed out again, the caller
-gets a fresh one.  If the wait is interrupted the stream is synchronised before the exception
-propagates, so no kernel writes into a report after its call has left.
+A checked call (``token_stats(..., check=True)``) waits for its kernel once; reading device counters back would add
+a copy (~25 us at N = 256 on an H100).  Instead the kernel's last program stores the counters straight into pinned,
+UVA-mapped host memory, each as one 64-bit word ``(seq << 32) | count``, then a summary word
+``(seq << 32) | (any count non-zero)``.  The host polls the summary word until it carries its call's ``seq`` and
+reads the counters only when some row was bad: no CUDA copy, no fence, and a stale word is never taken for the
+answer.  Each thread owns one :class:`HostReport` (a report still in use, e.g. by a re-entrant call, is never handed
+out again); an interrupted wait synchronises the stream before the exception propagates.
 """
 
 from __future__ import annotations
@@ -26,16 +19,11 @@ import torch
 
 from ._reduce import ERR_WORDS
 
-#: How the host waits for the words: a tight poll for SPIN_SECONDS, then polls with ``time.sleep(0)``
-#: between them (the GIL is released at each, so other Python threads run) until YIELD_SECONDS, then
-#: ``stream.synchronize()``.  The spin is what CUDA's own synchronisation does by default while
-#: CPU cores outnumber GPUs; a spinning Python thread still hands the GIL to other threads every
-#: ``sys.getswitchinterval()``.  Yielding early is what costs: on a loaded host ``sched_yield`` can
-#: give the core away for a scheduler time slice (H100 machine, N = 16384, a 1.68 ms kernel: a 0.5 ms
-#: spin then yields measured the checked call at 1.13x torch.sum in one run, 1.04x in the next), and
-#: a synchronisation's wake-up can take 0.1-0.2 ms (``benchmarks.host_path``: kernel + stream
-#: synchronisation 61-168 us against 58 us for kernel + polled words at N = 256), while a polled
-#: word is seen within a microsecond.
+#: How the host waits for the words: a tight poll for SPIN_SECONDS, then polls with ``time.sleep(0)`` between them
+#: (the GIL released at each) until YIELD_SECONDS, then ``stream.synchronize()``.  The spin is what CUDA's own
+#: synchronisation does while CPU cores outnumber GPUs; yielding early can give the core away for a scheduler time
+#: slice, and a synchronisation's wake-up takes 0.1-0.2 ms, a polled word a microsecond (benchmarks/RESULTS.md,
+#: "direct launches and the wait's spin").
 SPIN_SECONDS = 5e-3
 YIELD_SECONDS = 5e-2
 _SEQ_LIMIT = 2**31 - 1
@@ -71,16 +59,11 @@ class HostReport:
         return self.seq
 
     def wait(self) -> tuple[int, ...]:
-        """Block until the armed kernel has written its words; return the ``ERR_WORDS`` counts
-        (:data:`NO_FAULTS` when no row was bad).
-
-        Polls the summary word (no CUDA call; see :data:`SPIN_SECONDS` for the schedule): once it
-        carries this call's tag and says no row was bad, that is the answer; if it says some row
-        was, every counter word is read once it carries the tag.  Checks the stream every 256 polls
-        (a CUDA error or a capturing stream raises there, and a finished stream ends the wait); a
-        kernel that outlasts :data:`YIELD_SECONDS` is waited for with ``stream.synchronize()``.
-        The one host synchronisation of a checked call.
-        """
+        """Block until the armed kernel has written its words; return the ``ERR_WORDS`` counts (:data:`NO_FAULTS`
+        when no row was bad).  Polls the summary word (no CUDA call; :data:`SPIN_SECONDS`) until it carries this
+        call's tag, then, if some row was bad, every counter word once it carries the tag.  Checks the stream every
+        256 polls (errors raise there; a finished stream ends the wait).  The one host synchronisation of a checked
+        call."""
         if self._summary.value == self._clean:  # the common case, kept to one load and one compare
             self.busy = False
             return NO_FAULTS

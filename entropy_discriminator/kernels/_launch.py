@@ -1,22 +1,13 @@
 """Direct launches of an already compiled Triton kernel (host time of small calls).
 
-``kernel[grid](*args)`` re-derives on every call what only changes with the arguments' *classes*:
-it binds the arguments, specialises each one (dtype and 16-byte alignment of a pointer; for an
-integer its width, divisibility by 16 and whether it equals 1), looks the compiled kernel up under
-that key, rebuilds launch metadata for the launch hooks and only then calls the launcher.  On the
-H100 machines of ``benchmarks.host_path`` the public statistics call took 71-136 us of host time
-through that path and 48-93 us through this one (benchmarks/RESULTS.md), more than the kernel
-takes at N = 256; a call that waits for its kernel pays that host time in full whenever it
-outlasts the GPU's previous work.
-
-:class:`DirectLauncher` keys its own cache by the same classes (computed per argument, in the
-order of the kernel's parameters, with each parameter's ``do_not_specialize`` /
-``do_not_specialize_on_alignment`` flags honoured; see :func:`_key_source`) plus the compile-time arguments, ``num_warps``,
-the device and Triton's debug / instrumentation switches.  The first call of a class goes through
-Triton (compiling if needed) and stores the compiled kernel; later calls pass the same positional
-arguments straight to its launcher.  Used only for the Triton releases whose launcher signature this
-was written against (:data:`SUPPORTED`), for kernels without annotated parameters, and never while a
-launch hook (a profiler) or a pre-run hook is installed: then every call takes Triton's own path.
+``kernel[grid](*args)`` re-derives on every call what only changes with the arguments' *classes* (binding,
+specialisation, cache lookup, launch metadata): 71-136 us of host time for the public statistics call against 48-93
+us through this path on the H100s of ``benchmarks.host_path`` (benchmarks/RESULTS.md), more than the kernel takes at
+N = 256.  :class:`DirectLauncher` keys its own cache by the same classes (:func:`_key_source`, honouring each
+parameter's ``do_not_specialize`` flags) plus the compile-time arguments, ``num_warps``, the device and Triton's
+debug / instrumentation switches.  The first call of a class goes through Triton and stores the compiled kernel;
+later calls pass the positional arguments straight to its launcher.  Only for the Triton releases of
+:data:`SUPPORTED`, kernels without annotated parameters, and never while a launch or pre-run hook is installed.
 """
 
 from __future__ import annotations
@@ -37,14 +28,11 @@ _MAX_ENTRIES = 4096
 
 
 def _key_source(kinds: str, params: list) -> str:
-    """Source of ``key(args, consts, num_warps, device, runtime, compilation)``, generated once per
-    kernel (as Triton generates its binder) so that a call costs one function call and no loop.
-
-    Per runtime parameter, by its declared kind: a pointer (``"p"``) gives its dtype and whether
-    its address is 16-byte aligned (dtype only under ``do_not_specialize_on_alignment``); an
-    integer (``"i"``) its type (a bool is ``u1`` to Triton), whether it is 1 (compiled in as a
-    constant), divisible by 16, and whether it fits int32 and int64 (width only under
-    ``do_not_specialize``); a float (``"f"``) its type (Triton passes every float as fp32).
+    """Source of ``key(args, consts, num_warps, device, runtime, compilation)``, generated once per kernel (as
+    Triton generates its binder).  Per runtime parameter: a pointer (``"p"``) gives its dtype and whether it is
+    16-byte aligned (dtype only under ``do_not_specialize_on_alignment``); an integer (``"i"``) its type, whether it
+    is 1, divisible by 16, and fits int32 and int64 (width only under ``do_not_specialize``); a float (``"f"``) its
+    type.
     """
     names = [f"a{i}" for i in range(len(kinds))]
     parts = []
@@ -78,11 +66,10 @@ def _hooks_installed() -> bool:
 class DirectLauncher:
     """Launch ``fn`` (a ``triton.jit`` function) with ``launch(grid, args, consts, num_warps, device)``.
 
-    ``kinds`` declares the runtime parameters in order: ``"p"`` pointer (a tensor), ``"i"`` integer,
-    ``"f"`` float.  ``args`` are the runtime arguments in parameter order, ``consts`` the
-    ``(name, value)`` of the compile-time arguments that follow them, also in parameter order.
-    Same effect, bits and errors as ``fn[grid](*args, **dict(consts), num_warps=num_warps)``, which
-    it calls on a cache miss or whenever a direct launch is not safe (see the module docstring).
+    ``kinds`` declares the runtime parameters in order (``"p"`` pointer, ``"i"`` integer, ``"f"`` float); ``args``
+    are the runtime arguments, ``consts`` the ``(name, value)`` of the compile-time ones, in parameter order.  Same
+    effect, bits and errors as ``fn[grid](*args, **dict(consts), num_warps=num_warps)``, which it calls on a cache
+    miss or whenever a direct launch is not safe.
     """
 
     def __init__(self, fn, kinds: str) -> None:
@@ -119,10 +106,8 @@ class DirectLauncher:
             if entry is not None:
                 kernel, const_values = entry
                 stream = torch._C._cuda_getCurrentRawStream(device)
-                kernel.run(
-                    grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
-                    *args, *const_values,
-                )  # fmt: skip
+                kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
+                           *args, *const_values)  # fmt: skip
                 return
         kernel = self.fn[grid](*args, **dict(consts), num_warps=num_warps)
         if direct and kernel is not None and not hasattr(kernel, "result"):  # compiled, not a pending compilation

@@ -48,9 +48,8 @@ def exp2(d, FTZ: tl.constexpr):
     instructions per logit).  Every caller's reference is at most its data's max, so the largest term
     of a sum has e >= 1 and a flushed e < 2^-126 changes no fp32 sum."""
     if FTZ:
-        return tl.inline_asm_elementwise(
-            "ex2.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32, is_pure=True, pack=1
-        )
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32, is_pure=True,
+                                         pack=1)
     else:
         return tl.exp2(d)
 
@@ -196,13 +195,10 @@ def merge_kernel(
         mj = tl.load(base + j, mask=msk, other=float("-inf"))
         mxj = tl.load(base + 5 * stride_f + j, mask=msk, other=float("-inf"))
         mx = max_nan(mx, tl.reduce(mxj, 0, max_nan))
-        mu_j, t0, t1, t2, t3 = merge_partials(
-            mj,
-            tl.load(base + stride_f + j, mask=msk, other=0.0),
-            tl.load(base + 2 * stride_f + j, mask=msk, other=0.0),
-            tl.load(base + 3 * stride_f + j, mask=msk, other=0.0),
-            tl.load(base + 4 * stride_f + j, mask=msk, other=0.0),
-        )
+        mu_j, t0, t1, t2, t3 = merge_partials(mj, tl.load(base + stride_f + j, mask=msk, other=0.0),
+                                              tl.load(base + 2 * stride_f + j, mask=msk, other=0.0),
+                                              tl.load(base + 3 * stride_f + j, mask=msk, other=0.0),
+                                              tl.load(base + 4 * stride_f + j, mask=msk, other=0.0))
         m_new = tl.maximum(m, tl.max(mj, axis=0))
         mu = tl.where(m_new > float("-inf"), m_new, 0.0)
         s0, s1, s2, s3 = rescale(s0, s1, s2, s3, m, mu)

@@ -17,8 +17,7 @@ _BLOCK = 2048
 
 
 @triton.jit
-def _fold_kernel(tile_ptr, stride, labels_ptr, vocab_start, n_cols, c, state_ptr, state_stride,
-                 BLOCK: tl.constexpr):
+def _fold_kernel(tile_ptr, stride, labels_ptr, vocab_start, n_cols, c, state_ptr, state_stride, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = tile_ptr + row * stride
     m = tl.load(state_ptr + row)

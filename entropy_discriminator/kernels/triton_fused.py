@@ -1,17 +1,13 @@
 """Fused LM-head statistics: logits = hidden @ weight.T (+ bias) never reach device memory.
 
-Each [BM, BN] tile of logits is a tensor-core matmul over H (tiles ordered in groups of GROUP_M
-row blocks so that the hidden and weight tiles in flight stay in L2).  The configuration (tiles,
-stages, whether the tile loop is flattened) comes from a per-shape table (:data:`SHAPE_CONFIGS`).
-By default one persistent program per multiprocessor walks the tiles, its operands loaded by TMA
-descriptors, the next tile's loads in flight during this tile's epilogue when the loop is
-flattened; otherwise (fp32, unaligned strides, pre-Hopper GPUs) one program per tile loads
-through pointers.  The epilogue reduces the tile, on chip, to
-six numbers per row (the reference m, the sums s0..s3 of :mod:`._reduce`, and a NaN-propagating
-max); the program whose tile holds a row's label
-also writes that logit.  :func:`._reduce.merge_kernel` then merges the ceil(V/BN) partials of every
-row in a fixed order (deterministic) and writes the statistics, ``valid`` and the error counters.  Forward only: the statistics are used under
-no_grad.
+Each [BM, BN] tile of logits is a tensor-core matmul over H (tiles in groups of GROUP_M row blocks, so the operand
+tiles in flight stay in L2), configured per shape (:data:`SHAPE_CONFIGS`).  By default one persistent program per
+multiprocessor walks the tiles with TMA-loaded operands (the next tile's loads in flight during this tile's epilogue
+when the loop is flattened); otherwise (fp32, unaligned strides, pre-Hopper GPUs) one program per tile loads through
+pointers.  The epilogue reduces the tile on chip to six numbers per row (the reference m, the sums s0..s3 of
+:mod:`._reduce`, a NaN-propagating max), and the tile holding a row's label writes that logit.
+:func:`._reduce.merge_kernel` then merges the ceil(V/BN) partials of every row in a fixed order and writes the
+statistics, ``valid`` and the error counters.  Forward only (the statistics are used under no_grad).
 """
 
 from __future__ import annotations
@@ -34,29 +30,17 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 __all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG", "SHAPE_CONFIGS", "choose_fused_config", "persistent_spec"]
 
-# persistent: programs per multiprocessor of the persistent TMA kernel (0: one program per tile);
-# flatten / ws: its tile loop pipelined as one with the K loop / warp-specialised; maxnreg: register
-# cap per thread (0: none; lets two programs share a multiprocessor, so that one's epilogue could
-# run while the other's matmul does: benchmarks only, never faster so far); branch: mask the
-# columns past V only in the last column tile and form the label logit only in tiles that hold a
-# label (block-uniform branches; 0: in every tile); max_programs: at most this many persistent
-# programs (0: no cap beyond persistent per multiprocessor).  H100, N=16384, H=3584, V=152064
-# (results/h100/tune_fused.csv): persistent 666 TFLOP/s, one program per tile 595.
-DEFAULT_CONFIG = {
-    "bm": 128, "bn": 256, "bk": 64, "group_m": 8, "num_warps": 8, "stages": 3, "moments": 4,
-    "persistent": 1, "flatten": 1, "ws": 0, "maxnreg": 0, "branch": 1,
-    "max_programs": 0,
-}  # fmt: skip
-# Per-shape overrides of DEFAULT_CONFIG for 16-bit inputs: (largest hidden size, overrides), first
-# match wins; fp32 takes DEFAULT_CONFIG.  From the sweep `python -m benchmarks
-# fused-vs-cublas --sweep --dtypes bf16` and an A/B of the epilogues on one H100
-# (benchmarks/RESULTS.md, "Fused head against cuBLAS"): small H runs best with the tile loop not
-# flattened (and the block-uniform branches of ``branch``); larger H flattened and unbranched
-# (the branches inside the flattened loop cost 8-29 % there).
-SHAPE_CONFIGS: tuple[tuple[int, dict], ...] = (
-    (1536, {"flatten": 0}),
-    (2**62, {"branch": 0}),
-)
+# persistent: programs per multiprocessor of the persistent TMA kernel (0: one program per tile); flatten / ws: its
+# tile loop pipelined as one with the K loop / warp-specialised; maxnreg: register cap per thread (0: none;
+# benchmarks only); branch: mask the columns past V and form the label logit only in the tiles that need it
+# (block-uniform branches; 0: in every tile); max_programs: a cap on the persistent programs (0: none).  H100,
+# N=16384, H=3584, V=152064 (results/h100/tune_fused.csv): persistent 666 TFLOP/s, one program per tile 595.
+DEFAULT_CONFIG = {"bm": 128, "bn": 256, "bk": 64, "group_m": 8, "num_warps": 8, "stages": 3, "moments": 4,
+                  "persistent": 1, "flatten": 1, "ws": 0, "maxnreg": 0, "branch": 1, "max_programs": 0}  # fmt: skip
+# Per-shape overrides of DEFAULT_CONFIG for 16-bit inputs: (largest hidden size, overrides), first match wins; fp32
+# takes DEFAULT_CONFIG.  Small H runs best with the tile loop not flattened, larger H flattened and unbranched
+# (benchmarks/RESULTS.md, "Fused head against cuBLAS").
+SHAPE_CONFIGS: tuple[tuple[int, dict], ...] = ((1536, {"flatten": 0}), (2**62, {"branch": 0}))
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # logits_dtype -> the epilogue's ROUND code (fp32 logits need no rounding)
 _ROUND_CODES = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -86,28 +70,9 @@ def _round_bf16(x):
 
 
 @triton.jit
-def _tile_epilogue(
-    acc,
-    pid_m,
-    pid_n,
-    b_ptr,
-    lab_ptr,
-    part_ptr,
-    yk_ptr,
-    N,
-    V,
-    c,
-    inv_t,
-    num_pid_n,
-    HAS_BIAS: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    MOMENTS: tl.constexpr,
-    ROUND: tl.constexpr,
-    T_ROUND: tl.constexpr,
-    FTZ: tl.constexpr,
-    BRANCH: tl.constexpr,
-):
+def _tile_epilogue(acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
+                   HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MOMENTS: tl.constexpr,
+                   ROUND: tl.constexpr, T_ROUND: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr):
     """Reduce one [BM, BN] fp32 logits tile to the six partials per row (and the label logit).
 
     The partials go to part_ptr, fp32 [6, N, num_pid_n] at this tile's column pid_n: m (the
@@ -181,34 +146,10 @@ def _tile_epilogue(
 
 
 @triton.jit
-def _fused_tile_kernel(
-    h_ptr,
-    w_ptr,
-    b_ptr,
-    lab_ptr,
-    part_ptr,
-    yk_ptr,
-    N,
-    V,
-    H,
-    stride_h,
-    stride_w,
-    c,
-    inv_t,
-    HAS_BIAS: tl.constexpr,
-    ROUND: tl.constexpr,
-    T_ROUND: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    IEEE: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    STAGES: tl.constexpr,
-    MOMENTS: tl.constexpr,
-    FTZ: tl.constexpr,
-    BRANCH: tl.constexpr,
-):
+def _fused_tile_kernel(h_ptr, w_ptr, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, stride_h, stride_w, c, inv_t,
+                       HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, T_ROUND: tl.constexpr, EVEN_K: tl.constexpr,
+                       IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                       STAGES: tl.constexpr, MOMENTS: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(N, BM)
     num_pid_n = tl.cdiv(V, BN)
@@ -233,40 +174,16 @@ def _fused_tile_kernel(
             acc = tl.dot(a, tl.trans(b), acc)
         a_ptrs += BK
         b_ptrs += BK
-    _tile_epilogue(
-        acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
-        HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ, BRANCH=BRANCH,
-    )  # fmt: skip
+    _tile_epilogue(acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n, HAS_BIAS=HAS_BIAS,
+                   BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ, BRANCH=BRANCH)  # fmt: skip
 
 
 @triton.jit
-def _fused_persistent_kernel(
-    a_desc,
-    w_desc,
-    b_ptr,
-    lab_ptr,
-    part_ptr,
-    yk_ptr,
-    N,
-    V,
-    H,
-    c,
-    inv_t,
-    HAS_BIAS: tl.constexpr,
-    ROUND: tl.constexpr,
-    T_ROUND: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    STAGES: tl.constexpr,
-    MOMENTS: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
-    FLATTEN: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
-    FTZ: tl.constexpr,
-    BRANCH: tl.constexpr,
-):
+def _fused_persistent_kernel(a_desc, w_desc, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, c, inv_t,
+                             HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, T_ROUND: tl.constexpr, BM: tl.constexpr,
+                             BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
+                             MOMENTS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
+                             WARP_SPECIALIZE: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr):
     """Persistent variant: NUM_PROGRAMS programs walk the tiles; operands arrive by TMA descriptors.
 
     With FLATTEN the tile loop and the K loop are pipelined as one, so the loads of the next tile
@@ -277,19 +194,17 @@ def _fused_persistent_kernel(
     num_pid_n = tl.cdiv(V, BN)
     k_tiles = tl.cdiv(H, BK)
     num_tiles = num_pid_m * num_pid_n
-    for tile in tl.range(
-        tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE, num_stages=STAGES
-    ):
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE,
+                         num_stages=STAGES):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for ki in range(k_tiles):
             a = a_desc.load([pid_m * BM, ki * BK])
             b = w_desc.load([pid_n * BN, ki * BK])
             acc = tl.dot(a, b.T, acc)
-        _tile_epilogue(
-            acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
-            HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ, BRANCH=BRANCH,
-        )  # fmt: skip
+        _tile_epilogue(acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
+                       HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ,
+                       BRANCH=BRANCH)  # fmt: skip
 
 
 def _num_sms(device: torch.device) -> int:
@@ -300,12 +215,11 @@ def persistent_spec(
     cfg: dict, has_bias: bool, round_code: int, t_round: bool, n_prog: int, ftz: bool
 ) -> tuple[object, dict]:
     """The persistent TMA kernel (:func:`_fused_persistent_kernel`) and a configuration's compile-time arguments."""
-    return _fused_persistent_kernel, {
-        "HAS_BIAS": has_bias, "ROUND": round_code, "T_ROUND": t_round, "BM": cfg["bm"], "BN": cfg["bn"],
-        "BK": cfg["bk"], "GROUP_M": cfg["group_m"], "STAGES": cfg["stages"], "MOMENTS": cfg["moments"],
-        "NUM_PROGRAMS": n_prog, "FTZ": ftz, "BRANCH": bool(cfg["branch"]), "FLATTEN": bool(cfg["flatten"]),
-        "WARP_SPECIALIZE": bool(cfg["ws"]),
-    }  # fmt: skip
+    return _fused_persistent_kernel, {"HAS_BIAS": has_bias, "ROUND": round_code, "T_ROUND": t_round, "BM": cfg["bm"],
+                                      "BN": cfg["bn"], "BK": cfg["bk"], "GROUP_M": cfg["group_m"],
+                                      "STAGES": cfg["stages"], "MOMENTS": cfg["moments"], "NUM_PROGRAMS": n_prog,
+                                      "FTZ": ftz, "BRANCH": bool(cfg["branch"]), "FLATTEN": bool(cfg["flatten"]),
+                                      "WARP_SPECIALIZE": bool(cfg["ws"])}  # fmt: skip
 
 
 def _use_persistent(cfg: dict, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -333,33 +247,20 @@ def choose_fused_config(hdim: int, dtype: torch.dtype) -> dict:
 
 
 def token_stats_fused_triton(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    bias: torch.Tensor | None,
-    temperature: float,
-    ignore_index: int,
-    *,
-    config: dict | None = None,
-    rows_per_launch: int | None = None,
-    logits_dtype: torch.dtype | None = None,
-    temperature_in_logits_dtype: bool = False,
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None, temperature: float,
+    ignore_index: int, *, config: dict | None = None, rows_per_launch: int | None = None,
+    logits_dtype: torch.dtype | None = None, temperature_in_logits_dtype: bool = False,
 ) -> KernelStats:
     """Statistics of z = (hidden @ weight.T + bias) / T without materialising [N, V] logits.
 
-    hidden [N, H], weight [V, H] (bf16/fp16/fp32, same dtype, CUDA, last dim contiguous), bias [V]
-    or None, labels [N] int64.  Returns :class:`.triton_stats.KernelStats` (fp32 [N] statistics
-    written by the merge kernel, bool ``valid``, int32 error counters; a NaN or +inf in a row's
-    logits counts as NaN/+inf).  Matmul in the input dtype on tensor cores with fp32 accumulation
-    (fp32 inputs: full-precision "ieee" dot, slow).  Rows are processed in slices of
-    ``rows_per_launch`` (default: partials <= 256 MiB).  ``config`` overrides the configuration
-    :func:`choose_fused_config` picks (benchmarks; ``moments=2`` skips sum p^2 and E_p[S], which
-    then read 0; ``moments=0`` every exponential, a timing floor whose statistics are meaningless).
-
-    ``logits_dtype`` (None, bf16, fp16 or fp32) rounds the fp32-accumulated L = hidden @ W.T + b
-    to that dtype in the epilogue, z = fp32(round(L)) / T; with ``temperature_in_logits_dtype``
-    z = fp32(round(round(L) * fp32(1/T))), as torch's ``low_logits / T`` computes it (see
-    ``entropy_discriminator.token_stats_from_hidden``).
+    hidden [N, H], weight [V, H] (bf16/fp16/fp32, same dtype, CUDA, last dim contiguous), bias [V] or None, labels
+    [N] int64.  Returns :class:`.triton_stats.KernelStats` (fp32 [N] statistics, bool ``valid``, int32 error
+    counters).  Matmul in the input dtype on tensor cores with fp32 accumulation (fp32 inputs: the slow "ieee" dot),
+    in row slices of ``rows_per_launch`` (default: partials <= 256 MiB).  ``config`` overrides
+    :func:`choose_fused_config` (benchmarks; ``moments=2`` skips sum p^2 and E_p[S], which read 0; ``moments=0``
+    every exponential, a timing floor).  ``logits_dtype`` rounds L = hidden @ W.T + b in the epilogue,
+    z = fp32(round(L)) / T; with ``temperature_in_logits_dtype`` z = fp32(round(round(L) * fp32(1/T))), as torch's
+    ``low_logits / T`` (``entropy_discriminator.token_stats_from_hidden``).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(

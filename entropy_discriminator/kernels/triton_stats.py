@@ -1,33 +1,24 @@
-"""One-pass Triton kernel for the per-token vocabulary statistics.
+"""One-pass Triton kernel for the per-token vocabulary statistics (measurements: benchmarks/RESULTS.md).
 
-Each logits row is read once.  A program streams its row (or, for small N, one slice of it:
-split-V) in blocks of BLOCK logits: an unmasked main loop over the whole blocks, then one masked
-tail.  Per block it takes the block max (the only cross-thread reduction inside the loop), moves
-the reference m only when that max exceeds m by more than TAU (lazy rescaling: a branch taken a
-handful of times per row), and adds into four per-lane accumulators
+Each logits row is read once.  A program streams its row (for small N one slice of it: split-V) in blocks of
+BLOCK logits, an unmasked main loop then one masked tail.  Per block it takes the block max, moves the reference m
+only when that max exceeds m by more than TAU (lazy rescaling) and adds into four per-lane accumulators
 
     e = exp2(x * c - m)   (log2(e)/T folded into the one FMA),   s0 += e, s1 += e d,
     s2 += e*e, s3 += e*e d   (e^(2(z-m)) as the square of e^(z-m)),
 
-see :mod:`._reduce` for the algebra.  The lanes are summed once at the end of the row.  bf16
-rows with V even and 4-byte aligned starts take the PACKED loop: the block is read as int32 words of
-two logits, the block max taken on the packed pairs (``max.NaN.bf16x2``) and each logit widened to
-fp32 by one integer instruction, on BLOCK/2 lanes that each take both logits of their word (fewer
-instructions per logit, and half the accumulator registers).  With split-V, each program writes its six partials (m, s0..s3, max), then takes a ticket from the row's
-arrival counter; the last program of the row merges the partials in slice order (one launch, and
-two runs give identical bits).  Rows whose label is ``ignore_index`` are not read at all.
+summed once at the end of the row (:mod:`._reduce` has the algebra).  bf16 rows with V even and 4-byte aligned
+starts take the PACKED loop: int32 words of two logits, the block max on the packed pairs (``max.NaN.bf16x2``), each
+logit widened by one integer instruction on BLOCK/2 lanes.  With split-V each program writes its six partials and
+takes a ticket from the row's arrival counter; the last one merges the partials in slice order (deterministic
+bits).  Rows whose label is ``ignore_index`` are not read.
 
-The kernel also validates: the program that finishes a row counts it, if it is bad (label
-outside [0, V), a NaN or +inf logit, every logit -inf, or finite logits that overflow fp32 once
-scaled by log2(e)/T), in the matching error counter of the stream's workspace, then writes its five
-statistics (NaN for a bad row) and ``valid`` directly.  Between the two it counts the row as
-finished (one 64-bit word over the call: finished rows, and bad rows above bit 32); the program
-that finishes the call's last row moves the counters (only read when some row was bad) into the
-call's own ``errors`` words, resets the workspace (so no launch needs a zero-filled buffer: it is
-allocated once per stream and device and left zeroed by every launch) and, when asked, stores them
-and a summary word into pinned host memory for the host to poll (:mod:`._host_report`): a checked
-call then waits once, copies nothing, and is released before the last rows' statistics are stored
-(stream order still puts them before any later work).
+The program that finishes a row counts it in the stream workspace's error counters if it is bad (label outside
+[0, V), a NaN or +inf logit, every logit -inf, or finite logits that overflow fp32 once scaled by log2(e)/T), counts
+it as finished, then writes its statistics (NaN for a bad row) and ``valid``.  The program that finishes the call's
+last row moves the counters into the call's ``errors`` words, resets the workspace (allocated once per stream and
+left zeroed by every launch) and, when asked, stores them and a summary word into pinned host memory for the host
+to poll (:mod:`._host_report`): a checked call waits once and copies nothing.
 """
 
 from __future__ import annotations
@@ -45,19 +36,8 @@ from . import interpreting
 from . import is_available as _is_available
 from ._host_report import NO_FAULTS, HostReport, host_report
 from ._launch import DirectLauncher
-from ._reduce import (
-    D_FLOOR,
-    ERR_WORDS,
-    ERR_WORDS_C,
-    LOG2E,
-    count_row,
-    exp2,
-    max_nan,
-    merge_partials,
-    rescale,
-    row_faults,
-    store_stats,
-)
+from ._reduce import (D_FLOOR, ERR_WORDS, ERR_WORDS_C, LOG2E, count_row, exp2, max_nan, merge_partials, rescale,
+                      row_faults, store_stats)
 
 __all__ = ["KernelStats", "token_stats_triton", "is_available", "choose_config", "HostReport", "host_report", "NO_FAULTS"]
 
@@ -177,16 +157,12 @@ def _early_publish(ws_ptr, N, flag, host_ptr, seq, SPLIT: tl.constexpr):
 
 @triton.jit
 def _finish_row(ws_ptr, N, bad, err_ptr, host_ptr, seq, REPORT: tl.constexpr, SPLIT: tl.constexpr, COUNTERS: tl.constexpr):
-    """Called once per row, after its faults are counted and before its statistics are computed
-    and stored, so that no later work sits between the last row and the host's return.
-
-    One acq_rel 64-bit add counts the row as finished (and bad, if ``bad``).  The program that
-    finishes the call's N-th row resets that word and, only if some row was bad, takes the error
-    counters out of the workspace (read and reset in one exchange); it writes them to the call's
-    ``err_ptr`` (with COUNTERS) and, with REPORT, to the host words (:func:`_publish`), unless
-    :func:`_early_publish` already gave the host the clean answer (split-V: no slice flagged).
-    Every program's finished-program count precedes its row's arrival, so here all are in, and this
-    program resets that word too."""
+    """Called once per row, after its faults are counted and before its statistics are stored (so no later work
+    sits between the last row and the host's return).  One acq_rel 64-bit add counts the row as finished (and bad,
+    if ``bad``).  The program that finishes the call's N-th row resets that word and, only if some row was bad,
+    takes the error counters out of the workspace (one exchange); it writes them to ``err_ptr`` (COUNTERS) and to the
+    host words (REPORT, :func:`_publish`) unless :func:`_early_publish` already gave the host the clean answer;
+    every program's finished-program count precedes its row's arrival, so it resets that word too."""
     tl.debug_barrier()  # this row's counter increments come before its arrival
     done_ptr = ws_ptr.to(tl.pointer_type(tl.int64))
     inc = 1 + (bad.to(tl.int64) << 32)
@@ -210,34 +186,10 @@ def _finish_row(ws_ptr, N, bad, err_ptr, host_ptr, seq, REPORT: tl.constexpr, SP
 
 
 @triton.jit(do_not_specialize=["seq"])
-def _stats_kernel(
-    x_ptr,
-    inner,
-    stride_outer,
-    stride_inner,
-    lab_ptr,
-    V,
-    chunk,
-    c,
-    ignore_index,
-    out_ptr,
-    valid_ptr,
-    part_ptr,
-    ws_ptr,
-    N,
-    err_ptr,
-    host_ptr,
-    seq,
-    SPLIT: tl.constexpr,
-    SPLIT_P2: tl.constexpr,
-    BLOCK: tl.constexpr,
-    TAU: tl.constexpr,
-    STAGES: tl.constexpr,
-    FTZ: tl.constexpr,
-    REPORT: tl.constexpr,
-    PACKED: tl.constexpr,
-    COUNTERS: tl.constexpr,
-):
+def _stats_kernel(x_ptr, inner, stride_outer, stride_inner, lab_ptr, V, chunk, c, ignore_index, out_ptr, valid_ptr,
+                  part_ptr, ws_ptr, N, err_ptr, host_ptr, seq, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr,
+                  BLOCK: tl.constexpr, TAU: tl.constexpr, STAGES: tl.constexpr, FTZ: tl.constexpr, REPORT: tl.constexpr,
+                  PACKED: tl.constexpr, COUNTERS: tl.constexpr):
     row = tl.program_id(0)
     sp = tl.program_id(1)
     r = row.to(tl.int64)
@@ -350,37 +302,20 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-# (block, num_warps, stages) of the streaming loop by logits dtype, one rule for every card: the
-# loops that stay at the read floor as the memory's bandwidth per multiprocessor grows (an H200 has
-# an H100's 132 SMs and clocks with 1.43x its bandwidth).  Chosen on an H100, N=16384, V=151936,
-# kernel / torch.sum on all 132 SMs and on 88 (`python -m benchmarks stats --sms 88`: the H200's
-# bandwidth per SM; an H100 on 88 SMs reproduced the H200's own figures, e.g. the unpacked bf16
-# 512/1/4 1.13 against 1.14 and 1024/2/4 1.33 against 1.28-1.30; benchmarks/RESULTS.md):
-# - bf16, the PACKED loop (results/h100/sweep_proxy.csv): 1024/1/4 0.981 and 0.938, 2048/2/3 0.966
-#   and 0.983, 512/1/4 1.000 and 0.966; on 72 SMs 1.018, 1.107, 1.103.  N=256: 1024/1/4 43.8 us,
-#   2048/2/3 43.6 (torch.sum 42.8; results/h100/sweep_packed.csv).
-# - fp16, the unpacked loop (results/h100/sweep_fp16.csv): 512/1/8 0.986 and 1.000, 1024/2/4 0.985
-#   and 1.249, 512/1/4 0.999 and 1.010, 1024/1/4 0.988 and 1.174; N=256: 512/1/8 45.3 us, 1024/2/4
-#   44.3 (torch.sum 43.6).
-# - fp32 2048/4/3: at the floor on the H100 (3.211 ms against torch.sum's 3.290) and faster than
-#   torch.sum on an H200 (2.145 ms against 2.44; results/h200/sweep_issue11.csv).
+# (block, num_warps, stages) of the streaming loop by logits dtype, one rule for every card: the loops that stay at
+# the read floor as the bandwidth per multiprocessor grows, chosen on an H100 (N=16384, V=151936) on all 132 SMs and
+# on 88 (an H200's bandwidth per SM): benchmarks/RESULTS.md, results/h100/sweep_proxy.csv (bf16, PACKED),
+# sweep_fp16.csv (fp16), results/h200/sweep_issue11.csv (fp32).
 _LOOP_DEFAULTS = {torch.bfloat16: (1024, 1, 4), torch.float16: (512, 1, 8), torch.float32: (2048, 4, 3)}
 
 
 def choose_config(n_rows: int, vocab: int, dtype: torch.dtype, num_sms: int) -> dict:
     """Block size, warps, pipelining depth and split-V factor for an [n_rows, vocab] problem.
 
-    Measured on an H100, on all its 132 SMs and on 88 of them, which have an H200's bandwidth per
-    SM (V=151936; benchmarks/sweep.sh, benchmarks/RESULTS.md): bf16 logits run through the PACKED
-    loop (two logits per int32 word; on by default wherever V is even and the rows 4-byte aligned)
-    in blocks of 1024 with one warp and 4 cp.async stages (N=16384: 1.9% under the torch.sum time
-    on the whole H100, 6% under it on 88 SMs); fp16 in blocks of 512 with one warp and 8 stages; fp32
-    in blocks of 2048 with 4 warps and 3 stages.  One warp per block needs no cross-warp max
-    reduction, which is what keeps the 16-bit loops at the floor where bandwidth per SM is higher.
-    Split-V is used when the rows alone give fewer than SPLIT_TARGET programs per
-    multiprocessor: the split is the power of two that reaches it (N=256 on the H100: split 4 took
-    45.5 us, 8 45.8, 3 46.3, 6 52.2; results/h100/tune_stats.csv), capped so that each slice holds
-    >= 2 blocks.  ``packed=0`` in a ``config`` turns the PACKED loop off (benchmarks).
+    The loop of :data:`_LOOP_DEFAULTS` (one warp per block for 16-bit logits: no cross-warp max reduction); split-V
+    when the rows alone give fewer than SPLIT_TARGET programs per multiprocessor, by the power of two that reaches
+    it, capped so that each slice holds >= 2 blocks (results/h100/tune_stats.csv).  ``packed=0`` in a ``config``
+    turns the PACKED loop off (benchmarks).
     """
     return dict(_choose(n_rows, vocab, dtype, num_sms))
 
@@ -418,30 +353,20 @@ def _row_layout(shape: tuple, strides: tuple) -> tuple[int, int, int] | None:
 
 
 def token_stats_triton(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    temperature: float,
-    ignore_index: int,
-    *,
-    config: dict | None = None,
-    report: HostReport | None = None,
-    counters: bool = True,
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, ignore_index: int, *, config: dict | None = None,
+    report: HostReport | None = None, counters: bool = True,
 ) -> KernelStats:
     """One-pass statistics of every row of ``logits`` [..., V] (bf16/fp16/fp32, CUDA).
 
     With z = logits/T (fp32), p = softmax(z), k = labels (integer, ``logits.shape[:-1]``) returns
-    :class:`KernelStats`: fp32 log p_k, H = -sum p log p, S* = p_k (H + log p_k),
-    E_p[S] = H sum p^2 + sum p^2 log p (centred form, see :mod:`._reduce`), S_c = S* - E_p[S], and
-    ``valid = labels != ignore_index``, each of ``labels.shape``, written once by the kernel; and
-    the int32 error counters (no host synchronisation here: the caller reads them, or passes a
-    :class:`._host_report.HostReport` that the kernel also writes them to, then calls its
-    ``wait()``; ``counters=False``: no device counters, ``errors`` is None, one allocation less
-    per call).  Rows with label == ignore_index are not read and give 0.  Rows whose leading
-    dimensions fold into two strided levels (any 2-D row stride, the ``[B, T+1, V][:, :-1]``
-    shift) are read in place; other layouts run one launch per leading index (a leading slice that
-    still does not fold is copied); a last dimension that is not contiguous is copied.  ``config``
-    overrides :func:`choose_config` (benchmarks).  Deterministic: the same inputs give the same
-    bits (split-V partials are merged in slice order).
+    :class:`KernelStats`: fp32 log p_k, H = -sum p log p, S* = p_k (H + log p_k), E_p[S] = H sum p^2 + sum p^2 log p
+    (centred form, :mod:`._reduce`), S_c = S* - E_p[S] and ``valid = labels != ignore_index``, each of
+    ``labels.shape``; and the int32 error counters (no host synchronisation here: the caller reads them, or passes a
+    :class:`._host_report.HostReport` the kernel also writes them to and calls its ``wait()``; ``counters=False``:
+    ``errors`` is None).  Rows with label == ignore_index are not read and give 0.  Leading dimensions that fold
+    into two strided levels (e.g. ``[B, T+1, V][:, :-1]``) are read in place; other layouts run one launch per
+    leading index; a non-contiguous last dimension is copied.  ``config`` overrides :func:`choose_config`.
+    Deterministic: the same inputs give the same bits.
     """
     if logits.dim() < 1:
         raise ValueError(f"logits must have shape [..., V], got shape {tuple(logits.shape)}")
@@ -591,10 +516,8 @@ def _launch(x, layout, labels, rows, out, valid, n_out, c, ignore_index, plan, p
     current device, through :class:`._launch.DirectLauncher` (Triton's own launch path costs more
     host time than the kernel takes at N = 256)."""
     inner, stride_outer, stride_inner = layout
-    args = (
-        x, inner, stride_outer, stride_inner, labels, plan.vocab, plan.chunk, c, ignore_index,
-        out, valid, part, ws, n_out, errors if errors is not None else ws, host, seq,
-    )  # fmt: skip
+    args = (x, inner, stride_outer, stride_inner, labels, plan.vocab, plan.chunk, c, ignore_index, out, valid, part, ws,
+            n_out, errors if errors is not None else ws, host, seq)  # fmt: skip
     # two bf16 per int32 word: the rows' starts (and so every block) must be 4-byte aligned
     packed = plan.packed if not (x.data_ptr() & 3 or stride_outer & 1 or stride_inner & 1) else 0
     consts = plan.consts[seq != 0, packed, errors is not None]  # COUNTERS: the call wants device counters
