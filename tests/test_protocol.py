@@ -34,8 +34,10 @@ from entropy_lab.protocol import (
     report,
     run_stage,
     seed_count,
+    tuned_arms,
     write_selection,
 )
+from entropy_lab.records import append_jsonl
 from entropy_lab.equivalence import seeds_for_difference, seeds_for_equivalence, tost
 from entropy_lab.stats_tests import holm, paired_test, t_quantile_975, t_two_sided_p, value_at_level
 from entropy_lab.tuning import (
@@ -750,3 +752,24 @@ def test_autopilot_trace_summarises_hand_built_records() -> None:
         protocol.autopilot_trace(runs, "x", cap=0.05)
     with pytest.raises(ValueError, match="no autopilot records"):
         protocol.autopilot_trace(runs, "grpo", cap=0.05)
+
+
+def test_main_runs_a_setting_an_extension_added(tmp_path: Path) -> None:
+    """A chosen setting that only a grid extension ran (e.g. PPO + Clip_V at mu 0.5, below the first grid) is in no
+    grid function: the main run takes it from the tuning records beside the selection (``tuned_arms``), exactly as it
+    ran, and refuses a chosen name found nowhere, or a record that contradicts the grid."""
+    first = next(a for a in stage_b(1e-4, 1e-4) if a.name == "ppo+clip_v(mu=1.5,cap=0.02)")
+    extended = replace(first, name="ppo+clip_v(mu=0.5,cap=0.02)", mu=0.5)
+    stage = tmp_path / "stage_b"
+    (stage / "extend1").mkdir(parents=True)
+    append_jsonl(stage / "runs.jsonl", [_tuning_run(first, s, 0.5) for s in (100, 101)])
+    append_jsonl(stage / "extend1" / "runs.jsonl", [_tuning_run(extended, s, 0.9) for s in (100, 101)])
+    sel = {"ppo+clip_v": {"chosen": extended.name}}
+    (stage / "selection.json").write_text(json.dumps(sel))
+    tuned = tuned_arms(stage / "selection.json")
+    assert sorted(a.name for a in tuned) == sorted([first.name, extended.name])
+    assert main_arms([sel], 1e-4, 1e-4, ["ppo+clip_v"], tuned=tuned) == [extended]
+    with pytest.raises(ValueError, match="in no grid and in no tuning record"):
+        main_arms([sel], 1e-4, 1e-4, ["ppo+clip_v"])
+    with pytest.raises(ValueError, match="ran as"):
+        main_arms([sel], 1e-4, 1e-4, ["ppo+clip_v"], tuned=[replace(first, mu=2.0)])

@@ -590,10 +590,12 @@ def extend_stage(spec: RunSpec, run_dir: Path, *, jobs: int, rounds: int = 4, lo
 
 def main_arms(selections: Sequence[dict[str, dict[str, object]]], grpo_lr: float, ppo_lr: float,
               families: Sequence[str] | None = None, start_entropy: float = 0.70,
-              fixed_share: float | None = None, autopilot_calibrate_every: int = 0) -> list[Arm]:
+              fixed_share: float | None = None, autopilot_calibrate_every: int = 0,
+              tuned: Sequence[Arm] = ()) -> list[Arm]:
     """The main run's arms: the chosen setting of every family in ``selections`` (:func:`write_selection` outputs),
     as defined by :func:`~entropy_lab.tuning.stage_a` / ``stage_b(grpo_lr, ppo_lr)`` /
-    ``adaptive_bonus_arms(grpo_lr, start_entropy)``, plus GRPO at
+    ``adaptive_bonus_arms(grpo_lr, start_entropy)`` or, for a setting an extension of the grid added, as ``tuned``
+    (the arms the tuning runs recorded, :func:`tuned_arms`; a name in both must define the same arm), plus GRPO at
     :func:`~entropy_lab.tuning.second_lr` of the chosen GRPO rate (the frontier's second GRPO line).
     A family with no chosen setting is left out (and reported as not reached).
 
@@ -606,7 +608,13 @@ def main_arms(selections: Sequence[dict[str, dict[str, object]]], grpo_lr: float
     those raises ``ValueError``."""
     pool = (*stage_a(), *stage_b(grpo_lr, ppo_lr), *adaptive_bonus_arms(grpo_lr, start_entropy))
     by_name = {a.name: a for a in pool}
+    for arm in tuned:
+        if by_name.setdefault(arm.name, arm) != arm:
+            raise ValueError(f"tuned: {arm.name} ran as {arm}, the grid defines it as {by_name[arm.name]}")
     chosen = [str(s["chosen"]) for sel in selections for s in sel.values() if s["chosen"]]
+    missing = [n for n in chosen if n not in by_name]
+    if missing:
+        raise ValueError(f"chosen settings {missing} are in no grid and in no tuning record (pass tuned=)")
     if families is not None:
         wanted = set(families)
         unknown = wanted - {f for sel in selections for f in sel} - {"autopilot", "fixed_share", "grpo_second_lr"}
@@ -634,6 +642,13 @@ def main_arms(selections: Sequence[dict[str, dict[str, object]]], grpo_lr: float
     second = second_lr(grpo.lr)
     arms.append(Arm(f"grpo(lr={second:g})", "grpo_second_lr", lr=second))
     return arms
+
+
+def tuned_arms(selection: Path) -> list[Arm]:
+    """The arms the tuning runs beside a ``selection.json`` ran (``runs.jsonl`` and ``extend*/runs.jsonl`` in its
+    folder, plain or compressed), one per name, as their records' ``arm_spec`` define them."""
+    files = [f for pat in ("runs.jsonl*", "extend*/runs.jsonl*") for f in sorted(selection.parent.glob(pat))]
+    return list({r["arm"]: Arm(**r["arm_spec"]) for r in load_jsonl(*files)}.values()) if files else []
 
 
 WARM_CACHE_HELP = ("folder of warm starts shared by the stages of one set-up: a seed's warm start of the same "
@@ -776,7 +791,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         fams = args.families.split(",") if args.families else None
         share = mean_autopilot_share(load_jsonl(*args.fixed_share_from)) if args.fixed_share_from else None
         arms = main_arms(sels, args.grpo_lr, args.ppo_lr, fams, args.start_entropy, share,
-                         args.autopilot_calibrate_every)
+                         args.autopilot_calibrate_every, [a for p in args.selection for a in tuned_arms(p)])
         if not arms:
             raise SystemExit("main: no arm to run (no selected setting in the requested families)")
         run_stage(spec, arms, args.out, jobs=args.jobs, warm_cache=args.warm_cache)
