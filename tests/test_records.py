@@ -31,8 +31,10 @@ from entropy_lab.records import (
 
 ROOT = Path(__file__).resolve().parents[1]
 REPRO = ROOT / "docs" / "reproduction"
-#: The tracked checkout (every file ``git ls-files`` lists) stays at most this large: a device call carries it.
-MAX_TRACKED_BYTES = 10 * 1000 * 1000
+#: The tracked checkout (every file ``git ls-files`` lists) stays at most this large: a device call carries it
+#: (64 MiB at most).  12 MB leaves room for the headroom main run's records (about 2 KB per run compressed,
+#: 600 runs) beside everything kept so far.
+MAX_TRACKED_BYTES = 12 * 1000 * 1000
 
 _scalars = st.one_of(st.none(), st.booleans(), st.integers(-(10**12), 10**12),
                      st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=12))
@@ -200,7 +202,7 @@ def test_s2_autopilot_gain_recomputes_from_the_compressed_parts() -> None:
 
 
 def test_tracked_checkout_stays_light() -> None:
-    """The files ``git ls-files`` lists sum to at most 10 MB (records go in compressed: docs/reproduction/README.md)."""
+    """The files ``git ls-files`` lists sum to at most 12 MB (records go in compressed: docs/reproduction/README.md)."""
     if shutil.which("git") is None:
         pytest.skip("git is not installed: the tracked files cannot be listed")
     top = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--show-toplevel"], capture_output=True, text=True)
@@ -211,4 +213,4 @@ def test_tracked_checkout_stays_light() -> None:
     sizes = {str(p.relative_to(ROOT)): p.lstat().st_size for p in files if p.is_symlink() or p.exists()}
     total = sum(sizes.values())
     biggest = sorted(sizes.items(), key=lambda kv: -kv[1])[:5]
-    assert total <= MAX_TRACKED_BYTES, f"tracked checkout is {total / 1e6:.2f} MB > 10 MB; largest: {biggest}"
+    assert total <= MAX_TRACKED_BYTES, f"tracked checkout is {total / 1e6:.2f} MB > {MAX_TRACKED_BYTES / 1e6:g} MB; largest: {biggest}"
