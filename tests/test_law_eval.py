@@ -51,10 +51,32 @@ def test_validate_and_autopilot_commands_write_their_tables(tmp_path, capsys):
     assert (report / "law.md").read_text() == law_md
 
 
+def test_probe_reading_leaves_training_unchanged():
+    """The probe reads the policy on streams of its own: an autopilot run with it trains exactly as one without (every
+    record equal but the timings and the probe's field), the probe's steps are step 1 and every probe_every-th, and
+    its reading is a mean token entropy (between 0 and log V)."""
+    def runs(probe_batches: int) -> list[dict]:
+        env = law_eval._fresh_streams(law_eval.make_env("s1", 2, quick=True), "s1", 2)
+        probe = law_eval.probe_reader(env, "s1", 2, probe_batches) if probe_batches else None
+        return law_eval.run(env, 4, pilot=law_eval._pilot("below"), tag="below", probe=probe, probe_every=3)
+
+    plain, probed = runs(0), runs(2)
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith("sec_") and k != "autopilot_entropy_probe"}  # noqa: E731
+    assert [strip(r) for r in probed] == [strip(r) for r in plain]
+    assert not any("autopilot_entropy_probe" in r for r in plain)
+    assert sorted({r["step"] for r in probed if "autopilot_entropy_probe" in r}) == [1, 3]
+    vocab = law_eval.make_env("s1", 2, quick=True).model.head.out_features
+    assert all(0.0 < r["autopilot_entropy_probe"] < math.log(vocab) for r in probed if "autopilot_entropy_probe" in r)
+    with pytest.raises(ValueError, match="S1 / S2"):
+        law_eval.probe_reader(law_eval.make_env("custom", 0, quick=True), "custom", 0, 2)
+
+
 def test_bad_arguments_are_usage_errors(tmp_path):
     with pytest.raises(SystemExit):
         law_eval.main(["validate", "--setups", "demo,nope", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
         law_eval.main(["validate", "--step", "5", "--out", str(tmp_path)])  # no abbreviations
+    with pytest.raises(SystemExit):
+        law_eval.main(["autopilot", "--probe-batches", "-1", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="setup must be one of"):
         law_eval.make_env("other", 0)

@@ -58,6 +58,11 @@ HEAD_CONFIGS = {
 TARGETS = {"above": 0.05, "at": 0.0, "below": -0.05}
 #: The autopilot's settings in the evaluation (everything else its defaults).
 AUTOPILOT_SETTINGS = dict(sides="both", max_frac=0.2, decay_steps=20)
+#: The probe reading of autopilot runs (:func:`probe_reader`): every PROBE_EVERY RL steps (and on step 1), the mean
+#: token entropy of PROBE_BATCHES fresh rollout batches of the current policy, from streams of their own.
+PROBE_EVERY, PROBE_BATCHES = 5, 16
+#: Offset of the probe's seeds from the run's, so that its prompt and sampling streams share nothing with training.
+PROBE_SEED_OFFSET = 1_000_003
 
 
 @dataclass
@@ -170,8 +175,8 @@ def _batch(logits: torch.Tensor, seq: torch.Tensor, resp: torch.Tensor, adv: tor
     return Batch(seq, resp, adv[:, None].expand(resp.shape).contiguous(), old_lp)
 
 
-def run(env: Env, steps: int, *, pilot: EntropyAutopilot | None = None, tag: str = "", second_order: bool = False
-        ) -> list[dict[str, float]]:
+def run(env: Env, steps: int, *, pilot: EntropyAutopilot | None = None, tag: str = "", second_order: bool = False,
+        probe: Callable[[], float] | None = None, probe_every: int = PROBE_EVERY) -> list[dict[str, float]]:
     """``steps`` RL steps of ``env`` (``minibatches`` optimizer steps each); one record per optimizer step.
 
     Loss per mini-batch: PPO's clipped surrogate (plain ``-A r`` without ``ppo_clip``), keep-mask as ``zero_pg``,
@@ -180,6 +185,10 @@ def run(env: Env, steps: int, *, pilot: EntropyAutopilot | None = None, tag: str
     ``autopilot_entropy_fixed``: the policy's mean token entropy, read with ``autopilot_entropy`` (before the step), on the fixed contexts of the first
     mini-batch (whose entropy before any step is the autopilot's ``H_0``).  ``second_order`` adds ``exact2_dH``,
     the first-order prediction plus :func:`~entropy_discriminator.law.step_entropy_curvature` of the same step.
+    ``probe`` (autopilot runs): on RL step 1 and every ``probe_every``-th, called before the step's first update;
+    its value (the policy's entropy read on batches of its own, :func:`probe_reader`) goes into that step's records
+    as ``autopilot_entropy_probe``.  It must draw from no stream training uses, so that training is the same with
+    and without it.
     """
     model = env.model
     params = dict(model.named_parameters())
@@ -191,6 +200,7 @@ def run(env: Env, steps: int, *, pilot: EntropyAutopilot | None = None, tag: str
     fixed: torch.Tensor | None = None  # the first mini-batch's sequences (autopilot runs)
     for step in range(1, steps + 1):
         batch = env.sample()
+        h_probe = probe() if probe is not None and (step == 1 or step % probe_every == 0) else None
         for mb, idx in enumerate(torch.randperm(len(batch.seq), generator=env.generator).chunk(env.minibatches)):
             seq, resp, adv, old_lp = batch.seq[idx], batch.resp[idx], batch.adv[idx], batch.old_lp[idx]
             valid = torch.ones_like(resp, dtype=torch.bool)
@@ -270,6 +280,8 @@ def run(env: Env, steps: int, *, pilot: EntropyAutopilot | None = None, tag: str
                            autopilot_predicted_dh=res.predicted_dh_after, autopilot_dropped_frac=res.dropped_frac,
                            autopilot_capped=float(res.mask.capped))
                 rec["autopilot_entropy_fixed"] = h_fixed
+                if h_probe is not None:
+                    rec["autopilot_entropy_probe"] = h_probe
             records.append(rec)
     return records
 
@@ -317,15 +329,18 @@ def _warm(job: tuple[str, int, bool, str]) -> str:
     return str(path)
 
 
-def _job(job: tuple[str, int, int, str, bool, str, str]) -> list[dict[str, float]]:
-    """One (setup, seed, arm) from the seed's saved warm start: plain GRPO (``"validate"``) or an autopilot target."""
-    setup, seed, steps, arm, quick, sink, folder = job
+def _job(job: tuple[str, int, int, str, bool, str, str, int]) -> list[dict[str, float]]:
+    """One (setup, seed, arm) from the seed's saved warm start: plain GRPO (``"validate"``) or an autopilot target
+    (with :func:`probe_reader`'s reading of ``probe_batches`` batches, 0 none)."""
+    setup, seed, steps, arm, quick, sink, folder, probe_batches = job
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     env = make_env(setup, seed, quick=True)  # the tiny warm-up is replaced by the saved one
     env.model.load_state_dict(torch.load(Path(folder) / f"{setup}_{seed}.pt", weights_only=True))
     env = _fresh_streams(env, setup, seed)
-    recs = run(env, steps, pilot=None if arm == "validate" else _pilot(arm), tag=arm, second_order=arm == "validate")
+    probe = probe_reader(env, setup, seed, probe_batches) if arm != "validate" and probe_batches > 0 else None
+    recs = run(env, steps, pilot=None if arm == "validate" else _pilot(arm), tag=arm, second_order=arm == "validate",
+               probe=probe)
     for r in recs:
         r["seed"] = seed
     with open(sink, "a") as f:
@@ -371,6 +386,34 @@ def _reseeded_head(env: Env, setup: str, seed: int) -> Env:
     return replace(env, sample=sample, generator=sample_gen)
 
 
+def probe_reader(env: Env, setup: str, seed: int, batches: int) -> Callable[[], float]:
+    """A precise reading of the policy's on-policy entropy: the mean token entropy (nats) over the response tokens
+    of ``batches`` fresh rollout batches of ``env.model``, each like a training batch (S1 / S2: same prompts per
+    step, group size and temperature), from prompt and sampling streams seeded ``seed + PROBE_SEED_OFFSET`` (shared
+    with nothing training draws from).  It estimates what one training batch's reading does, with about
+    ``batches ** -0.5`` of its sampling noise."""
+    if setup not in HEAD_CONFIGS:
+        raise ValueError(f"the probe reads S1 / S2 set-ups, got {setup!r}")
+    if batches < 1:
+        raise ValueError(f"batches must be >= 1, got {batches}")
+    from .protocol import parse_config
+
+    cfg = parse_config(HEAD_CONFIGS[setup])
+    sample, _ = _head_sampler(cfg, cfg.task(), env.model, seed + PROBE_SEED_OFFSET)
+
+    def read() -> float:
+        total, count = 0.0, 0
+        with torch.no_grad():
+            params = dict(env.model.named_parameters())
+            for _ in range(batches):
+                b = sample()
+                h = token_stats(env.logits(params, b.seq), b.resp).entropy.double()
+                total, count = total + float(h.sum()), count + h.numel()
+        return total / count
+
+    return read
+
+
 def _head_sampler(cfg, task, model: torch.nn.Module, seed: int) -> tuple[Callable[[], Batch], torch.Generator]:
     """A set-up's rollout batches from ``model`` (prompt stream seeded ``seed``, sampling stream ``seed + 1``) and
     the sampling generator."""
@@ -386,8 +429,8 @@ def _head_sampler(cfg, task, model: torch.nn.Module, seed: int) -> tuple[Callabl
     return sample, sample_gen
 
 
-def run_jobs(work: Sequence[tuple[str, int, str]], steps: int, out: Path, *, jobs: int, quick: bool = False
-             ) -> list[dict[str, float]]:
+def run_jobs(work: Sequence[tuple[str, int, str]], steps: int, out: Path, *, jobs: int, quick: bool = False,
+             probe_batches: int = PROBE_BATCHES) -> list[dict[str, float]]:
     """Every ``(setup, seed, arm)`` of ``work``, ``jobs`` processes at a time: first each (setup, seed)'s warm-up
     (saved under ``out/warm``, reused when present), then the arms; records appended to ``out/runs.jsonl`` as each
     arm lands."""
@@ -395,7 +438,7 @@ def run_jobs(work: Sequence[tuple[str, int, str]], steps: int, out: Path, *, job
     (out / "warm").mkdir(exist_ok=True)
     sink = out / "runs.jsonl"
     warm = sorted({(s, seed, quick, str(out / "warm")) for s, seed, _ in work})
-    runs = [(s, seed, steps, arm, quick, str(sink), str(out / "warm")) for s, seed, arm in work]
+    runs = [(s, seed, steps, arm, quick, str(sink), str(out / "warm"), probe_batches) for s, seed, arm in work]
     if jobs <= 1:
         [_warm(w) for w in warm]
         results = [_job(w) for w in runs]
@@ -444,8 +487,9 @@ def autopilot_table(records: Sequence[dict], warm_share: float = 0.2) -> list[di
     """Per (set-up, target, seed): the median over RL steps after the first ``warm_share`` of
     ``|H - H*|`` (``H``: the RL step's measured entropy, mean of its mini-batches' ``autopilot_entropy``), the
     tolerance ``max(0.02, 0.05 H_0)``, the standard deviation of ``H - H*`` over those steps, the same median for
-    the policy's entropy on the first mini-batch's fixed contexts (``autopilot_entropy_fixed``), and the share of
-    acting steps (dropped share > 0) whose share is strictly below the cap."""
+    the policy's entropy on the first mini-batch's fixed contexts (``autopilot_entropy_fixed``), the same median
+    for the probe reading on the steps that have one (``autopilot_entropy_probe``, :func:`probe_reader`; nan
+    without), and the share of acting steps (dropped share > 0) whose share is strictly below the cap."""
     cap = AUTOPILOT_SETTINGS["max_frac"]
     rows = []
     keys = sorted({(r["setup"], r["tag"], r["seed"]) for r in records if r["tag"] in TARGETS})
@@ -460,6 +504,9 @@ def autopilot_table(records: Sequence[dict], warm_share: float = 0.2) -> list[di
         h_fixed = {s: statistics.mean(r["autopilot_entropy_fixed"] for r in rs) for s, rs in per_step.items()}
         err_fixed = statistics.median(abs(h_fixed[s] - h_star[s]) for s in after)
         noise = statistics.stdev(h[s] - h_star[s] for s in after)
+        probed = [s for s in after if "autopilot_entropy_probe" in per_step[s][0]]
+        err_probe = (statistics.median(abs(per_step[s][0]["autopilot_entropy_probe"] - h_star[s]) for s in probed)
+                     if probed else math.nan)
         h0 = per_step[steps[0]][0]["autopilot_entropy"]
         acting = [r["autopilot_dropped_frac"] for r in recs if r["autopilot_dropped_frac"] > 0]
         inside = sum(0 < d < cap - 1e-12 and not r_capped for d, r_capped in
@@ -467,6 +514,8 @@ def autopilot_table(records: Sequence[dict], warm_share: float = 0.2) -> list[di
         rows.append({"setup": setup, "target": tag, "seed": seed, "h0": h0, "target_final": h_star[steps[-1]],
                      "median_abs_err": err, "tolerance": max(0.02, 0.05 * h0), "ok_err": err <= max(0.02, 0.05 * h0),
                      "sd_err": noise, "median_abs_err_fixed": err_fixed, "ok_err_fixed": err_fixed <= max(0.02, 0.05 * h0),
+                     "probe_steps": len(probed), "median_abs_err_probe": err_probe,
+                     "ok_err_probe": err_probe <= max(0.02, 0.05 * h0),
                      "acting_steps": len(acting), "share_inside": inside / len(acting) if acting else math.nan,
                      "ok_share": bool(acting) and inside / len(acting) >= 0.5,
                      "mean_dropped": statistics.mean(r["autopilot_dropped_frac"] for r in recs)})
@@ -497,7 +546,7 @@ def report(records: Sequence[dict], out: Path) -> dict[str, object]:
                 "sec_token"]
     (out / "law.md").write_text(markdown(lt, law_cols) + "\n")
     ap_cols = ["setup", "target", "seed", "h0", "target_final", "median_abs_err", "tolerance", "ok_err", "sd_err",
-               "median_abs_err_fixed", "ok_err_fixed", "acting_steps",
+               "median_abs_err_fixed", "ok_err_fixed", "probe_steps", "median_abs_err_probe", "ok_err_probe", "acting_steps",
                "share_inside", "ok_share", "mean_dropped"]
     (out / "autopilot.md").write_text(markdown(at, ap_cols) + "\n")
     try:
@@ -537,11 +586,14 @@ def report(records: Sequence[dict], out: Path) -> dict[str, object]:
                 x = sorted({r["step"] for r in rs})
                 mean = {k: [statistics.mean(r[k] for r in rs if r["step"] == s) for s in x]
                         for k in ("autopilot_entropy", "autopilot_target_entropy", "autopilot_dropped_frac")}
-                axes[0][j].plot(x, mean["autopilot_entropy"], lw=0.6)
+                line, = axes[0][j].plot(x, mean["autopilot_entropy"], lw=0.6)
+                probe = [(r["step"], r["autopilot_entropy_probe"]) for r in rs if r["mb"] == 0 and "autopilot_entropy_probe" in r]
+                if probe:
+                    axes[0][j].plot(*zip(*probe), "o", ms=2, color=line.get_color())
                 axes[0][j].plot(x, mean["autopilot_target_entropy"], "k--", lw=0.8)
                 axes[1][j].plot(x, mean["autopilot_dropped_frac"], lw=0.6)
             axes[0][j].set_title(f"{setup}, target {tag} the start", fontsize=9)
-            axes[0][j].set_ylabel("entropy (solid) vs target (dashed)", fontsize=7)
+            axes[0][j].set_ylabel("entropy: batch (solid), probe (dots); target (dashed)", fontsize=7)
             axes[1][j].axhline(AUTOPILOT_SETTINGS["max_frac"], color="r", lw=0.7, ls=":")
             axes[1][j].set_ylabel("dropped share, mean of the RL step (cap dotted)", fontsize=7)
             axes[1][j].set_xlabel("RL step", fontsize=7)
@@ -582,6 +634,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if name == "autopilot":
             p.add_argument("--validate-too", default="", help="set-ups (comma-separated) whose first seed also runs "
                            "plain GRPO for the same-batch table")
+            p.add_argument("--probe-batches", type=int, default=PROBE_BATCHES,
+                           help=f"batches of the probe reading every {PROBE_EVERY} RL steps (0: none)")
     p = sub.add_parser("report", allow_abbrev=False)
     p.add_argument("runs", type=Path, nargs="+")
     p.add_argument("--out", type=Path, required=True)
@@ -604,7 +658,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         work = [(s, seed, arm) for s in setups for seed in seeds for arm in TARGETS]
         work = [(s, seeds[0], "validate") for s in args.validate_too.split(",") if s] + work
-    records = run_jobs(work, args.steps, args.out, jobs=args.jobs, quick=args.quick)
+    if getattr(args, "probe_batches", 0) < 0:
+        parser.error(f"--probe-batches must be >= 0, got {args.probe_batches}")
+    records = run_jobs(work, args.steps, args.out, jobs=args.jobs, quick=args.quick,
+                       probe_batches=getattr(args, "probe_batches", 0))
     tables = report(records, args.out)
     print((args.out / "law.md").read_text())
     if args.cmd == "autopilot":
