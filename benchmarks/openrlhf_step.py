@@ -1,4 +1,4 @@
-"""Cost of the OpenRLHF adapter in a real actor update (issue 22 item 4), OpenRLHF 0.10.2-0.11.x, DeepSpeed bf16, one GPU.
+"""Cost of the OpenRLHF adapter in a real actor update, OpenRLHF 0.10.2-0.11.x, DeepSpeed bf16, one GPU.
 
 OpenRLHF's own training objects, driven in this one process (rank 0 of a one-rank group; no Ray, no
 vLLM, no generation): the model is loaded by OpenRLHF's ``Actor`` (bf16, sdpa attention, packed

@@ -1,4 +1,4 @@
-"""Cost of the TRL adapter in a real GRPO step (issue 11 item 6, issue 22 item 4), one CUDA GPU.
+"""Cost of the TRL adapter in a real GRPO step, one CUDA GPU.
 
 A model with Qwen2.5-0.5B's shapes (Qwen2 config, 24 layers, hidden 896, vocabulary 151936, tied
 embeddings; random weights) saved to a local path and given to ``GRPOTrainer`` BY PATH, a

@@ -1,4 +1,4 @@
-"""Cost of the verl adapter in a real actor step (issue 11 item 6), verl 0.9.x on one GPU.
+"""Cost of the verl adapter in a real actor step, verl 0.9.x on one GPU.
 
 verl's own FSDP engine, driven in this one process (rank 0 of a one-rank group; no Ray, no rollout
 engine; helpers in ``benchmarks/verl_inprocess.py``): per step the old-log-prob pass

@@ -1,7 +1,6 @@
 """Arguments of the public API: real numbers and 0-d tensors accepted, bad values refused naming the argument.
 
-Issue 13, items 5, 7, 8, 10 and 11 (the API part); the distributed half of item 9 is in
-test_distributed.py.
+A bad input on one rank of a process group (every rank raises the same error) is tested in test_distributed.py.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ def same_mask(a: ed.MaskResult, b: ed.MaskResult) -> bool:
     return torch.equal(a.keep, b.keep) and (a.std, a.lower, a.n_clipped, a.capped) == (b.std, b.lower, b.n_clipped, b.capped)
 
 
-# ---- item 5: real numbers and 0-d tensors ---------------------------------------------------------
+# ---- real numbers and 0-d tensors -----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("wrap", [np.float32, np.float64, torch.tensor, lambda x: torch.tensor(x, dtype=torch.float64), np.array])
@@ -121,7 +120,7 @@ def test_shared_coercion_helpers_for_token_stats_arguments():
             ignore_index_value(bad)
 
 
-# ---- item 7: bad arguments get a clear error naming them ------------------------------------------
+# ---- bad arguments get a clear error naming them --------------------------------------------------
 
 
 def test_apply_keep_mask_refuses_a_list_loss_mask():
@@ -179,7 +178,7 @@ def test_entropy_change_step_shape_mismatches_name_the_argument():
     assert ed.entropy_change_step(torch.ones(2, 1), s_star, s_star).shape == (2, 3)
 
 
-# ---- item 8: no silent NaN --------------------------------------------------------------------------
+# ---- no silent NaN ----------------------------------------------------------------------------------
 
 
 def test_nan_logp_gives_a_nan_score_that_the_masks_refuse():
@@ -219,7 +218,7 @@ def test_monitor_refuses_nan_in_every_tensor_naming_it():
         ed.EntropyMonitor()(entropy=entropy, valid=torch.full((2, 3), 2))
 
 
-# ---- item 10: max_frac caps the share -----------------------------------------------------------------
+# ---- max_frac caps the share --------------------------------------------------------------------------
 
 
 def violators(n_bad: int, n: int = 100):
@@ -265,7 +264,7 @@ def test_clipped_share_never_exceeds_max_frac(seed, max_frac, method):
     assert bool((res.keep | ~uncapped.keep).all())  # the cap only un-clips
 
 
-# ---- item 11: exact percentile ranks --------------------------------------------------------------------
+# ---- exact percentile ranks -----------------------------------------------------------------------------
 
 
 def test_percentile_ranks_are_exact():
@@ -296,7 +295,7 @@ def test_percentile_rank_equals_integer_ceiling(digits, scale, n):
     assert ed.EntropyMonitor(percentiles=(qf,)).percentile_ranks(n) == [want]
 
 
-# ---- exactness of the device paths (issue 11 item 2) ----------------------------------------------------
+# ---- exactness of the device paths ----------------------------------------------------------------------
 
 
 @settings(max_examples=40, deadline=None)

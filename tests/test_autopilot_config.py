@@ -1,5 +1,5 @@
 """``EntropyDiscConfig(method="autopilot")``: its fields, their checks, the refusals across methods,
-``from_mapping``'s string parsing, the controller it builds and the step size it chooses (issue 23 item 3)."""
+``from_mapping``'s string parsing, the controller it builds and the step size it chooses."""
 
 from __future__ import annotations
 

@@ -181,7 +181,7 @@ def test_bad_argument_in_a_fresh_process_fails_fast_without_traceback(tmp_path: 
 
 
 def test_empty_out_is_refused_not_the_current_folder(no_work: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``--out ""`` would write into the current folder: a usage error naming --out (issue 24)."""
+    """``--out ""`` would write into the current folder: a usage error naming --out."""
     err = refused(["demo", "--out", ""], capsys)
     assert "argument --out: must name a folder" in err and not any(no_work.iterdir())
     assert cli.main(["compare", "--out", " "]) == 2

@@ -201,8 +201,8 @@ def test_without_matplotlib_says_how_to_install_and_still_writes_csv(
 
 
 def test_demo_plot_tells_the_arms_apart(tmp_path: Path) -> None:
-    """Panels 1-2: one line style per arm; the dH scatter: one panel per arm with its r (issue 24: one cloud of
-    ~600 overlapping dots before)."""
+    """Panels 1-2: one line style per arm; the dH scatter: one panel per arm with its r (before: one cloud of
+    ~600 overlapping dots)."""
     pytest.importorskip("matplotlib", reason="the plot extra is installed in the core nox session")
     from entropy_discriminator.demo.report import plot_demo
 
@@ -223,7 +223,7 @@ def test_demo_plot_tells_the_arms_apart(tmp_path: Path) -> None:
 
 
 def test_dh_correlation_range_in_the_text_is_the_tables() -> None:
-    """README and docs/demo.md quote the network's dH corr range as the CPU table has it (issue 24: 0.45 vs 0.444)."""
+    """README and docs/demo.md quote the network's dH corr range as the CPU table has it (once 0.45 for 0.444)."""
     root = Path(__file__).resolve().parents[1]
     with open(root / "docs" / "demo_cpu" / "demo_summary.csv") as f:
         corr = [float(r["dH_corr"]) for r in csv.DictReader(f) if r["dH_corr"] not in ("", "nan")]

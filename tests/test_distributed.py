@@ -112,7 +112,7 @@ def test_sharded_batch_equals_one_process(world, tmp_path):
         assert math.isfinite(float(p["vp"].s_centered.sum()))
 
 
-# ---- a bad input on one rank: every rank raises the same error, promptly (issue 13 item 9) ----------
+# ---- a bad input on one rank: every rank raises the same error, promptly ----------------------------
 
 FAIL_TIMEOUT_S = 60  # the backend's timeout; a rank left waiting in a collective would take this long
 

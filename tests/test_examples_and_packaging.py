@@ -106,7 +106,7 @@ def test_install_is_from_the_clone_everywhere():
 
 
 def test_gpu_only_examples_say_so_and_stop_at_once(tmp_path):
-    """The verl examples check GPUs, vLLM and the data before verl starts Ray (issue 24: it hung silently);
+    """The verl examples check GPUs, vLLM and the data before verl starts Ray (without the checks it hung silently);
     every shell example says GPU-only in its first comment line."""
     for script in (ROOT / "examples").rglob("*.sh"):
         assert "GPU only" in script.read_text().splitlines()[1], script

@@ -199,7 +199,7 @@ def test_one_default_mu_and_cap_everywhere():
 
 
 def test_default_masks_clip_tokens_in_a_256_token_batch():
-    """README's custom-loop snippet with the defaults does something on a small batch (issue 24: it clipped 0)."""
+    """README's custom-loop snippet with the defaults does something on a small batch (it once clipped 0)."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(8, 32, 64, generator=g) * torch.rand(8, 32, 1, generator=g) * 6
     labels = torch.distributions.Categorical(logits=logits).sample()

@@ -1,4 +1,4 @@
-"""The head-to-head protocol of issue 21: matched-Avg interpolation, Holm, paired t, unbiased Pass@K, the task's
+"""The head-to-head protocol: matched-Avg interpolation, Holm, paired t, unbiased Pass@K, the task's
 uniform targets, the warm-up identity with the compare harness, and an end-to-end smoke run on a tiny preset."""
 
 from __future__ import annotations
@@ -467,7 +467,7 @@ def test_warm_cache_reuses_starts_without_changing_runs(tmp_path: Path) -> None:
     assert protocol.warm_cache_path(cache, cfg, 100).parent == Path(reused["warm_reused_from"]).parent
 
 
-# ------------------------------------------------------------------ issue 23: the autopilot and TRL's adaptive bonus
+# ------------------------------------------------------------------ the autopilot and TRL's adaptive bonus
 
 TINY = "d_model=16,n_heads=2,warmup_steps=20,warmup_batch=32,prompts_per_step=4,group_size=4,targets=uniform"
 

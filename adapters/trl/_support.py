@@ -9,8 +9,8 @@ Release range ``trl>=1.14.0,<1.17.0``; every release in it (1.14.0, 1.14.1, 1.14
   head added to ``model.forward`` (``add_fused_lm_head``: backbone, then a chunked projection).
   Every variant calls the model's backbone module (``base_model``) once per chunk of rows, which
   is where :mod:`._stats` takes the hidden states, so the statistics are the same in all of them.
-  Why the adapter forms ``hidden @ W.T`` again instead of reading TRL's logits (issue 22, checked in
-  1.15.0 and 1.16.0): the only place a logits tile exists is inside
+  Why the adapter forms ``hidden @ W.T`` again instead of reading TRL's logits (checked in
+  TRL 1.15.0 and 1.16.0): the only place a logits tile exists is inside
   ``trl.kernels.ChunkedLogProbFunction.forward`` (one call per model call, given all ``[N, H]``
   hidden rows and the weight), which folds each ``[<=4096, <=32768]`` tile, rounded to the compute
   dtype with the bias added, through the private module global ``_forward_kernel[(n,)]`` (a Triton

@@ -1,4 +1,4 @@
-"""The head-to-head of issue 21 through TRL's real ``GRPOTrainer`` and the TRL adapter (item 6), next to the project's
+"""The head-to-head through TRL's real ``GRPOTrainer`` and the TRL adapter, next to the project's
 own loop on the same seeds: GRPO vs GRPO + Clip_B (tuned, mu = 2) vs GRPO + Clip_V (mu = 2.5, no cap).
 
 Per seed: one warm start (:func:`~entropy_lab.rl.warm_up`, the pre-registered
@@ -442,7 +442,7 @@ def entropy_figure(curves: dict[str, dict[int, float]], out: Path) -> Path | Non
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  allow_abbrev=False)
-    ap.add_argument("--seeds", default="0/1/2", help="'/'-separated evaluation seeds (>= 3 for item 6)")
+    ap.add_argument("--seeds", default="0/1/2", help="'/'-separated evaluation seeds (>= 3 to compare with the own loop)")
     ap.add_argument("--steps", type=int, default=None, help="RL steps (default: the last checkpoint)")
     ap.add_argument("--checkpoints", default="/".join(map(str, CHECKPOINTS)), help="'/'-separated RL step counts, 0 = start")
     ap.add_argument("--device", default="cpu", help="TRL's device: cpu or cuda (the own loop and evaluation run on CPU)")

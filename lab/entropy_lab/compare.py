@@ -75,7 +75,8 @@ PEERS = {"clip_cov_ratio": 2e-4, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0, "kl_cov
 
 
 def default_arms(tuned_mu_b: float) -> tuple[CompareArm, ...]:
-    """The thirteen arms of issue 12 (Clip_B twice: mu = 2.5 and ``tuned_mu_b``)."""
+    """The thirteen arms of the paired comparison in docs/reproduction/compare (Clip_B twice: mu = 2.5 and
+    ``tuned_mu_b``)."""
     return (
         CompareArm("grpo"),
         CompareArm("grpo+clip_b", mask="clip_b", mu=2.5),

@@ -1,4 +1,4 @@
-"""The head-to-head of issue 21: a warm start that has learned signed-sum Countdown, RL arms with every peer
+"""The head-to-head: a warm start that has learned signed-sum Countdown, RL arms with every peer
 hyperparameter exposed, and checkpoint evaluation at several temperatures on disjoint held-out prompt sets.
 
 RL is the harness's one loop, :func:`entropy_lab.rl.rl_steps` (verl-style: sample ``prompts_per_step x group_size``

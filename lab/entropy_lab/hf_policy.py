@@ -1,5 +1,5 @@
 """The head-to-head's :class:`~entropy_discriminator.demo.model.TinyGPT` as a transformers causal LM, for the TRL path
-of issue 21 (item 6: the same task and warm start through TRL's ``GRPOTrainer`` and the TRL adapter).
+of the head-to-head (the same task and warm start through TRL's ``GRPOTrainer`` and the TRL adapter).
 
 Needs ``transformers`` and ``tokenizers`` (installed with the ``trl`` extra); the core package never imports this
 module.  Nothing here imports TRL.

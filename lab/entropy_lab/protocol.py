@@ -1,4 +1,4 @@
-"""``python -m entropy_lab.protocol``: the pre-registered head-to-head protocol of issue 21.
+"""``python -m entropy_lab.protocol``: the pre-registered head-to-head protocol.
 
 Stages (each a subcommand; every job's result is appended to a JSON-lines file as it lands, so a run cut off keeps
 what it finished):
@@ -8,7 +8,7 @@ what it finished):
 * ``run``: warm up each seed once, then every (seed, arm) with checkpoint evaluations (the tuning stage runs it on the
   tuning seeds and validation prompts, the main run on the evaluation seeds and test prompts);
 * ``tune-a`` / ``tune-b`` / ``tune-c``: the tuning stages (:mod:`~entropy_lab.tuning`; ``tune-c``:
-  TRL's adaptive entropy bonus, issue 23) on the tuning seeds and validation prompts, then ``select``;
+  TRL's adaptive entropy bonus) on the tuning seeds and validation prompts, then ``select``;
 * ``extend``: grow a tuning stage's grids where the chosen setting lies at an edge, until it is interior;
 * ``seeds``: the main run's seed count from the tuning runs' paired spread (:func:`seed_count`);
 * ``main``: the selected arms on the evaluation seeds and test prompts (``--families`` restricts them; the family
@@ -684,7 +684,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rn.add_argument("--out", type=Path, required=True)
     rn.add_argument("--warm-cache", type=Path, default=None, help=WARM_CACHE_HELP)
     for name, hlp in (("tune-a", "stage A: GRPO and PPO learning rates"), ("tune-b", "stage B: every other family"),
-                      ("tune-c", "stage C (issue 23): TRL's adaptive entropy bonus, four targets")):
+                      ("tune-c", "stage C: TRL's adaptive entropy bonus, four targets")):
         tp = sub.add_parser(name, allow_abbrev=False, help=hlp + " on the tuning seeds and validation prompts")
         tp.add_argument("--config", default="")
         tp.add_argument("--seeds", default="100/101/102")

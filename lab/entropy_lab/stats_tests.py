@@ -1,4 +1,4 @@
-"""Endpoints and tests of the head-to-head protocol (issue 21): Pass@K at a matched Avg@K read off a checkpoint curve,
+"""Endpoints and tests of the head-to-head protocol: Pass@K at a matched Avg@K read off a checkpoint curve,
 paired Student-t tests, Holm's step-down adjustment and the 95% interval of a mean over seeds (:func:`mean_ci`).
 Pure Python (no SciPy)."""
 

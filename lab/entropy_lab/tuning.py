@@ -1,10 +1,11 @@
-"""Equal-budget tuning grids of the head-to-head (issue 21, item 4) and the pre-registered selection rule.
+"""Equal-budget tuning grids of the head-to-head and the pre-registered selection rule.
 
 Every family gets :data:`SETTINGS_PER_FAMILY` settings.  Stage A tunes the learning rate of the two estimators (GRPO,
 PPO); stage B tunes every other family at its estimator's stage-A learning rate.  Tuning runs use the tuning seeds and
 the validation prompts only (:func:`entropy_lab.protocol.run_stage` with ``prompt_set="val"``).
-Issue 23 adds stage C, TRL's adaptive entropy bonus (:func:`adaptive_bonus_arms`, four settings at the stage-A GRPO
-rate), and the entropy autopilot, which is not tuned (:func:`autopilot_arms`: one default setting).
+The autopilot evaluation (docs/reproduction/autopilot_eval) adds stage C, TRL's adaptive entropy bonus
+(:func:`adaptive_bonus_arms`, four settings at the stage-A GRPO rate), and the entropy autopilot, which is not tuned
+(:func:`autopilot_arms`: one default setting).
 """
 
 from __future__ import annotations

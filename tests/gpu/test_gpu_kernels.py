@@ -337,7 +337,7 @@ def test_bad_rows_raise_in_order_or_read_nan_without_check(n):
 
 
 def test_overflowing_scale_falls_back_to_torch_or_is_named():
-    """fp32 logits of 3e38 at T = 0.5 (issue 13, item 6): the kernel's base-2 scaling overflows;
+    """fp32 logits of 3e38 at T = 0.5: the kernel's base-2 scaling overflows;
     ``auto`` recomputes on the torch path (exact), ``triton`` names the overflow."""
     logits = make_logits(2, 8, 1000, torch.float32, "normal")
     logits[:, 5] = 3e38

@@ -1,4 +1,4 @@
-"""Issue 22 on OpenRLHF: the adapter's statistics are those of the distribution OpenRLHF's log-probs come from.
+"""On OpenRLHF, the adapter's statistics are those of the distribution OpenRLHF's log-probs come from.
 
 OpenRLHF with DeepSpeed bf16 (``--ds.param_dtype bf16``, the default): ``Actor`` loads the model with
 ``torch_dtype=bfloat16`` and DeepSpeed's bf16 engine keeps the module's weights in bf16 (fp32 master

@@ -1,4 +1,4 @@
-"""The TRL path of the head-to-head (issue 21 item 6): ``examples/trl/headtohead_trl.py`` with the real TRL.
+"""The TRL path of the head-to-head: ``examples/trl/headtohead_trl.py`` with the real TRL.
 
 * the wrapped model (``entropy_lab.hf_policy``) is TinyGPT: same logits on the same weights, the
   backbone's output is what the TRL adapter reads, the tokenizer's ids are the task's;

@@ -228,7 +228,7 @@ def subclass_run(tmp_path_factory):
 @pytest.mark.parametrize("how", ["stock_trainer_given_the_config", "patch_without_config_takes_args",
                                  "class_patch", "instance_patch", "subclass_under_class_patch"])
 def test_every_entry_point_behaves_like_the_subclass(how, subclass_run, tmp_path):
-    """Issue 10 item 5: a stock GRPOTrainer given EntropyDiscGRPOConfig(clip_b) without patch() clips;
+    """A stock GRPOTrainer given EntropyDiscGRPOConfig(clip_b) without patch() clips;
     patch() with no config takes the args' clip_b.  Every entry point logs the same metrics and losses
     as EntropyDiscGRPOTrainer (whose masks test_trl_matrix.py checks)."""
     ref = subclass_run

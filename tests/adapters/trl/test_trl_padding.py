@@ -1,4 +1,4 @@
-"""``stats_from_hidden`` scores only the valid completion positions (issue 22, step cost): the rows of padding after
+"""``stats_from_hidden`` scores only the valid completion positions (to cut the step cost): the rows of padding after
 short completions are gathered out before the LM-head product, and the result equals scoring every row with the
 padding ignored. Runs on the real ``GRPOTrainer`` (its LM head, temperature and precision rule)."""
 

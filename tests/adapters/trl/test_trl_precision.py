@@ -1,8 +1,8 @@
-"""The adapter's statistics are those of TRL's own distribution, in every precision set-up (issue 22).
+"""The adapter's statistics are those of TRL's own distribution, in every precision set-up.
 
 The real ``GRPOTrainer`` (TRL 1.14 full logits, 1.16 fused LM head) trains one step on CPU over a
 Llama of V = 4096, H = 256 (large enough that bf16 rounding of the logits moves S* and the mask:
-the pre-issue-22 adapter, which computed fp32 logits, fails the assertions below in the bf16
+the earlier adapter, which computed fp32 logits, fails the assertions below in the bf16
 set-ups).  Set-ups: fp32 master weights under bf16 autocast (``bf16=True``, what TRL does with a
 model name), bf16 weights with and without autocast, fp32 everywhere, fp16 weights (without
 autocast: ``fp16=True`` mixed precision needs a GPU in transformers, so fp16 autocast is not

@@ -1,4 +1,4 @@
-"""Issue 22 on verl: the adapter's statistics are those of the logits verl takes its log-probs from.
+"""On verl, the adapter's statistics are those of the logits verl takes its log-probs from.
 
 Driven on CPU through verl's own ``FSDPEngineWithLMHead.infer_batch`` (the engine object is set up
 as in ``test_verl_engine.py``: no FSDP wrap, which needs an accelerator) in each precision set-up
