@@ -202,7 +202,7 @@ def test_default_masks_clip_tokens_in_a_256_token_batch():
     """README's custom-loop snippet with the defaults does something on a small batch (it once clipped 0)."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(8, 32, 64, generator=g) * torch.rand(8, 32, 1, generator=g) * 6
-    labels = torch.distributions.Categorical(logits=logits).sample()
+    labels = torch.multinomial(torch.softmax(logits, -1).reshape(-1, 64), 1, generator=g).reshape(8, 32)  # seeded
     stats = ed.token_stats(logits, labels)
     adv = torch.tensor([1.0, -1.0] * 4)
     valid = torch.ones(8, 32, dtype=torch.bool)
