@@ -67,12 +67,14 @@ PROBE_SEED_OFFSET = 1_000_003
 
 @dataclass
 class Batch:
-    """One RL step's data: sequences, responses, per-token advantages ``[B, T]`` and old log-probs."""
+    """One RL step's data: sequences, responses, per-token advantages ``[B, T]`` and old log-probs; S1 / S2 batches
+    also keep the rollout's response logits ``[B, T, V]`` (float32), which the probe reads."""
 
     seq: torch.Tensor
     resp: torch.Tensor
     adv: torch.Tensor
     old_lp: torch.Tensor
+    logits: torch.Tensor | None = None
 
 
 @dataclass
@@ -401,14 +403,12 @@ def probe_reader(env: Env, setup: str, seed: int, batches: int) -> Callable[[], 
     cfg = parse_config(HEAD_CONFIGS[setup])
     sample, _ = _head_sampler(cfg, cfg.task(), env.model, seed + PROBE_SEED_OFFSET)
 
-    def read() -> float:
+    def read() -> float:  # the rollout's own response logits: no second forward
         total, count = 0.0, 0
-        with torch.no_grad():
-            params = dict(env.model.named_parameters())
-            for _ in range(batches):
-                b = sample()
-                h = token_stats(env.logits(params, b.seq), b.resp).entropy.double()
-                total, count = total + float(h.sum()), count + h.numel()
+        for _ in range(batches):
+            b = sample()
+            h = token_stats(b.logits, b.resp).entropy.double()
+            total, count = total + float(h.sum()), count + h.numel()
         return total / count
 
     return read
@@ -424,7 +424,7 @@ def _head_sampler(cfg, task, model: torch.nn.Module, seed: int) -> tuple[Callabl
     def sample() -> Batch:
         x, t = task.sample(cfg.prompts_per_step, prompt_gen, split="train")
         ro = rollout(model, None, task, x, t, cfg.group_size, sample_gen, "none", 0.25, torch.device("cpu"))
-        return Batch(ro.seq, ro.resp, ro.adv, ro.old_lp)
+        return Batch(ro.seq, ro.resp, ro.adv, ro.old_lp, ro.old_logits)
 
     return sample, sample_gen
 
@@ -546,8 +546,8 @@ def report(records: Sequence[dict], out: Path) -> dict[str, object]:
                 "sec_token"]
     (out / "law.md").write_text(markdown(lt, law_cols) + "\n")
     ap_cols = ["setup", "target", "seed", "h0", "target_final", "median_abs_err", "tolerance", "ok_err", "sd_err",
-               "median_abs_err_fixed", "ok_err_fixed", "probe_steps", "median_abs_err_probe", "ok_err_probe", "acting_steps",
-               "share_inside", "ok_share", "mean_dropped"]
+               "median_abs_err_fixed", "ok_err_fixed", "probe_steps", "median_abs_err_probe", "ok_err_probe",
+               "acting_steps", "share_inside", "ok_share", "mean_dropped"]
     (out / "autopilot.md").write_text(markdown(at, ap_cols) + "\n")
     try:
         import matplotlib
@@ -587,7 +587,8 @@ def report(records: Sequence[dict], out: Path) -> dict[str, object]:
                 mean = {k: [statistics.mean(r[k] for r in rs if r["step"] == s) for s in x]
                         for k in ("autopilot_entropy", "autopilot_target_entropy", "autopilot_dropped_frac")}
                 line, = axes[0][j].plot(x, mean["autopilot_entropy"], lw=0.6)
-                probe = [(r["step"], r["autopilot_entropy_probe"]) for r in rs if r["mb"] == 0 and "autopilot_entropy_probe" in r]
+                probe = [(r["step"], r["autopilot_entropy_probe"]) for r in rs
+                         if r["mb"] == 0 and "autopilot_entropy_probe" in r]
                 if probe:
                     axes[0][j].plot(*zip(*probe), "o", ms=2, color=line.get_color())
                 axes[0][j].plot(x, mean["autopilot_target_entropy"], "k--", lw=0.8)

@@ -362,6 +362,8 @@ def seed_count(runs: Sequence[dict], pairs: Sequence[tuple[str, str]], *, detect
     ``tests`` tests detects ``detect`` at 80 % power and ``n_e`` the least whose TOST shows equivalence within
     ``margin`` at 80 % power (:mod:`~entropy_lab.equivalence`).  Also returns every SD, both counts, whether the cap
     bound, and the difference and margin the design reaches at ``n``."""
+    if not pairs:
+        raise ValueError("pairs: no comparison given")
     per = endpoints_by_arm(runs)
     sds: dict[str, float] = {}
     undefined: dict[str, int] = {}
@@ -374,16 +376,14 @@ def seed_count(runs: Sequence[dict], pairs: Sequence[tuple[str, str]], *, detect
                 undefined[f"{arm} - {vs}: {key}"] = len(d)
             else:
                 sds[f"{arm} - {vs}: {key}"] = statistics.stdev(d)
-    if not pairs:
-        raise ValueError("pairs: no comparison given")
     if not sds:
         raise ValueError(f"pairs: no endpoint is finite on 2 tuning seeds ({undefined})")
     sd = max(sds.values())
     n_d = seeds_for_difference(sd, detect, tests=tests, n_max=100_000)
     n_e = seeds_for_equivalence(sd, margin, n_max=100_000)
     n = max(n_min, min(n_max, max(n_d, n_e)))
-    return {"sd": sds, "undefined": undefined, "sd_max": sd, "n_difference": n_d, "n_equivalence": n_e, "n": n, "capped": max(n_d, n_e) > n_max,
-            "detectable_at_n": detectable_difference(sd, n, tests=tests), "margin_at_n": equivalence_margin(sd, n)}
+    return {"sd": sds, "undefined": undefined, "sd_max": sd, "n_difference": n_d, "n_equivalence": n_e, "n": n,
+            "capped": max(n_d, n_e) > n_max, "detectable_at_n": detectable_difference(sd, n, tests=tests), "margin_at_n": equivalence_margin(sd, n)}
 
 
 #: Families drawn as baselines (black) in the frontier figures: the tuned GRPO and PPO lr and GRPO's second lr.
