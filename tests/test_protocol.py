@@ -15,7 +15,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from entropy_discriminator import EntropyAutopilot, fixed_share_mask, token_stats
-from entropy_lab import protocol, rl
+from entropy_lab import headtohead, protocol, rl
 from entropy_lab.compare import CompareConfig
 from entropy_lab.countdown import CountdownTask, pass_at_k
 from entropy_lab.headtohead import heldout_sets, run_arm_checkpoints
@@ -773,3 +773,37 @@ def test_main_runs_a_setting_an_extension_added(tmp_path: Path) -> None:
         main_arms([sel], 1e-4, 1e-4, ["ppo+clip_v"])
     with pytest.raises(ValueError, match="ran as"):
         main_arms([sel], 1e-4, 1e-4, ["ppo+clip_v"], tuned=[replace(first, mu=2.0)])
+
+
+@settings(max_examples=6, deadline=None)
+@given(n_prompts=st.integers(1, 9), samples=st.integers(1, 40), chunk=st.integers(1, 70), scale=st.floats(0.5, 4.0),
+       temperature=st.sampled_from([0.7, 1.0]), stream=st.integers(0, 10_000))
+def test_batched_evaluation_draws_what_the_chunked_loop_draws(n_prompts: int, samples: int, chunk: int, scale: float,
+                                                              temperature: float, stream: int) -> None:
+    """The GPU path's evaluation (one forward over every row per token) reproduces the chunked loop's draws exactly,
+    with chunk sizes that do not divide the rows, on random models (scaled weights: flat to peaked rows)."""
+    cfg = parse_config("n_numbers=3,d_model=16,n_layers=1")
+    torch.manual_seed(stream)
+    model = TinyGPT(cfg.model_config())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(scale)
+    task = cfg.task()
+    x, t = heldout_sets(task, n_prompts, 1)[0]
+    rows = task.prompts(x, t).repeat_interleave(samples, 0)
+    gen = torch.Generator().manual_seed(stream)
+    chunked = torch.cat([model.generate(rows[s : s + chunk], task.response_len, temperature=temperature, generator=gen)
+                         for s in range(0, len(rows), chunk)])
+    gen_b = torch.Generator().manual_seed(stream)
+    batched = headtohead._generate_in_chunk_order(model, rows, task.response_len, temperature, gen_b, chunk)
+    assert torch.equal(batched, chunked)
+    assert torch.equal(gen_b.get_state(), gen.get_state())
+
+
+def test_run_spec_refuses_a_device_it_cannot_use() -> None:
+    cfg = parse_config("n_numbers=3,d_model=16,n_layers=1")
+    with pytest.raises(ValueError, match="device"):
+        RunSpec(cfg, (0,), (0, 1), device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device"):
+            RunSpec(cfg, (0,), (0, 1), device="cuda")

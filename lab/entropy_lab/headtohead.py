@@ -72,27 +72,62 @@ def evaluate_at(
     temperature: float,
     stream: int,
     chunk: int = 256,
+    batched: bool = False,
 ) -> dict[str, object]:
     """``samples`` samples per prompt at ``temperature`` (sampling generator seeded with ``stream``).
 
     Returns ``avg`` = ``sum_p c_p / (P n)``, ``pass`` = ``{K: mean_p (1 - C(n - c_p, K) / C(n, K))}`` for K in
     :data:`EVAL_KS` up to ``samples``, and ``correct`` = the counts ``c_p``.  ``chunk`` rows are sampled at a time
     (small chunks run faster on one CPU core); the draws depend on ``chunk``, so it is fixed for a whole study.
+    ``batched``: the same draws from one forward over all rows per token (:func:`_generate_in_chunk_order`), for a
+    GPU, where 256-row forwards are bound by kernel launches.
     """
     x, t = prompts
     gen = torch.Generator().manual_seed(stream)
     rows = task.prompts(x, t).repeat_interleave(samples, 0)
     xr, tr = x.repeat_interleave(samples, 0), t.repeat_interleave(samples, 0)
-    ok = []
-    for start in range(0, len(rows), chunk):
-        seq = model.generate(rows[start : start + chunk], task.response_len, temperature=temperature, generator=gen)
-        ok.append(task.rewards(xr[start : start + chunk], tr[start : start + chunk], seq[:, task.prompt_len :]))
+    ok, device = [], next(model.parameters()).device
+    if batched and temperature > 0:
+        seq = _generate_in_chunk_order(model, rows.to(device), task.response_len, temperature, gen, chunk)
+        ok.append(task.rewards(xr, tr, seq[:, task.prompt_len :]))
+    else:
+        for start in range(0, len(rows), chunk):
+            seq = model.generate(rows[start : start + chunk].to(device), task.response_len, temperature=temperature,
+                                 generator=gen)
+            ok.append(task.rewards(xr[start : start + chunk], tr[start : start + chunk], seq[:, task.prompt_len :]))
     correct = torch.cat(ok).view(-1, samples).sum(1).to(torch.int64)
     return {
         "avg": float(correct.double().mean() / samples),
         "pass": {k: float(pass_at_k(samples, correct, k).mean()) for k in EVAL_KS if k <= samples},
         "correct": correct.tolist(),
     }
+
+
+@torch.no_grad()
+def _generate_in_chunk_order(model: TinyGPT, rows: torch.Tensor, n_new: int, temperature: float,
+                             gen: torch.Generator, chunk: int) -> torch.Tensor:
+    """What the loop ``for each chunk of rows: model.generate(chunk, n_new, ...)`` samples, from one forward over all
+    ``rows`` [N, P] per new token: a CPU draw of ``torch.multinomial`` advances ``gen`` by an amount that depends only
+    on the probability tensor's shape, so the generator state at each (chunk, token) of that loop is found first by
+    drawing from placeholder tensors of the same shapes, and each chunk's real draw starts from its state.  Returns
+    int64 [N, P + n_new]; ``gen`` ends where the loop would leave it."""
+    seq, starts = rows, range(0, len(rows), chunk)
+    states: dict[tuple[int, int], torch.Tensor] = {}
+    for i in range(n_new):
+        probs = torch.softmax(model(seq)[:, -1].float() / temperature, dim=-1).cpu()
+        if not states:
+            for s in starts:
+                for j in range(n_new):
+                    states[s, j] = gen.get_state()
+                    torch.multinomial(torch.ones_like(probs[s : s + chunk]), 1, generator=gen)
+            end = gen.get_state()
+        nxt = []
+        for s in starts:
+            gen.set_state(states[s, i])
+            nxt.append(torch.multinomial(probs[s : s + chunk], 1, generator=gen))
+        seq = torch.cat([seq, torch.cat(nxt).to(seq.device)], dim=1)
+    gen.set_state(end)
+    return seq
 
 
 def eval_stream(seed: int, checkpoint: int, temperature: float) -> int:
@@ -119,14 +154,16 @@ def run_arm_checkpoints(
     seed: int,
     checkpoints: tuple[int, ...],
     on_checkpoint: Callable[[int, TinyGPT], dict[str, object]],
+    *,
+    device: torch.device = torch.device("cpu"),
 ) -> ArmTrace:
-    """RL (:func:`entropy_lab.rl.rl_steps`, on the CPU) from ``state`` for ``max(checkpoints)`` steps, a record per
+    """RL (:func:`entropy_lab.rl.rl_steps`, on ``device``; sampling on the CPU's generators either way) from ``state`` for ``max(checkpoints)`` steps, a record per
     step (numbered from 1; its fields are :func:`~entropy_lab.rl.rl_steps`'s); after each step count in
     ``checkpoints`` (0 = the start) records ``on_checkpoint(step, model)`` with ``step`` added.  Training prompts and
     the rollout sampling stream depend on ``seed`` only (paired across arms)."""
     out = ArmTrace(arm=arm.name, family=arm.family, seed=seed)
     t0 = time.perf_counter()
-    for step, model, rec, _ in rl_steps(state, cfg, arm, seed, max(checkpoints)):
+    for step, model, rec, _ in rl_steps(state, cfg, arm, seed, max(checkpoints), device=device):
         if rec is not None:
             out.records.append({"step": step, **rec})
         if step in checkpoints:

@@ -159,10 +159,13 @@ class RunSpec:
     prompt_set: str = "test"
     n_prompts: int = 200
     samples: int = 64
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.prompt_set not in ("test", "val"):
             raise ValueError(f"prompt_set must be 'test' or 'val', got {self.prompt_set!r}")
+        if self.device != "cpu" and not (self.device.startswith("cuda") and torch.cuda.is_available()):
+            raise ValueError(f"device must be 'cpu' or, on a machine with CUDA, 'cuda[:N]'; got {self.device!r}")
         if len(self.checkpoints) < 2 or sorted(set(self.checkpoints)) != list(self.checkpoints) or self.checkpoints[0] < 0:
             raise ValueError(f"checkpoints must be >= 2 increasing step counts >= 0, got {self.checkpoints}")
 
@@ -175,7 +178,7 @@ class RunSpec:
         out = {}
         for temp in TEMPERATURES:
             ev = evaluate_at(model, self.cfg.task(), self.prompts(), samples=self.samples, temperature=temp,
-                             stream=eval_stream(seed, checkpoint, temp))
+                             stream=eval_stream(seed, checkpoint, temp), batched=self.device != "cpu")
             out[f"T{temp}"] = {"avg": ev["avg"], "pass": ev["pass"]}
         return out
 
@@ -243,9 +246,13 @@ def fill_warm_cache(cfg: CompareConfig, seeds: Sequence[int], cache: Path, *, jo
 def _arm_job(job: tuple[RunSpec, Arm, int, str]) -> dict[str, object]:
     spec, arm, seed, path = job
     torch.set_num_threads(1)
+    if spec.device != "cpu":  # deterministic CUDA kernels: a run depends only on its seed, arm and platform
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     state = torch.load(path, weights_only=True)
     trace = run_arm_checkpoints(state, spec.cfg, arm, seed, spec.checkpoints,
-                                lambda step, model: spec.evaluate(model, seed, spec.checkpoints.index(step)))
+                                lambda step, model: spec.evaluate(model, seed, spec.checkpoints.index(step)),
+                                device=torch.device(spec.device))
     return {**asdict(trace), "arm_spec": asdict(arm)}
 
 
@@ -265,7 +272,8 @@ def run_stage(spec: RunSpec, arms: Sequence[Arm], out: Path, *, jobs: int, log: 
     out.mkdir(parents=True, exist_ok=True)
     (out / "warm").mkdir(exist_ok=True)
     meta = {"spec": asdict(spec), "arms": [asdict(a) for a in arms], "torch": torch.__version__,
-            "cpu_count": os.cpu_count(), "jobs": jobs, "warm_cache": None if warm_cache is None else str(warm_cache)}
+            "cpu_count": os.cpu_count(), "jobs": jobs,
+            "cuda": torch.cuda.get_device_name(torch.device(spec.device)) if spec.device != "cpu" else None, "warm_cache": None if warm_cache is None else str(warm_cache)}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     t0 = time.perf_counter()
     log(f"run: {len(spec.seeds)} seeds x {len(arms)} arms, checkpoints {spec.checkpoints}, {spec.prompt_set} prompts")
@@ -653,6 +661,8 @@ def tuned_arms(selection: Path) -> list[Arm]:
 
 WARM_CACHE_HELP = ("folder of warm starts shared by the stages of one set-up: a seed's warm start of the same "
                    "configuration and torch build is reused instead of warmed up again")
+DEVICE_HELP = ("where the RL steps and checkpoint evaluations run: cpu (default) or cuda[:N]; warm-ups and the start's "
+               "evaluation stay on the CPU, and sampling draws from the CPU's generators either way")
 RUNS_HELP = "runs.jsonl files, read in order as their concatenation (each plain, or compressed as .xz / .gz)"
 RUNS_OPTION_HELP = ("a runs.jsonl to read instead of DIR/runs.jsonl (repeat for several, read in order as their "
                     "concatenation; plain, or compressed as .xz / .gz)")
@@ -678,6 +688,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rn.add_argument("--seeds", required=True, help="'/'-separated seeds")
     rn.add_argument("--checkpoints", required=True, help="'/'-separated RL step counts, 0 = the start")
     rn.add_argument("--prompt-set", choices=("test", "val"), required=True)
+    rn.add_argument("--device", default="cpu", help=DEVICE_HELP)
     rn.add_argument("--prompts", type=int, default=200)
     rn.add_argument("--samples", type=int, default=64)
     rn.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
@@ -720,6 +731,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           "(default 0: uncalibrated, as the earlier evaluations ran)")
     mp_.add_argument("--seeds", required=True)
     mp_.add_argument("--checkpoints", default="0/10/20/30/40/60/80/100/125/150/200")
+    mp_.add_argument("--device", default="cpu", help=DEVICE_HELP)
     mp_.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     mp_.add_argument("--out", type=Path, required=True)
     mp_.add_argument("--warm-cache", type=Path, default=None, help=WARM_CACHE_HELP)
@@ -786,7 +798,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"frontier's second GRPO lr: {second_lr(lr):g}")
     if args.cmd == "main":
         spec = RunSpec(parse_config(args.config), tuple(int(s) for s in args.seeds.split("/")),
-                       tuple(int(s) for s in args.checkpoints.split("/")), "test")
+                       tuple(int(s) for s in args.checkpoints.split("/")), "test", device=args.device)
         sels = [json.loads(p.read_text()) for p in args.selection]
         fams = args.families.split(",") if args.families else None
         share = mean_autopilot_share(load_jsonl(*args.fixed_share_from)) if args.fixed_share_from else None
@@ -817,7 +829,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(report(args.dir, [tuple(p.split("|", 1)) for p in args.pair], args.name, args.runs, args.margin))
     if args.cmd == "run":
         spec = RunSpec(parse_config(args.config), tuple(int(s) for s in args.seeds.split("/")),
-                       tuple(int(s) for s in args.checkpoints.split("/")), args.prompt_set, args.prompts, args.samples)
+                       tuple(int(s) for s in args.checkpoints.split("/")), args.prompt_set, args.prompts, args.samples,
+                       args.device)
         run_stage(spec, [parse_arm(a) for a in args.arm], args.out, jobs=args.jobs, warm_cache=args.warm_cache)
     if args.cmd == "warm-sweep":
         cands = {}
