@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The main run's analysis (§8's report lines, amendment 2's parts): run once, after all 600 runs are in main/.
+#
+#   bash docs/reproduction/headroom/report.sh [OUT_DIR]      # default docs/reproduction/headroom/main
+#
+# Every part's runs.jsonl(.xz) under main/ is read (a (seed, arm) must appear once: the script refuses
+# duplicates and a count other than 40 seeds x 15 arms before any test), then the four comparison families with
+# the pre-registered margin; tables and frontier figures go to OUT_DIR.
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+export PYTHONPATH="$PWD:$PWD/lab${PYTHONPATH:+:$PYTHONPATH}"
+H=docs/reproduction/headroom
+OUT=${1:-$H/main}
+RUNS=()
+for f in "$H"/main/*/runs.jsonl.xz; do RUNS+=(--runs "${f%.xz}"); done
+${PYTHON:-python3} - "$H/main" <<'PY'
+import sys
+from collections import Counter
+from pathlib import Path
+from entropy_lab.records import load_jsonl
+parts = sorted(Path(sys.argv[1]).glob("*/runs.jsonl.xz"))
+runs = load_jsonl(*[p.with_suffix("") for p in parts])
+count = Counter((r["seed"], r["arm"]) for r in runs)
+twice = sorted(k for k, n in count.items() if n > 1)
+if twice or len(count) != 600 or {s for s, _ in count} != set(range(40)):
+    sys.exit(f"report: need each of 40 seeds x 15 arms once; got {len(count)} (seed, arm) pairs, twice: {twice[:5]}")
+PY
+M="${PYTHON:-python3} -m entropy_lab.protocol report $OUT ${RUNS[*]} --margin 0.02"
+$M --name primary --pair "clip_b(mu=2.5)|grpo(lr=0.0001)" --pair "clip_v(mu=2.5,cap=None)|grpo(lr=0.0001)" \
+   --pair "ppo+clip_b(mu=2.5)|ppo(lr=0.0001)" --pair "ppo+clip_v(mu=0.5,cap=0.02)|ppo(lr=0.0001)"
+$M --name controller --pair "autopilot(hold)|fixed_share(0.0209)" --pair "autopilot(hold)|grpo(lr=0.0001)"
+$M --name peers --pair "clip_cov(ratio=0.005)|grpo(lr=0.0001)" --pair "kl_cov(ratio=0.1,coef=1)|grpo(lr=0.0001)" \
+   --pair "forking(rho=0.5)|grpo(lr=0.0001)" --pair "entropy_bonus(c=0.03)|grpo(lr=0.0001)" \
+   --pair "adaptive_bonus(target=0.23)|grpo(lr=0.0001)" --pair "unlikely(pen=0.5)|grpo(lr=0.0001)"
+$M --name grpo_lr --pair "grpo(lr=0.0003)|grpo(lr=0.0001)"
