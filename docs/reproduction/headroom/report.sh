@@ -5,7 +5,7 @@
 #
 # Every part's runs.jsonl(.xz) under main/ is read (a (seed, arm) must appear once: the script refuses
 # duplicates and a count other than 40 seeds x 15 arms before any test), then the four comparison families with
-# the pre-registered margin; tables and frontier figures go to OUT_DIR.
+# the pre-registered margin; tables and frontier figures go to OUT_DIR, and parts.md lists each part's platform.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 export PYTHONPATH="$PWD:$PWD/lab${PYTHONPATH:+:$PYTHONPATH}"
@@ -13,7 +13,8 @@ H=docs/reproduction/headroom
 OUT=${1:-$H/main}
 RUNS=()
 for f in "$H"/main/*/runs.jsonl.xz; do RUNS+=(--runs "${f%.xz}"); done
-${PYTHON:-python3} - "$H/main" <<'PY'
+mkdir -p "$OUT"
+${PYTHON:-python3} - "$H/main" "$OUT" <<'PY'
 import sys
 from collections import Counter
 from pathlib import Path
@@ -24,6 +25,15 @@ count = Counter((r["seed"], r["arm"]) for r in runs)
 twice = sorted(k for k, n in count.items() if n > 1)
 if twice or len(count) != 600 or {s for s, _ in count} != set(range(40)):
     sys.exit(f"report: need each of 40 seeds x 15 arms once; got {len(count)} (seed, arm) pairs, twice: {twice[:5]}")
+import json
+rows = ["| part | platform | torch | seeds | arms | runs |", "|---|---|---|---|---|---|"]
+for p in parts:
+    meta, part = json.loads((p.parent / "meta.json").read_text()), load_jsonl(p.with_suffix(""))
+    seeds = sorted({r["seed"] for r in part})
+    where = f"GPU ({meta['cuda']})" if meta.get("cuda") else f"CPU ({meta['cpu_count']} cores)"
+    rows.append(f"| {p.parent.name} | {where} | {meta['torch']} | {seeds[0]}-{seeds[-1]} | "
+                f"{len({r['arm'] for r in part})} | {len(part)} |")
+(Path(sys.argv[2]) / "parts.md").write_text("\n".join(rows) + "\n")
 PY
 M="${PYTHON:-python3} -m entropy_lab.protocol report $OUT ${RUNS[*]} --margin 0.02"
 $M --name primary --pair "clip_b(mu=2.5)|grpo(lr=0.0001)" --pair "clip_v(mu=2.5,cap=None)|grpo(lr=0.0001)" \
