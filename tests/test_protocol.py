@@ -401,6 +401,21 @@ def test_comparisons_with_a_margin_give_tost_and_verdicts(tmp_path: Path) -> Non
     assert "verdict" in report(tmp_path, pairs, margin=0.02) and "verdict" not in report(tmp_path, pairs)
 
 
+def test_report_draws_the_frontier_of_its_pairs_arms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each comparison family's figures show only the arms of its pairs, under files named for the family."""
+    drawn: list[tuple[set[str], float, int, str]] = []
+    monkeypatch.setattr(protocol, "frontier_figure",
+                        lambda runs, out, t, k, prefix="": drawn.append(({r["arm"] for r in runs}, t, k, prefix)))
+    runs = [_tuning_run(Arm(a, a), s, 0.5 + 0.01 * s + 0.02 * i) for i, a in enumerate("gxyz") for s in range(4)]
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
+    report(tmp_path, [("x", "g"), ("y", "g")], name="peers")
+    assert {(frozenset(a), p) for a, _, _, p in drawn} == {(frozenset("gxy"), "peers_")}
+    assert sorted((t, k) for _, t, k, _ in drawn) == sorted((t, k) for t in protocol.TEMPERATURES for k in (16, 64))
+    drawn.clear()
+    report(tmp_path, [("z", "g")])
+    assert {(frozenset(a), p) for a, _, _, p in drawn} == {(frozenset("gz"), "")}
+
+
 # ---------------------------------------------------------------------------------------------- end-to-end smoke
 
 

@@ -412,8 +412,9 @@ def _frontier_line(rs: Sequence[dict], temperature: float, k: int) -> tuple[list
     return xs, ys, es
 
 
-def frontier_figure(runs: Sequence[dict], out: Path, temperature: float = 0.7, k: int = 64) -> Path | None:
-    """``frontier_T{T}_pass{k}.png``: per arm, the mean over seeds of (Avg@K, Pass@k) at each checkpoint joined in
+def frontier_figure(runs: Sequence[dict], out: Path, temperature: float = 0.7, k: int = 64,
+                    prefix: str = "") -> Path | None:
+    """``{prefix}frontier_T{T}_pass{k}.png``: per arm, the mean over seeds of (Avg@K, Pass@k) at each checkpoint joined in
     training order, with bars of +-1.96 standard errors of Pass@k over seeds; ``None`` without matplotlib.
 
     One panel per estimator (arms whose name starts with ``ppo`` on the right, the rest on the left); the
@@ -454,7 +455,7 @@ def frontier_figure(runs: Sequence[dict], out: Path, temperature: float = 0.7, k
     axes[0][0].set_ylabel(f"Pass@{k} (T = {temperature})")
     fig.suptitle(f"accuracy-diversity frontier over checkpoints (mean over {len(start) // max(len(by), 1)} seeds, "
                  "bars 95%)\ndotted: start + 0.02 / + 0.04", fontsize=10)
-    path = out / f"frontier_T{temperature}_pass{k}.png"
+    path = out / f"{prefix}frontier_T{temperature}_pass{k}.png"
     save_figure(fig, path, dpi=120)
     return path
 
@@ -462,7 +463,8 @@ def frontier_figure(runs: Sequence[dict], out: Path, temperature: float = 0.7, k
 def report(run_dir: Path, pairs: Sequence[tuple[str, str]], name: str = "report",
            runs_files: Sequence[Path] = (), margin: float | None = None) -> str:
     """``{name}.md`` and ``{name}.json`` under ``run_dir``: the primary family at T = 0.7 (Holm over it), the
-    same endpoints at T = 1.0 and the secondary endpoints (each its own Holm family), and the frontier figures; from
+    same endpoints at T = 1.0 and the secondary endpoints (each its own Holm family), and the frontier figures of
+    the pairs' arms (:func:`frontier_figure`, files prefixed ``{name}_`` unless ``name`` is ``"report"``); from
     ``runs_files`` read in order (default ``run_dir/runs.jsonl``; plain or compressed, :mod:`.records`).  With
     ``margin``, each table adds the TOST p-value (Holm-adjusted) and the verdict of :func:`comparisons`."""
     runs = load_jsonl(*(runs_files or [run_dir / "runs.jsonl"]))
@@ -485,9 +487,10 @@ def report(run_dir: Path, pairs: Sequence[tuple[str, str]], name: str = "report"
             lines.append(f"| {r['arm']} | {r['vs']} | {r['endpoint']} | {r['diff']:+.3f} ± {r['ci95']:.3f} | {r['p']:.4f} | "
                          f"{r['p_holm']:.4f} | {r['reached']}/{r['seeds']} |" + tail)
         lines.append("")
+    drawn = [r for r in runs if r["arm"] in {a for pair in pairs for a in pair}]
     for temp in TEMPERATURES:
         for k in ENDPOINT_KS:
-            frontier_figure(runs, run_dir, temp, k)
+            frontier_figure(drawn, run_dir, temp, k, prefix="" if name == "report" else f"{name}_")
     text = "\n".join(lines)
     (run_dir / f"{name}.md").write_text(text)
     (run_dir / f"{name}.json").write_text(json.dumps(dump, indent=1))

@@ -5,7 +5,8 @@
 #
 # Every part's runs.jsonl(.xz) under main/ is read (a (seed, arm) must appear once: the script refuses
 # duplicates and a count other than 40 seeds x 15 arms before any test), then the four comparison families with
-# the pre-registered margin; tables and frontier figures go to OUT_DIR, and parts.md lists each part's platform.
+# the pre-registered margin; tables, the frontier figures of each family's arms ({name}_frontier_T*_pass*.png) and
+# parts.md (each part's platform) go to OUT_DIR.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 export PYTHONPATH="$PWD:$PWD/lab${PYTHONPATH:+:$PYTHONPATH}"
