@@ -91,7 +91,7 @@ def launch(tmp: Path, script: str, method: str, settings: dict,
     }
     proc = subprocess.run([sys.executable, "-m", "entropy_discriminator.adapters.openrlhf", *argv], cwd=tmp, env=env,
                           capture_output=True, text=True, timeout=900)
-    return proc, [json.loads(p.read_text()) for p in sorted(probes.iterdir())]
+    return proc, [json.loads(p.read_text()) for p in sorted(probes.glob("worker-*.json"))]
 
 
 #: The user's settings of each launch (non-default values, so that a launch that lost them would show it).

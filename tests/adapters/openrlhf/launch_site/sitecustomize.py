@@ -13,7 +13,9 @@ the launcher, and through Ray's inherited environment every Ray worker); never b
    what the process holds into ``$ED_LAUNCH_PROBE_DIR/worker-<pid>.json``: the Ray actor classes on
    the stack, whether the adapter's patch is live (``is_patched()``, the wrapped ``ppo_train`` and
    ``Actor.forward``) and the settings it carries; then the real call runs, which on a CPU stops at
-   ``torch.cuda.set_device(local_rank)``; its error is written too.
+   ``torch.cuda.set_device(local_rank)``; its error is written too.  An actor whose call fails holds its
+   failure until the policy and the reference actor have both written theirs, so that the launch, which ends at the first
+   failure, cannot end before the test's two actors are probed.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import importlib.machinery
 import json
 import os
 import sys
+import time
 
 _STAND_INS = ("flash_attn", "ring_flash_attn", "vllm")
 _PROBED = "openrlhf.utils.deepspeed.deepspeed"
@@ -88,16 +91,46 @@ def _probe(original):
                                                      ("method", "mu_low", "mu_high", "sides", "mask_mode")},
             "realised": _patch._STATE.realised,
         }
+        probes = os.environ["ED_LAUNCH_PROBE_DIR"]
         try:
-            return original(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
         except Exception as exc:
             record["error"] = f"{type(exc).__name__}: {exc}"
+            _write_record(probes, record)
+            _wait_for_records(probes)
             raise
-        finally:
-            with open(os.path.join(os.environ["ED_LAUNCH_PROBE_DIR"], f"worker-{os.getpid()}.json"), "w") as f:
-                json.dump(record, f)
+        _write_record(probes, record)
+        return result
 
     return setup_distributed
+
+
+def _write_record(probes: str, record: dict) -> None:
+    partial = os.path.join(probes, f".worker-{os.getpid()}.partial")
+    with open(partial, "w") as f:
+        json.dump(record, f)
+    os.replace(partial, os.path.join(probes, f"worker-{os.getpid()}.json"))  # a record appears whole
+
+
+#: The actors whose records the test reads: each actor holds its failure until both have written theirs.
+_AWAITED = ("ppo_actor.PolicyModelActor", "ReferenceModelActor")
+
+
+def _wait_for_records(probes: str, timeout_s: float = 240.0) -> None:
+    """Hold this actor's failure until the policy and the reference actor have written their records (or
+    ``timeout_s`` passed): the first actor to fail ends the launch, and on a slow machine one of them would
+    otherwise be stopped before it reached ``setup_distributed``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        seen = set()
+        for name in os.listdir(probes):
+            if name.startswith("worker-"):
+                with open(os.path.join(probes, name)) as f:
+                    selves = json.load(f)["selves"]
+                seen.update(a for a in _AWAITED if any(s.endswith(a) for s in selves))
+        if len(seen) == len(_AWAITED):
+            return
+        time.sleep(0.2)
 
 
 def _probe_strategy(module) -> None:
