@@ -112,15 +112,15 @@ def _generate_in_chunk_order(model: TinyGPT, rows: torch.Tensor, n_new: int, tem
     drawing from placeholder tensors of the same shapes, and each chunk's real draw starts from its state.  Returns
     int64 [N, P + n_new]; ``gen`` ends where the loop would leave it."""
     seq, starts = rows, range(0, len(rows), chunk)
+    n_vocab = model.head.out_features
     states: dict[tuple[int, int], torch.Tensor] = {}
+    for s in starts:
+        for i in range(n_new):
+            states[s, i] = gen.get_state()
+            torch.multinomial(torch.ones(len(rows[s : s + chunk]), n_vocab), 1, generator=gen)
+    end = gen.get_state()
     for i in range(n_new):
         probs = torch.softmax(model(seq)[:, -1].float() / temperature, dim=-1).cpu()
-        if not states:
-            for s in starts:
-                for j in range(n_new):
-                    states[s, j] = gen.get_state()
-                    torch.multinomial(torch.ones_like(probs[s : s + chunk]), 1, generator=gen)
-            end = gen.get_state()
         nxt = []
         for s in starts:
             gen.set_state(states[s, i])
@@ -157,7 +157,8 @@ def run_arm_checkpoints(
     *,
     device: torch.device = torch.device("cpu"),
 ) -> ArmTrace:
-    """RL (:func:`entropy_lab.rl.rl_steps`, on ``device``; sampling on the CPU's generators either way) from ``state`` for ``max(checkpoints)`` steps, a record per
+    """RL (:func:`entropy_lab.rl.rl_steps`, on ``device``; sampling on the CPU's generators either way) from
+    ``state`` for ``max(checkpoints)`` steps, a record per
     step (numbered from 1; its fields are :func:`~entropy_lab.rl.rl_steps`'s); after each step count in
     ``checkpoints`` (0 = the start) records ``on_checkpoint(step, model)`` with ``step`` added.  Training prompts and
     the rollout sampling stream depend on ``seed`` only (paired across arms)."""

@@ -273,7 +273,8 @@ def run_stage(spec: RunSpec, arms: Sequence[Arm], out: Path, *, jobs: int, log: 
     (out / "warm").mkdir(exist_ok=True)
     meta = {"spec": asdict(spec), "arms": [asdict(a) for a in arms], "torch": torch.__version__,
             "cpu_count": os.cpu_count(), "jobs": jobs,
-            "cuda": torch.cuda.get_device_name(torch.device(spec.device)) if spec.device != "cpu" else None, "warm_cache": None if warm_cache is None else str(warm_cache)}
+            "cuda": torch.cuda.get_device_name(torch.device(spec.device)) if spec.device != "cpu" else None,
+            "warm_cache": None if warm_cache is None else str(warm_cache)}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     t0 = time.perf_counter()
     log(f"run: {len(spec.seeds)} seeds x {len(arms)} arms, checkpoints {spec.checkpoints}, {spec.prompt_set} prompts")
@@ -414,7 +415,8 @@ def _frontier_line(rs: Sequence[dict], temperature: float, k: int) -> tuple[list
 
 def frontier_figure(runs: Sequence[dict], out: Path, temperature: float = 0.7, k: int = 64,
                     prefix: str = "") -> Path | None:
-    """``{prefix}frontier_T{T}_pass{k}.png``: per arm, the mean over seeds of (Avg@K, Pass@k) at each checkpoint joined in
+    """``{prefix}frontier_T{T}_pass{k}.png``: per arm, the mean over seeds of (Avg@K, Pass@k) at each checkpoint
+    joined in
     training order, with bars of +-1.96 standard errors of Pass@k over seeds; ``None`` without matplotlib.
 
     One panel per estimator (arms whose name starts with ``ppo`` on the right, the rest on the left); the

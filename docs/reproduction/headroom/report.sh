@@ -20,16 +20,16 @@ import sys
 from collections import Counter
 from pathlib import Path
 from entropy_lab.records import load_jsonl
-parts = sorted(Path(sys.argv[1]).glob("*/runs.jsonl.xz"))
-runs = load_jsonl(*[p.with_suffix("") for p in parts])
+parts = {p: load_jsonl(p.with_suffix("")) for p in sorted(Path(sys.argv[1]).glob("*/runs.jsonl.xz"))}
+runs = [r for part in parts.values() for r in part]
 count = Counter((r["seed"], r["arm"]) for r in runs)
 twice = sorted(k for k, n in count.items() if n > 1)
 if twice or len(count) != 600 or {s for s, _ in count} != set(range(40)):
     sys.exit(f"report: need each of 40 seeds x 15 arms once; got {len(count)} (seed, arm) pairs, twice: {twice[:5]}")
 import json
 rows = ["| part | platform | torch | seeds | arms | runs |", "|---|---|---|---|---|---|"]
-for p in parts:
-    meta, part = json.loads((p.parent / "meta.json").read_text()), load_jsonl(p.with_suffix(""))
+for p, part in parts.items():
+    meta = json.loads((p.parent / "meta.json").read_text())
     seeds = sorted({r["seed"] for r in part})
     where = f"GPU ({meta['cuda']})" if meta.get("cuda") else f"CPU ({meta['cpu_count']} cores)"
     rows.append(f"| {p.parent.name} | {where} | {meta['torch']} | {seeds[0]}-{seeds[-1]} | "

@@ -32,4 +32,5 @@ for folder in ("gpu_probe_a", "gpu_probe_b", "gpu_probe_8", "gpu_batched_eval"):
         n_cp, _ = differing(run["checkpoints"], cpu["checkpoints"])
         n_st, worst = differing(run["records"], cpu["records"])
         fields = ", ".join(f"{k} {v:.1e}" for k, v in sorted(worst.items())) or "none"
-        print(f"| {folder} | {run['arm']} | {n_cp}/{len(cpu['checkpoints'])} | {n_st}/{len(cpu['records'])} | {fields} |")
+        print(f"| {folder} | {run['arm']} | {n_cp}/{len(cpu['checkpoints'])} | {n_st}/{len(cpu['records'])} "
+              f"| {fields} |")

@@ -14,8 +14,8 @@ the launcher, and through Ray's inherited environment every Ray worker); never b
    the stack, whether the adapter's patch is live (``is_patched()``, the wrapped ``ppo_train`` and
    ``Actor.forward``) and the settings it carries; then the real call runs, which on a CPU stops at
    ``torch.cuda.set_device(local_rank)``; its error is written too.  An actor whose call fails holds its
-   failure until the policy and the reference actor have both written theirs, so that the launch, which ends at the first
-   failure, cannot end before the test's two actors are probed.
+   failure until the policy and the reference actor have both written theirs, so that the launch, which
+   ends at the first failure, cannot end before the test's two actors are probed.
 """
 
 from __future__ import annotations
