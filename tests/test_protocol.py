@@ -381,17 +381,24 @@ def test_seed_count_follows_the_tuning_runs_paired_sd(tmp_path: Path, capsys: py
 
 
 def test_comparisons_with_a_margin_give_tost_and_verdicts(tmp_path: Path) -> None:
-    """A tiny steady difference matches, a large steady one is better (or worse), a noisy one is inconclusive; TOST
-    p-values are Holm-adjusted over the family on their own; the report shows them only when a margin is given."""
+    """A tiny steady difference matches, a large steady one is better (or worse), a noisy one is inconclusive, one
+    that fewer than 80 % of the seeds reach in both arms makes no claim; TOST p-values are Holm-adjusted over the
+    family on their own; the report shows them only when a margin is given."""
     seeds = range(12)
     base = {s: 0.5 + 0.01 * (s % 5) for s in seeds}
     shifts = {"same": [0.001 * (-1) ** s for s in seeds], "up": [0.05 + 0.002 * (s % 3) for s in seeds],
               "down": [-0.05 - 0.002 * (s % 3) for s in seeds], "noisy": [0.06 * (-1) ** s for s in seeds]}
     runs = [_tuning_run(Arm("g", "grpo"), s, base[s]) for s in seeds]
     runs += [_tuning_run(Arm(a, a), s, base[s] + d[i]) for a, d in shifts.items() for i, s in enumerate(seeds)]
+    rare = [_tuning_run(Arm("rare", "rare"), s, base[s] + 0.05) for s in seeds]
+    for r in rare[:3]:  # 9 of 12 seeds (75 %) reach the level: a large steady gain, but no claim
+        r["checkpoints"][1]["T0.7"]["avg"] = 0.2
     pairs = [(a, "g") for a in shifts]
     rows = comparisons(runs, pairs, ["T0.7/d0.02/pass@64"], margin=0.02)
     assert [r["verdict"] for r in rows] == ["matches", "better", "worse", "inconclusive"]
+    few = comparisons(runs + rare, [*pairs, ("rare", "g")], ["T0.7/d0.02/pass@64"], margin=0.02)[-1]
+    assert (few["n"], few["seeds"], few["p_holm"] < 0.05, few["verdict"]) == (9, 12, True, "no claim")
+    assert comparisons(runs + rare, [("rare", "g")], ["T0.7/d0.02/pass@64"], 0.02, min_share=0.75)[0]["verdict"] == "better"
     assert [r["p_tost_holm"] for r in rows] == pytest.approx(holm([r["p_tost"] for r in rows]))
     with_margin = [r["p_tost"] for r in rows]
     d = [base[s] + shifts["same"][i] - base[s] for i, s in enumerate(seeds)]

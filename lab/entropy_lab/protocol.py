@@ -329,14 +329,15 @@ def endpoints_by_arm(runs: Sequence[dict]) -> dict[str, dict[int, dict[str, floa
 
 
 def comparisons(runs: Sequence[dict], pairs: Sequence[tuple[str, str]], keys: Sequence[str],
-                margin: float | None = None) -> list[dict[str, object]]:
+                margin: float | None = None, min_share: float = 0.8) -> list[dict[str, object]]:
     """Paired tests (:func:`paired_test`, seeds where both runs have a finite value) of ``arm - vs`` for every pair and
     key, with Holm's adjustment over exactly these ``len(pairs) * len(keys)`` tests (one family).
 
     With ``margin``: also the TOST of each difference against ``(-margin, margin)`` (:func:`~.equivalence.tost`),
     its p-values Holm-adjusted over the family on their own (``p_tost``, ``p_tost_holm``), and the ``verdict``:
-    ``better`` / ``worse`` (Holm-adjusted t test at 0.05, by the sign), ``matches`` (Holm-adjusted TOST at 0.05) or
-    ``inconclusive``."""
+    ``no claim`` when fewer than ``min_share`` of the pair's seeds reach the endpoint in both arms (paired ``n``),
+    else ``better`` / ``worse`` (Holm-adjusted t test at 0.05, by the sign), ``matches`` (Holm-adjusted TOST at
+    0.05) or ``inconclusive``."""
     per = endpoints_by_arm(runs)
     rows: list[dict[str, object]] = []
     for arm, vs in pairs:
@@ -355,7 +356,8 @@ def comparisons(runs: Sequence[dict], pairs: Sequence[tuple[str, str]], keys: Se
         for row, adj in zip(rows, holm([float(r["p_tost"]) for r in rows])):
             row["p_tost_holm"] = adj
             differs = row["p_holm"] <= 0.05
-            row["verdict"] = (("better" if row["diff"] > 0 else "worse") if differs
+            row["verdict"] = ("no claim" if row["n"] < min_share * row["seeds"]
+                              else ("better" if row["diff"] > 0 else "worse") if differs
                               else "matches" if adj <= 0.05 else "inconclusive")
     return rows
 
@@ -482,12 +484,12 @@ def report(run_dir: Path, pairs: Sequence[tuple[str, str]], name: str = "report"
         dump[title] = rows
         extra = "" if margin is None else f" TOST p (Holm, margin {margin:g}) | verdict |"
         lines += [f"### {title}: {len(rows)} tests, Holm at 0.05\n",
-                  "| arm | vs | endpoint | diff ± 95% CI | p | p (Holm) | seeds reached |" + extra,
-                  "|---|---|---|---|---|---|---|" + ("" if margin is None else "---|---|")]
+                  "| arm | vs | endpoint | diff ± 95% CI | p | p (Holm) | seeds reached | paired n |" + extra,
+                  "|---|---|---|---|---|---|---|---|" + ("" if margin is None else "---|---|")]
         for r in rows:
             tail = "" if margin is None else f" {r['p_tost_holm']:.4f} | {r['verdict']} |"
             lines.append(f"| {r['arm']} | {r['vs']} | {r['endpoint']} | {r['diff']:+.3f} ± {r['ci95']:.3f} | {r['p']:.4f} | "
-                         f"{r['p_holm']:.4f} | {r['reached']}/{r['seeds']} |" + tail)
+                         f"{r['p_holm']:.4f} | {r['reached']}/{r['seeds']} | {r['n']} |" + tail)
         lines.append("")
     drawn = [r for r in runs if r["arm"] in {a for pair in pairs for a in pair}]
     for temp in TEMPERATURES:

@@ -4,9 +4,10 @@
 #   bash docs/reproduction/headroom/report.sh [OUT_DIR]      # default docs/reproduction/headroom/main
 #
 # Every part's runs.jsonl(.xz) under main/ is read (a (seed, arm) must appear once: the script refuses
-# duplicates and a count other than 40 seeds x 15 arms before any test), then the four comparison families with
-# the pre-registered margin; tables, the frontier figures of each family's arms ({name}_frontier_T*_pass*.png) and
-# parts.md (each part's platform) go to OUT_DIR.
+# duplicates and a count other than 40 seeds x 15 arms before any test), then the five comparison families of §5
+# (primary, controller, each peer - GRPO, GRPO's second rate, Clip_B and Clip_V - each peer) with the pre-registered
+# margin; tables, the frontier figures of each family's arms ({name}_frontier_T*_pass*.png) and parts.md (each
+# part's platform) go to OUT_DIR.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 export PYTHONPATH="$PWD:$PWD/lab${PYTHONPATH:+:$PYTHONPATH}"
@@ -44,3 +45,8 @@ $M --name peers --pair "clip_cov(ratio=0.005)|grpo(lr=0.0001)" --pair "kl_cov(ra
    --pair "forking(rho=0.5)|grpo(lr=0.0001)" --pair "entropy_bonus(c=0.03)|grpo(lr=0.0001)" \
    --pair "adaptive_bonus(target=0.23)|grpo(lr=0.0001)" --pair "unlikely(pen=0.5)|grpo(lr=0.0001)"
 $M --name grpo_lr --pair "grpo(lr=0.0003)|grpo(lr=0.0001)"
+PEERS=("clip_cov(ratio=0.005)" "kl_cov(ratio=0.1,coef=1)" "forking(rho=0.5)" "entropy_bonus(c=0.03)"
+       "adaptive_bonus(target=0.23)" "unlikely(pen=0.5)")
+CLIPS=()
+for c in "clip_b(mu=2.5)" "clip_v(mu=2.5,cap=None)"; do for p in "${PEERS[@]}"; do CLIPS+=(--pair "$c|$p"); done; done
+$M --name clips_vs_peers "${CLIPS[@]}"
