@@ -3,6 +3,7 @@ uniform targets, the warm-up identity with the compare harness, and an end-to-en
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import math
@@ -447,6 +448,11 @@ def test_protocol_smoke(tmp_path: Path) -> None:
     assert set(sel) == {"grpo", "clip_b", "ppo"} and (tmp_path / "selection.md").is_file()
     text = report(tmp_path, [("clip_b(mu=1)", "grpo(lr=0.001)")], name="smoke")
     assert "primary (T = 0.7): 4 tests" in text and (tmp_path / "smoke.json").is_file()
+    if importlib.util.find_spec("matplotlib"):  # the figures are 256-colour palette PNGs
+        from PIL import Image
+
+        figure = Image.open(tmp_path / "smoke_frontier_T0.7_pass64.png")
+        assert figure.mode == "P" and figure.size[0] > 600
 
 
 def test_warm_cache_reuses_starts_without_changing_runs(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import BinaryIO, TextIO
 
 from .train import pearson
 
@@ -132,10 +132,11 @@ def pyplot():
     return plt
 
 
-def save_figure(fig, path: Path, *, dpi: int) -> None:
-    """Lay ``fig`` out (``tight_layout``), write it to ``path`` at ``dpi`` and close it."""
+def save_figure(fig, path: Path | BinaryIO, *, dpi: int) -> None:
+    """Lay ``fig`` out (``tight_layout``), write it as a PNG to ``path`` (a file name or a binary stream) at ``dpi``
+    and close it."""
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
+    fig.savefig(path, dpi=dpi, format="png")
     pyplot().close(fig)
 
 
