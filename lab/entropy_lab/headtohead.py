@@ -158,8 +158,7 @@ def run_arm_checkpoints(
     device: torch.device = torch.device("cpu"),
 ) -> ArmTrace:
     """RL (:func:`entropy_lab.rl.rl_steps`, on ``device``; sampling on the CPU's generators either way) from
-    ``state`` for ``max(checkpoints)`` steps, a record per
-    step (numbered from 1; its fields are :func:`~entropy_lab.rl.rl_steps`'s); after each step count in
+    ``state`` for ``max(checkpoints)`` steps, a record per step (numbered from 1; its fields are :func:`~entropy_lab.rl.rl_steps`'s); after each step count in
     ``checkpoints`` (0 = the start) records ``on_checkpoint(step, model)`` with ``step`` added.  Training prompts and
     the rollout sampling stream depend on ``seed`` only (paired across arms)."""
     out = ArmTrace(arm=arm.name, family=arm.family, seed=seed)

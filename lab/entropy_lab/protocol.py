@@ -419,8 +419,7 @@ def _frontier_line(rs: Sequence[dict], temperature: float, k: int) -> tuple[list
 def frontier_figure(runs: Sequence[dict], out: Path, temperature: float = 0.7, k: int = 64,
                     prefix: str = "") -> Path | None:
     """``{prefix}frontier_T{T}_pass{k}.png``: per arm, the mean over seeds of (Avg@K, Pass@k) at each checkpoint
-    joined in
-    training order, with bars of +-1.96 standard errors of Pass@k over seeds; ``None`` without matplotlib.
+    joined in training order, with bars of +-1.96 standard errors of Pass@k over seeds; ``None`` without matplotlib.
 
     One panel per estimator (arms whose name starts with ``ppo`` on the right, the rest on the left); the
     baselines (families ``grpo`` / ``ppo``) are drawn in black, one line style per learning rate, every other arm

@@ -37,16 +37,20 @@ for p, part in parts.items():
                 f"{len({r['arm'] for r in part})} | {len(part)} |")
 (Path(sys.argv[2]) / "parts.md").write_text("\n".join(rows) + "\n")
 PY
-M="${PYTHON:-python3} -m entropy_lab.protocol report $OUT ${RUNS[*]} --margin 0.02"
-$M --name primary --pair "clip_b(mu=2.5)|grpo(lr=0.0001)" --pair "clip_v(mu=2.5,cap=None)|grpo(lr=0.0001)" \
-   --pair "ppo+clip_b(mu=2.5)|ppo(lr=0.0001)" --pair "ppo+clip_v(mu=0.5,cap=0.02)|ppo(lr=0.0001)"
-$M --name controller --pair "autopilot(hold)|fixed_share(0.0209)" --pair "autopilot(hold)|grpo(lr=0.0001)"
-$M --name peers --pair "clip_cov(ratio=0.005)|grpo(lr=0.0001)" --pair "kl_cov(ratio=0.1,coef=1)|grpo(lr=0.0001)" \
-   --pair "forking(rho=0.5)|grpo(lr=0.0001)" --pair "entropy_bonus(c=0.03)|grpo(lr=0.0001)" \
-   --pair "adaptive_bonus(target=0.23)|grpo(lr=0.0001)" --pair "unlikely(pen=0.5)|grpo(lr=0.0001)"
-$M --name grpo_lr --pair "grpo(lr=0.0003)|grpo(lr=0.0001)"
+# The chosen settings' arm names (tuning/*/selection.json).
+GRPO="grpo(lr=0.0001)" PPO="ppo(lr=0.0001)" CLIPB="clip_b(mu=2.5)" CLIPV="clip_v(mu=2.5,cap=None)"
 PEERS=("clip_cov(ratio=0.005)" "kl_cov(ratio=0.1,coef=1)" "forking(rho=0.5)" "entropy_bonus(c=0.03)"
        "adaptive_bonus(target=0.23)" "unlikely(pen=0.5)")
-CLIPS=()
-for c in "clip_b(mu=2.5)" "clip_v(mu=2.5,cap=None)"; do for p in "${PEERS[@]}"; do CLIPS+=(--pair "$c|$p"); done; done
+VS_GRPO=() CLIPS=()
+for p in "${PEERS[@]}"; do
+    VS_GRPO+=(--pair "$p|$GRPO")
+    CLIPS+=(--pair "$CLIPB|$p")
+done
+for p in "${PEERS[@]}"; do CLIPS+=(--pair "$CLIPV|$p"); done
+M="${PYTHON:-python3} -m entropy_lab.protocol report $OUT ${RUNS[*]} --margin 0.02"
+$M --name primary --pair "$CLIPB|$GRPO" --pair "$CLIPV|$GRPO" \
+   --pair "ppo+clip_b(mu=2.5)|$PPO" --pair "ppo+clip_v(mu=0.5,cap=0.02)|$PPO"
+$M --name controller --pair "autopilot(hold)|fixed_share(0.0209)" --pair "autopilot(hold)|$GRPO"
+$M --name peers "${VS_GRPO[@]}"
+$M --name grpo_lr --pair "grpo(lr=0.0003)|$GRPO"
 $M --name clips_vs_peers "${CLIPS[@]}"
