@@ -38,8 +38,12 @@ AUTOPILOT_ONLY: dict[str, Any] = {
 #: than these (or, for ``max_frac``, None: no cap, what ``"auto"`` means for the masks) is refused, since the run
 #: would silently only monitor.
 CONTROL_ONLY: dict[str, Any] = {**MASK_ONLY, "sides": "negative", "mask_mode": "zero_pg", **AUTOPILOT_ONLY}
-#: Default of ``calibrate_every``: one calibration batch in ten (the adapters' cost: one no-grad forward of that batch).
+#: Default of ``calibrate_every``: one calibration batch in ten (the adapters' cost: one no-grad forward of a share of
+#: that batch, ``calibrate_share``).
 DEFAULT_CALIBRATE_EVERY = 10
+#: Default of ``calibrate_share``: the after-update pass reads one sequence in four of the calibration batch
+#: (docs/adapters/law-and-autopilot.md, "What a calibration batch costs").
+DEFAULT_CALIBRATE_SHARE = 0.25
 
 
 @dataclass
@@ -77,6 +81,9 @@ class EntropyDiscConfig:
         calibrate_every: every this many statistics batches the adapter measures the realised entropy change of
             that batch's tokens and feeds the scale ``kappa`` that puts ``-eta Cov_B(A, r S_c)`` in nats (int >= 0;
             0: off, the cheap score is logged as ``delta_entropy/cheap`` only; docs/adapters/law-and-autopilot.md).
+        calibrate_share: the share of a calibration batch's sequences that the after-update pass reads, in (0, 1]
+            (default 0.25: ``ceil(0.25 B)`` of ``B`` rows spread evenly over the batch,
+            :func:`~entropy_discriminator.law_scale.calibration_rows`); 1 reads the whole batch.
     """
 
     method: str = "none"
@@ -97,6 +104,7 @@ class EntropyDiscConfig:
     form: str = "cov"
     smoothing: float = _autopilot.DEFAULT_SMOOTHING
     calibrate_every: int = DEFAULT_CALIBRATE_EVERY
+    calibrate_share: float = DEFAULT_CALIBRATE_SHARE
 
     def __setattr__(self, name: str, value: Any) -> None:
         check = _FIELD_CHECKS.get(name)
@@ -278,6 +286,7 @@ _TEXT_KINDS: dict[str, tuple[type, tuple[str, ...], bool]] = {
     "chunk_size": (int, (), True), "log_metrics": (bool, (), False), "target_entropy": (float, ("hold",), False),
     "decay_steps": (int, (), True), "gain": (float, (), False), "max_step": (float, (), False),
     "eta": (float, (), True), "smoothing": (float, (), False), "calibrate_every": (int, (), False),
+    "calibrate_share": (float, (), False),
 }
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
@@ -319,4 +328,5 @@ _FIELD_CHECKS = {
     "form": _choice(FORMS),
     "smoothing": lambda name, value: real_number(name, value, above=0, maximum=1),
     "calibrate_every": lambda name, value: integer(name, value, minimum=0),
+    "calibrate_share": lambda name, value: real_number(name, value, above=0, maximum=1),
 }

@@ -4,7 +4,8 @@ same batch (docs/adapters/law-and-autopilot.md).
 Corollary 4's ``cheap = -eta Cov_B(A, r S_c)`` (``eta``: :meth:`~entropy_discriminator.EntropyDiscConfig.step_size`)
 ranks the tokens but, under Adam and a network, misses the size of the change by orders of magnitude.  Every
 ``calibrate_every``-th statistics batch the adapter measures the realised change of the mean entropy of **that
-batch's tokens** (one no-grad forward after the update) and feeds ``(cheap, realised)`` to a
+batch's tokens** (one no-grad forward after the update, over the ``calibrate_share`` of its sequences that
+:func:`calibration_rows` picks: their mean change is an unbiased estimate of the whole batch's) and feeds ``(cheap, realised)`` to a
 :class:`~entropy_discriminator.law.Calibration` (``kappa = S_xy / S_xx``, least squares through 0, forgetting 0.9).
 Metrics (prefix ``entropy_disc/``): ``delta_entropy/cheap``; with ``calibrate_every > 0`` also
 ``delta_entropy/predicted`` (``kappa * cheap``, nats) and ``delta_entropy/scale`` (``kappa``); on calibration batches
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 
 from entropy_discriminator import EntropyAutopilot, batch_entropy_change
-from entropy_discriminator._checks import integer
+from entropy_discriminator._checks import integer, real_number
 from entropy_discriminator.law import Calibration
 
 #: Metric names (after the ``entropy_disc/`` prefix).
@@ -115,6 +116,23 @@ class LawScale:
             own.load_state_dict(state["calibration"])
             self._own = own
         self.batches = batches
+
+
+def calibration_rows(rows: int, share: float) -> torch.Tensor:
+    """Indices (int64, sorted, on the CPU) of the ``m = ceil(share * rows)`` sequences of a calibration batch that the
+    after-update pass reads: ``floor(i * rows / m)`` for ``i < m``, spread evenly from row 0 (every 4th row at
+    ``share = 0.25`` when 4 divides ``rows``; GRPO groups of consecutive rows all contribute).  ``share`` in (0, 1]
+    (1: every row); ``rows = 0`` gives no index.
+
+    Equivalent torch::
+
+        m = math.ceil(share * rows)
+        torch.arange(m) * rows // m
+    """
+    rows = integer("rows", rows, minimum=0)
+    share = real_number("calibrate_share", share, above=0, maximum=1)
+    m = min(rows, math.ceil(share * rows - 1e-9))  # 0.1 * 30 is 3.0000000000000004
+    return torch.arange(m, dtype=torch.int64) * rows // max(m, 1)
 
 
 def cheap_change(advantages: torch.Tensor, s_centered: torch.Tensor, valid: torch.Tensor, *, eta: float | None,
