@@ -45,7 +45,7 @@ from transformers import TrainerCallback
 
 from entropy_discriminator import EntropyMonitor, MaskResult, TokenStats
 
-from entropy_discriminator.law_scale import REALISED_KEY, SKIPPED_KEY, LawScale, cheap_change
+from entropy_discriminator.law_scale import REALISED_KEY, SKIPPED_KEY, LawScale, calibration_rows, cheap_change
 from ._mask import loss_mask, process_group
 from ._stats import restrict
 
@@ -60,8 +60,9 @@ _PASS_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
 
 @dataclass
 class PendingCalibration:
-    """A calibration batch waiting for its after-update pass: its inputs, its entropy before the update
-    (``(B, T)``, from the statistics), the valid tokens and its cheap prediction."""
+    """A calibration batch waiting for its after-update pass: the inputs of its rows that the pass reads, their
+    entropy before the update (``(m, T)``, from the statistics), their valid tokens, and the whole batch's cheap
+    prediction."""
 
     batch: dict[str, torch.Tensor]
     entropy: torch.Tensor
@@ -183,17 +184,19 @@ def law_step_size(trainer: Any, state: Any) -> float | None:
 
 def law_batch(trainer: Any, state: Any, stats: TokenStats, advantages: torch.Tensor, batch: dict[str, Any]) -> dict[str, float]:
     """Count one statistics batch with the law scale: its cheap prediction ``-eta Cov_B(A, r S_c)`` (global over
-    the group; ``r`` as the autopilot's), and, on a calibration batch, park it for :func:`calibrate_pending`.
+    the group; ``r`` as the autopilot's), and, on a calibration batch, park the ``calibrate_share`` of its rows that
+    :func:`~entropy_discriminator.law_scale.calibration_rows` picks for :func:`calibrate_pending` (the same count on
+    every rank: TRL's per-device batches are equal).
     Returns the scale's metrics (``delta_entropy/cheap``, ``/predicted``, ``/scale``)."""
     sync_law(trainer, state)
     group = process_group(trainer)
     cheap = cheap_change(advantages, stats.s_centered, stats.valid, eta=law_step_size(trainer, state),
                          ratio=sampling_ratio(batch, stats.valid.shape), form=state.config.form, process_group=group)
     if state.law.tick() and cheap is not None:
-        parked = {k: batch[k].detach() for k in _PASS_KEYS}
-        if batch.get("tool_mask") is not None:
-            parked["tool_mask"] = batch["tool_mask"].detach()
-        state.law_pending = PendingCalibration(parked, stats.entropy.detach(), stats.valid.clone(), cheap)
+        rows = calibration_rows(stats.valid.shape[0], state.config.calibrate_share).to(stats.valid.device)
+        keys = (*_PASS_KEYS, "tool_mask") if batch.get("tool_mask") is not None else _PASS_KEYS
+        parked = {k: batch[k].detach()[rows] for k in keys}
+        state.law_pending = PendingCalibration(parked, stats.entropy.detach()[rows], stats.valid[rows], cheap)
     trainer.state.stateful_callbacks[LAW_KEY] = state.law.state_dict()
     return state.law.metrics(cheap)
 

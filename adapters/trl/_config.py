@@ -24,7 +24,7 @@ from trl import GRPOConfig
 from entropy_discriminator import EntropyDiscConfig
 from entropy_discriminator._checks import did_you_mean
 from entropy_discriminator.autopilot import DEFAULT_GAIN, DEFAULT_MAX_STEP, DEFAULT_SMOOTHING
-from entropy_discriminator.config import DEFAULT_CALIBRATE_EVERY
+from entropy_discriminator.config import DEFAULT_CALIBRATE_EVERY, DEFAULT_CALIBRATE_SHARE
 
 from ._patch import ensure_args_patch
 from ._support import check_trl_version, validate_options
@@ -120,6 +120,11 @@ class EntropyDiscGRPOConfig(GRPOConfig):
         metadata=_help("Every this many statistics batches, one no-grad pass over that batch after its update measures "
                        "the realised entropy change and calibrates delta_entropy/predicted in nats (0: off)."),
     )
+    entropy_disc_calibrate_share: float = field(
+        default=DEFAULT_CALIBRATE_SHARE,
+        metadata=_help("Share of a calibration batch's sequences (rows spread evenly over it) that the after-update "
+                       "pass reads, (0, 1]; 1: the whole batch."),
+    )
 
     def __post_init__(self) -> None:
         if self.bf16 is None and not self.fp16 and not self.use_cpu and not _bf16_accelerator():
@@ -165,6 +170,7 @@ class EntropyDiscGRPOConfig(GRPOConfig):
             form=self.entropy_disc_form,
             smoothing=self.entropy_disc_smoothing,
             calibrate_every=self.entropy_disc_calibrate_every,
+            calibrate_share=self.entropy_disc_calibrate_share,
         )
 
 

@@ -151,14 +151,21 @@ def make_env(setup: str, seed: int, *, quick: bool = False) -> Env:
             return functional_call(model, params, (seq[:, :-1],))[:, cl.PROMPT_LEN - 1 :]
 
         return Env(setup, model, 5e-4, 1, None, None, sample, model_logits, gen)
+    return head_env(setup, HEAD_CONFIGS[setup], seed, quick=quick)
+
+
+def head_env(name: str, config: str, seed: int, *, quick: bool = False, warm: Path | None = None) -> Env:
+    """A ``protocol`` configuration ``config`` for ``seed``, warmed up as ``protocol`` does, or from the state dict
+    saved at ``warm`` (a warm start of ``protocol``'s cache); GRPO lr 1e-4, its PPO clip and mini-batches, gradient
+    norm clipped at 1."""
     from .rl import warm_up as warm_start
     from entropy_discriminator.demo.model import TinyGPT
     from .protocol import parse_config
 
-    cfg = parse_config(HEAD_CONFIGS[setup])
+    cfg = parse_config(config)
     if quick:
         cfg = replace(cfg, warmup_steps=20)
-    state = warm_start(cfg, seed)
+    state = warm_start(cfg, seed) if warm is None else torch.load(warm, weights_only=True)
     task = cfg.task()
     torch.manual_seed(seed)
     model = TinyGPT(cfg.model_config())
@@ -169,7 +176,7 @@ def make_env(setup: str, seed: int, *, quick: bool = False) -> Env:
     def model_logits(params: dict[str, torch.Tensor], seq: torch.Tensor) -> torch.Tensor:
         return functional_call(model, params, (seq[:, :-1],))[:, p_len - 1 :].float()
 
-    return Env(setup, model, 1e-4, cfg.minibatches, 1.0, cfg.clip_eps, sample, model_logits, sample_gen)
+    return Env(name, model, 1e-4, cfg.minibatches, 1.0, cfg.clip_eps, sample, model_logits, sample_gen)
 
 
 def _batch(logits: torch.Tensor, seq: torch.Tensor, resp: torch.Tensor, adv: torch.Tensor) -> Batch:

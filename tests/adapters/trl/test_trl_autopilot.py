@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from _trl_harness import make_trainer
+from _trl_harness import make_trainer, reference
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer, TrlParser
 
@@ -318,6 +318,57 @@ def test_kappa_without_the_autopilot_is_saved_and_restored(feeds, tmp_path):
     resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
     assert _ed_logs(resumed)[-2:] == _ed_logs(full)[-2:]
     assert resumed.state.stateful_callbacks[ed_autopilot.LAW_KEY] == full.state.stateful_callbacks[ed_autopilot.LAW_KEY]
+
+
+@pytest.mark.parametrize("share", [0.25, 0.5, 1.0])
+def test_the_after_update_pass_reads_the_chosen_rows_and_their_realised_change(share, feeds, monkeypatch, tmp_path):
+    """calibrate_share: the after-update pass of a calibration batch reads exactly the rows that
+    ``calibration_rows(B, share)`` picks from the generation batch (8 rows: 2, 4 or all 8), and the fed realised
+    change equals a float64 recomputation over those rows: the policy after the update in float64, its entropy of
+    each completion token at TRL's temperature, minus the entropy the adapter read before the update."""
+    from entropy_discriminator.adapters.trl import _patch as trl_patch
+    from entropy_discriminator.law_scale import calibration_rows
+
+    generated, passes, real_batch, real_pass = [], [], ed_autopilot.law_batch, trl_patch._extra_pass
+
+    def record_batch(trainer, state, stats, advantages, batch):
+        out = real_batch(trainer, state, stats, advantages, batch)
+        if state.law_pending is not None:
+            generated.append(({k: batch[k].clone() for k in ed_autopilot._PASS_KEYS}, stats.entropy.clone()))
+        return out
+
+    def record_pass(trainer, state, batch):  # on this route (the training forward) only calibration calls it
+        passes.append((dict(batch), {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}))
+        return real_pass(trainer, state, batch)
+
+    monkeypatch.setattr(ed_autopilot, "law_batch", record_batch)
+    monkeypatch.setattr(trl_patch, "_extra_pass", record_pass)
+    trainer = make_trainer(tmp_path, cls=EntropyDiscGRPOTrainer, max_steps=2, per_device_train_batch_size=8,
+                           entropy_disc_method="clip_b", entropy_disc_mu_low=1.0, entropy_disc_calibrate_every=1,
+                           entropy_disc_calibrate_share=share)
+    trainer.train()
+    assert len(generated) == len(passes) == len(feeds) == 2
+    for (full, before), (read, weights), (_, realised, _) in zip(generated, passes, feeds):
+        rows = calibration_rows(8, share)
+        assert len(rows) == {0.25: 2, 0.5: 4, 1.0: 8}[share]
+        assert all(torch.equal(read[k], full[k][rows]) for k in ed_autopilot._PASS_KEYS)
+        live = trainer.accelerator.unwrap_model(trainer.model)
+        model = type(live)(live.config).double()
+        model.load_state_dict({k: v.double() if v.is_floating_point() else v for k, v in weights.items()})
+        ids = torch.cat([read["prompt_ids"], read["completion_ids"]], 1)
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=torch.cat([read["prompt_mask"], read["completion_mask"]], 1)).logits
+        p = read["prompt_ids"].size(1)
+        after = reference.reference_entropy(logits[:, p - 1 : -1] / trainer.temperature)
+        valid = read["completion_mask"].bool()
+        expected = float((after - before[rows].double())[valid].mean())
+        assert realised == pytest.approx(expected, rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.parametrize("value", [0, 1.5, "x"])
+def test_a_bad_calibrate_share_is_refused_naming_it(value):
+    with pytest.raises(ValueError, match=r"entropy_disc\.calibrate_share must be"):
+        EntropyDiscGRPOConfig(output_dir="/tmp/x", report_to="none", use_cpu=True, entropy_disc_calibrate_share=value)
 
 
 @pytest.mark.parametrize("value", [-1, "often"])
