@@ -28,8 +28,8 @@ allocated GPU memory.  Medians of steps 2..N (N = ``--steps``, default 5: 4 time
 
 Also writes ``step_cost.csv`` (columns card, framework, setup, adapter_share: the adapter's own
 time per step over the stock arm's non-generation step, per row, GC setting and arm, with the law
-calibration's after-update pass (one no-grad forward of one batch in ``calibrate_every``) spread
-over the batches it serves, and without it).
+calibration's after-update pass (one no-grad forward of ``calibrate_share`` of one batch in
+``calibrate_every``, the defaults) spread over the batches it serves, and without it).
 On TRL 1.16 the adapter's statistics come from the tiles of TRL's own fused LM head (a
 ``VocabFold`` read of each tile, timed with CUDA events inside TRL's pass); ``head_pass_calls``
 counts the passes where it computed them from hidden states instead (a head product of its own).
@@ -183,6 +183,7 @@ def run_arm(arm: str, row: str, gc: bool, path: Path, tok, data, ns, recorded: l
     state = trainer.__dict__.get(ed_patch._CLASS_STATE_ATTR, (None, None))[1]
     route = getattr(state, "plan", None)
     every = state.config.calibrate_every if state is not None else 0
+    share = state.config.calibrate_share if state is not None else 0.0
     calib = [t for _, t in calibration.calls]
     n = len(clock.steps)
     gen = gen_t.per_step(n) if recorded is None else [0.0] * n  # replayed: no generate call
@@ -199,11 +200,12 @@ def run_arm(arm: str, row: str, gc: bool, path: Path, tok, data, ns, recorded: l
         "rest_s": statistics.median([s - g for s, g in zip(clock.steps[sel], gen[sel])]),
         "adapter_s": statistics.median(adapter[sel]),
         "tap_fold_s": statistics.median(fold[sel]),
-        # the calibration's after-update pass (a no-grad forward of one batch in calibrate_every): its mean
-        # time, and that time spread over the calibrate_every batches it serves
+        # the calibration's after-update pass (a no-grad forward of calibrate_share of one batch in
+        # calibrate_every): its mean time, and that time spread over the calibrate_every batches it serves
         "calibration_pass_s": statistics.mean(calib) if calib else 0.0,
         "calibration_s": statistics.mean(calib) / every if calib and every else 0.0,
         "calibrate_every": every,
+        "calibrate_share": share,
         "calibration_passes": len(calib),
         "head_pass_calls": len(timers[0].calls),
         "peak_gib": peak,
@@ -227,7 +229,7 @@ def step_cost_rows(rows: list[dict], card: str) -> list[dict]:
     """Two rows per precision row, GC setting and adapter arm (replayed batches): the adapter's own
     time per step (median) over the stock arm's non-generation step time of the same row, with the
     law calibration's after-update pass spread over its ``calibrate_every`` batches (the default
-    set-up, ``.../calibrate_every=N``) and without it (``calibrate_every=0``)."""
+    set-up, ``.../calibrate_every=N,calibrate_share=S``) and without it (``calibrate_every=0``)."""
     base = {(r["row"], r["gradient_checkpointing"]): r["rest_s"] for r in rows if r["arm"] == "off"}
     out = []
     for r in rows:
@@ -235,7 +237,8 @@ def step_cost_rows(rows: list[dict], card: str) -> list[dict]:
             continue
         setup = f"{r['row']}/gc_{'on' if r['gradient_checkpointing'] else 'off'}/{r['arm']}"
         stock = base[(r["row"], r["gradient_checkpointing"])]
-        out += [{"card": card, "framework": "trl", "setup": f"{setup}/calibrate_every={r['calibrate_every']}",
+        calibrated = f"calibrate_every={r['calibrate_every']},calibrate_share={r['calibrate_share']:g}"
+        out += [{"card": card, "framework": "trl", "setup": f"{setup}/{calibrated}",
                  "adapter_share": (r["adapter_s"] + r["calibration_s"]) / stock},
                 {"card": card, "framework": "trl", "setup": f"{setup}/calibrate_every=0",
                  "adapter_share": r["adapter_s"] / stock}]

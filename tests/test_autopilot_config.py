@@ -47,6 +47,10 @@ def test_defaults_and_the_other_methods_unchanged():
     ("eta", math.inf, "finite"),
     ("eta", "1e-3", "must be"),
     ("form", "exact", "one of"),
+    ("calibrate_share", 0, "> 0"),
+    ("calibrate_share", 1.5, "<= 1"),
+    ("calibrate_share", math.nan, "must be"),
+    ("calibrate_share", "1/4", "must be"),
 ])
 def test_each_field_is_checked_at_construction_and_on_assignment(field, value, needle):
     base = {"method": "autopilot", "target_entropy": 1.0, field: value}
@@ -118,6 +122,9 @@ def test_from_mapping_parses_command_line_strings():
             C.from_mapping({"method": "autopilot", "target_entropy": "1.0", key: text})
     with pytest.raises(ValueError, match="entropy_disc.mu_low"):
         C.from_mapping({"method": "autopilot", "mu_low": "2.5"})
+    assert C.from_mapping({"calibrate_share": "0.5"}).calibrate_share == 0.5 and C().calibrate_share == 0.25
+    with pytest.raises(ValueError, match=r"entropy_disc\.calibrate_share must be a number"):
+        C.from_mapping({"calibrate_share": "quarter"})
 
 
 def test_build_autopilot_carries_every_setting():

@@ -17,6 +17,7 @@ from entropy_discriminator.law_scale import (
     PREDICTED_KEY,
     SCALE_KEY,
     LawScale,
+    calibration_rows,
     cheap_change,
 )
 
@@ -83,3 +84,30 @@ def test_cheap_change_is_minus_eta_times_the_covariance() -> None:
     cov = ((a - a.mean()) * (y - y.mean())).mean()
     assert cheap_change(adv, s_c, valid, eta=0.5) == pytest.approx(float(-0.5 * cov), rel=1e-6)
     assert cheap_change(adv, s_c, valid, eta=None) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(0, 5000), share=st.floats(1e-4, 1.0))
+def test_calibration_rows_are_the_evenly_spread_ceil_share_of_the_rows(rows: int, share: float) -> None:
+    """``ceil(share * rows)`` distinct sorted indices in range, starting at row 0, consecutive picks at most
+    ``ceil(1 / share)`` apart and each row's gap to the next pick at most ``rows / m`` rounded up (no region of
+    the batch left out); every row at share 1."""
+    idx = calibration_rows(rows, share)
+    m = math.ceil(share * rows - 1e-9)
+    assert idx.dtype == torch.int64 and idx.tolist() == sorted(set(idx.tolist()))
+    assert len(idx) == min(rows, m) and (rows == 0 or (idx[0] == 0 and idx[-1] < rows))
+    if len(idx) > 1:
+        gaps = (idx[1:] - idx[:-1]).tolist()
+        assert max(gaps) <= math.ceil(rows / len(idx)) and min(gaps) >= rows // len(idx)
+    assert calibration_rows(rows, 1.0).tolist() == list(range(rows))
+
+
+def test_calibration_rows_examples_and_refusals() -> None:
+    assert calibration_rows(64, 0.25).tolist() == list(range(0, 64, 4))
+    assert calibration_rows(10, 0.25).tolist() == [0, 3, 6] and calibration_rows(3, 0.25).tolist() == [0]
+    assert calibration_rows(30, 0.1).tolist() == [0, 10, 20]  # 0.1 * 30 is 3.0000000000000004 in floating point
+    for share in (0, -0.5, 1.5, math.nan):
+        with pytest.raises(ValueError, match="calibrate_share"):
+            calibration_rows(8, share)
+    with pytest.raises(ValueError, match="rows"):
+        calibration_rows(-1, 0.5)
