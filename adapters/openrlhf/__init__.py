@@ -30,8 +30,9 @@ rides in the client state of the actor's DeepSpeed checkpoints (``DeepspeedStrat
 ``--ckpt.load_enable`` loaded one; a loaded checkpoint without it is refused there (``_autopilot.py``).
 
 Every method: ``entropy_disc/delta_entropy/cheap`` is the round's ``-eta Cov_B(A, S_c)``; every
-``calibrate_every``-th round (default 10) the after-update pass measures the realised change of the round's
-tokens and feeds ``kappa`` (``entropy_disc/delta_entropy/predicted = kappa * cheap``, ``/scale``), whose state
+``calibrate_every``-th round (default 10) the after-update pass measures the realised change of the tokens of
+the ``calibrate_share`` of the round's samples (default 0.25) that ``law_scale.calibration_rows`` picks on each
+rank, and feeds ``kappa`` (``entropy_disc/delta_entropy/predicted = kappa * cheap``, ``/scale``), whose state
 rides in the same client state under ``entropy_disc_law`` (``entropy_discriminator/law_scale.py``,
 docs/adapters/law-and-autopilot.md).
 

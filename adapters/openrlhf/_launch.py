@@ -32,7 +32,7 @@ from typing import Any
 
 from entropy_discriminator import EntropyDiscConfig
 from entropy_discriminator.autopilot import DEFAULT_GAIN, DEFAULT_MAX_STEP, DEFAULT_SMOOTHING
-from entropy_discriminator.config import DEFAULT_CALIBRATE_EVERY
+from entropy_discriminator.config import DEFAULT_CALIBRATE_EVERY, DEFAULT_CALIBRATE_SHARE
 from entropy_discriminator.config import METHODS
 from entropy_discriminator.masks import CAP_RULES, MASK_MODES, SIDES
 from entropy_discriminator.stats import IMPLS
@@ -107,10 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--entropy_disc.calibrate_every", dest="calibrate_every", default=str(DEFAULT_CALIBRATE_EVERY),
                    help="every this many rounds, one no-grad pass after the update measures the round's realised entropy "
                    f"change and calibrates delta_entropy/predicted in nats; 0: off (default {DEFAULT_CALIBRATE_EVERY})")
+    g.add_argument("--entropy_disc.calibrate_share", dest="calibrate_share", default=str(DEFAULT_CALIBRATE_SHARE),
+                   help="share of a calibration round's samples that its after-update pass reads, in (0, 1]: on each "
+                   "rank ceil(share x its samples), spread evenly over its buffer from the first; 1: all "
+                   f"(default {DEFAULT_CALIBRATE_SHARE})")
     g.add_argument("--entropy_disc.no_metrics", dest="log_metrics", action="store_false",
                    help="do not add entropy_disc/* metrics to OpenRLHF's logs")
     g.add_argument("--entropy_disc.realised", dest="realised", action="store_true",
-                   help="after each update, a second no-grad pass logs entropy_disc/delta_entropy/realised")
+                   help="after each update, a second no-grad pass over the round's samples logs "
+                   "entropy_disc/delta_entropy/realised (on a calibration round: the calibration pass, over its "
+                   "calibrate_share of them)")
     return p
 
 

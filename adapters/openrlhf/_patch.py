@@ -199,7 +199,9 @@ def patch(config: EntropyDiscConfig | None = None, *, realised: bool = False) ->
     / ``load_ckpt`` in this process (imports OpenRLHF's trainer module; see the module doc).
 
     ``config`` defaults to ``EntropyDiscConfig()`` (metrics only); ``realised=True`` adds a second
-    no-grad pass after the update for ``entropy_disc/delta_entropy/realised``. Idempotent: a second
+    no-grad pass after the update for ``entropy_disc/delta_entropy/realised`` over every buffered sample (on a
+    calibration round that pass is the calibration's, over ``config.calibrate_share`` of them:
+    :func:`~._round.end_round`). Idempotent: a second
     call replaces the settings, never wraps twice. Raises :class:`UnsupportedVersionError` outside
     :data:`SUPPORTED_OPENRLHF`.
     """

@@ -32,6 +32,11 @@ training arguments (:func:`~._checks.check_training_args`), then
      (``iter_grad_accum_global_norm`` and the dynamic-batch token counts read ``action_mask``),
      and with it the KL and entropy terms of that token, as in the reference implementation.
 
+After the stock epochs, on a calibration round of the law scale (``calibrate_every``) and, with
+``--entropy_disc.realised``, on every round, :func:`end_round` reads the entropy of the same tokens again in a
+no-grad pass: on a calibration round over the ``calibrate_share`` of each rank's buffered samples that
+:func:`~entropy_discriminator.law_scale.calibration_rows` picks, otherwise over all of them.
+
 Alignment (the one-token shift) is ``Actor.forward``'s: for a right-padded batch of ``A`` action
 columns, ``logits[:, :-1][:, -A:]`` score ``sequences[:, 1:][:, -A:]`` (see ``replay_buffer_stats``).
 """
@@ -54,7 +59,7 @@ from entropy_discriminator import (
     apply_keep_mask,
     token_stats,
 )
-from entropy_discriminator.law_scale import PREDICTED_KEY, REALISED_KEY, SKIPPED_KEY, cheap_change
+from entropy_discriminator.law_scale import PREDICTED_KEY, REALISED_KEY, SKIPPED_KEY, calibration_rows, cheap_change
 from ._checks import check_training_args
 from entropy_discriminator.distributed import Group, all_gather_cat, all_reduce
 
@@ -406,14 +411,23 @@ def _law_step_size(trainer: Any, config: EntropyDiscConfig) -> float | None:
 
 
 def end_round(trainer: Any, config: EntropyDiscConfig, state: RoundState) -> dict[str, float]:
-    """``entropy_disc/delta_entropy/realised``: mean entropy change of the round's tokens after the
-    update, from a second no-grad pass over the same samples (same valid tokens as before).  On a
-    calibration round it feeds ``(cheap, realised)`` to the law scale (:mod:`entropy_discriminator.law_scale`)."""
+    """``entropy_disc/delta_entropy/realised``: the mean, over the valid tokens (the action masks before masking) of
+    the samples read on every rank of the data-parallel group, of their entropy after the round's update minus
+    before it, from a second no-grad pass (:func:`replay_buffer_stats`) over those samples.
+
+    Samples read, on each rank (:func:`read_rows`): on a calibration round the ``calibrate_share`` of its buffered
+    samples that :func:`~entropy_discriminator.law_scale.calibration_rows` picks (at least one when it has any), and
+    ``(cheap, realised)`` is fed to the law scale (:mod:`entropy_discriminator.law_scale`); on any other round (the
+    pass ``--entropy_disc.realised`` adds) every buffered sample.  The samples are chosen from the buffer's
+    single-sample items before the pass batches (and, with ``packing_samples``, packs) them into micro-batches."""
     items = trainer.replay_buffer.items
+    rows = read_rows(len(items), config, state)
+    picked = rows.tolist()
+    tokens = sample_tokens(state.valids, rows).to(state.stats.entropy.device)
     after = replay_buffer_stats(
         trainer.actor,
-        items,
-        state.valids,
+        [items[i] for i in picked],
+        [state.valids[i] for i in picked],
         micro_batch_size=int(trainer.micro_train_batch_size),
         chunk_size=config.chunk_size,
         impl=config.impl,
@@ -421,13 +435,27 @@ def end_round(trainer: Any, config: EntropyDiscConfig, state: RoundState) -> dic
         sync_group=dist.group.WORLD if dist.is_available() and dist.is_initialized() else None,
     )
     monitor = EntropyMonitor(process_group=dp_group(trainer.strategy))
-    out = monitor.realised(state.stats.entropy, after.entropy, state.stats.valid)
+    out = monitor.realised(state.stats.entropy[tokens], after.entropy, state.stats.valid[tokens])
     if state.calibrate:
         from ._autopilot import law_scale
 
         scale = law_scale(trainer, config, dp_group(trainer.strategy))
         out[monitor.prefix + SKIPPED_KEY] = float(not scale.feed(state.cheap, out[monitor.prefix + REALISED_KEY]))
     return out
+
+
+def read_rows(n_items: int, config: EntropyDiscConfig, state: RoundState) -> torch.Tensor:
+    """Indices (int64, sorted) of this rank's ``n_items`` buffered samples that :func:`end_round`'s pass reads:
+    ``calibration_rows(n_items, config.calibrate_share)`` on a calibration round, all of them otherwise."""
+    return calibration_rows(n_items, config.calibrate_share if state.calibrate else 1.0)
+
+
+def sample_tokens(valids: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+    """bool ``[sum_i A_i]`` (on the CPU): True on the action columns of the samples ``rows`` in the concatenation of
+    the per-sample ``valids[i]`` (``[A_i]``), the layout of :attr:`RoundState.stats`."""
+    read = torch.zeros(len(valids), dtype=torch.bool)
+    read[rows] = True
+    return read.repeat_interleave(torch.tensor([v.numel() for v in valids], dtype=torch.int64))
 
 
 def _current_lr(trainer: Any) -> float | None:

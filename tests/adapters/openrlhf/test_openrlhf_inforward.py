@@ -13,6 +13,7 @@ other is fetched from it.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from types import SimpleNamespace
@@ -161,16 +162,18 @@ def test_stats_from_make_experience_equal_previous_pass(layout, packing, monkeyp
     stats_equal_previous_pass(state, actor, items, valids, micro=4)
 
 
-@pytest.mark.parametrize("method,mode,realised,calibrate", [
-    ("clip_b", "zero_pg", False, 0), ("clip_v", "drop_token", False, 0), ("none", "zero_pg", False, 0),
-    ("clip_b", "zero_pg", True, 0), ("none", "zero_pg", False, 1)])
-def test_round_runs_no_extra_policy_forward(method, mode, realised, calibrate, monkeypatch):
+@pytest.mark.parametrize("method,mode,realised,calibrate,share", [
+    ("clip_b", "zero_pg", False, 0, 0.25), ("clip_v", "drop_token", False, 0, 0.25),
+    ("none", "zero_pg", False, 0, 0.25), ("clip_b", "zero_pg", True, 0, 0.25), ("none", "zero_pg", False, 1, 0.25),
+    ("none", "zero_pg", True, 1, 0.25), ("none", "zero_pg", False, 1, 1.0)])
+def test_round_runs_no_extra_policy_forward(method, mode, realised, calibrate, share, monkeypatch):
     """Real ``ppo_train``, patched: the policy's model runs only the update's grad-enabled forwards
     (one per micro-batch and epoch), plus, only with ``realised`` or on a calibration round of the law
-    scale (``calibrate_every``; the first round is one), the after-update pass."""
+    scale (``calibrate_every``; the first round is one), the after-update pass: over ``calibrate_share`` of
+    the samples on a calibration round, over all of them otherwise."""
     actor = tiny_actor()
     mask = {} if method == "none" else {"mu_low": 0.5, "sides": "both", "mask_mode": mode}  # none: no mask settings
-    cfg = EntropyDiscConfig(method=method, max_frac=None, calibrate_every=calibrate, **mask)
+    cfg = EntropyDiscConfig(method=method, max_frac=None, calibrate_every=calibrate, calibrate_share=share, **mask)
     adapter.patch(cfg, realised=realised)
     trainer = built_trainer(actor, monkeypatch, epochs=2, micro=2)
     for batch in make_experience(actor, rollout_batch(5, n=8), micro=4):
@@ -179,8 +182,9 @@ def test_round_runs_no_extra_policy_forward(method, mode, realised, calibrate, m
     status = trainer.ppo_train(0.0)
     n_update = 2 * (8 // 2)  # epochs x micro-batches
     assert counter.calls[:n_update] == [True] * n_update
-    if realised or calibrate:  # the optional after-update pass: 8 samples in micro-batches of 2, no grad
-        assert counter.calls[n_update:] == [False] * 4
+    if realised or calibrate:  # the optional after-update pass, no grad: its samples in micro-batches of 2
+        n_read = math.ceil(share * 8) if calibrate else 8
+        assert counter.calls[n_update:] == [False] * math.ceil(n_read / 2)
         assert "entropy_disc/delta_entropy/realised" in status
     else:
         assert len(counter.calls) == n_update
