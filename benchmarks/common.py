@@ -147,6 +147,51 @@ def timed(fn: Callable[..., object], *args: object, **kwargs: object) -> tuple[o
     return out, time.perf_counter() - t
 
 
+#: Columns of ``benchmarks/results/step_cost.csv``: per card, framework and set-up, the adapter's own time per step
+#: over the stock framework's step (``python -m benchmarks trl-step``, ``benchmarks.verl_step``,
+#: ``benchmarks.openrlhf_step``: ``--step-cost FILE``).
+STEP_COST_FIELDS = ("card", "framework", "setup", "adapter_share")
+
+
+def step_cost_card(name: str) -> str:
+    """A card's name as ``step_cost.csv`` spells it (``torch.cuda.get_device_name()`` with ``_`` for spaces)."""
+    return name.replace(" ", "_")
+
+
+def step_cost_pair(card: str, framework: str, setup: str, *, adapter_s: float, calibration_s: float,
+                   stock_s: float, every: int, share: float) -> list[dict]:
+    """The two ``step_cost.csv`` rows of one set-up: the adapter's own time per step over ``stock_s`` with the law
+    calibration's after-update pass spread over the ``every`` batches it serves (``calibration_s``: the pass's time
+    / ``every``; set-up ``SETUP/calibrate_every=N,calibrate_share=S``, the defaults) and without it
+    (``SETUP/calibrate_every=0``)."""
+    calibrated = f"calibrate_every={every},calibrate_share={share:g}"
+    return [{"card": card, "framework": framework, "setup": f"{setup}/{calibrated}",
+             "adapter_share": (adapter_s + calibration_s) / stock_s},
+            {"card": card, "framework": framework, "setup": f"{setup}/calibrate_every=0",
+             "adapter_share": adapter_s / stock_s}]
+
+
+def write_step_cost(path: Path, shares: list[dict]) -> None:
+    """Write ``shares`` into ``path`` (columns :data:`STEP_COST_FIELDS`), keeping its rows of other cards,
+    frameworks and set-up groups: the rows whose card, framework and set-up group (the set-up up to its first
+    ``/``, e.g. ``bf16_fsdp``) are those of a row in ``shares`` are replaced, so that a run of some arms or groups
+    keeps the file's rows of the others."""
+
+    def group(r: dict) -> tuple[str, str, str]:
+        return r["card"], r["framework"], r["setup"].split("/", 1)[0]
+
+    keep: list[dict] = []
+    if path.exists():
+        with open(path, newline="") as f:
+            new = {group(r) for r in shares}
+            keep = [r for r in csv.DictReader(f) if group(r) not in new]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(STEP_COST_FIELDS))
+        writer.writeheader()
+        writer.writerows(keep + shares)
+
+
 def free_memory() -> None:
     gc.collect()
     torch.cuda.empty_cache()

@@ -23,15 +23,25 @@ Timed per step (wall time, GPU synchronised before and after):
   the moment the forward's own kernels have finished);
 * ``update_s``: ``ActorPPOTrainer.ppo_train`` on the replay buffer: with the adapter this includes its
   round start (``entropy_disc/timing/stats_pass``, column ``stats_pass_s``: taking the buffered
-  samples' statistics from the forward, the mask and the metrics; a no-grad pass of the policy only
-  in the fallback, column ``from_forward`` 0);
-* ``total_s``: the two together, the part of an OpenRLHF step outside generation that the actor
-  does (reference model, critic and reward model are the same in every arm and not run).
+  samples' statistics from the forward, the mask, the metrics and the law scale's cheap prediction; a
+  no-grad pass of the policy only in the fallback, column ``from_forward`` 0), but not the law
+  calibration's after-update pass (next item);
+* ``calibration_pass_s``: the adapter's ``_round.end_round`` inside ``ppo_train`` (timed on its own,
+  GPU synchronised): on a calibration round of the law scale (``EntropyDiscConfig.calibrate_every``,
+  default 10: the first round, the 11th, the 21st, ...) a no-grad pass over the ``calibrate_share`` (default
+  0.25) of the buffered samples that reads their entropy after the update.  Every arm's patch starts a
+  fresh law scale (``unpatch`` forgets it), so here every round of an adapter arm is a calibration
+  round; a default run has one in ``calibrate_every``: ``calibration_s`` = ``calibration_pass_s /
+  calibrate_every`` is its time per step;
+* ``total_s``: ``old_log_prob_s + update_s``, the part of an OpenRLHF step outside generation that the
+  actor does (reference model, critic and reward model are the same in every arm and not run).
 
 The adapter is patched before the arm's old-log-prob pass (and, once, before the trainer is built,
 as the Ray setup hook does, so that its ``ActorPPOTrainer.__init__`` registers the policy) and
-unpatched after its ``ppo_train``; ``adapter_s`` = ``stats_in_forward_s + stats_pass_s`` is all of the
-adapter's own time, ``adapter_vs_off_pct`` that over ``off``'s ``total_s``.
+unpatched after its ``ppo_train``; ``adapter_s`` = ``stats_in_forward_s + stats_pass_s`` is the
+adapter's own time per step without the calibration, ``adapter_vs_off_pct`` that over ``off``'s
+``total_s``; ``adapter_calibrated_s`` = ``adapter_s + calibration_s`` is what a default run pays per
+step, ``adapter_calibrated_vs_off_pct`` that over ``off``'s ``total_s``.
 
 Arms, interleaved within each step (``off`` first) so that drift of the card's clocks hits every arm
 alike: ``off`` (the adapter not patched), ``monitor`` (``method=none``: statistics and metrics),
@@ -42,10 +52,13 @@ turn (its weights move by one lr-1e-6 step per arm and step).  Peak memory per a
 Medians of steps 2..N; the adapter's own time is also given against the stock step
 (``adapter_vs_off_pct``; ``stats_pass_vs_off_pct``: its round start alone).  Writes
 ``benchmarks/results/<card>/openrlhf_step.csv`` (or ``--out DIR``) and
-prints a table with the ratios against ``off``.
+prints a table with the ratios against ``off``; also writes ``step_cost.csv`` (``--step-cost FILE``,
+default beside ``openrlhf_step.csv``; rows of other cards, frameworks and set-up groups are kept): per adapter
+arm, set-up ``bf16_zero2/<arm>/calibrate_every=10,calibrate_share=0.25`` (``adapter_calibrated_s``
+over ``off``'s ``total_s``) and ``bf16_zero2/<arm>/calibrate_every=0`` (``adapter_s`` over it).
 
     python -m benchmarks.openrlhf_step [--steps 4] [--arms off,monitor,clip_b,clip_v] [--response-len 512]
-                                       [--micro 8] [--out DIR]
+                                       [--micro 8] [--out DIR] [--step-cost FILE]
     python -m benchmarks.openrlhf_step --smoke   # tiny model on the CPU, CUDA calls redirected: checks the code path only
 
 ``--smoke`` redirects CUDA calls to the CPU as ``tests/gpu/openrlhf_step_on_cpu.py`` does (DeepSpeed
@@ -207,6 +220,35 @@ def build(shape: Shape, smoke: bool, model_dir: Path) -> tuple[Any, Any, Any]:
     return args, actor, trainer
 
 
+class CallClock:
+    """Wall time of ``owner.name``'s calls (GPU synchronised before and after each, :func:`benchmarks.common.timed`),
+    summed until :meth:`take`; :meth:`restore` puts the original back."""
+
+    def __init__(self, owner: Any, name: str) -> None:
+        from benchmarks.common import timed
+
+        self.owner, self.name, self.real = owner, name, getattr(owner, name)
+        self.seconds, self.calls = 0.0, 0
+        real = self.real
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            out, seconds = timed(real, *args, **kwargs)
+            self.seconds += seconds
+            self.calls += 1
+            return out
+
+        setattr(owner, name, call)
+
+    def take(self) -> tuple[float, int]:
+        """``(seconds, calls)`` since the last take."""
+        out = (self.seconds, self.calls)
+        self.seconds, self.calls = 0.0, 0
+        return out
+
+    def restore(self) -> None:
+        setattr(self.owner, self.name, self.real)
+
+
 #: Factor on the random model's final RMSNorm weight (``--head-scale``): a freshly initialised model's
 #: next-token distribution is nearly uniform (entropy ~11.75 nats at V = 151936, logit std 0.6), on which
 #: S* hardly varies and Clip_B / Clip_V clip nothing.  Scaled by 12 (Qwen shapes; 8 for the smoke model),
@@ -233,15 +275,28 @@ def write_model(path: Path, smoke: bool, head_scale: float | None = None) -> int
 
 def run(ns: argparse.Namespace, shape: Shape, arms: list[str]) -> list[dict]:
     """All steps of all arms; one CSV row per arm."""
+    from entropy_discriminator.adapters.openrlhf import _round
+
+    model_dir = Path(tempfile.mkdtemp(prefix="openrlhf_step_")) / "qwen25_05b_shapes"
+    vocab = write_model(model_dir, ns.smoke, ns.head_scale)
+    responses = sample_responses(model_dir, shape, ns.steps, vocab)
+    # the law calibration's after-update pass, timed on its own: the adapter's ppo_train wrapper takes end_round
+    # from _round when patch() wraps it, so the clock goes in first
+    calibration = CallClock(_round, "end_round")
+    try:
+        return _run_steps(ns, shape, arms, model_dir, vocab, responses, calibration)
+    finally:
+        calibration.restore()
+
+
+def _run_steps(ns: argparse.Namespace, shape: Shape, arms: list[str], model_dir: Path, vocab: int,
+               responses: list[torch.Tensor], calibration: CallClock) -> list[dict]:
     from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
     from benchmarks.common import timed
     from entropy_discriminator import EntropyDiscConfig
     from entropy_discriminator.adapters import openrlhf as adapter
 
-    model_dir = Path(tempfile.mkdtemp(prefix="openrlhf_step_")) / "qwen25_05b_shapes"
-    vocab = write_model(model_dir, ns.smoke, ns.head_scale)
-    responses = sample_responses(model_dir, shape, ns.steps, vocab)
     adapter.patch(EntropyDiscConfig())  # as in a Ray worker: patched before ActorPPOTrainer.__init__ (registers the policy)
     try:
         args, actor, trainer = build(shape, ns.smoke, model_dir)
@@ -252,6 +307,7 @@ def run(ns: argparse.Namespace, shape: Shape, arms: list[str]) -> list[dict]:
     maker.kl_ctl = SimpleNamespace(value=0.0)
     cuda = torch.cuda.is_available()
     records: dict[str, list[dict]] = {arm: [] for arm in arms}
+    configs = {arm: EntropyDiscConfig(method=ARMS[arm], mask_mode="zero_pg") for arm in arms if ARMS[arm]}
     for step in range(ns.steps):
         for arm in arms:
             method = ARMS[arm]
@@ -261,23 +317,35 @@ def run(ns: argparse.Namespace, shape: Shape, arms: list[str]) -> list[dict]:
             if method is None:
                 adapter.unpatch()
             else:  # before the old-log-prob pass: the adapter scores the tokens inside it
-                adapter.patch(EntropyDiscConfig(method=method, mask_mode="zero_pg"))
+                adapter.patch(configs[arm])  # a fresh law scale: this round is a calibration round
+            calibration.take()
             try:
                 lp, old_s = timed(old_log_probs, actor, exp, shape.micro)
                 exp.action_log_probs = lp * exp.action_mask
                 maker.compute_advantages_and_returns([exp])
                 trainer.replay_buffer.clear()
                 trainer.replay_buffer.append(exp)
-                status, update_s = timed(trainer.ppo_train, 0.0)
+                status, ppo_train_s = timed(trainer.ppo_train, 0.0)
             finally:
                 adapter.unpatch()
+            calibration_s, passes = calibration.take()
             peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else math.nan
             if method is not None:
                 assert "entropy_disc/entropy/mean" in status, f"{arm}: no entropy_disc metrics in ppo_train's status"
+                every = configs[arm].calibrate_every
+                assert passes == (1 if every else 0), (
+                    f"{arm}: {passes} after-update calibration passes in a round with a fresh law scale (calibrate_every "
+                    f"{every}; none means no cheap prediction: no learning rate?)")
+                assert not passes or "entropy_disc/delta_entropy/realised" in status, f"{arm}: no realised change"
+            else:
+                assert passes == 0, f"{arm}: the stock arm ran the adapter's end_round"
             if method in ("clip_b", "clip_v"):
                 assert "entropy_disc/clip/frac" in status, f"{arm}: no mask"
+            update_s = ppo_train_s - calibration_s  # the calibration pass is spread over calibrate_every rounds below
             records[arm].append({
                 "old_log_prob_s": old_s, "update_s": update_s, "total_s": old_s + update_s, "peak_gib": peak,
+                "calibration_pass_s": calibration_s, "calibration_passes": passes,
+                "realised": float(status.get("entropy_disc/delta_entropy/realised", math.nan)),
                 "stats_pass_s": float(status.get("entropy_disc/timing/stats_pass", 0.0)),
                 "stats_in_forward_s": float(status.get("entropy_disc/timing/stats_in_forward", 0.0)),
                 "from_forward": float(status.get("entropy_disc/stats/from_forward", math.nan)),
@@ -293,8 +361,20 @@ def run(ns: argparse.Namespace, shape: Shape, arms: list[str]) -> list[dict]:
             s["adapter_s"] = s["stats_in_forward_s"] + s["stats_pass_s"]
         med = {k: statistics.median(s[k] for s in sel)
                for k in ("old_log_prob_s", "update_s", "total_s", "stats_in_forward_s", "stats_pass_s", "adapter_s")}
+        config = configs.get(arm)
+        every = config.calibrate_every if config else 0
+        passes = [s["calibration_pass_s"] for s in sel if s["calibration_passes"]]
+        pass_s = statistics.median(passes) if passes else 0.0
+        calibration_s = pass_s / every if every else 0.0
         rows.append({
             "arm": arm, "method": ARMS[arm] or "stock OpenRLHF", **med,
+            # the law calibration's after-update pass (median over the timed steps; every round here), that time
+            # spread over the calibrate_every rounds it serves, and the adapter's own time per step with it
+            "calibrate_every": every, "calibrate_share": config.calibrate_share if config else 0.0,
+            "calibration_pass_s": pass_s, "calibration_s": calibration_s,
+            "calibration_passes": sum(s["calibration_passes"] for s in steps),
+            "adapter_calibrated_s": med["adapter_s"] + calibration_s,
+            "realised_step1": steps[0]["realised"],
             "peak_gib": max(s["peak_gib"] for s in steps) if cuda else math.nan,
             "from_forward": min(s["from_forward"] for s in steps) if ARMS[arm] else math.nan,
             "clip_frac_step1": steps[0]["clip_frac"], "n_valid_step1": steps[0]["n_valid"],
@@ -314,6 +394,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--head-scale", type=float, default=None,
                         help="factor on the random model's final norm weight (default 12, smoke 8; 1: as initialised)")
     parser.add_argument("--smoke", action="store_true", help="tiny model and batch on the CPU: checks the code path only")
+    parser.add_argument("--step-cost", type=Path, default=None,
+                        help="the adapter-share CSV (default: step_cost.csv beside openrlhf_step.csv; rows of other cards, "
+                        "frameworks and set-up groups are kept)")
     ns = parser.parse_args(argv)
     arms = [x.strip() for x in ns.arms.split(",") if x.strip()]
     unknown = [x for x in arms if x not in ARMS]
@@ -346,7 +429,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     import deepspeed
     import transformers
 
-    from benchmarks.common import card_dir
+    from benchmarks.common import card_dir, write_step_cost
 
     card = "cpu_smoke" if ns.smoke else torch.cuda.get_device_name()
     versions = (f"openrlhf {importlib.metadata.version('openrlhf')}, deepspeed {deepspeed.__version__}, "
@@ -359,6 +442,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         r["update_vs_off_pct"] = 100 * (r["update_s"] / base["update_s"] - 1) if base else math.nan
         r["stats_pass_vs_off_pct"] = 100 * r["stats_pass_s"] / base["total_s"] if base else math.nan
         r["adapter_vs_off_pct"] = 100 * r["adapter_s"] / base["total_s"] if base else math.nan
+        r["calibration_vs_off_pct"] = 100 * r["calibration_s"] / base["total_s"] if base else math.nan
+        r["adapter_calibrated_vs_off_pct"] = 100 * r["adapter_calibrated_s"] / base["total_s"] if base else math.nan
         r["peak_vs_off_pct"] = 100 * (r["peak_gib"] / base["peak_gib"] - 1) if base else math.nan
         r["card"], r["versions"] = card, versions
     out = ns.out or ROOT / "benchmarks" / "results" / ("cpu_smoke" if ns.smoke else card_dir(card))
@@ -367,6 +452,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
+    shares = step_cost_rows(rows, card)
+    step_cost = ns.step_cost or out / "step_cost.csv"
+    if shares:
+        write_step_cost(step_cost, shares)
     n_seq = shape.prompts * shape.responses
     which = f"medians of steps 2-{ns.steps}" if ns.steps > 1 else "step 1 only (warm-up included)"
     print(f"card {card}; {versions}; {which}; {n_seq} sequences x ({shape.prompt_len} + {shape.response_len}) "
@@ -380,9 +469,44 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"{r['stats_pass_s']:.4f} | {r['total_s']:.4f} | {r['total_vs_off_pct']:+.1f}% | {r['adapter_s']:.4f} | "
               f"{r['adapter_vs_off_pct']:.1f}% | {r['from_forward']:.0f} | "
               f"{r['peak_gib']:.2f} | {r['peak_vs_off_pct']:+.1f}% | {r['clip_frac_step1']:.4f} |")
+    print("| arm | calibrate_every, share | after-update pass s | / calibrate_every s | adapter's own with it s | "
+          "vs off | realised (step 1) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if ARMS[r["arm"]]:
+            print(f"| {r['arm']} | {r['calibrate_every']}, {r['calibrate_share']:g} | {r['calibration_pass_s']:.4f} | "
+                  f"{r['calibration_s']:.4f} | {r['adapter_calibrated_s']:.4f} | {r['adapter_calibrated_vs_off_pct']:.2f}% | "
+                  f"{r['realised_step1']:.3e} |")
+    if shares:
+        print(f"step cost ({step_cost}):\n| card | framework | setup | adapter_share |\n|---|---|---|---|")
+        for r in shares:
+            print(f"| {r['card']} | {r['framework']} | {r['setup']} | {r['adapter_share']:.4f} |")
+    else:
+        print("step cost: not written (needs the off arm and an adapter arm)")
     for r in rows:
         print(f"{r['arm']}: per-step totals {r['total_s_per_step']} s; step 1 policy_loss {r['policy_loss_step1']:.4e}")
     return rows
+
+
+#: The set-up prefix of this benchmark's ``step_cost.csv`` rows: bf16 weights, DeepSpeed ZeRO-2.
+SETUP = "bf16_zero2"
+
+
+def step_cost_rows(rows: list[dict], card: str) -> list[dict]:
+    """Two ``step_cost.csv`` rows per adapter arm (:func:`benchmarks.common.step_cost_pair`): its own time per step
+    (``adapter_s``, with ``calibration_s`` and without) over ``off``'s ``total_s``; none without ``off``."""
+    from benchmarks.common import step_cost_card, step_cost_pair
+
+    base = next((r for r in rows if r["arm"] == "off"), None)
+    if base is None:
+        return []
+    out = []
+    for r in rows:
+        if ARMS[r["arm"]]:
+            out += step_cost_pair(step_cost_card(card), "openrlhf", f"{SETUP}/{r['arm']}", adapter_s=r["adapter_s"],
+                                  calibration_s=r["calibration_s"], stock_s=base["total_s"],
+                                  every=r["calibrate_every"], share=r["calibrate_share"])
+    return out
 
 
 if __name__ == "__main__":

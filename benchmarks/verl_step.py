@@ -3,9 +3,15 @@
 verl's own FSDP engine, driven in this one process (rank 0 of a one-rank group; no Ray, no rollout
 engine; helpers in ``benchmarks/verl_inprocess.py``): per step the old-log-prob pass
 (``ActorRolloutRefWorker.compute_log_prob``), the adapter's driver work, and the actor update
-(``update_actor``: one mini-batch, optimizer step).  The batch is synthetic and the same in every
-arm: 8 prompts x 8 responses, 32 prompt + 512 response tokens each (``--response-len``), uniform
-random token ids, GRPO advantages from verl's ``compute_grpo_outcome_advantage`` on varied rewards.
+(``update_actor``: one mini-batch, optimizer step), run as verl's V1 trainer runs them: its
+``_compute_old_log_prob``, ``_compute_advantage`` and ``_update_actor`` (:class:`InProcessTrainer`, the
+in-process stand-ins of verl's own, which need Ray), with the adapter's ``EntropyDiscTrainerMixin`` in
+front of them in the adapter arms, so that every line of the adapter's driver code runs, the law
+calibration's after-update pass included.  The worker group and TransferQueue are in-process stand-ins
+(:class:`InProcessWorkerGroup`, :class:`InProcessQueue`: the mixin's ``tq`` calls go to the latter).
+The batch is synthetic and the same in every arm: 8 prompts x 8 responses, 32 prompt + 512 response
+tokens each (``--response-len``), uniform random token ids, GRPO advantages from verl's
+``compute_grpo_outcome_advantage`` on varied rewards.
 Model: Qwen2.5-0.5B's shapes (Qwen2 config, 24 layers, hidden 896, vocabulary 151936, tied
 embeddings; random weights, written once with ``save_pretrained`` to a temporary directory and
 loaded by every arm, so all start from the same weights).  verl's ``ppo_trainer`` defaults
@@ -18,8 +24,9 @@ flash-attn installed, verl computes log-probs from logits with its row-by-row fa
 slower than with flash-attn's cross-entropy; ``--logprobs auto`` (the default) then gives every arm
 the one-pass stand-in of :func:`fast_logprobs` instead, so that the adapter's cost is measured
 against a realistic baseline (``--logprobs verl`` keeps the fallback).  Not included: Ray and
-TransferQueue transfers (the adapter adds one get/put of ``E_p[S]`` and, for the clip arms, of the
-advantages), the reference model, rollout.
+TransferQueue transfers (the adapter adds gets and puts of ``E_p[S]``, ``log p_k`` and ``H``, for the clip
+arms of the advantages, and, on a calibration batch, of its rows' ``entropy`` / ``log_probs``), the
+reference model, rollout.
 
 Arms (each builds its worker, runs ``--steps`` steps, frees it; in this order):
 
@@ -27,16 +34,23 @@ Arms (each builds its worker, runs ``--steps`` steps, frees it; in this order):
 * ``monitor``, ``clip_b``, ``clip_v``: ``trainer.v1.trainer_mode=entropy_disc`` with
   ``+entropy_disc.method=none|clip_b|clip_v`` (the paper's default bounds): the adapter's worker
   class (hook installed), the old-log-prob pass flagged to add ``log p_k``, ``H`` and ``E_p[S]`` of
-  verl's own bf16 logits (all three arms), the driver's slice of them, mask and metrics
-  (``EntropyDiscTrainerMixin.entropy_disc_step``) and, for the clip arms, the mask applied to the
-  advantages as ``_update_actor`` does (``apply_mask``, zero_pg);
+  verl's own bf16 logits (all three arms), the driver's slice of them (``_compute_old_log_prob``), mask,
+  metrics and the law scale's cheap prediction (``_compute_advantage``: ``entropy_disc_step``) and, for the
+  clip arms, the mask applied to the advantages (``_update_actor``: ``apply_mask``, zero_pg), then, on a
+  calibration batch, the law calibration's after-update pass (``_entropy_disc_calibrate``: verl's
+  ``compute_log_prob`` once more over ``calibrate_share`` (default 0.25) of the batch's rows, rounded up
+  to whole micro-batches: 16 of the 64 sequences, one micro-batch);
 * ``off_fused``, ``monitor_fused``, ``clip_b_fused``, ``clip_v_fused``: the same four with
   ``actor_rollout_ref.model.use_fused_kernels=True`` (no logits; the hook re-forms verl's torch fused
   head, bf16 ``(hidden @ W.T) / T`` per 512 rows, in the forward, ``fused_head_stats``).  Last,
   because verl's fused patch replaces the model class's forward for the rest of the process.
 
-Per step, CUDA-synchronised wall time of the old-log-prob pass, the driver work (0 for the off
-arms; it runs on the CPU tensors verl's worker returns, as on verl's driver) and the update; and,
+Per step, CUDA-synchronised wall time of the old-log-prob pass (verl's worker call and its slicing of
+the outputs), the driver work (the mixin's three methods less verl's calls inside them and less the
+calibration pass; 0 for the off arms; it runs on the CPU tensors verl's worker returns, as on verl's
+driver), the update and the calibration's after-update pass (``calibration_pass_s``: the adapter's
+``_entropy_disc_calibrate``, verl's pass included); the in-process queue's own time is left out of every
+column, as TransferQueue's transfers are not part of the measured step; and,
 inside the old-log-prob pass, the GPU time of the engine hook's own work (``HookClock``: CUDA
 events, no synchronisation); per arm the peak ``torch.cuda.max_memory_allocated`` above what was
 allocated before the arm's build (``peak_gib``; the peak is reset after the previous arm's worker
@@ -49,13 +63,24 @@ step (``total_vs_base_pct``, which carries the update's run-to-run drift of seve
 run one after another) and as the adapter's own time, engine hook plus driver, against the
 baseline's step (``adapter_vs_base_pct``).
 
+The law calibration (``EntropyDiscConfig.calibrate_every``, default 10) runs its pass on the law scale's
+first batch and every 10th after it: here on step 1 (and on steps 11, 21, ... of a longer run).  The pass is
+timed where it runs (``calibration_pass_s``: the mean over the passes; ``calibration_s_per_step`` lists
+them) and spread over the batches it serves (``calibration_s`` = ``calibration_pass_s /
+calibrate_every``); ``adapter_calibrated_vs_base_pct`` is engine hook + driver + ``calibration_s``
+against the baseline's step, what a default run pays.  Also writes ``step_cost.csv`` (``--step-cost
+FILE``, default beside ``verl_step.csv``; rows of other cards, frameworks and set-up groups are kept): per
+adapter arm, set-up ``bf16_fsdp[_fused]/<arm>/calibrate_every=10,calibrate_share=0.25`` (hook + driver +
+``calibration_s``, over the stock arm's ``total_s``) and ``.../calibrate_every=0`` (hook + driver).
+
     python -m benchmarks.verl_step [--steps 4] [--arms off,monitor,...] [--response-len 512] [--logprobs auto|verl|torch]
-                                   [--no-compile] [--out DIR]
+                                   [--no-compile] [--out DIR] [--step-cost FILE]
     python -m benchmarks.verl_step --smoke     # tiny model and batch on the CPU: checks the code path only
 
 Run from the repository root (an installed ``entropy_discriminator`` is not needed; the checkout's
 ``adapters/`` are used).  The two groups can run in separate processes (``--arms
-off,monitor,clip_b,clip_v`` and ``--arms off_fused,clip_v_fused``, different ``--out``).
+off,monitor,clip_b,clip_v`` and ``--arms off_fused,clip_v_fused``, different ``--out``, the same
+``--step-cost``: each replaces only its own set-ups' rows).
 """
 
 from __future__ import annotations
@@ -68,12 +93,11 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from benchmarks.common import card_dir, free_memory, timed
+from benchmarks.common import card_dir, free_memory, step_cost_card, step_cost_pair, timed, write_step_cost
 from benchmarks.qwen_shapes import SPECIAL, qwen25_05b_shapes, tokenizer
 from benchmarks.verl_inprocess import (
     base_tensors,
@@ -250,29 +274,155 @@ def grpo_advantages(rewards: torch.Tensor, shape: Shape) -> torch.Tensor:
     return adv
 
 
-def padded(values: torch.Tensor) -> torch.Tensor:
-    """A jagged ``[B, j]`` tensor as a dense ``[B, max j]`` one, 0 past each row's end (as verl's driver pads)."""
-    return torch.nested.to_padded_tensor(values, 0)
+class InProcessQueue:
+    """TransferQueue's ``kv_batch_get`` / ``kv_batch_put`` in this process, for the adapter's driver methods (which
+    call them as ``tq.kv_batch_get`` / ``tq.kv_batch_put`` in ``adapters/verl/_trainer.py``) and the stand-ins of
+    verl's trainer and worker group below.  Each key's fields are kept as the rows put; a get returns them as the
+    jagged ``TensorDict`` verl's TransferQueue returns (a requested field that not every row holds is left out, as
+    ``rollout_log_probs`` without a rollout engine).  The time spent in these calls is summed in ``seconds`` and left
+    out of every timed column: as before, TransferQueue's transfers are not part of the measured step.
+    """
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+        self.seconds = 0.0
+
+    def clear(self) -> None:
+        self.rows.clear()
+
+    def kv_batch_put(self, keys: list[str], partition_id: str, fields: Any = None, tags: Any = None) -> Any:
+        from transfer_queue import KVBatchMeta
+
+        t = time.perf_counter()
+        if fields is not None:
+            for name, value in fields.items():
+                for key, row in zip(keys, value.unbind(0), strict=True):
+                    self.rows.setdefault((partition_id, key), {})[name] = row
+        held = set().union(*(self.rows.get((partition_id, k), {}).keys() for k in keys))
+        meta = KVBatchMeta(keys=list(keys), tags=[{} for _ in keys], partition_id=partition_id, fields=sorted(held))
+        self.seconds += time.perf_counter() - t
+        return meta
+
+    def kv_batch_get(self, keys: list[str], partition_id: str, select_fields: Any = None) -> Any:
+        from tensordict import TensorDict
+
+        t = time.perf_counter()
+        rows = [self.rows[(partition_id, k)] for k in keys]
+        names = list(rows[0]) if select_fields is None else [select_fields] if isinstance(select_fields, str) else select_fields
+        data = TensorDict({n: nested([r[n] for r in rows]) for n in names if all(n in r for r in rows)},
+                          batch_size=[len(keys)])
+        self.seconds += time.perf_counter() - t
+        return data
+
+
+class InProcessWorkerGroup:
+    """verl's actor worker group for the one worker of this process (``actor_rollout_wg``): a call on batch metadata
+    reads its rows' fields from the queue, adds the metadata's ``extra_info`` as non-tensor entries, calls the
+    worker's method and writes the tensors it returns back to the queue: what verl's dispatch and ``tqbridge`` do
+    for one data-parallel rank.  ``_dispatch_info`` is that one rank's (``_entropy_disc_read_multiple`` reads it).
+    """
+
+    INPUTS = ("prompts", "responses", "input_ids", "position_ids", "response_mask", "loss_mask")
+
+    def __init__(self, worker: Any, queue: InProcessQueue) -> None:
+        self.worker, self.queue = worker, queue
+        self._dispatch_info = {"actor": [0]}
+
+    def _data(self, meta: Any, names: tuple[str, ...]) -> Any:
+        from verl.utils import tensordict_utils as tu
+
+        data = self.queue.kv_batch_get(meta.keys, meta.partition_id, list(names))
+        return tu.get_tensordict(tensor_dict=dict(data.items()), non_tensor_dict=dict(meta.extra_info))
+
+    def compute_log_prob(self, meta: Any) -> Any:
+        from tensordict import TensorDict
+
+        out = self.worker.compute_log_prob(self._data(meta, self.INPUTS))
+        tensors = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+        return self.queue.kv_batch_put(meta.keys, meta.partition_id, TensorDict(tensors, batch_size=[len(meta)]))
+
+    def update_actor(self, meta: Any) -> Any:
+        return self.worker.update_actor(self._data(meta, (*self.INPUTS, "old_log_probs", "advantages")))
+
+
+class InProcessTrainer:
+    """The per-step methods of verl's V1 ``PPOTrainer`` that the adapter's ``EntropyDiscTrainerMixin`` wraps, for the
+    in-process worker (verl's own need Ray and TransferQueue): ``_compute_old_log_prob`` (verl's flags, the worker
+    group's ``compute_log_prob``, ``log_probs`` and ``entropy`` sliced to the response and written back as
+    ``old_log_probs`` / ``entropy``, as verl's), ``_compute_advantage`` (the batch's GRPO advantages are in the queue
+    already: computed before the step, not timed) and ``_update_actor`` (verl's flags, ``update_actor``).  The stock
+    arms run this class, the adapter arms the mixin in front of it.  ``timing``: the wall time of the old-log-prob
+    pass with verl's slicing (``old_log_prob_s``) and of the update (``update_s``), the queue's time left out.
+    """
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.queue: InProcessQueue = None  # type: ignore[assignment]
+        self.actor_rollout_wg: InProcessWorkerGroup = None  # type: ignore[assignment]
+        self.timing: dict[str, float] = {}
+        self.update_output: Any = None
+
+    def _timed(self, name: str, fn: Any, *args: Any) -> Any:
+        q = self.queue.seconds
+        out, seconds = timed(fn, *args)
+        self.timing[name] = seconds - (self.queue.seconds - q)
+        return out
+
+    def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:
+        from verl.workers.utils.padding import response_from_nested
+
+        rollout = self.config.actor_rollout_ref.rollout
+        batch.extra_info.update({"calculate_entropy": True, "compute_loss": False, "temperature": rollout.temperature})
+
+        def old_log_prob_pass():  # verl's worker call and its trainer's slicing to the response
+            self.actor_rollout_wg.compute_log_prob(batch)
+            data = self.queue.kv_batch_get(batch.keys, batch.partition_id, ["entropy", "log_probs", "response_mask"])
+            data["old_log_probs"] = response_from_nested(data.pop("log_probs"), data["response_mask"])
+            data["entropy"] = response_from_nested(data.pop("entropy"), data["response_mask"])
+            return self.queue.kv_batch_put(batch.keys, batch.partition_id, data.select("old_log_probs", "entropy"))
+
+        return self._timed("old_log_prob_s", old_log_prob_pass)
+
+    def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
+        return batch
+
+    def _update_actor(self, batch: Any, metrics: dict) -> Any:
+        a, rollout = self.config.actor_rollout_ref.actor, self.config.actor_rollout_ref.rollout
+        mini = a.ppo_mini_batch_size * rollout.n
+        batch.extra_info.update({  # what verl's _update_actor puts into the batch
+            "calculate_entropy": bool(a.calculate_entropy or a.entropy_coeff != 0.0),
+            "distillation_use_topk": False, "distillation_only": False,
+            "global_batch_size": mini, "mini_batch_size": mini, "epochs": a.ppo_epochs,
+            "seed": a.data_loader_seed, "dataloader_kwargs": {"shuffle": a.shuffle},
+            "temperature": rollout.temperature,
+        })
+        self.update_output = self._timed("update_s", self.actor_rollout_wg.update_actor, batch)
+        return batch
+
+
+def make_driver(cfg: Any, plan: Any, worker: Any, queue: InProcessQueue) -> InProcessTrainer:
+    """The arm's driver: :class:`InProcessTrainer` for stock verl (``plan`` None), else the adapter's
+    ``EntropyDiscTrainerMixin`` in front of it (its own ``__init__``: plan, monitor, law scale), both on ``worker``
+    through an :class:`InProcessWorkerGroup` and ``queue``."""
+    from entropy_discriminator.adapters.verl._trainer import EntropyDiscTrainerMixin
+
+    class EntropyDiscInProcess(EntropyDiscTrainerMixin, InProcessTrainer):
+        pass
+
+    driver = InProcessTrainer(cfg) if plan is None else EntropyDiscInProcess(cfg)
+    driver.queue, driver.actor_rollout_wg = queue, InProcessWorkerGroup(worker, queue)
+    return driver
 
 
 def run_arm(arm: str, model_dir: Path, shape: Shape, ns: argparse.Namespace) -> dict:
     """Build ``arm``'s worker, run ``ns.steps`` steps, free it; the arm's CSV row."""
+    from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
     from verl.workers.engine_workers import ActorRolloutRefWorker
-    from verl.workers.utils.padding import response_from_nested, response_to_nested
+    from verl.workers.utils.padding import response_to_nested
 
-    from entropy_discriminator import EntropyMonitor
-    from entropy_discriminator.adapters.verl import check_config
-    from entropy_discriminator.adapters.verl._engine import (
-        SEQ_FIELD,
-        SEQ_FIELDS,
-        STATS_CHUNK,
-        STATS_FLAG,
-        STATS_IMPL,
-        engine_hook_installed,
-        remove_engine_hook,
-    )
-    from entropy_discriminator.adapters.verl._trainer import MASKED_FIELDS, EntropyDiscTrainerMixin, apply_mask
+    from entropy_discriminator.adapters.verl import _trainer, check_config
+    from entropy_discriminator.adapters.verl._engine import SEQ_FIELD, engine_hook_installed, remove_engine_hook
     from entropy_discriminator.adapters.verl._workers import stats_worker
 
     method, fused = ARMS[arm]
@@ -291,72 +441,74 @@ def run_arm(arm: str, model_dir: Path, shape: Shape, ns: argparse.Namespace) -> 
     worker.init_model()
     build_s = time.perf_counter() - t0
     assert engine_hook_installed() == expected, f"{arm}: engine hook installed {engine_hook_installed()}, wanted {expected}"
-    a, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    rollout = cfg.actor_rollout_ref.rollout
     assert bool(cfg.actor_rollout_ref.model.use_remove_padding), "padding removal is verl's default and stays on"
-    driver = None
-    if plan is not None:
-        driver = SimpleNamespace(entropy_disc=plan.options, config=cfg, _entropy_disc_monitor=EntropyMonitor())
-    mini = a.ppo_mini_batch_size * rollout.n
+    queue = InProcessQueue()
+    driver = make_driver(cfg, plan, worker, queue)
+    every = plan.options.calibrate_every if plan is not None else 0
+    share = plan.options.calibrate_share if plan is not None else 0.0
     vocab = qwen25_05b_shapes(ns.smoke).vocab_size
+    passes: list[dict] = []  # the law calibration's after-update passes (the adapter's _entropy_disc_calibrate)
+    if plan is not None:
+        calibrate = driver._entropy_disc_calibrate  # the adapter's own method, bound; _update_actor calls it
+
+        def timed_calibrate(batch: Any, metrics: dict) -> None:
+            pending = driver._entropy_disc_calibration
+            q = queue.seconds
+            _, seconds = timed(calibrate, batch, metrics)
+            if pending is not None and pending.keys == tuple(batch.keys):  # a calibration batch: the pass ran
+                rows = len(getattr(pending, "rows", batch.keys))  # the rows the pass read (all: an adapter without a share)
+                passes.append({"step": STEP[0], "seconds": seconds - (queue.seconds - q), "rows": rows})
+
+        driver._entropy_disc_calibrate = timed_calibrate
+    real_tq, _trainer.tq = _trainer.tq, queue  # the adapter's TransferQueue calls, in this process
 
     def one_step(step: int) -> dict:
+        STEP[0] = step
         seqs, r_lens, rewards = make_batch(step, shape, vocab)
-        adv = grpo_advantages(rewards, shape)
+        adv = grpo_advantages(rewards, shape)  # not timed (the same in every arm), as the batch itself
         response_mask = nested([torch.ones(r, dtype=torch.int64) for r in r_lens])
-        flags: dict[str, Any] = {"calculate_entropy": True, "compute_loss": False, "temperature": rollout.temperature}
-        if expected:  # the adapter's _compute_old_log_prob
-            flags.update({STATS_FLAG: True, STATS_CHUNK: plan.options.chunk_size, STATS_IMPL: plan.options.impl})
-        td = tu.get_tensordict(tensor_dict=base_tensors(seqs, r_lens), non_tensor_dict=flags)
+        keys = [f"step{step}_{i}" for i in range(len(seqs))]
+        queue.clear()
+        fields = base_tensors(seqs, r_lens)
+        fields["advantages"] = response_to_nested(adv, response_mask)
+        batch = queue.kv_batch_put(keys, "train", TensorDict(fields, batch_size=[len(keys)]))
+        batch.extra_info["temperature"] = rollout.temperature  # as verl's _step_once
+        metrics: dict[str, Any] = {}
+        wall = 0.0  # the driver's three calls, the queue's time left out
 
-        def old_log_prob_pass():  # verl's worker call and its trainer's slicing to the response
-            out = worker.compute_log_prob(td)
-            return out, response_from_nested(out["log_probs"], response_mask), response_from_nested(out["entropy"], response_mask)
+        def call(fn: Any) -> Any:
+            nonlocal wall
+            q = queue.seconds
+            out, seconds = timed(fn, batch, metrics)
+            wall += seconds - (queue.seconds - q)
+            return out
 
         hook_clock.take()
-        (out, old_lp, ent), old_s = timed(old_log_prob_pass)
-        assert (SEQ_FIELD in out.keys()) == expected, f"{arm}: E_p[S] in the pass's output: {SEQ_FIELD in out.keys()}"  # noqa: SIM118
-        advantages = response_to_nested(adv, response_mask)
-        record: dict[str, Any] = {"old_log_prob_s": old_s, "hook_s": hook_clock.take(), "driver_s": 0.0}
-        if driver is not None:
-
-            def driver_work():  # _compute_old_log_prob's slice, _compute_advantage's step, _update_actor's mask
-                if expected:  # the hook's one distribution
-                    hooked = {name: padded(response_from_nested(out[f], response_mask)) for name, f in SEQ_FIELDS.items()}
-                    stats = dict(old_log_probs=hooked["logp"], entropy=hooked["entropy"], s_expected=hooked["s_expected"])
-                else:
-                    stats = dict(old_log_probs=padded(old_lp), entropy=padded(ent), s_expected=None)
-                mask, metrics = EntropyDiscTrainerMixin.entropy_disc_step(
-                    driver, advantages=padded(advantages), response_mask=padded(response_mask), **stats
-                )
-                masked = advantages
-                if mask is not None:
-                    fields = {"advantages": advantages, "response_mask": response_mask, "loss_mask": response_mask}
-                    masked = apply_mask(fields, mask.keep, plan.options.mask_mode)["advantages"]
-                    assert MASKED_FIELDS[plan.options.mask_mode] == ("advantages",), "verl's defaults: zero_pg"
-                return mask, metrics, masked
-
-            (mask, metrics, advantages), record["driver_s"] = timed(driver_work)
-            assert mask is None or mask.n_valid == metrics["entropy_disc/tokens/valid"], f"{arm}: mask and metrics disagree"
+        before = len(passes)
+        batch = call(driver._compute_old_log_prob)
+        record: dict[str, Any] = {"hook_s": hook_clock.take()}
+        in_pass = SEQ_FIELD in queue.rows[("train", keys[0])]
+        assert in_pass == expected, f"{arm}: E_p[S] in the pass's output: {in_pass}"
+        batch = call(driver._compute_advantage)
+        ours = {k: v for k, v in metrics.items() if k.startswith("entropy_disc/")}
+        batch = call(driver._update_actor)
+        hook_clock.take()  # (the calibration's pass is not flagged: the hook computes nothing there)
+        record.update(old_log_prob_s=driver.timing["old_log_prob_s"], update_s=driver.timing["update_s"])
+        step_passes = passes[before:]
+        record["calibration_pass_s"] = sum(p["seconds"] for p in step_passes)
+        record["driver_s"] = 0.0
+        if plan is not None:  # the adapter's driver work: its three methods less verl's calls and the calibration
+            record["driver_s"] = wall - record["old_log_prob_s"] - record["update_s"] - record["calibration_pass_s"]
             record.update(
-                n_valid=int(metrics["entropy_disc/tokens/valid"]), n_clipped=mask.n_clipped if mask else 0,
-                entropy_mean=metrics["entropy_disc/entropy/mean"], s_centered_std=metrics["entropy_disc/s_centered/std"],
-                metrics=len(metrics),
+                n_valid=int(ours["entropy_disc/tokens/valid"]), n_clipped=int(ours.get("entropy_disc/clip/n_clipped", 0)),
+                entropy_mean=ours["entropy_disc/entropy/mean"], s_centered_std=ours["entropy_disc/s_centered/std"],
+                metrics=len(ours), realised=metrics.get("entropy_disc/delta_entropy/realised", math.nan),
             )
-        record["entropy_verl"] = float(ent.values().float().mean())
-        train = base_tensors(seqs, r_lens)
-        train.update(old_log_probs=old_lp, advantages=advantages)
-        td = tu.get_tensordict(
-            tensor_dict=train,
-            non_tensor_dict={  # what verl's _update_actor puts into the batch
-                "calculate_entropy": bool(a.calculate_entropy or a.entropy_coeff != 0.0),
-                "distillation_use_topk": False, "distillation_only": False,
-                "global_batch_size": mini, "mini_batch_size": mini, "epochs": a.ppo_epochs,
-                "seed": a.data_loader_seed, "dataloader_kwargs": {"shuffle": a.shuffle},
-                "temperature": rollout.temperature,
-            },
-        )
-        upd, record["update_s"] = timed(worker.update_actor, td)
-        upd_metrics = tu.get(upd, "metrics")
+            assert bool(step_passes) == ("entropy_disc/delta_entropy/realised" in metrics), f"{arm}: pass vs metrics"
+        entropy = queue.kv_batch_get(keys, "train", ["entropy"])["entropy"]  # verl's old-pass entropy, put back
+        record["entropy_verl"] = float(entropy.values().float().mean())
+        upd_metrics = tu.get(driver.update_output, "metrics")
         record["pg_loss"] = float(torch.as_tensor(upd_metrics.get("actor/pg_loss", upd_metrics.get("pg_loss"))).float().mean())
         record["total_s"] = record["old_log_prob_s"] + record["driver_s"] + record["update_s"]
         return record
@@ -366,13 +518,17 @@ def run_arm(arm: str, model_dir: Path, shape: Shape, ns: argparse.Namespace) -> 
         steps = [one_step(step) for step in range(ns.steps)]
     finally:
         hook_clock.restore()
-    peak = torch.cuda.max_memory_allocated() / 2**30 - held if torch.cuda.is_available() else math.nan
-    worker = None  # frees the engine (the closures above hold the variable, not the worker)
+        _trainer.tq = real_tq
+    want = sum(1 for b in range(ns.steps) if every and b % every == 0)  # LawScale.tick: batches 0, every, 2 every, ...
+    assert len(passes) == want, f"{arm}: {len(passes)} calibration passes in {ns.steps} steps, wanted {want}"
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else math.nan
+    worker = driver = None  # frees the engine (the closures above hold the variables, not the worker)
     remove_engine_hook()
     free_memory()
     sel = steps[1:] if len(steps) > 1 else steps  # steps 2..N
     med = {k: statistics.median(s[k] for s in sel) for k in ("old_log_prob_s", "hook_s", "driver_s", "update_s", "total_s")}
     first = steps[0]
+    pass_s = statistics.mean(p["seconds"] for p in passes) if passes else 0.0
     return {
         "arm": arm, "method": method or "stock verl", "fused_kernels": fused, "e_p_s_in_pass": expected,
         "from_hidden": bool(plan is not None and plan.from_hidden), **med, "peak_gib": peak, "allocated_before_gib": held,
@@ -380,8 +536,21 @@ def run_arm(arm: str, model_dir: Path, shape: Shape, ns: argparse.Namespace) -> 
         "n_valid": first.get("n_valid", ""), "n_clipped": first.get("n_clipped", ""),
         "entropy_verl": first["entropy_verl"], "entropy_mean": first.get("entropy_mean", ""),
         "s_centered_std": first.get("s_centered_std", ""), "n_metrics": first.get("metrics", ""),
-        "pg_loss_step1": first["pg_loss"], "total_s_per_step": " ".join(f"{s['total_s']:.4f}" for s in steps),
+        "pg_loss_step1": first["pg_loss"],
+        # the law calibration's after-update pass (the adapter's _entropy_disc_calibrate: verl's compute_log_prob over
+        # calibrate_share of the batch's rows, rounded up to whole micro-batches; on step 1, the law scale's first
+        # batch): its mean time, and that time spread over the calibrate_every batches it serves
+        "calibrate_every": every, "calibrate_share": share, "calibration_passes": len(passes),
+        "calibration_rows": passes[0]["rows"] if passes else 0,
+        "calibration_pass_s": pass_s, "calibration_s": pass_s / every if passes and every else 0.0,
+        "realised_step1": first.get("realised", ""),
+        "total_s_per_step": " ".join(f"{s['total_s']:.4f}" for s in steps),
+        "calibration_s_per_step": " ".join(f"{s['calibration_pass_s']:.4f}" for s in steps),
     }
+
+
+#: The step running now (``one_step`` sets it; the calibration clock reads it).
+STEP = [0]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -396,6 +565,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         "every arm; auto (default): torch when flash-attn's cross-entropy is not installed, else verl")
     parser.add_argument("--no-compile", action="store_true",
                         help="actor.use_torch_compile=False (verl's default compiles its entropy function)")
+    parser.add_argument("--step-cost", type=Path, default=None,
+                        help="the adapter-share CSV (default: step_cost.csv beside verl_step.csv; rows of other cards, "
+                        "frameworks and set-up groups are kept)")
     ns = parser.parse_args(argv)
     checkout_adapters()
     arms = [x.strip() for x in ns.arms.split(",") if x.strip()]
@@ -448,6 +620,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         r["total_vs_base_pct"] = 100 * (r["total_s"] / base["total_s"] - 1) if base else math.nan
         # the adapter's own time (engine hook + driver) against the baseline's step: immune to the update's drift
         r["adapter_vs_base_pct"] = 100 * (r["hook_s"] + r["driver_s"]) / base["total_s"] if base else math.nan
+        # ... and with the law calibration's after-update pass spread over its calibrate_every batches (a default run)
+        r["adapter_calibrated_vs_base_pct"] = (
+            100 * (r["hook_s"] + r["driver_s"] + r["calibration_s"]) / base["total_s"] if base else math.nan)
         r["peak_vs_base_pct"] = 100 * (r["peak_gib"] / base["peak_gib"] - 1) if base else math.nan
         r["card"], r["versions"] = card, versions
     out = ns.out or Path(__file__).resolve().parent / "results" / ("cpu_smoke" if ns.smoke else card_dir(card))
@@ -456,6 +631,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
+    shares = step_cost_rows(rows, card)
+    step_cost = ns.step_cost or out / "step_cost.csv"
+    if shares:
+        write_step_cost(step_cost, shares)
     n_seq = shape.prompts * shape.responses
     which = f"medians of steps 2-{ns.steps}" if ns.steps > 1 else "step 1 only (compilation and warm-up included)"
     print(f"card {card}; {versions}; {which}; {n_seq} sequences x "
@@ -470,11 +649,46 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"{r['total_s']:.4f} | {r['total_vs_base_pct']:+.1f}% vs {r['baseline']} | "
               f"{r['adapter_vs_base_pct']:.2f}% | {r['peak_gib']:.2f} | "
               f"{r['peak_vs_base_pct']:+.1f}% | {clipped} |")
+    print("| arm | calibrate_every, share | rows read | after-update pass s (step 1) | / calibrate_every s | "
+          "hook + driver + it vs base | realised (step 1) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r["calibrate_every"]:
+            print(f"| {r['arm']} | {r['calibrate_every']}, {r['calibrate_share']:g} | {r['calibration_rows']} | "
+                  f"{r['calibration_pass_s']:.4f} | {r['calibration_s']:.4f} | {r['adapter_calibrated_vs_base_pct']:.2f}% | "
+                  f"{r['realised_step1']:.3e} |")
+    if shares:
+        print(f"step cost ({step_cost}):\n| card | framework | setup | adapter_share |\n|---|---|---|---|")
+        for r in shares:
+            print(f"| {r['card']} | {r['framework']} | {r['setup']} | {r['adapter_share']:.4f} |")
+    else:
+        print("step cost: not written (needs an adapter arm and its stock arm, off or off_fused)")
     for r in rows:
         print(f"{r['arm']}: build {r['build_s']:.1f} s; per-step totals {r['total_s_per_step']} s; allocated before "
               f"build {r['allocated_before_gib']:.2f} GiB; step 1: verl entropy {r['entropy_verl']:.6f}, adapter "
-              f"{r['entropy_mean']}, S_c std {r['s_centered_std']}, pg_loss {r['pg_loss_step1']:.3e}")
+              f"{r['entropy_mean']}, S_c std {r['s_centered_std']}, pg_loss {r['pg_loss_step1']:.3e}; calibration pass "
+              f"per step {r['calibration_s_per_step']} s")
     return rows
+
+
+#: The set-up prefix of this benchmark's ``step_cost.csv`` rows: FSDP, bf16 mixed precision (fp32 parameters), verl's
+#: logits path or its torch fused kernels.
+SETUPS = {False: "bf16_fsdp", True: "bf16_fsdp_fused"}
+
+
+def step_cost_rows(rows: list[dict], card: str) -> list[dict]:
+    """Two ``step_cost.csv`` rows per adapter arm whose stock arm ran (:func:`benchmarks.common.step_cost_pair`): its
+    own time per step, engine hook + driver (medians of steps 2..N) with the calibration pass / ``calibrate_every``
+    and without, over the stock arm's ``total_s``."""
+    out = []
+    for r in rows:
+        if r["method"] == "stock verl" or not r["baseline"]:
+            continue
+        base = next(b for b in rows if b["arm"] == r["baseline"])
+        out += step_cost_pair(step_cost_card(card), "verl", f"{SETUPS[r['fused_kernels']]}/{r['arm'].removesuffix('_fused')}",
+                              adapter_s=r["hook_s"] + r["driver_s"], calibration_s=r["calibration_s"],
+                              stock_s=base["total_s"], every=r["calibrate_every"], share=r["calibrate_share"])
+    return out
 
 
 if __name__ == "__main__":

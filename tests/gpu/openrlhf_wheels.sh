@@ -18,13 +18,24 @@
 # ray 2.55.0's wheel (70 MiB) alone is over what one call carries besides the tree (~54 MiB); 31 MiB of it is
 # ray/jars/ray_dist.jar, the Java workers' runtime, which a Python-only job never loads.  The wheel is copied here
 # without ray/jars/ (zip -d; pip installs it as usual), so the whole closure fits one call (the sizes are printed).
+#
+# CLOSURE=step (bash tests/gpu/openrlhf_wheels.sh with CLOSURE=step in the environment): the closure of
+# benchmarks/openrlhf_step.py instead, in .devcarry-openrlhf-step/: the same wheels less ray and its jsonschema family
+# (the benchmark drives OpenRLHF's trainer in one process and puts an empty stand-in in ray's place,
+# tests/gpu/openrlhf_step.py's install_stand_ins); tests/gpu/openrlhf_step_README.md has the device call.
 set -euo pipefail
 
 PY=${1:-.nox/openrlhf-release-0-11-2/bin/python}
-DIR=.devcarry-openrlhf
+CLOSURE=${CLOSURE:-launch}
+RAY=(ray==2.55.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1)
+case "$CLOSURE" in
+  launch) DIR=.devcarry-openrlhf ;;
+  step) DIR=.devcarry-openrlhf-step; RAY=() ;;
+  *) echo "$0: CLOSURE must be launch or step, got $CLOSURE" >&2; exit 2 ;;
+esac
 BINARY=(
   openrlhf==0.11.2
-  ray==2.55.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
+  "${RAY[@]}"
   hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
   datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
   torchdata==0.11.0 pylatexenc==2.11
@@ -37,8 +48,10 @@ rm -rf "$DIR" && mkdir -p "$DIR"
 python3 -m pip download -q --no-deps --only-binary=:all: "${PLATFORM[@]}" -d "$DIR" "${BINARY[@]}"
 DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$DIR" deepspeed==0.19.6
 
-ray_whl=$(ls "$DIR"/ray-2.55.0-*.whl)
-zip -q -d "$ray_whl" 'ray/jars/*'
+if [[ "$CLOSURE" == launch ]]; then
+  ray_whl=$(ls "$DIR"/ray-2.55.0-*.whl)
+  zip -q -d "$ray_whl" 'ray/jars/*'
+fi
 
 count=$(ls "$DIR"/*.whl | wc -l)
 expected=$(( ${#BINARY[@]} + 1 ))

@@ -17,9 +17,23 @@
 #
 # All wheels go into one tar, split into parts of at most 50 MiB (a call carries 64 MiB with the ~10 MB tree);
 # each part is its own carry folder. tests/gpu/launch_verl_README.md has the device calls.
+#
+# CLOSURE=step (in the environment): the closure of benchmarks/verl_step.py instead, which drives verl's engine in
+# one process and never starts a Ray cluster, as plain wheels in ONE carry folder, .devcarry-verl-step/ (DEST
+# overrides it), no tar: the same wheels, with ray's wheel less what only a Ray cluster runs (ray/jars/, the Java
+# workers' runtime; ray/core/src/ray/gcs/ and ray/core/src/ray/raylet/, the GCS server and raylet executables that
+# ray.init starts: 52 of its 76 MiB; zip -d, pip installs the rest as usual) and without the project's wheel (the
+# benchmark imports entropy_discriminator and its adapters from the checkout; the wheel's verl.plugins entry point
+# adds only verl's start-up check and the trainers' registration, which the benchmark does not use).
+# tests/gpu/verl_step_README.md has the device call.
 set -euo pipefail
 
-DEST=${DEST:-.devcarry-verl}
+CLOSURE=${CLOSURE:-launch}
+case "$CLOSURE" in
+    launch) DEST=${DEST:-.devcarry-verl} ;;
+    step) DEST=${DEST:-.devcarry-verl-step} ;;
+    *) echo "$0: CLOSURE must be launch or step, got $CLOSURE" >&2; exit 2 ;;
+esac
 PART_BYTES=${PART_BYTES:-50M}
 WHEELS=(
     ray==2.60.0 tensordict==0.10.0 TransferQueue==0.1.11 verl==0.9.1 torchdata==0.11.0
@@ -40,6 +54,31 @@ SDISTS=(antlr4-python3-runtime==4.9.3)
 if [[ -n "${TRANSFORMERS:-}" ]]; then
     [[ "$TRANSFORMERS" == 5.10.4 ]] || { echo "TRANSFORMERS: only 5.10.4 is prepared (got $TRANSFORMERS)" >&2; exit 2; }
     WHEELS+=(transformers==5.10.4 tokenizers==0.22.2)
+fi
+
+if [[ "$CLOSURE" == step ]]; then
+    rm -rf "$DEST"
+    mkdir -p "$DEST"
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d "$DEST" "${WHEELS[@]}"
+    python3 -m pip wheel -q --no-deps -w "$DEST" "${SDISTS[@]}"
+    zip -q -d "$DEST"/ray-2.60.0-*.whl 'ray/jars/*' 'ray/core/src/ray/gcs/*' 'ray/core/src/ray/raylet/*'
+    count=$(ls "$DEST"/*.whl | wc -l)
+    if [[ "$count" -ne $(( ${#WHEELS[@]} + ${#SDISTS[@]} )) ]]; then
+        echo "expected $(( ${#WHEELS[@]} + ${#SDISTS[@]} )) wheels in $DEST, found $count" >&2
+        exit 1
+    fi
+    (cd "$DEST" && ls -l --block-size=1 *.whl | awk '{printf "%10.2f MiB  %s\n", $5 / 1048576, $9}' | sort -rn) \
+        > "$DEST/CLOSURE.txt"
+    total=$(du -cb "$DEST"/*.whl | tail -1 | cut -f1)
+    tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+    cat "$DEST/CLOSURE.txt"
+    printf 'closure (%d wheels): %.1f MiB; with the tracked tree (%.1f MiB): %.1f MiB of the 64 MiB a call carries\n' \
+        "$count" "$(echo "$total / 1048576" | bc -l)" "$(echo "$tree / 1048576" | bc -l)" \
+        "$(echo "($total + $tree) / 1048576" | bc -l)"
+    (( total + tree < 64 * 1048576 )) || { echo "$0: over the 64 MiB a call carries" >&2; exit 1; }
+    exit 0
 fi
 
 rm -rf "$DEST"
