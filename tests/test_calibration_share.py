@@ -48,3 +48,16 @@ def test_one_real_step_records_the_whole_batch_and_each_share(monkeypatch):
     for r in records:
         assert r["rows"] > 8 and all(math.isfinite(r[f"real_{s}"]) for s in (1, *cs.SHARES))
         assert math.isfinite(r["cheap"]) and math.isfinite(r["entropy"]) and r["entropy"] > 0
+
+
+def test_the_committed_summary_recomputes_from_the_committed_records(tmp_path):
+    """docs/reproduction/calibration_share: ``report`` on the compressed records writes the committed summary."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "docs" / "reproduction" / "calibration_share"
+    shutil.copy(folder / "records.jsonl.xz", tmp_path)
+    assert cs.main(["report", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "summary.json").read_text()) == json.loads((folder / "summary.json").read_text())
+    assert (tmp_path / "summary.md").read_text() == (folder / "summary.md").read_text()

@@ -14,7 +14,7 @@ at every calibration after the first five, and the out-of-sample prediction ``ka
 calibration batch's whole-batch change (correlation with it, median relative error).
 
     PYTHONPATH=.:lab python -m entropy_lab.calibration_share run --out DIR [--steps 200 --seeds 0 1 2 --jobs 2]
-    PYTHONPATH=.:lab python -m entropy_lab.calibration_share report DIR
+    PYTHONPATH=.:lab python -m entropy_lab.calibration_share report DIR    # DIR/records.jsonl (or .xz): summary.md/.json
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from entropy_discriminator.law import Calibration
 from entropy_discriminator.law_scale import calibration_rows
 
 from .law_eval import head_env
+from .records import load_jsonl
 
 #: Set-ups: the autopilot evaluation's S1 and the headroom head-to-head's (``protocol`` configurations).
 CONFIGS = {
@@ -170,8 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for recs in results:
                 for rec in recs:
                     f.write(json.dumps(rec) + "\n")
-    records = [json.loads(line) for line in (args.out / "records.jsonl").read_text().splitlines()]
-    rows = summary(records)
+    rows = summary(load_jsonl(args.out / "records.jsonl"))  # or its .xz / .gz form
     (args.out / "summary.md").write_text(markdown(rows))
     (args.out / "summary.json").write_text(json.dumps(rows, indent=1) + "\n")
     print(markdown(rows))
