@@ -28,12 +28,15 @@ autopilot step).
 Law scale (every method, :mod:`entropy_discriminator.law_scale`): the advantage step logs
 ``entropy_disc/delta_entropy/cheap`` (``-eta Cov_B(A, r S_c)``), ``/predicted = kappa * cheap`` and ``/scale``; on every
 ``calibrate_every``-th batch, after ``_update_actor``, the driver runs the actor group's
-``compute_log_prob`` once more on the same batch (as verl's old-policy pass: ``calculate_entropy``, no
-loss, the rollout temperature), takes the realised change of verl's own ``entropy`` field over the
-batch's response tokens, feeds ``(cheap, realised)`` and restores the ``entropy`` / ``log_probs`` fields
-that pass rewrote.  Why the realised change: under FSDP (and Megatron) the parameters and the optimizer
-state are sharded over the workers and the driver holds neither, so the exact ``grad H . dtheta`` of
-``law.step_entropy_change`` has no seam here; the realised change of the same tokens needs one forward.
+``compute_log_prob`` once more (as verl's old-policy pass: ``calculate_entropy``, no loss, the rollout
+temperature) on a copy of the batch's metadata that holds only the rows :func:`read_rows` picks (the
+``calibrate_share`` of its sequences, evenly spread, rounded up to what verl's dispatch needs), takes the
+realised change of verl's own ``entropy`` field over those rows' response tokens, feeds ``(cheap,
+realised)`` and puts back the ``entropy`` / ``log_probs`` values the pass wrote over those rows in
+TransferQueue (the batch's metadata and every other row are never touched).  Why the realised change:
+under FSDP (and Megatron) the parameters and the optimizer state are sharded over the workers and the
+driver holds neither, so the exact ``grad H . dtheta`` of ``law.step_entropy_change`` has no seam here;
+the realised change of the same tokens needs one forward.
 
 Checkpoints: ``_save_checkpoint`` adds the controller's state (method ``autopilot``) and the law scale's
 to verl's ``global_step_N`` folder, ``_load_checkpoint`` restores them, ``__init__`` refuses a resume
@@ -58,8 +61,16 @@ from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 from verl.workers.utils.padding import response_from_nested, response_to_nested
 
 from entropy_discriminator import EntropyAutopilot, EntropyMonitor, MaskResult, discriminator_score
-
-from entropy_discriminator.law_scale import CHEAP_KEY, PREDICTED_KEY, REALISED_KEY, SKIPPED_KEY, LawScale, cheap_change
+from entropy_discriminator._checks import integer
+from entropy_discriminator.law_scale import (
+    CHEAP_KEY,
+    PREDICTED_KEY,
+    REALISED_KEY,
+    SKIPPED_KEY,
+    LawScale,
+    calibration_rows,
+    cheap_change,
+)
 from . import _autopilot
 from ._engine import SEQ_FIELDS, STATS_CHUNK, STATS_FLAG, STATS_IMPL
 from ._support import BASE_MODES, TRAINER_MODES, check_config
@@ -99,6 +110,26 @@ def apply_mask(fields: dict[str, torch.Tensor], keep: torch.Tensor, mask_mode: s
     return out
 
 
+def read_rows(rows: int, share: float, multiple: int) -> torch.Tensor:
+    """Indices (int64, sorted) of the rows of a calibration batch of ``rows`` sequences that the after-update pass
+    reads: ``m`` = the count of :func:`~entropy_discriminator.law_scale.calibration_rows` ``(rows, share)`` rounded
+    up to a multiple of ``multiple`` and capped at ``rows``, then ``floor(i * rows / m)`` for ``i < m``, which is
+    ``calibration_rows(rows, share)`` itself when the count needs no rounding (``share = 1``: every row).
+
+    ``multiple`` (int >= 1) is the row count verl's dispatch of ``compute_log_prob`` needs
+    (:meth:`EntropyDiscTrainerMixin._entropy_disc_read_multiple`).  The rows stay evenly spread from row 0; when
+    both ``m`` and ``rows`` are multiples of the data-parallel size ``dp``, the ``r``-th of the ``dp`` equal
+    consecutive chunks verl hands to rank ``r`` lies inside rank ``r``'s part of the whole batch (the part verl's
+    ``_balance_batch`` balanced for it).  Rounding up reads more real rows where verl's padding helper
+    (``upsample_batch_to_divisible_size``) would forward synthetic ones at the same cost and add keys to
+    TransferQueue.
+    """
+    multiple = integer("multiple", multiple, minimum=1)
+    m = len(calibration_rows(rows, share))
+    m = min(rows, -(-m // multiple) * multiple)
+    return torch.arange(m, dtype=torch.int64) * rows // max(m, 1)
+
+
 @dataclass
 class _PendingMask:
     keys: tuple[str, ...]
@@ -109,9 +140,10 @@ class _PendingMask:
 class _PendingCalibration:
     """A calibration batch waiting for its after-update pass (:mod:`entropy_discriminator.law_scale`)."""
 
-    keys: tuple[str, ...]
-    entropy: torch.Tensor  # float [B, T_resp]: verl's own old-pass entropy (the after pass reads the same field)
-    valid: torch.Tensor  # bool [B, T_resp]
+    keys: tuple[str, ...]  # the whole batch's, in verl's order
+    rows: torch.Tensor  # int64 [m]: the rows the after pass reads (read_rows)
+    entropy: torch.Tensor  # float [m, T_resp]: those rows' old-pass entropy (the after pass reads the same field)
+    valid: torch.Tensor  # bool [m, T_resp]
     cheap: float
 
 
@@ -214,9 +246,10 @@ class EntropyDiscTrainerMixin:
         self._entropy_disc_calibration = None
         cheap = batch_metrics.get(self._entropy_disc_monitor.prefix + CHEAP_KEY)
         if self.entropy_disc_law.tick() and cheap is not None:
+            rows = read_rows(len(batch), self.entropy_disc.calibrate_share, self._entropy_disc_read_multiple())
             self._entropy_disc_calibration = _PendingCalibration(
-                keys=tuple(batch.keys), entropy=padded["entropy"].float(), valid=padded["response_mask"].bool(),
-                cheap=cheap)
+                keys=tuple(batch.keys), rows=rows, entropy=padded["entropy"][rows].float(),
+                valid=padded["response_mask"][rows].bool(), cheap=cheap)
         return batch
 
     def entropy_disc_step(
@@ -297,29 +330,54 @@ class EntropyDiscTrainerMixin:
         except ValueError:
             return None
 
+    def _entropy_disc_read_multiple(self) -> int:
+        """The row count a subset of the batch must be a multiple of for verl's ``compute_log_prob`` dispatch.
+
+        verl's dispatch (``make_nd_compute_dataproto_dispatch_fn("actor")``) chunks the metadata into ``dp``
+        consecutive pieces, one per data-parallel rank of the actor mesh (``dp = max(dp_rank_mapping) + 1``, the
+        size verl's ``_balance_batch`` pads the whole batch to a multiple of); TransferQueue's ``chunk`` gives
+        unequal or empty pieces for other counts, and the FSDP / Megatron ranks must run the same forwards.
+        Without dynamic batch sizes each rank's rows must also fill whole micro-batches of
+        ``rollout.log_prob_micro_batch_size_per_gpu`` (verl's ``prepare_micro_batches`` asserts it), and under
+        Megatron's virtual pipeline the micro-batches come in groups of ``microbatch_group_size_per_vp_stage``
+        (Megatron's default: the pipeline size), so each rank's rows are a multiple of the group too.  Returns
+        ``dp x micro x group`` (``micro`` 1 with dynamic batch sizes, ``group`` 1 without a virtual pipeline)."""
+        group = self.actor_rollout_wg
+        if "actor" not in group._dispatch_info:
+            group._dispatch_info["actor"] = group._query_dispatch_info("actor")
+        multiple = max(group._dispatch_info["actor"]) + 1
+        ref = self.config.actor_rollout_ref
+        if not ref.actor.get("use_dynamic_bsz", False):
+            multiple *= int(ref.rollout.log_prob_micro_batch_size_per_gpu)
+        megatron = ref.actor.get("megatron", None) if ref.actor.get("strategy", None) == "megatron" else None
+        if megatron is not None and (megatron.get("virtual_pipeline_model_parallel_size", None) or 1) > 1:
+            override = megatron.get("override_transformer_config", None) or {}
+            multiple *= int(override.get("microbatch_group_size_per_vp_stage", None)
+                            or megatron.get("pipeline_model_parallel_size", 1))
+        return multiple
+
     def _entropy_disc_calibrate(self, batch: Any, metrics: dict) -> None:
-        """The after-update pass of a calibration batch: verl's own log-prob/entropy pass over the same batch
-        (``calculate_entropy``, no loss, the rollout temperature, as its old-policy pass), the realised change
-        of the same tokens' mean entropy, fed with the cheap prediction to the law scale.  The fields the pass
-        writes (``entropy``, ``log_probs``) are restored afterwards."""
+        """The after-update pass of a calibration batch: verl's own log-prob/entropy pass (``calculate_entropy``, no
+        loss, the rollout temperature, as its old-policy pass) over the pending rows only (:func:`read_rows`, run on
+        ``batch.select_keys`` of their keys: a copy, so ``batch`` and its ``extra_info`` stay as verl left them),
+        then ``delta_entropy/realised`` = mean over those rows' valid response tokens of (entropy after - entropy
+        before), fed with the cheap prediction to the law scale.  The ``entropy`` and ``log_probs`` values the
+        pass writes over those rows in TransferQueue are put back afterwards."""
         pending, self._entropy_disc_calibration = self._entropy_disc_calibration, None
         if pending is None or pending.keys != tuple(batch.keys):
             return
+        read = batch.select_keys([batch.keys[i] for i in pending.rows.tolist()])
+        read.extra_info.update({"calculate_entropy": True, "compute_loss": False,
+                                "temperature": self.config.actor_rollout_ref.rollout.temperature})
         names = ["entropy", "log_probs"]
-        original = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=names)
-        extra = {"calculate_entropy": True, "compute_loss": False,
-                 "temperature": self.config.actor_rollout_ref.rollout.temperature}
-        batch.extra_info.update(extra)
+        original = tq.kv_batch_get(keys=read.keys, partition_id=read.partition_id, select_fields=names)
         try:
-            out = self.actor_rollout_wg.compute_log_prob(batch)
+            self.actor_rollout_wg.compute_log_prob(read)
+            data = tq.kv_batch_get(keys=read.keys, partition_id=read.partition_id,
+                                   select_fields=["entropy", "response_mask"])
         finally:
-            for key in extra:
-                batch.extra_info.pop(key, None)
-        for key in extra:
-            out.extra_info.pop(key, None)
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["entropy", "response_mask"])
+            tq.kv_batch_put(keys=read.keys, partition_id=read.partition_id, fields=original.select(*names))
         after = torch.nested.to_padded_tensor(response_from_nested(data["entropy"], data["response_mask"]), 0.0).float()
-        tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=original.select(*names))
         width = pending.entropy.shape[1]
         after = torch.nn.functional.pad(after, (0, max(0, width - after.shape[1])))[:, :width]
         realised = self._entropy_disc_monitor.realised(pending.entropy, after, pending.valid)

@@ -147,6 +147,9 @@ class FakeActor:
         self.thetas: list[float] = []  # theta after each update
         self.old_thetas: list[float] = []  # theta of each old-policy pass
         self.after_thetas: list[float] = []  # theta of each after-update pass (the law scale's calibration)
+        self.old_entropy: list[dict[str, torch.Tensor]] = []  # per old-policy pass: key -> entropy it wrote
+        self.after_entropy: list[dict[str, torch.Tensor]] = []  # per after-update pass: key -> entropy, in its order
+        self.after_pass = False  # the kind of the pass under way
         self.cpu: dict[int, float] = {}  # separate_async's CPU copies of the weights (decoupled pi_old)
         self.updates: list[dict] = []
         self.loads: list[str] = []
@@ -155,24 +158,39 @@ class FakeActor:
     def compute_log_prob(self, batch):
         raw = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
                               select_fields=["raw_logp", "raw_entropy", "raw_s_expected"])
+        self.begin_pass(batch.extra_info.get)
+        fields = self.log_prob_fields(list(batch.keys), raw)
+        return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=fields)
+
+    def begin_pass(self, info):
+        """Record the start of a pass, the old-policy one or the adapter's after-update one (``info(name)``: the
+        pass's extra info)."""
+        self.after_pass = info(STATS_FLAG) is None
+        if self.after_pass:  # the adapter's after-update pass: verl's own fields only
+            assert info("calculate_entropy") is True
+            self.after_thetas.append(self.theta)
+            self.after_entropy.append({})
+        else:
+            assert info(STATS_FLAG) is True  # the adapter asks for the hook's fields
+            self.old_thetas.append(self.theta)
+            self.old_entropy.append({})
+
+    def log_prob_fields(self, keys, raw):
+        """What the current pass writes for the rows ``keys`` (``raw``: their ``raw_*`` fields): verl's ``log_probs``
+        and ``entropy``, and the hook's fields in the old-policy pass."""
         scale = math.exp(self.theta)  # the "model": its entropies scale with exp(theta)
         ent = nested([e * scale for e in raw["raw_entropy"].unbind()])
         logp = nested(list(raw["raw_logp"].unbind()))
-        if batch.extra_info.get(STATS_FLAG) is None:  # the adapter's after-update pass: verl's own fields only
-            assert batch.extra_info.get("calculate_entropy") is True
-            self.after_thetas.append(self.theta)
-            return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
-                                   fields=tu.get_tensordict({"log_probs": logp, "entropy": ent}))
-        assert batch.extra_info.get(STATS_FLAG) is True  # the adapter asks for the hook's fields
-        self.old_thetas.append(self.theta)
-        fields = {
+        (self.after_entropy if self.after_pass else self.old_entropy)[-1].update(zip(keys, ent.unbind()))
+        if self.after_pass:
+            return tu.get_tensordict({"log_probs": logp, "entropy": ent})
+        return tu.get_tensordict({
             "log_probs": logp,
             "entropy": ent,
             SEQ_FIELDS["logp"]: logp,
             SEQ_FIELDS["entropy"]: ent,
             SEQ_FIELDS["s_expected"]: nested(list(raw["raw_s_expected"].unbind())),
-        }
-        return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=tu.get_tensordict(fields))
+        })
 
     def update_actor(self, batch):
         seen = padded(batch, ["advantages", "response_mask", "loss_mask"])
@@ -237,12 +255,12 @@ class Run:
     the adapter's batch inputs and outputs (``entropy_disc_step``) and what ``fit`` logs."""
 
     def __init__(self, ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch, *extra: str, crash_at_update=None, tag="r",
-                 mode="entropy_disc"):
+                 mode="entropy_disc", actor: FakeActor | None = None):
         ed_verl.register_trainers()
         from verl.trainer.ppo.v1 import get_trainer_cls
 
         self.trainer = t = get_trainer_cls(mode)(compose_config(ckpt_dir, *extra, mode=mode))
-        t.actor_rollout_wg = self.actor = FakeActor(crash_at_update)
+        t.actor_rollout_wg = self.actor = FakeActor(crash_at_update) if actor is None else actor
         t.replay_buffer = Batches(tag, part=lambda: t.local_trigger_step)
         t.train_dataloader = Dataloader()
         t.checkpoint_manager = Replicas()
@@ -341,7 +359,9 @@ def test_controller_steps_in_verls_loop_its_metrics_are_logged_and_its_mask_reac
         got = run.batches[s]
         assert got["metrics"][LAW + "scale"] == ref.scale
         assert got["metrics"][LAW + "predicted"] == ref.scale * got["metrics"][LAW + "cheap"]
-        x = got["inputs"]
+        # the after pass read every 2nd row: calibrate_share 0.25 of 16 rows is 4, rounded up to one whole
+        # micro-batch of log_prob_micro_batch_size_per_gpu=8 rows (test_verl_calibration.py: the rows in detail)
+        x = {k: v[::2] for k, v in got["inputs"].items()}
         valid = x["response_mask"].bool()
         h_after = x["entropy"] * math.exp(run.actor.thetas[s - 1] - run.actor.old_thetas[s - 1])
         want = float(((h_after - x["entropy"]).double() * valid).sum() / valid.sum())
