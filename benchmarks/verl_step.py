@@ -521,7 +521,7 @@ def run_arm(arm: str, model_dir: Path, shape: Shape, ns: argparse.Namespace) -> 
         _trainer.tq = real_tq
     want = sum(1 for b in range(ns.steps) if every and b % every == 0)  # LawScale.tick: batches 0, every, 2 every, ...
     assert len(passes) == want, f"{arm}: {len(passes)} calibration passes in {ns.steps} steps, wanted {want}"
-    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else math.nan
+    peak = torch.cuda.max_memory_allocated() / 2**30 - held if torch.cuda.is_available() else math.nan
     worker = driver = None  # frees the engine (the closures above hold the variables, not the worker)
     remove_engine_hook()
     free_memory()
