@@ -1,0 +1,715 @@
+"""Probe: a row-stationary, streaming fused LM-head kernel with TMA loads, with and without warp specialisation.
+
+``python benchmarks/fused_ws_probe.py [--budget-s 240]`` (a CUDA GPU, Hopper for the TMA schedules) or
+``TRITON_INTERPRET=1 python benchmarks/fused_ws_probe.py --smoke`` (CPU, Triton's interpreter).
+
+The project's kernel (``kernels/triton_fused.py``) is tile-stationary: each [BM, BN] logits tile is reduced to
+partials and a second kernel merges ceil(V/BN) partials per row.  This probe tries the flash-attention shape
+instead: each program owns BLOCK_N rows and one chunk of the vocabulary, walks that chunk in [BLOCK_N, BLOCK_V]
+logits tiles (tl.dot over K = H, operands from host TMA descriptors or pointers), and keeps per row the running
+statistics, in base-2 units y = z log2(e), d = y - m, e = 2^d = e^(z - m ln 2):
+
+    m (running max),  s0 = sum e,  s1 = sum e d,  s2 = sum e^2,  s3 = sum e^2 d.
+
+Moving the reference from m to m' >= m multiplies e by a = 2^(m - m') and shifts d by dl = m - m', so
+s0' = a s0, s1' = a (s1 + dl s0), s2' = a^2 s2, s3' = a^2 (s3 + dl s2); the chunks of one row merge the same
+way.  With p_i = e_i / s0 (natural logs, ln2 = log 2):
+
+    lse = ln2 m + log s0,  log p_i = ln2 d_i - log s0,
+    H = -sum p log p = log s0 - ln2 s1 / s0,
+    E_p[S] = sum p_i^2 (H + log p_i) = H s2 / s0^2 + (ln2 s3 - log s0 s2) / s0^2 = ln2 (s3 - s2 s1 / s0) / s0^2.
+
+The label's logit is not picked out of the tiles (that would put a compare and a select on every logit of the
+hot loop): the small merge kernel recomputes it as an fp32 dot of the row of h with the label's row of W, then
+merges the chunks and writes lse, log p_label, H, E_p[S].  A "floor" mode of the same schedule keeps only the
+running row max (no exponentials, no sums): the schedule's matmul speed.
+
+Schedules (``SCHEDULES``): ``tma`` (host TensorDescriptor loads, V loop plain), ``tma-flat`` (V and K loops
+flattened into one pipelined loop, so the next tile's loads run during this tile's epilogue), ``tma-ws``
+(``tl.range(..., warp_specialize=True)`` on the V loop: Triton's automatic warp specialisation, on sm_90 its
+Hopper pass), ``tma-wsflat`` (both), ``ptr`` (pointer loads, cp.async pipelining).  The grid is (row blocks) x (V chunks) with the
+number of chunks chosen so that the programs fill one wave at the compiled kernel's occupancy (two 4-warp
+programs per SM let one program's epilogue run while the other's wgmma does: ping-pong by the warp scheduler).
+
+Every configuration is first compiled in a child process (a compiler crash is then a reported failure, not the
+end of the run; the children also run in parallel), then checked against float64 on 8 rows and timed
+(``triton.testing.do_bench``, median) beside cuBLAS ``h @ W.T`` (timed before and after, mean) and the public
+``entropy_discriminator.token_stats_from_hidden``.  A CSV and the log go to ``$OUT`` when set (``--csv`` too).
+
+Not a drop-in kernel: no bias, temperature, logits rounding, ignore_index or error counters (the public call has
+all of them, and its check waits for the kernel).  cuBLAS's time includes writing the bf16 [N, V] logits, which
+no fused kernel does.  First run: ``results/h200/fused_ws_probe/`` (H200, 2026-11-29).  Its ``ws_marks`` column
+(and the log's "specialised: yes") is a false positive of an earlier marker list ("ttng.warp_group" matched every
+wgmma, ``ttng.warp_group_dot``); its TTGIR shows the loop's ``tt.warp_specialize`` attribute left unconsumed, no
+partitions and the warp count unchanged, so Triton 3.6 compiled and ran ``warp_specialize=True`` on sm_90 without
+specialising anything (``tl.range``'s docstring: "only supported on Blackwell GPUs").  Its ws TTGIR file names
+lack the schedule, so ``ws_128x128_w4.ttgir`` holds whichever of tma-ws / tma-wsflat wrote last (tt.flatten: the
+latter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import csv
+import ctypes
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+try:
+    import torch
+except ImportError:  # pragma: no cover - --help still works
+    torch = None
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - --help still works
+    triton = tl = None
+try:  # host-side TMA descriptors (Triton >= 3.2)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except Exception:  # pragma: no cover
+    TensorDescriptor = None
+
+ROOT = Path(__file__).resolve().parent.parent
+LOG2E = 1.4426950408889634
+ERR_MAX = 2e-3  # max |error| of logp, H, E_p[S] against float64 for a configuration to count as correct
+TARGET = 1 / 0.97  # probe / cuBLAS at or below this is ">= 0.97x cuBLAS"
+DEV = "cuda"  # where the benchmark and the compile children run
+
+# name -> (DESC, WS, FLAT)
+SCHEDULES = {"tma": (1, 0, 0), "tma-flat": (1, 0, 1), "tma-ws": (1, 1, 0), "tma-wsflat": (1, 1, 1), "ptr": (0, 0, 0)}
+# (schedule, BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages)
+CONFIGS = (
+    ("tma", 128, 128, 64, 4, 3),
+    ("tma", 128, 128, 64, 4, 4),
+    ("tma", 128, 256, 64, 8, 3),
+    ("tma", 256, 128, 64, 8, 3),
+    ("tma", 64, 256, 64, 4, 3),
+    ("tma-flat", 128, 128, 64, 4, 3),
+    ("tma-flat", 128, 256, 64, 8, 3),
+    ("ptr", 128, 128, 64, 4, 3),
+    ("tma-ws", 128, 128, 64, 4, 3),  # warp-specialised last: a hang there loses least
+    ("tma-ws", 128, 256, 64, 8, 3),
+    ("tma-wsflat", 128, 128, 64, 4, 3),
+)
+
+
+def cfg_name(cfg) -> str:
+    s, bm, bv, bk, w, st = cfg
+    return f"{s} {bm}x{bv}x{bk} w{w} s{st}"
+
+
+def _jit(*args, **kw):
+    """triton.jit, or the plain function when Triton is missing (so that --help works without it)."""
+    if triton is not None:
+        return triton.jit(*args, **kw)
+    return args[0] if args else (lambda fn: fn)
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+
+
+@_jit
+def _exp2(x, FTZ: tl.constexpr):
+    """2^x; FTZ: one ex2.approx.ftz.f32 (results below 2^-126 flush to 0), else tl.exp2 (interpreter)."""
+    if FTZ:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return tl.exp2(x)
+
+
+@_jit
+def _logits_tile(h_ptr, w_ptr, h_desc, w_desc, rb, t, N, V, H, stride_h, stride_w, BM: tl.constexpr,
+                 BV: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, DESC: tl.constexpr, EVEN_K: tl.constexpr):
+    """fp32 [BM, BV] = h[rb*BM : +BM] @ W[t*BV : +BV].T over K = H in BK steps (rows/columns past N/V: finite)."""
+    acc = tl.zeros([BM, BV], dtype=tl.float32)
+    n_k = tl.cdiv(H, BK)
+    if DESC:  # TMA: out-of-range rows, columns and K are zero-filled by the copy engine
+        for kk in tl.range(0, n_k, num_stages=STAGES):
+            a = h_desc.load([rb * BM, kk * BK])
+            b = w_desc.load([t * BV, kk * BK])
+            acc = tl.dot(a, b.T, acc)
+    else:
+        rm = (rb * BM + tl.arange(0, BM)) % N
+        rn = (t * BV + tl.arange(0, BV)) % V
+        rk = tl.arange(0, BK)
+        a_ptrs = h_ptr + rm.to(tl.int64)[:, None] * stride_h + rk[None, :]
+        b_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_w + rk[None, :]
+        for kk in tl.range(0, n_k, num_stages=STAGES):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                kmask = rk[None, :] < H - kk * BK
+                a = tl.load(a_ptrs, mask=kmask, other=0.0)
+                b = tl.load(b_ptrs, mask=kmask, other=0.0)
+            acc = tl.dot(a, tl.trans(b), acc)
+            a_ptrs += BK
+            b_ptrs += BK
+    return acc
+
+
+@_jit
+def _online_update(acc, m, s0, s1, s2, s3, c, FLOOR: tl.constexpr, FTZ: tl.constexpr, CLAMP: tl.constexpr):
+    """Fold one fp32 logits tile (raw accumulator; y = acc * c, c = log2(e) > 0) into the running statistics."""
+    m_new = tl.maximum(m, tl.max(acc, axis=1) * c)  # c > 0: the max of y is c times the max of acc
+    if FLOOR:  # timing floor: the running max alone
+        return m_new, s0, s1, s2, s3
+    dl = m - m_new  # <= 0; -inf before the first tile (then a = 0 and the old sums, all 0, drop out)
+    a = tl.exp2(dl)
+    ad = tl.where(a > 0, a * dl, 0.0)
+    d = acc * c - m_new[:, None]  # one FMA per logit
+    if CLAMP:  # masked (-inf) columns of the last tile: e = 0 and e * d = 0, not 0 * -inf
+        d = tl.maximum(d, -256.0)
+    e = _exp2(d, FTZ)
+    e2 = e * e
+    s1 = a * s1 + ad * s0 + tl.sum(e * d, axis=1)
+    s0 = a * s0 + tl.sum(e, axis=1)
+    s3 = a * a * s3 + a * ad * s2 + tl.sum(e2 * d, axis=1)
+    s2 = a * a * s2 + tl.sum(e2, axis=1)
+    return m_new, s0, s1, s2, s3
+
+
+@_jit(do_not_specialize=["tiles_per_chunk"])
+def _stream_kernel(h_ptr, w_ptr, h_desc, w_desc, part_ptr, N, V, H, stride_h, stride_w, tiles_per_chunk, c,
+                   BM: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, DESC: tl.constexpr,
+                   WS: tl.constexpr, FLAT: tl.constexpr, FLOOR: tl.constexpr, FTZ: tl.constexpr,
+                   EVEN_K: tl.constexpr):
+    """One program: BM rows x one chunk of tiles_per_chunk vocabulary tiles; writes (m, s0..s3) per row.
+
+    part is fp32 [5, n_chunks, N].  Row block fastest in the program id, so the programs running together
+    walk the same vocabulary chunk (its W tiles are shared in L2).
+    """
+    pid = tl.program_id(0)
+    num_rb = tl.cdiv(N, BM)
+    rb = pid % num_rb
+    chunk = pid // num_rb
+    n_chunks = tl.num_programs(0) // num_rb
+    n_full = V // BV  # tiles with no column past V
+    t0 = chunk * tiles_per_chunk
+    t1 = tl.minimum(t0 + tiles_per_chunk, tl.cdiv(V, BV))
+    t1f = tl.minimum(t1, n_full)
+    m = tl.full([BM], float("-inf"), dtype=tl.float32)
+    s0 = tl.zeros([BM], dtype=tl.float32)
+    s1 = tl.zeros([BM], dtype=tl.float32)
+    s2 = tl.zeros([BM], dtype=tl.float32)
+    s3 = tl.zeros([BM], dtype=tl.float32)
+    for t in tl.range(t0, t1f, warp_specialize=WS, flatten=FLAT):
+        acc = _logits_tile(h_ptr, w_ptr, h_desc, w_desc, rb, t, N, V, H, stride_h, stride_w, BM=BM, BV=BV, BK=BK,
+                           STAGES=STAGES, DESC=DESC, EVEN_K=EVEN_K)
+        m, s0, s1, s2, s3 = _online_update(acc, m, s0, s1, s2, s3, c, FLOOR=FLOOR, FTZ=FTZ, CLAMP=False)
+    if t1 > n_full:  # this chunk holds the last, partial tile: peeled so that the hot loop has no mask
+        acc = _logits_tile(h_ptr, w_ptr, h_desc, w_desc, rb, n_full, N, V, H, stride_h, stride_w, BM=BM, BV=BV,
+                           BK=BK, STAGES=STAGES, DESC=DESC, EVEN_K=EVEN_K)
+        cols = n_full * BV + tl.arange(0, BV)
+        acc = tl.where(cols[None, :] < V, acc, float("-inf"))
+        m, s0, s1, s2, s3 = _online_update(acc, m, s0, s1, s2, s3, c, FLOOR=FLOOR, FTZ=FTZ, CLAMP=True)
+    rm = rb * BM + tl.arange(0, BM)
+    ok = rm < N
+    q = part_ptr + chunk * N + rm
+    plane = n_chunks * N
+    tl.store(q, m, mask=ok)
+    tl.store(q + plane, s0, mask=ok)
+    tl.store(q + 2 * plane, s1, mask=ok)
+    tl.store(q + 3 * plane, s2, mask=ok)
+    tl.store(q + 4 * plane, s3, mask=ok)
+
+
+@_jit(do_not_specialize=["S"])
+def _merge_kernel(part_ptr, h_ptr, w_ptr, lab_ptr, out_ptr, N, H, stride_h, stride_w, S, BR: tl.constexpr,
+                  SP: tl.constexpr, BKM: tl.constexpr):
+    """Merge the S chunk partials of BR rows, recompute the label logit in fp32, write lse, logp, H, E_p[S], max z."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    rok = rows < N
+    js = tl.arange(0, SP)
+    offs = js[None, :] * N + rows[:, None]
+    msk = rok[:, None] & (js[None, :] < S)
+    plane = S * N
+    mj = tl.load(part_ptr + offs, mask=msk, other=float("-inf"))
+    s0j = tl.load(part_ptr + plane + offs, mask=msk, other=0.0)
+    s1j = tl.load(part_ptr + 2 * plane + offs, mask=msk, other=0.0)
+    s2j = tl.load(part_ptr + 3 * plane + offs, mask=msk, other=0.0)
+    s3j = tl.load(part_ptr + 4 * plane + offs, mask=msk, other=0.0)
+    mu = tl.max(mj, axis=1)
+    mu = tl.where(mu > float("-inf"), mu, 0.0)
+    dj = mj - mu[:, None]
+    aj = tl.exp2(dj)
+    adj = tl.where(aj > 0, aj * dj, 0.0)
+    s0 = tl.sum(aj * s0j, axis=1)
+    s1 = tl.sum(aj * s1j + adj * s0j, axis=1)
+    s2 = tl.sum(aj * aj * s2j, axis=1)
+    s3 = tl.sum(aj * aj * s3j + aj * adj * s2j, axis=1)
+    lab = tl.load(lab_ptr + rows, mask=rok, other=0)
+    zk = tl.zeros([BR], dtype=tl.float32)
+    for k0 in range(0, H, BKM):
+        kk = k0 + tl.arange(0, BKM)
+        km = rok[:, None] & (kk[None, :] < H)
+        hv = tl.load(h_ptr + rows.to(tl.int64)[:, None] * stride_h + kk[None, :], mask=km, other=0.0)
+        wv = tl.load(w_ptr + lab.to(tl.int64)[:, None] * stride_w + kk[None, :], mask=km, other=0.0)
+        zk += tl.sum(hv.to(tl.float32) * wv.to(tl.float32), axis=1)
+    log_s0 = tl.log(s0)
+    lse = 0.6931471805599453 * mu + log_s0  # ln 2 * mu
+    dbar = s1 / s0
+    tl.store(out_ptr + rows, lse, mask=rok)
+    tl.store(out_ptr + N + rows, zk - lse, mask=rok)
+    tl.store(out_ptr + 2 * N + rows, log_s0 - 0.6931471805599453 * dbar, mask=rok)
+    tl.store(out_ptr + 3 * N + rows, 0.6931471805599453 * (s3 - s2 * dbar) / (s0 * s0), mask=rok)
+    tl.store(out_ptr + 4 * N + rows, 0.6931471805599453 * mu, mask=rok)  # the row's max logit (what the floor mode computes)
+
+
+# ------------------------------------------------------------------------------------------------- host
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def ftz_ok() -> bool:
+    """The inline-asm exponential runs compiled on a GPU only (the interpreter has no inline asm)."""
+    return DEV == "cuda" and not interpreting()
+
+
+class Probe:
+    """One configuration's launches: ``probe(h, w, labels, floor)`` -> fp32 [5, N] (lse, logp, H, E_p[S], max z)."""
+
+    def __init__(self, cfg, ftz: bool, split: int = 0, ws_override: int | None = None):
+        self.cfg = cfg
+        sched, self.bm, self.bv, self.bk, self.warps, self.stages = cfg
+        self.desc, self.ws, self.flat = SCHEDULES[sched]
+        if ws_override is not None:
+            self.ws = ws_override
+        self.ftz = ftz
+        self.split = split  # 0: auto (one wave at the compiled occupancy)
+        self.kernel = None  # the compiled stream kernel of the last full-mode launch
+        self.occ = None
+
+    def chunks(self, n: int, v: int) -> tuple[int, int]:
+        """(tiles per chunk, chunks) for N = n, V = v."""
+        nvt = triton.cdiv(v, self.bv)
+        s = self.split
+        if s <= 0:
+            rb = triton.cdiv(n, self.bm)
+            sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 4
+            s = max(1, (max(1, self.occ or 1) * sms) // rb)
+        s = min(s, nvt)
+        tpc = triton.cdiv(nvt, s)
+        return tpc, triton.cdiv(nvt, tpc)
+
+    def __call__(self, h, w, labels, floor: bool = False, tpc_s: tuple[int, int] | None = None):
+        n, hd = h.shape
+        v = w.shape[0]
+        tpc, s = tpc_s or self.chunks(n, v)
+        part = torch.empty((5, s, n), device=h.device, dtype=torch.float32)
+        out = torch.empty((5, n), device=h.device, dtype=torch.float32)
+        if self.desc:
+            hd_, wd_ = TensorDescriptor.from_tensor(h, [self.bm, self.bk]), TensorDescriptor.from_tensor(w, [self.bv, self.bk])
+        else:
+            hd_ = wd_ = None
+        k = _stream_kernel[(triton.cdiv(n, self.bm) * s,)](
+            h, w, hd_, wd_, part, n, v, hd, h.stride(0), w.stride(0), tpc, LOG2E,
+            BM=self.bm, BV=self.bv, BK=self.bk, STAGES=self.stages, DESC=bool(self.desc), WS=bool(self.ws),
+            FLAT=bool(self.flat), FLOOR=bool(floor), FTZ=self.ftz, EVEN_K=hd % self.bk == 0,
+            num_warps=self.warps, num_stages=self.stages,
+        )  # fmt: skip
+        if not floor and self.kernel is None and k is not None and not interpreting():
+            self.kernel = k
+        _merge_kernel[(triton.cdiv(n, 32),)](part, h, w, labels, out, n, hd, h.stride(0), w.stride(0), s, BR=32,
+                                             SP=max(2, triton.next_power_of_2(s)), BKM=128, num_warps=4)
+        return out
+
+
+def kernel_info(k, requested_warps: int) -> dict:
+    """Registers, spills, shared memory, total warps, occupancy and warp-specialisation markers of a compiled kernel."""
+    info = {"regs": getattr(k, "n_regs", -1), "spills": getattr(k, "n_spills", -1),
+            "smem": int(getattr(k.metadata, "shared", 0)), "warps_total": int(k.metadata.num_warps)}  # fmt: skip
+    ttgir, ptx = k.asm.get("ttgir", ""), k.asm.get("ptx", "")
+    # a warp-specialised kernel has a ttg.warp_specialize op with partitions (the tt.warp_specialize loop
+    # attribute alone is only the request; "ttng.warp_group_dot" is every wgmma, not a marker)
+    marks = [m for m in ("ttg.warp_specialize", "async_task", "nvws.", "ttg.partition", "ttg.total-num-warps")
+             if m in ttgir]
+    if "setmaxnreg" in ptx:
+        marks.append("setmaxnreg")
+    if info["warps_total"] > requested_warps:
+        marks.append(f"warps {requested_warps}->{info['warps_total']}")
+    info["ws_marks"] = ",".join(marks)
+    info["wgmma"] = "wgmma" in ptx
+    info["occ"] = occupancy(k, 32 * info["warps_total"], info)
+    return info
+
+
+def occupancy(k, block: int, info: dict) -> int:
+    """Programs per SM: cuOccupancyMaxActiveBlocksPerMultiprocessor, else an estimate from registers and shared memory."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        nb = ctypes.c_int(0)
+        rc = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(nb), ctypes.c_void_p(k.function),
+                                                             ctypes.c_int(block), ctypes.c_size_t(info["smem"]))
+        if rc == 0 and nb.value > 0:
+            return int(nb.value)
+    except Exception:
+        pass
+    regs = max(1, info["regs"]) * block
+    return max(1, min(65536 // regs, 232448 // max(1, info["smem"] + 1024), 2048 // block))
+
+
+def reference_rows(h, w, labels, idx):
+    """float64 reference of rows idx: dict logp, entropy, s_expected, zmax (the max logit)."""
+    try:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from reference import reference_token_stats
+
+        z = h[idx].double() @ w.double().T
+        r = reference_token_stats(z, labels[idx], 1.0)
+        return {"logp": r["logp"], "entropy": r["entropy"], "s_expected": r["s_expected"], "zmax": z.max(-1).values}
+    except ImportError:  # the same formulas, recomputed here
+        z = h[idx].double() @ w.double().T
+        logq = torch.log_softmax(z, dim=-1)
+        p = logq.exp()
+        ent = -(p * logq).sum(-1)
+        return {"logp": logq.gather(-1, labels[idx, None])[:, 0], "entropy": ent,
+                "s_expected": (p * p * (ent[:, None] + logq)).sum(-1), "zmax": z.max(-1).values}  # fmt: skip
+
+
+def floor_error(out, ref, idx) -> float:
+    """max |max logit of the floor mode - float64| (the floor's one statistic)."""
+    e = (out[4][idx].double().cpu() - ref["zmax"].cpu()).abs().max().item()
+    return e if math.isfinite(e) else float("nan")
+
+
+def max_errors(out, ref, idx) -> tuple[float, float, float]:
+    """max |probe - float64| of logp, H, E_p[S] (out: [5, N] lse, logp, H, E, max z)."""
+    errs = []
+    for row, key in ((1, "logp"), (2, "entropy"), (3, "s_expected")):
+        e = (out[row][idx].double().cpu() - ref[key].cpu()).abs().max().item()
+        errs.append(e if math.isfinite(e) else float("nan"))
+    return tuple(errs)
+
+
+def inputs(n: int, hd: int, v: int, dtype, device, seed: int = 0):
+    """h ~ N(0, 1), W ~ N(0, 1/H) * 4 (peaked rows), random labels."""
+    g = torch.Generator(device=device).manual_seed(seed + n + hd + v)
+    h = torch.randn(n, hd, device=device, generator=g).to(dtype)
+    w = (torch.randn(v, hd, device=device, generator=g) * (4.0 / hd**0.5)).to(dtype)
+    labels = torch.randint(0, v, (n,), device=device, generator=g)
+    return h, w, labels
+
+
+# ------------------------------------------------------------------------------------------------ smoke
+
+
+def smoke() -> int:
+    """One tiny shape (N=32, H=64, V=512) and one with row/column tails and several chunks, every schedule."""
+    dev = "cpu" if interpreting() or not torch.cuda.is_available() else "cuda"
+    import numpy as np
+
+    np.seterr(all="ignore")  # the interpreter's numpy: the floor mode's log(0) and 0 * inf are expected
+    # the interpreter does not emulate a bf16 tl.dot (numpy has no bf16): fp16 there
+    dtype = torch.float16 if dev == "cpu" else torch.bfloat16
+    print(f"smoke on {dev} ({'Triton interpreter' if interpreting() else 'compiled'}), {dtype}, Triton "
+          f"{triton.__version__}, torch {torch.__version__}")  # fmt: skip
+    if interpreting():
+        print("note: the interpreter runs tl.range as a plain Python range: warp_specialize, flatten and num_stages "
+              "are accepted and ignored there, so 'tma-ws' runs the plain loop in this mode")  # fmt: skip
+    bad = 0
+    for n, hd, v, split in ((32, 64, 512, 0), (40, 64, 500, 3)):
+        h, w, labels = inputs(n, hd, v, dtype, dev)
+        idx = torch.linspace(0, n - 1, 8).long()
+        ref = reference_rows(h, w, labels, idx)
+        for sched in SCHEDULES:
+            cfg = (sched, 16, 64, 16, 4, 2)
+            t0 = time.monotonic()
+            note = ""
+            try:
+                probe = Probe(cfg, ftz=dev == "cuda", split=split or 2)
+                try:
+                    out = probe(h, w, labels)
+                except Exception as exc:  # warp_specialize / descriptors unsupported here: the plain loop
+                    if not probe.ws:
+                        raise
+                    note = f" (warp_specialize failed: {type(exc).__name__}; fell back to the plain tl.range)"
+                    probe = Probe(cfg, ftz=dev == "cuda", split=split or 2, ws_override=0)
+                    out = probe(h, w, labels)
+                floor = probe(h, w, labels, floor=True)
+                errs = max_errors(out, ref, idx)
+                ferr = floor_error(floor, ref, idx)
+                ok = all(math.isfinite(e) and e < ERR_MAX for e in (*errs, ferr))
+                tpc, s = probe.chunks(n, v)
+                bad += not ok
+                print(f"  N={n} H={hd} V={v} {cfg_name(cfg):24s} chunks {s} x {tpc} tiles: err logp {errs[0]:.1e} "
+                      f"H {errs[1]:.1e} E_p[S] {errs[2]:.1e} {'ok' if ok else 'WRONG'}; floor: err max z {ferr:.1e}"
+                      f"{note} [{time.monotonic() - t0:.1f} s]", flush=True)  # fmt: skip
+            except Exception as exc:
+                bad += 1
+                print(f"  N={n} H={hd} V={v} {cfg_name(cfg)}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    print("smoke:", "ok" if not bad else f"{bad} failures")
+    return 1 if bad else 0
+
+
+# -------------------------------------------------------------------------------------- child: compile
+
+
+def compile_child(spec: str) -> int:
+    """Compile (and run once, on a tiny shape with the benchmark's specialisation) one configuration; print JSON."""
+    d = json.loads(spec)
+    cfg, floor = tuple(d["cfg"]), d["floor"]
+    res = {"cfg": list(cfg), "floor": floor, "ok": False}
+    t0 = time.monotonic()
+    try:
+        h, w, labels = inputs(256, 128, 1024, torch.bfloat16, DEV)
+        probe = Probe(cfg, ftz=ftz_ok(), split=2)
+        n, hd = h.shape
+        v = w.shape[0]
+        tpc, s = probe.chunks(n, v)
+        part = torch.empty((5, s, n), device=DEV, dtype=torch.float32)
+        hd_ = TensorDescriptor.from_tensor(h, [probe.bm, probe.bk]) if probe.desc else None
+        wd_ = TensorDescriptor.from_tensor(w, [probe.bv, probe.bk]) if probe.desc else None
+        k = _stream_kernel[(triton.cdiv(n, probe.bm) * s,)](
+            h, w, hd_, wd_, part, n, v, hd, h.stride(0), w.stride(0), tpc, LOG2E,
+            BM=probe.bm, BV=probe.bv, BK=probe.bk, STAGES=probe.stages, DESC=bool(probe.desc), WS=bool(probe.ws),
+            FLAT=bool(probe.flat), FLOOR=bool(floor), FTZ=ftz_ok(), EVEN_K=True, num_warps=probe.warps,
+            num_stages=probe.stages,
+        )  # fmt: skip
+        if DEV == "cuda":
+            torch.cuda.synchronize()
+        res.update(kernel_info(k, probe.warps))
+        if not floor:
+            idx = torch.linspace(0, n - 1, 8, device=DEV).long()
+            res["tiny_errs"] = max_errors(probe(h, w, labels), reference_rows(h, w, labels, idx), idx)
+        out_dir = os.environ.get("OUT")
+        if probe.ws and not floor and out_dir and k is not None:  # the evidence: the warp-specialised TTGIR
+            Path(out_dir, f"{cfg[0]}_{probe.bm}x{probe.bv}_w{probe.warps}.ttgir").write_text(k.asm.get("ttgir", ""))
+        res["ok"] = True
+    except Exception as exc:
+        res["error"] = f"{type(exc).__name__}: {str(exc)[-600:]}"
+    res["compile_s"] = round(time.monotonic() - t0, 1)
+    print("RESULT " + json.dumps(res), flush=True)
+    return 0
+
+
+def compile_all(cfgs, budget_end: float, jobs: int, log, meanwhile=None) -> dict:
+    """Compile every (config, floor) pair in child processes, ``jobs`` at a time (``meanwhile()`` runs here in the
+    meantime); -> {(cfg, floor): result}."""
+    results = {}
+
+    def one(cfg, floor):
+        if time.monotonic() > budget_end:
+            return {"ok": False, "error": "not compiled: budget spent"}
+        spec = json.dumps({"cfg": list(cfg), "floor": floor})
+        try:
+            p = subprocess.run([sys.executable, __file__, "--_compile", spec], capture_output=True, text=True,
+                               timeout=max(30.0, min(120.0, budget_end - time.monotonic() + 30)))
+        except subprocess.TimeoutExpired:
+            return {"ok": False, "error": "compile timed out"}
+        for line in p.stdout.splitlines():
+            if line.startswith("RESULT "):
+                return json.loads(line[7:])
+        tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
+        return {"ok": False, "error": f"child exited {p.returncode} (crash?): {' | '.join(tail)[-500:]}"}
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as ex:
+        futs = {ex.submit(one, cfg, floor): (cfg, floor) for cfg in cfgs for floor in (False, True)}
+        if meanwhile is not None:
+            meanwhile()
+        for fut in concurrent.futures.as_completed(futs):
+            cfg, floor = futs[fut]
+            r = fut.result()
+            results[(cfg, floor)] = r
+            what = f"{cfg_name(cfg)}{' floor' if floor else ''}"
+            if r.get("ok"):
+                log(f"compiled {what:30s} {r.get('compile_s', 0):5.1f} s: regs {r['regs']} spills {r['spills']} "
+                    f"smem {r['smem']} warps {r['warps_total']} occ {r['occ']} wgmma {r['wgmma']} "
+                    f"ws-marks [{r['ws_marks']}] tiny errs {r.get('tiny_errs', '-')}")  # fmt: skip
+            else:
+                log(f"FAILED   {what:30s}: {r.get('error')}")
+    return results
+
+
+# ------------------------------------------------------------------------------------------------ bench
+
+
+def bench(args) -> int:
+    from triton.testing import do_bench
+
+    import entropy_discriminator as ed
+
+    t_start = time.monotonic()
+    budget_end = t_start + args.budget_s
+    out_dir = os.environ.get("OUT")
+    log_fh = open(Path(out_dir, "fused_ws_probe.log"), "w") if out_dir else None
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        if log_fh:
+            log_fh.write(msg + "\n")
+            log_fh.flush()
+
+    card = torch.cuda.get_device_name()
+    cap = torch.cuda.get_device_capability()
+    log(f"{card} sm_{cap[0]}{cap[1]}, torch {torch.__version__}, Triton {triton.__version__}, "
+        f"{torch.cuda.get_device_properties(0).multi_processor_count} SMs; budget {args.budget_s:.0f} s")  # fmt: skip
+    cfgs = [c for i, c in enumerate(CONFIGS) if not args.configs or str(i) in args.configs or c[0] in args.configs]
+    if cap[0] < 9:
+        cfgs = [c for c in cfgs if not SCHEDULES[c[0]][0]]
+        log("pre-Hopper GPU: TMA schedules skipped")
+    def warm_public() -> None:  # the public call's kernels compile here, not inside the first shape's share
+        t = time.monotonic()
+        for hd in sorted(set(args.h)):
+            h, w, labels = inputs(256, hd, 1024, torch.bfloat16, DEV)
+            ed.token_stats_from_hidden(h, w, labels)
+        torch.cuda.synchronize()
+        log(f"public call warmed up for H in {sorted(set(args.h))}: {time.monotonic() - t:.0f} s")
+
+    compiled = compile_all(cfgs, budget_end, args.jobs, log, meanwhile=warm_public)
+    log(f"compile phase: {time.monotonic() - t_start:.0f} s")
+
+    def ms(fn) -> float:
+        return float(do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median"))
+
+    shapes = [(hd, n) for hd in args.h for n in args.n]
+    rows = []
+    csv_path = Path(args.csv) if args.csv else (Path(out_dir, "fused_ws_probe.csv") if out_dir else None)
+    cols = ("card", "H", "V", "N", "config", "status", "chunks", "programs", "occ", "regs", "spills", "smem",
+            "warps_total", "ws_marks", "probe_ms", "floor_ms", "cublas_ms", "public_ms", "probe_over_cublas",
+            "floor_over_cublas", "public_over_cublas", "err_logp", "err_H", "err_Ep", "err_floor_zmax", "public_err_max")  # fmt: skip
+    fh = open(csv_path, "w", newline="") if csv_path else None
+    writer = csv.DictWriter(fh, fieldnames=cols) if fh else None
+    if writer:
+        writer.writeheader()
+    for si, (hd, n) in enumerate(shapes):
+        now = time.monotonic()
+        if now > budget_end:
+            log(f"budget of {args.budget_s:.0f} s spent: skipping H={hd} N={n}")
+            continue
+        shape_end = now + (budget_end - now) / (len(shapes) - si)  # an even share of what is left
+        torch.cuda.empty_cache()
+        h, w, labels = inputs(n, hd, args.v, torch.bfloat16, DEV)
+        idx = torch.linspace(0, n - 1, 8, device=DEV).long()
+        ref = reference_rows(h, w, labels, idx)
+        cublas = [ms(lambda: h @ w.T)]
+        pub_fn = lambda: ed.token_stats_from_hidden(h, w, labels)  # noqa: E731
+        ps = pub_fn()
+        pub_err = max(float((getattr(ps, k)[idx].double() - ref[k]).abs().max()) for k in ("logp", "entropy", "s_expected"))
+        public = [ms(pub_fn)]
+        shape_rows = []
+        for ci, cfg in enumerate(cfgs):
+            base = {"card": card, "H": hd, "V": args.v, "N": n, "config": cfg_name(cfg)}
+            if ci and time.monotonic() > shape_end:
+                shape_rows.append({**base, "status": "skipped (budget)"})
+                continue
+            cf, cl = compiled.get((cfg, False), {}), compiled.get((cfg, True), {})
+            if not cf.get("ok"):
+                shape_rows.append({**base, "status": "compile failed"})
+                continue
+            try:
+                probe = Probe(cfg, ftz=ftz_ok(), split=args.split)
+                probe.occ = cf["occ"]
+                tpc_s = probe.chunks(n, args.v)
+                out = probe(h, w, labels, tpc_s=tpc_s)
+                errs = max_errors(out, ref, idx)
+                ok = all(math.isfinite(e) and e < ERR_MAX for e in errs)
+                t_probe = ms(lambda: probe(h, w, labels, tpc_s=tpc_s))
+                t_floor, ferr = math.nan, math.nan
+                if cl.get("ok"):
+                    ferr = floor_error(probe(h, w, labels, floor=True, tpc_s=tpc_s), ref, idx)
+                    t_floor = ms(lambda: probe(h, w, labels, floor=True, tpc_s=tpc_s))
+                row = {**base, "status": "ok" if ok else "WRONG", "chunks": tpc_s[1],
+                       "programs": triton.cdiv(n, cfg[1]) * tpc_s[1], "occ": cf["occ"], "regs": cf["regs"],
+                       "spills": cf["spills"], "smem": cf["smem"], "warps_total": cf["warps_total"],
+                       "ws_marks": cf["ws_marks"], "probe_ms": t_probe, "floor_ms": t_floor, "err_logp": errs[0],
+                       "err_H": errs[1], "err_Ep": errs[2], "err_floor_zmax": ferr}  # fmt: skip
+                log(f"  H={hd} N={n} {cfg_name(cfg):27s} chunks {tpc_s[1]:2d} occ {cf['occ']}: probe {t_probe:.3f} ms "
+                    f"floor {t_floor:.3f} ms; errs {errs[0]:.1e} {errs[1]:.1e} {errs[2]:.1e} (floor max z {ferr:.1e}) "
+                    f"{row['status']}")  # fmt: skip
+                shape_rows.append(row)
+            except Exception as exc:  # never fatal
+                log(f"  H={hd} N={n} {cfg_name(cfg)}: {type(exc).__name__}: {str(exc)[:300]}")
+                shape_rows.append({**base, "status": f"error {type(exc).__name__}"})
+        public.append(ms(pub_fn))
+        cublas.append(ms(lambda: h @ w.T))
+        cb, pb = sum(cublas) / 2, sum(public) / 2
+        log(f"H={hd} N={n}: cuBLAS {cublas[0]:.3f} / {cublas[1]:.3f} ms, public {public[0]:.3f} / {public[1]:.3f} ms "
+            f"({pb / cb:.3f}x cuBLAS), public max err {pub_err:.1e}")  # fmt: skip
+        for r in shape_rows:
+            r.update(cublas_ms=cb, public_ms=pb, public_over_cublas=pb / cb, public_err_max=pub_err)
+            if "probe_ms" in r:
+                r.update(probe_over_cublas=r["probe_ms"] / cb, floor_over_cublas=r["floor_ms"] / cb)
+            if writer:
+                writer.writerow({k: (f"{v:.5g}" if isinstance(v, float) else v) for k, v in r.items()})
+        if fh:
+            fh.flush()
+        rows.extend(shape_rows)
+        del h, w, labels, ps
+
+    # ---- the final table
+    log("")
+    log(f"{'H':>5s} {'N':>6s} {'config':27s} {'S':>3s} {'occ':>3s} {'probe':>7s} {'floor':>7s} {'cuBLAS':>7s} "
+        f"{'public':>7s} {'pr/cuB':>6s} {'fl/cuB':>6s} {'pu/cuB':>6s} {'err logp':>8s} {'err H':>7s} {'err E':>7s}")  # fmt: skip
+    for r in rows:
+        if "probe_ms" not in r:
+            log(f"{r['H']:5d} {r['N']:6d} {r['config']:27s} {r['status']}")
+            continue
+        log(f"{r['H']:5d} {r['N']:6d} {r['config']:27s} {r['chunks']:3d} {r['occ']:3d} {r['probe_ms']:7.3f} "
+            f"{r['floor_ms']:7.3f} {r['cublas_ms']:7.3f} {r['public_ms']:7.3f} {r['probe_over_cublas']:6.3f} "
+            f"{r['floor_over_cublas']:6.3f} {r['public_over_cublas']:6.3f} {r['err_logp']:8.1e} {r['err_H']:7.1e} "
+            f"{r['err_Ep']:7.1e}{'' if r['status'] == 'ok' else ' ' + r['status']}")  # fmt: skip
+    ws = [(c, r) for (c, fl), r in compiled.items() if SCHEDULES[c[0]][1] and not fl]
+    for c, r in ws:
+        if r.get("ok"):
+            log(f"warp_specialize {cfg_name(c)}: compiled and ran; specialised: {'yes' if r['ws_marks'] else 'no'} "
+                f"(markers [{r['ws_marks']}], warps {r['warps_total']}, regs {r['regs']}, occ {r['occ']})")  # fmt: skip
+        else:
+            log(f"warp_specialize {cfg_name(c)}: FAILED {r.get('error', '')[:300]}")
+    for hd, n in shapes:  # per shape: the fastest correct configuration and the fastest floor, time / cuBLAS
+        good = [r for r in rows if (r["H"], r["N"]) == (hd, n) and r.get("status") == "ok"]
+        if good:
+            b = min(good, key=lambda r: r["probe_over_cublas"])
+            f = min((r for r in good if math.isfinite(r["floor_ms"])), key=lambda r: r["floor_over_cublas"],
+                    default=None)
+            log(f"H={hd} N={n}: best probe {b['probe_over_cublas']:.3f} x cuBLAS time ({b['config']}; >= 0.97x "
+                f"cuBLAS speed: {'yes' if b['probe_over_cublas'] <= TARGET else 'no'}), best floor "
+                f"{f['floor_over_cublas'] if f else math.nan:.3f} ({f['config'] if f else '-'}), public "
+                f"{b['public_over_cublas']:.3f}")  # fmt: skip
+    log(f"total {time.monotonic() - t_start:.0f} s")
+    if fh:
+        fh.close()
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--budget-s", type=float, default=240.0, help="start no new configuration after this many "
+                   "seconds (compile phase included; each shape gets an even share of what is left)")
+    p.add_argument("--smoke", action="store_true", help="one tiny shape (N=32, H=64, V=512) and a tail shape through "
+                   "every schedule against float64 (CPU with TRITON_INTERPRET=1, or a GPU)")
+    p.add_argument("--h", type=int, nargs="+", default=[896, 1536, 2048])
+    p.add_argument("--n", type=int, nargs="+", default=[4096, 16384])
+    p.add_argument("--v", type=int, default=151936)
+    p.add_argument("--configs", nargs="*", default=None, help="indices into CONFIGS or schedule names")
+    p.add_argument("--split", type=int, default=0, help="vocabulary chunks per row block (0: fill one wave)")
+    p.add_argument("--rep-ms", type=int, default=100, help="do_bench rep per timing (ms)")
+    p.add_argument("--jobs", type=int, default=8, help="compile children at a time")
+    p.add_argument("--csv", default=None, help="CSV path (default $OUT/fused_ws_probe.csv when OUT is set)")
+    p.add_argument("--_compile", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if torch is None or triton is None:
+        print("fused_ws_probe needs torch and triton", file=sys.stderr)
+        return 2
+    if args._compile:
+        return compile_child(args._compile)
+    if args.smoke:
+        return smoke()
+    if not torch.cuda.is_available():
+        print("no CUDA device: only --smoke (with TRITON_INTERPRET=1) runs here", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(ROOT))
+    return bench(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
