@@ -58,7 +58,7 @@ from entropy_discriminator.vocab_fold import VocabFold
 
 if __package__ in (None, ""):  # run as a script (python benchmarks/trl_step.py): the repository root, for benchmarks/
     sys.path.append(str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import free_memory, sync, timed
+from benchmarks.common import free_memory, sync, timed, write_step_cost
 from benchmarks.qwen_shapes import SMOKE_VOCAB, SPECIAL, qwen25_05b_shapes, tokenizer
 
 
@@ -222,9 +222,6 @@ def run_arm(arm: str, row: str, gc: bool, path: Path, tok, data, ns, recorded: l
     return out
 
 
-STEP_COST_FIELDS = ("card", "framework", "setup", "adapter_share")
-
-
 def step_cost_rows(rows: list[dict], card: str) -> list[dict]:
     """Two rows per precision row, GC setting and adapter arm (replayed batches): the adapter's own
     time per step (median) over the stock arm's non-generation step time of the same row, with the
@@ -243,21 +240,6 @@ def step_cost_rows(rows: list[dict], card: str) -> list[dict]:
                 {"card": card, "framework": "trl", "setup": f"{setup}/calibrate_every=0",
                  "adapter_share": r["adapter_s"] / stock}]
     return out
-
-
-def write_step_cost(path: Path, shares: list[dict]) -> None:
-    """Write ``shares`` into ``path`` (columns ``STEP_COST_FIELDS``), keeping its rows of other
-    frameworks or cards."""
-    keep: list[dict] = []
-    if path.exists():
-        with open(path, newline="") as f:
-            new = {(r["card"], r["framework"]) for r in shares}
-            keep = [r for r in csv.DictReader(f) if (r["card"], r["framework"]) not in new]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(STEP_COST_FIELDS))
-        writer.writeheader()
-        writer.writerows(keep + shares)
 
 
 def write_results(rows: list[dict], card: str, ns: argparse.Namespace) -> list[dict]:
