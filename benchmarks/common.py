@@ -192,6 +192,16 @@ def write_step_cost(path: Path, shares: list[dict]) -> None:
         writer.writerows(keep + shares)
 
 
+def print_step_cost(shares: list[dict], path: Path, missing: str) -> None:
+    """Print the step-cost rows just written to ``path`` as a table (``missing``: why none were written)."""
+    if not shares:
+        print(f"step cost: not written ({missing})")
+        return
+    print(f"step cost ({path}):\n| card | framework | setup | adapter_share |\n|---|---|---|---|")
+    for r in shares:
+        print(f"| {r['card']} | {r['framework']} | {r['setup']} | {r['adapter_share']:.4f} |")
+
+
 def free_memory() -> None:
     gc.collect()
     torch.cuda.empty_cache()

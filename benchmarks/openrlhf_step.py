@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     import deepspeed
     import transformers
 
-    from benchmarks.common import card_dir, write_step_cost
+    from benchmarks.common import card_dir, print_step_cost, write_step_cost
 
     card = "cpu_smoke" if ns.smoke else torch.cuda.get_device_name()
     versions = (f"openrlhf {importlib.metadata.version('openrlhf')}, deepspeed {deepspeed.__version__}, "
@@ -477,12 +477,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"| {r['arm']} | {r['calibrate_every']}, {r['calibrate_share']:g} | {r['calibration_pass_s']:.4f} | "
                   f"{r['calibration_s']:.4f} | {r['adapter_calibrated_s']:.4f} | {r['adapter_calibrated_vs_off_pct']:.2f}% | "
                   f"{r['realised_step1']:.3e} |")
-    if shares:
-        print(f"step cost ({step_cost}):\n| card | framework | setup | adapter_share |\n|---|---|---|---|")
-        for r in shares:
-            print(f"| {r['card']} | {r['framework']} | {r['setup']} | {r['adapter_share']:.4f} |")
-    else:
-        print("step cost: not written (needs the off arm and an adapter arm)")
+    print_step_cost(shares, step_cost, "needs the off arm and an adapter arm")
     for r in rows:
         print(f"{r['arm']}: per-step totals {r['total_s_per_step']} s; step 1 policy_loss {r['policy_loss_step1']:.4e}")
     return rows

@@ -97,7 +97,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import card_dir, free_memory, step_cost_card, step_cost_pair, timed, write_step_cost
+from benchmarks.common import (
+    card_dir, free_memory, print_step_cost, step_cost_card, step_cost_pair, timed, write_step_cost,
+)
 from benchmarks.qwen_shapes import SPECIAL, qwen25_05b_shapes, tokenizer
 from benchmarks.verl_inprocess import (
     base_tensors,
@@ -657,12 +659,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"| {r['arm']} | {r['calibrate_every']}, {r['calibrate_share']:g} | {r['calibration_rows']} | "
                   f"{r['calibration_pass_s']:.4f} | {r['calibration_s']:.4f} | {r['adapter_calibrated_vs_base_pct']:.2f}% | "
                   f"{r['realised_step1']:.3e} |")
-    if shares:
-        print(f"step cost ({step_cost}):\n| card | framework | setup | adapter_share |\n|---|---|---|---|")
-        for r in shares:
-            print(f"| {r['card']} | {r['framework']} | {r['setup']} | {r['adapter_share']:.4f} |")
-    else:
-        print("step cost: not written (needs an adapter arm and its stock arm, off or off_fused)")
+    print_step_cost(shares, step_cost, "needs an adapter arm and its stock arm, off or off_fused")
     for r in rows:
         print(f"{r['arm']}: build {r['build_s']:.1f} s; per-step totals {r['total_s_per_step']} s; allocated before "
               f"build {r['allocated_before_gib']:.2f} GiB; step 1: verl entropy {r['entropy_verl']:.6f}, adapter "
