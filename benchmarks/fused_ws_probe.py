@@ -86,6 +86,7 @@ except Exception:  # pragma: no cover
 ROOT = Path(__file__).resolve().parent.parent
 LOG2E = 1.4426950408889634
 ERR_MAX = 2e-3  # max |error| of logp, H, E_p[S] against float64 for a configuration to count as correct
+HIT = 1.031  # confirm mode's count: median probe / cuBLAS at or below this
 TARGET = 1 / 0.97  # probe / cuBLAS at or below this is ">= 0.97x cuBLAS"
 DEV = "cuda"  # where the benchmark and the compile children run
 
@@ -834,6 +835,193 @@ def bench(args) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------------------ confirm
+
+
+def parse_plans(args) -> list[dict]:
+    """The plans to confirm: each CSV shape's fastest correct row (``--confirm``) and/or ``--plans`` tokens
+    'H:N:V:dtype:cfg:S:G' (cfg an index into CONFIGS, S chunks, G row blocks per group; G >= N/BM: row order)."""
+    plans = []
+    if args.confirm:
+        import lzma
+
+        opener = lzma.open if str(args.confirm).endswith(".xz") else open
+        with opener(args.confirm, "rt", newline="") as fh:
+            best = {}
+            for r in csv.DictReader(fh):
+                if r["status"] != "ok":
+                    continue
+                key = (int(r["H"]), int(r["N"]), int(r["V"]), r["dtype"])
+                if key not in best or float(r["probe_over_cublas"]) < float(best[key]["probe_over_cublas"]):
+                    best[key] = r
+        names = {cfg_name(c): c for c in CONFIGS}
+        for (hd, n, v, dt), r in best.items():
+            plans.append({"H": hd, "N": n, "V": v, "dtype": dt, "cfg": names[r["config"]], "S": int(r["chunks"]),
+                          "G": int(r["group_rb"]), "prev": float(r["probe_over_cublas"]), "role": "best"})
+    for tok in args.plans.split(",") if args.plans else []:
+        p = tok.split(":")
+        if len(p) != 7 or p[3] not in DTYPES:
+            raise SystemExit(f"--plans: bad token {tok!r} (H:N:V:dtype:cfg:S:G)")
+        plans.append({"H": int(p[0]), "N": int(p[1]), "V": int(p[2]), "dtype": p[3], "cfg": CONFIGS[int(p[4])],
+                      "S": int(p[5]), "G": int(p[6]), "prev": math.nan, "role": "given"})
+    return plans
+
+
+def near_plans(pl: dict, k: int) -> list[dict]:
+    """Up to k plans next to ``pl``: half and twice the group, 1.5x and 0.75x the chunks (distinct, valid)."""
+    rb = triton.cdiv(pl["N"], pl["cfg"][1])
+    nvt = triton.cdiv(pl["V"], pl["cfg"][2])
+    s, g = pl["S"], min(pl["G"], rb)
+    cands = [(s, max(1, g // 2)), (s, min(rb, 2 * g)), (min(nvt, max(s + 1, round(s * 1.5))), g),
+             (max(2, min(s - 1, round(s * 0.75))), g)]
+    out, seen = [], {(s, g)}
+    for cs, cg in cands:
+        if (cs, cg) not in seen:
+            seen.add((cs, cg))
+            out.append({**pl, "S": cs, "G": cg, "prev": math.nan, "role": "near"})
+    return out[:k]
+
+
+def confirm(args) -> int:
+    """Each plan and cuBLAS ``h @ W.T`` timed alternately ``--repeats`` times (do_bench medians), the public call
+    twice; per shape: median probe / median cuBLAS, min-max of the paired ratios, public / cuBLAS."""
+    from triton.testing import do_bench
+
+    import entropy_discriminator as ed
+
+    t_start = time.monotonic()
+    budget_end = t_start + args.budget_s
+    out_dir = os.environ.get("OUT")
+    log_fh = open(Path(out_dir, "fused_ws_probe.log"), "w") if out_dir else None
+
+    def log(msg: str, echo: bool = True) -> None:
+        if echo:
+            print(msg, flush=True)
+        if log_fh:
+            log_fh.write(msg + "\n")
+            log_fh.flush()
+
+    def ms(fn) -> float:
+        return float(do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median"))
+
+    def med(xs):
+        xs = sorted(xs)
+        return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+    card = torch.cuda.get_device_name()
+    plans = parse_plans(args)
+    shapes = list(dict.fromkeys((p["H"], p["N"], p["V"], p["dtype"]) for p in plans))
+    reps = args.repeats
+    log(f"{card}, torch {torch.__version__}, Triton {triton.__version__}; confirm {len(plans)} plans over "
+        f"{len(shapes)} shapes: {reps} alternations of probe and cuBLAS (do_bench median, rep {args.rep_ms} ms), "
+        f"public x2; near plans: {args.near} for shapes above {HIT:.3f}x; budget {args.budget_s:.0f} s")  # fmt: skip
+    cols = ("card", "dtype", "H", "V", "N", "role", "config", "chunks", "tiles_per_chunk", "group_rb", "order",
+            "prev_ratio", "status", "err_logp", "err_H", "err_Ep", "public_err_max",
+            *[f"probe_ms_{i}" for i in range(reps)], *[f"cublas_ms_{i}" for i in range(reps)], "public_ms_0",
+            "public_ms_1", "probe_med", "cublas_med", "public_med", "ratio_med", "ratio_min", "ratio_max",
+            "public_over_cublas")  # fmt: skip
+    csv_path = Path(args.csv) if args.csv else (Path(out_dir, "fused_ws_probe.csv") if out_dir else None)
+    fh = open(csv_path, "w", newline="") if csv_path else None
+    writer = csv.DictWriter(fh, fieldnames=cols, extrasaction="ignore") if fh else None
+    if writer:
+        writer.writeheader()
+    ftz = ftz_ok()
+    summary = []
+    for si, shape in enumerate(shapes):
+        hd, n, v, dt = shape
+        if time.monotonic() > budget_end:
+            log(f"budget spent: skipping H={hd} N={n} V={v} {dt}")
+            summary.append((shape, None, None))
+            continue
+        torch.cuda.empty_cache()
+        h, w, labels = inputs(n, hd, v, DTYPES[dt], DEV)
+        idx = torch.linspace(0, n - 1, 8, device=DEV).long()
+        ref = reference_rows(h, w, labels, idx)
+        pub_fn = lambda: ed.token_stats_from_hidden(h, w, labels)  # noqa: E731
+        ps = pub_fn()
+        pub_err = max(float((getattr(ps, k)[idx].double() - ref[k]).abs().max()) for k in ("logp", "entropy", "s_expected"))
+        cub_fn = lambda: h @ w.T  # noqa: E731
+        todo = [p for p in plans if (p["H"], p["N"], p["V"], p["dtype"]) == shape]
+        done = []
+        while todo:
+            pl = todo.pop(0)
+            cfg = pl["cfg"]
+            rb = triton.cdiv(n, cfg[1])
+            nvt = triton.cdiv(v, cfg[2])
+            s = max(1, min(pl["S"], nvt))
+            tpc = triton.cdiv(nvt, s)
+            s = triton.cdiv(nvt, tpc)
+            g = rb if s == 1 else max(1, min(pl["G"], rb))
+            what = f"{cfg_name(cfg)} S={s} {'row' if g >= rb else f'group G={g}'}"
+            row = {"card": card, "dtype": dt, "H": hd, "V": v, "N": n, "role": pl["role"], "config": cfg_name(cfg),
+                   "chunks": s, "tiles_per_chunk": tpc, "group_rb": g, "order": "row" if g >= rb else "group",
+                   "prev_ratio": pl["prev"], "public_err_max": pub_err}  # fmt: skip
+            try:
+                probe = Probe(cfg, ftz=ftz)
+                plan = (tpc, s, g)
+                errs = max_errors(probe(h, w, labels, tpc_s=plan), ref, idx)
+                ok = all(math.isfinite(e) and e < ERR_MAX for e in errs)
+                pr, cb, pu = [], [], []
+                for i in range(reps):
+                    if i in (0, reps - 1):
+                        pu.append(ms(pub_fn))
+                    pr.append(ms(lambda: probe(h, w, labels, tpc_s=plan)))
+                    cb.append(ms(cub_fn))
+                ratios = [a / b for a, b in zip(pr, cb)]
+                row.update(status="ok" if ok else "WRONG", err_logp=errs[0], err_H=errs[1], err_Ep=errs[2],
+                           probe_med=med(pr), cublas_med=med(cb), public_med=sum(pu) / len(pu),
+                           ratio_med=med(pr) / med(cb), ratio_min=min(ratios), ratio_max=max(ratios),
+                           public_over_cublas=sum(pu) / len(pu) / med(cb),
+                           **{f"probe_ms_{i}": x for i, x in enumerate(pr)},
+                           **{f"cublas_ms_{i}": x for i, x in enumerate(cb)},
+                           **{f"public_ms_{i}": x for i, x in enumerate(pu)})  # fmt: skip
+                log(f"  H={hd} N={n} {dt} {pl['role']:5s} {what:42s}: probe {row['probe_med']:.3f} ms, cuBLAS "
+                    f"{row['cublas_med']:.3f} ms, ratio {row['ratio_med']:.3f} [{row['ratio_min']:.3f}-"
+                    f"{row['ratio_max']:.3f}] (prev {pl['prev']:.3f}), public {row['public_over_cublas']:.3f}x; "
+                    f"errs {errs[0]:.1e} {errs[1]:.1e} {errs[2]:.1e} {row['status']}")  # fmt: skip
+            except Exception as exc:  # never fatal
+                row["status"] = f"error {type(exc).__name__}"
+                log(f"  H={hd} N={n} {dt} {what}: {type(exc).__name__}: {str(exc)[:300]}")
+            if writer:
+                writer.writerow({k: (f"{x:.5g}" if isinstance(x, float) else x) for k, x in row.items()})
+                fh.flush()
+            done.append(row)
+            # a missed shape (before or now) gets nearby plans while the budget keeps ~8 s per shape still to come
+            if (pl["role"] == "best" and args.near > 0 and row["status"] == "ok"
+                    and max(pl["prev"], row["ratio_med"]) > HIT
+                    and budget_end - time.monotonic() > 8 * (len(shapes) - si - 1) + 12 * args.near):
+                todo.extend(near_plans({**pl, "S": s, "G": g}, args.near))
+        good = [r for r in done if r.get("status") == "ok"]
+        first = next((r for r in good if r["role"] in ("best", "given")), None)
+        summary.append((shape, first, min(good, key=lambda r: r["ratio_med"]) if good else None))
+        del h, w, labels, ps
+
+    log("")
+    log(f"confirm per shape ({reps} alternations): the CSV's best plan (prev = its one-shot ratio), median probe / "
+        f"median cuBLAS, min-max of the paired ratios, public / cuBLAS; 'best' = the best confirmed plan incl. nearby")
+    log(f"{'H':>5s} {'N':>6s} {'dt':4s} {'S':>3s} {'G':>4s} {'prev':>6s} {'ratio':>6s} {'min-max':>13s} {'pu/cuB':>6s} "
+        f"{'cuB ms':>7s} | {'best S':>6s} {'G':>4s} {'ratio':>6s} {'min-max':>13s} {'<=1.031':7s}")  # fmt: skip
+    hit1 = hitb = measured = 0
+    for (hd, n, v, dt), f, b in summary:
+        if f is None and b is None:
+            log(f"{hd:5d} {n:6d} {dt:4s} (skipped or failed)")
+            continue
+        f = f or b
+        measured += 1
+        hit1 += f["ratio_med"] <= HIT
+        hitb += b["ratio_med"] <= HIT
+        log(f"{hd:5d} {n:6d} {dt:4s} {f['chunks']:3d} {f['group_rb']:4d} {f['prev_ratio']:6.3f} {f['ratio_med']:6.3f} "
+            f"{f['ratio_min']:6.3f}-{f['ratio_max']:6.3f} {f['public_over_cublas']:6.3f} {f['cublas_med']:7.3f} | "
+            f"{b['chunks']:6d} {b['group_rb']:4d} {b['ratio_med']:6.3f} {b['ratio_min']:6.3f}-{b['ratio_max']:6.3f} "
+            f"{'yes' if b['ratio_med'] <= HIT else 'no':7s}")  # fmt: skip
+    log(f"shapes with median ratio <= {HIT:.3f}: {hit1} of {measured} (the CSV's plan), {hitb} of {measured} "
+        f"(best confirmed plan incl. nearby)")
+    log(f"total {time.monotonic() - t_start:.0f} s")
+    if fh:
+        fh.close()
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--budget-s", type=float, default=240.0, help="start no new configuration after this many "
@@ -858,6 +1046,13 @@ def main(argv=None) -> int:
     p.add_argument("--rep-ms", type=int, default=100, help="do_bench rep per timing (ms)")
     p.add_argument("--jobs", type=int, default=8, help="compile children at a time")
     p.add_argument("--csv", default=None, help="CSV path (default $OUT/fused_ws_probe.csv when OUT is set)")
+    p.add_argument("--confirm", default=None, help="confirm mode: a probe CSV (.xz read too); each shape's fastest "
+                   "correct plan is timed against cuBLAS --repeats times, alternately")
+    p.add_argument("--plans", default=None, help="confirm mode: comma-separated 'H:N:V:dtype:cfg:S:G' plans (cfg an "
+                   "index into CONFIGS, S chunks, G row blocks per group)")
+    p.add_argument("--repeats", type=int, default=5, help="confirm mode: alternations of probe and cuBLAS")
+    p.add_argument("--near", type=int, default=0, help="confirm mode: nearby plans (group /2 x2, chunks x1.5 x0.75) "
+                   "tried for shapes above 1.031x cuBLAS")
     p.add_argument("--_compile", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if torch is None or triton is None:
@@ -871,6 +1066,8 @@ def main(argv=None) -> int:
         print("no CUDA device: only --smoke (with TRITON_INTERPRET=1) runs here", file=sys.stderr)
         return 2
     sys.path.insert(0, str(ROOT))
+    if args.confirm or args.plans:
+        return confirm(args)
     return bench(args)
 
 
