@@ -625,22 +625,35 @@ def parse_shapes(args) -> list[tuple[int, int, int, str]]:
 BASE_CFG = ("tma-flat", 128, 256, 64, 8, 3)  # the first run's best schedule: 'base' = it, chunks auto, row order
 
 
-def bench(args) -> int:
+def run_log(out_dir: str | None):
+    """``log(msg, echo=True)``: print ``msg`` (unless ``echo`` is False) and append it to ``$OUT/fused_ws_probe.log``
+    when ``out_dir`` is set (flushed at every line: a run cut off at its limit keeps what it logged)."""
+    fh = open(Path(out_dir, "fused_ws_probe.log"), "w") if out_dir else None
+
+    def log(msg: str, echo: bool = True) -> None:
+        if echo:
+            print(msg, flush=True)
+        if fh:
+            fh.write(msg + "\n")
+            fh.flush()
+
+    return log
+
+
+def median_ms(fn, rep_ms: int) -> float:
+    """``triton.testing.do_bench``'s median time of ``fn`` in ms (25 ms warm-up, ``rep_ms`` of repeats)."""
     from triton.testing import do_bench
 
+    return float(do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
+
+
+def bench(args) -> int:
     import entropy_discriminator as ed
 
     t_start = time.monotonic()
     budget_end = t_start + args.budget_s
     out_dir = os.environ.get("OUT")
-    log_fh = open(Path(out_dir, "fused_ws_probe.log"), "w") if out_dir else None
-
-    def log(msg: str, echo: bool = True) -> None:
-        if echo:
-            print(msg, flush=True)
-        if log_fh:
-            log_fh.write(msg + "\n")
-            log_fh.flush()
+    log = run_log(out_dir)
 
     card = torch.cuda.get_device_name()
     cap = torch.cuda.get_device_capability()
@@ -676,7 +689,7 @@ def bench(args) -> int:
     log(f"compile phase: {time.monotonic() - t_start:.0f} s")
 
     def ms(fn) -> float:
-        return float(do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median"))
+        return median_ms(fn, args.rep_ms)
 
     # a shape's share of the budget: proportional to an estimate of one plan's cost there (a check and do_bench's
     # ~8 runs of about cuBLAS's time at ~650 TFLOP/s, at least 0.2 s)
@@ -885,24 +898,15 @@ def near_plans(pl: dict, k: int) -> list[dict]:
 def confirm(args) -> int:
     """Each plan and cuBLAS ``h @ W.T`` timed alternately ``--repeats`` times (do_bench medians), the public call
     twice; per shape: median probe / median cuBLAS, min-max of the paired ratios, public / cuBLAS."""
-    from triton.testing import do_bench
-
     import entropy_discriminator as ed
 
     t_start = time.monotonic()
     budget_end = t_start + args.budget_s
     out_dir = os.environ.get("OUT")
-    log_fh = open(Path(out_dir, "fused_ws_probe.log"), "w") if out_dir else None
-
-    def log(msg: str, echo: bool = True) -> None:
-        if echo:
-            print(msg, flush=True)
-        if log_fh:
-            log_fh.write(msg + "\n")
-            log_fh.flush()
+    log = run_log(out_dir)
 
     def ms(fn) -> float:
-        return float(do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median"))
+        return median_ms(fn, args.rep_ms)
 
     def med(xs):
         xs = sorted(xs)
