@@ -118,20 +118,23 @@ class LawScale:
         self.batches = batches
 
 
-def calibration_rows(rows: int, share: float) -> torch.Tensor:
-    """Indices (int64, sorted, on the CPU) of the ``m = ceil(share * rows)`` sequences of a calibration batch that the
-    after-update pass reads: ``floor(i * rows / m)`` for ``i < m``, spread evenly from row 0 (every 4th row at
-    ``share = 0.25`` when 4 divides ``rows``; GRPO groups of consecutive rows all contribute).  ``share`` in (0, 1]
-    (1: every row); ``rows = 0`` gives no index.
+def calibration_rows(rows: int, share: float, multiple: int = 1) -> torch.Tensor:
+    """Indices (int64, sorted, on the CPU) of the ``m`` sequences of a calibration batch that the after-update pass
+    reads: ``floor(i * rows / m)`` for ``i < m``, spread evenly from row 0 (every 4th row at ``share = 0.25`` when 4
+    divides ``rows``; GRPO groups of consecutive rows all contribute).  ``m = ceil(share * rows)``, rounded up to a
+    multiple of ``multiple`` (int >= 1: a count a framework's dispatch splits evenly over its ranks and
+    micro-batches) and capped at ``rows``.  ``share`` in (0, 1] (1: every row); ``rows = 0`` gives no index.
 
     Equivalent torch::
 
-        m = math.ceil(share * rows)
+        m = min(rows, math.ceil(math.ceil(share * rows) / multiple) * multiple)
         torch.arange(m) * rows // m
     """
     rows = integer("rows", rows, minimum=0)
     share = real_number("calibrate_share", share, above=0, maximum=1)
-    m = min(rows, math.ceil(share * rows - 1e-9))  # 0.1 * 30 is 3.0000000000000004
+    multiple = integer("multiple", multiple, minimum=1)
+    m = math.ceil(share * rows - 1e-9)  # 0.1 * 30 is 3.0000000000000004
+    m = min(rows, -(-m // multiple) * multiple)
     return torch.arange(m, dtype=torch.int64) * rows // max(m, 1)
 
 

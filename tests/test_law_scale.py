@@ -87,15 +87,17 @@ def test_cheap_change_is_minus_eta_times_the_covariance() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(rows=st.integers(0, 5000), share=st.floats(1e-4, 1.0))
-def test_calibration_rows_are_the_evenly_spread_ceil_share_of_the_rows(rows: int, share: float) -> None:
-    """``ceil(share * rows)`` distinct sorted indices in range, starting at row 0, consecutive picks at most
-    ``ceil(1 / share)`` apart and each row's gap to the next pick at most ``rows / m`` rounded up (no region of
-    the batch left out); every row at share 1."""
-    idx = calibration_rows(rows, share)
-    m = math.ceil(share * rows - 1e-9)
+@given(rows=st.integers(0, 5000), share=st.floats(1e-4, 1.0), multiple=st.sampled_from([1, 1, 2, 3, 8, 64]))
+def test_calibration_rows_are_the_evenly_spread_ceil_share_of_the_rows(rows: int, share: float, multiple: int) -> None:
+    """``ceil(share * rows)`` rounded up to a multiple of ``multiple`` and capped at ``rows``: that many distinct
+    sorted indices in range, starting at row 0, consecutive picks at most ``ceil(1 / share)`` apart and each row's
+    gap to the next pick at most ``rows / m`` rounded up (no region of the batch left out); every row at share 1."""
+    idx = calibration_rows(rows, share, multiple)
+    m = math.ceil(math.ceil(share * rows - 1e-9) / multiple) * multiple
     assert idx.dtype == torch.int64 and idx.tolist() == sorted(set(idx.tolist()))
     assert len(idx) == min(rows, m) and (rows == 0 or (idx[0] == 0 and idx[-1] < rows))
+    if multiple == 1:
+        assert idx.tolist() == [i * rows // max(m, 1) for i in range(min(rows, m))]
     if len(idx) > 1:
         gaps = (idx[1:] - idx[:-1]).tolist()
         assert max(gaps) <= math.ceil(rows / len(idx)) and min(gaps) >= rows // len(idx)
@@ -111,3 +113,9 @@ def test_calibration_rows_examples_and_refusals() -> None:
             calibration_rows(8, share)
     with pytest.raises(ValueError, match="rows"):
         calibration_rows(-1, 0.5)
+    assert calibration_rows(64, 0.1, multiple=8).tolist() == list(range(0, 64, 8))  # 7 rounded up to 8
+    assert calibration_rows(10, 0.25, multiple=4).tolist() == [0, 2, 5, 7]  # 3 rounded up to 4
+    assert calibration_rows(10, 0.5, multiple=8).tolist() == [0, 1, 2, 3, 5, 6, 7, 8]  # 5 rounded up to 8
+    assert calibration_rows(10, 0.5, multiple=16).tolist() == list(range(10))  # 16 capped at 10
+    with pytest.raises(ValueError, match="multiple"):
+        calibration_rows(8, 0.5, multiple=0)

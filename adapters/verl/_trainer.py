@@ -29,7 +29,8 @@ Law scale (every method, :mod:`entropy_discriminator.law_scale`): the advantage 
 ``entropy_disc/delta_entropy/cheap`` (``-eta Cov_B(A, r S_c)``), ``/predicted = kappa * cheap`` and ``/scale``; on every
 ``calibrate_every``-th batch, after ``_update_actor``, the driver runs the actor group's
 ``compute_log_prob`` once more (as verl's old-policy pass: ``calculate_entropy``, no loss, the rollout
-temperature) on a copy of the batch's metadata that holds only the rows :func:`read_rows` picks (the
+temperature) on a copy of the batch's metadata that holds only the rows
+:func:`~entropy_discriminator.law_scale.calibration_rows` picks (the
 ``calibrate_share`` of its sequences, evenly spread, rounded up to what verl's dispatch needs), takes the
 realised change of verl's own ``entropy`` field over those rows' response tokens, feeds ``(cheap,
 realised)`` and puts back the ``entropy`` / ``log_probs`` values the pass wrote over those rows in
@@ -61,7 +62,6 @@ from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 from verl.workers.utils.padding import response_from_nested, response_to_nested
 
 from entropy_discriminator import EntropyAutopilot, EntropyMonitor, MaskResult, discriminator_score
-from entropy_discriminator._checks import integer
 from entropy_discriminator.law_scale import (
     CHEAP_KEY,
     PREDICTED_KEY,
@@ -110,26 +110,6 @@ def apply_mask(fields: dict[str, torch.Tensor], keep: torch.Tensor, mask_mode: s
     return out
 
 
-def read_rows(rows: int, share: float, multiple: int) -> torch.Tensor:
-    """Indices (int64, sorted) of the rows of a calibration batch of ``rows`` sequences that the after-update pass
-    reads: ``m`` = the count of :func:`~entropy_discriminator.law_scale.calibration_rows` ``(rows, share)`` rounded
-    up to a multiple of ``multiple`` and capped at ``rows``, then ``floor(i * rows / m)`` for ``i < m``, which is
-    ``calibration_rows(rows, share)`` itself when the count needs no rounding (``share = 1``: every row).
-
-    ``multiple`` (int >= 1) is the row count verl's dispatch of ``compute_log_prob`` needs
-    (:meth:`EntropyDiscTrainerMixin._entropy_disc_read_multiple`).  The rows stay evenly spread from row 0; when
-    both ``m`` and ``rows`` are multiples of the data-parallel size ``dp``, the ``r``-th of the ``dp`` equal
-    consecutive chunks verl hands to rank ``r`` lies inside rank ``r``'s part of the whole batch (the part verl's
-    ``_balance_batch`` balanced for it).  Rounding up reads more real rows where verl's padding helper
-    (``upsample_batch_to_divisible_size``) would forward synthetic ones at the same cost and add keys to
-    TransferQueue.
-    """
-    multiple = integer("multiple", multiple, minimum=1)
-    m = len(calibration_rows(rows, share))
-    m = min(rows, -(-m // multiple) * multiple)
-    return torch.arange(m, dtype=torch.int64) * rows // max(m, 1)
-
-
 @dataclass
 class _PendingMask:
     keys: tuple[str, ...]
@@ -141,7 +121,7 @@ class _PendingCalibration:
     """A calibration batch waiting for its after-update pass (:mod:`entropy_discriminator.law_scale`)."""
 
     keys: tuple[str, ...]  # the whole batch's, in verl's order
-    rows: torch.Tensor  # int64 [m]: the rows the after pass reads (read_rows)
+    rows: torch.Tensor  # int64 [m]: the rows the after pass reads (calibration_rows)
     entropy: torch.Tensor  # float [m, T_resp]: those rows' old-pass entropy (the after pass reads the same field)
     valid: torch.Tensor  # bool [m, T_resp]
     cheap: float
@@ -246,7 +226,8 @@ class EntropyDiscTrainerMixin:
         self._entropy_disc_calibration = None
         cheap = batch_metrics.get(self._entropy_disc_monitor.prefix + CHEAP_KEY)
         if self.entropy_disc_law.tick() and cheap is not None:
-            rows = read_rows(len(batch), self.entropy_disc.calibrate_share, self._entropy_disc_read_multiple())
+            share, multiple = self.entropy_disc.calibrate_share, self._entropy_disc_read_multiple()
+            rows = calibration_rows(len(batch), share, multiple)
             self._entropy_disc_calibration = _PendingCalibration(
                 keys=tuple(batch.keys), rows=rows, entropy=padded["entropy"][rows].float(),
                 valid=padded["response_mask"][rows].bool(), cheap=cheap)
@@ -341,7 +322,14 @@ class EntropyDiscTrainerMixin:
         ``rollout.log_prob_micro_batch_size_per_gpu`` (verl's ``prepare_micro_batches`` asserts it), and under
         Megatron's virtual pipeline the micro-batches come in groups of ``microbatch_group_size_per_vp_stage``
         (Megatron's default: the pipeline size), so each rank's rows are a multiple of the group too.  Returns
-        ``dp x micro x group`` (``micro`` 1 with dynamic batch sizes, ``group`` 1 without a virtual pipeline)."""
+        ``dp x micro x group`` (``micro`` 1 with dynamic batch sizes, ``group`` 1 without a virtual pipeline).
+
+        The rows read stay evenly spread from row 0 (:func:`~entropy_discriminator.law_scale.calibration_rows` with
+        this ``multiple``); when both their count and the batch's are multiples of ``dp``, the ``r``-th of the ``dp``
+        equal consecutive chunks verl hands to rank ``r`` lies inside rank ``r``'s part of the whole batch (the part
+        ``_balance_batch`` balanced for it).  Rounding up reads more real rows where verl's padding helper
+        (``upsample_batch_to_divisible_size``) would forward synthetic ones at the same cost and add keys to
+        TransferQueue."""
         group = self.actor_rollout_wg
         if "actor" not in group._dispatch_info:
             group._dispatch_info["actor"] = group._query_dispatch_info("actor")
@@ -358,7 +346,7 @@ class EntropyDiscTrainerMixin:
 
     def _entropy_disc_calibrate(self, batch: Any, metrics: dict) -> None:
         """The after-update pass of a calibration batch: verl's own log-prob/entropy pass (``calculate_entropy``, no
-        loss, the rollout temperature, as its old-policy pass) over the pending rows only (:func:`read_rows`, run on
+        loss, the rollout temperature, as its old-policy pass) over the pending rows only (``calibration_rows``, run on
         ``batch.select_keys`` of their keys: a copy, so ``batch`` and its ``extra_info`` stay as verl left them),
         then ``delta_entropy/realised`` = mean over those rows' valid response tokens of (entropy after - entropy
         before), fed with the cheap prediction to the law scale.  The ``entropy`` and ``log_probs`` values the
