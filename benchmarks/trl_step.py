@@ -58,7 +58,7 @@ from entropy_discriminator.vocab_fold import VocabFold
 
 if __package__ in (None, ""):  # run as a script (python benchmarks/trl_step.py): the repository root, for benchmarks/
     sys.path.append(str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import free_memory, sync, timed, write_step_cost
+from benchmarks.common import free_memory, step_cost_card, step_cost_pair, sync, timed, write_step_cost
 from benchmarks.qwen_shapes import SMOKE_VOCAB, SPECIAL, qwen25_05b_shapes, tokenizer
 
 
@@ -233,12 +233,9 @@ def step_cost_rows(rows: list[dict], card: str) -> list[dict]:
         if r["arm"] not in ARMS[1:]:
             continue
         setup = f"{r['row']}/gc_{'on' if r['gradient_checkpointing'] else 'off'}/{r['arm']}"
-        stock = base[(r["row"], r["gradient_checkpointing"])]
-        calibrated = f"calibrate_every={r['calibrate_every']},calibrate_share={r['calibrate_share']:g}"
-        out += [{"card": card, "framework": "trl", "setup": f"{setup}/{calibrated}",
-                 "adapter_share": (r["adapter_s"] + r["calibration_s"]) / stock},
-                {"card": card, "framework": "trl", "setup": f"{setup}/calibrate_every=0",
-                 "adapter_share": r["adapter_s"] / stock}]
+        out += step_cost_pair(card, "trl", setup, adapter_s=r["adapter_s"], calibration_s=r["calibration_s"],
+                              stock_s=base[(r["row"], r["gradient_checkpointing"])], every=r["calibrate_every"],
+                              share=r["calibrate_share"])
     return out
 
 
@@ -274,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     if any(r not in ROWS for r in rows_asked):
         raise ValueError(f"--rows must name rows of {list(ROWS)}, got {ns.rows!r}")
     gcs = [{"on": True, "off": False}[g] for g in ns.gc.split(",") if g]
-    card = f"cpu_{'tiny' if ns.tiny else 'full'}" if ns.device == "cpu" else torch.cuda.get_device_name().replace(" ", "_")
+    card = f"cpu_{'tiny' if ns.tiny else 'full'}" if ns.device == "cpu" else step_cost_card(torch.cuda.get_device_name())
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(qwen25_05b_shapes(ns.tiny)).to(torch.float32)
     path = ns.tmp / "model_fp32"
