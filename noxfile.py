@@ -126,4 +126,4 @@ def kernels(session: nox.Session) -> None:
     """
     session.install(TORCH)
     session.install("-e", ".[test]", TORCH, "triton==3.6.0", "numpy<2.4")
-    session.run(*PYTEST, "tests/test_kernels.py", *session.posargs, env={"TRITON_INTERPRET": "1"})
+    session.run(*PYTEST, "tests/test_kernels.py", "tests/test_deferred.py", *session.posargs, env={"TRITON_INTERPRET": "1"})

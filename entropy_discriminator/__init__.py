@@ -7,6 +7,7 @@ Pure torch + numpy; training frameworks are reached through ``entropy_discrimina
 
 from .autopilot import AutopilotResult, EntropyAutopilot, autopilot_mask, fixed_share_mask
 from .config import EntropyDiscConfig
+from .deferred import raise_deferred
 from .dynamics import batch_entropy_change, entropy_change_logit, entropy_change_step
 from .hidden import token_stats_from_hidden
 from . import law
@@ -21,5 +22,5 @@ from ._version import __version__
 __all__ = ["AutopilotResult", "Calibration", "EntropyAutopilot", "EntropyDiscConfig", "EntropyMonitor", "MaskResult",
            "MuSuggestion", "TokenStats", "apply_keep_mask", "autopilot_mask", "fixed_share_mask",
            "batch_entropy_change", "clip_b_mask", "clip_v_mask", "discriminator_score", "entropy_change_logit",
-           "entropy_change_step", "law", "mu_for_share", "save_batch", "step_entropy_change", "token_stats",
+           "entropy_change_step", "law", "mu_for_share", "raise_deferred", "save_batch", "step_entropy_change", "token_stats",
            "token_stats_from_hidden", "token_terms"]

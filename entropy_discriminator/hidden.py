@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import kernels
+from . import deferred, kernels
 from ._checks import require_float
 from .stats import TokenStats, check_stats_args, raise_for_errors, token_stats
 
@@ -44,7 +44,7 @@ class _Rounding(NamedTuple):
 def token_stats_from_hidden(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, bias: torch.Tensor | None = None,
     temperature: float = 1.0, ignore_index: int | None = -100, chunk_size: int | None = None, impl: str = "auto",
-    check: bool = True, logits_dtype: torch.dtype | None = None, temperature_in_logits_dtype: bool = False,
+    check: bool | str = True, logits_dtype: torch.dtype | None = None, temperature_in_logits_dtype: bool = False,
 ) -> TokenStats:
     """``token_stats(hidden @ weight.T + bias, labels, temperature=...)`` without [N, V] logits.
 
@@ -59,7 +59,8 @@ def token_stats_from_hidden(
             128 MiB); ignored by the Triton path.
         impl: ``"triton"`` (fused CUDA kernel), ``"torch"`` (chunked matmul + :func:`token_stats`, any device) or
             ``"auto"`` (Triton for bf16/fp16 CUDA inputs when available, else torch).
-        check: as in :func:`token_stats` (one host synchronisation; ``False``: NaN statistics in bad rows).
+        check: as in :func:`token_stats` (``True``: one host synchronisation; ``"deferred"``: raised later, by the
+            next call or :func:`~entropy_discriminator.raise_deferred`; ``False``: NaN statistics in bad rows).
         logits_dtype: None (``z = L / T`` in fp32, L unrounded) or ``torch.bfloat16`` / ``float16`` / ``float32``:
             L is rounded to this dtype (to nearest even), as a framework computing its head in it does, then
             upcast: ``z = fp32(round(L)) / T``.  Give the inputs in the framework's compute dtype too.
@@ -85,8 +86,7 @@ def token_stats_from_hidden(
     if bias is not None and (bias.shape != (vocab,) or bias.device != hidden.device):
         raise ValueError(f"bias must be a [{vocab}] tensor on {hidden.device}, got {tuple(bias.shape)} on {bias.device}")
 
-    if not isinstance(check, bool):
-        raise TypeError(f"check must be a bool, got {check!r}")
+    check = deferred.check_mode(check)
     if logits_dtype is not None and logits_dtype not in _LOGITS_DTYPES:
         raise ValueError(f"logits_dtype must be None or one of {_LOGITS_DTYPES}, got {logits_dtype!r}")
     if not isinstance(temperature_in_logits_dtype, bool):
@@ -95,6 +95,7 @@ def token_stats_from_hidden(
         raise ValueError("temperature_in_logits_dtype=True needs a logits_dtype to round to")
     rounding = _Rounding(logits_dtype, temperature_in_logits_dtype)
 
+    deferred.resolve_ready(make_room=check == "deferred")  # earlier deferred checks whose counts have arrived
     shape = labels.shape
     h2 = hidden.reshape(-1, hidden.shape[-1])
     k = labels.reshape(-1)
@@ -113,7 +114,10 @@ def token_stats_from_hidden(
                                        logits_dtype=logits_dtype,
                                        temperature_in_logits_dtype=temperature_in_logits_dtype)  # fmt: skip
     result = TokenStats(*(t.view(shape) for t in out[:6]))
-    if check:
+    if check == "deferred":
+        deferred.defer_counts(out.errors, lambda errors: raise_for_errors(errors, labels, vocab, ignore_index),
+                              "token_stats_from_hidden")
+    elif check:
         errors = out.errors.tolist()  # the one host synchronisation
         if any(errors):
             raise_for_errors(errors, labels, vocab, ignore_index)

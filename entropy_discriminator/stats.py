@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import deferred
 from ._checks import NO_IGNORE_INDEX, common_shape, ignore_index_value, real_number, require_float, require_tensor
 from .distributed import all_reduce
 
@@ -113,8 +114,8 @@ def _check_score_domain(logp: torch.Tensor, entropy: torch.Tensor) -> None:
 
 
 def token_stats(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
-                ignore_index: int | None = -100, chunk_size: int | None = None, impl: str = "auto", check: bool = True,
-                vocab_parallel_group: dist.ProcessGroup | None = None, vocab_start_index: int = 0) -> TokenStats:
+                ignore_index: int | None = -100, chunk_size: int | None = None, impl: str = "auto",
+                check: bool | str = True, vocab_parallel_group: dist.ProcessGroup | None = None, vocab_start_index: int = 0) -> TokenStats:
     """Exact per-token ``logp, H, S*, E_p[S], S_c`` of ``softmax(logits / temperature)``.
 
     Equivalent (memory-hungry) torch, with ``k = labels``::
@@ -139,8 +140,12 @@ def token_stats(logits: torch.Tensor, labels: torch.Tensor, *, temperature: floa
             CUDA logits when available, else torch).
         check: raise ``ValueError`` naming the fault for a label out of range, a NaN / ``+inf`` logit or a row of
             ``-inf`` only in a counted row.  On CUDA: one host synchronisation (the kernel writes its counts to
-            pinned host memory, which the call polls).  ``check=False`` never blocks the host; a bad row's
-            statistics are then NaN (which the masks and the monitor reject), and with ``impl="auto"`` logits above
+            pinned host memory, which the call polls).  ``"deferred"``: the same check without the wait
+            (:mod:`entropy_discriminator.deferred`): the call returns at once and the ``ValueError`` comes from the
+            next call of this thread whose check has arrived by then, or from
+            :func:`~entropy_discriminator.raise_deferred` (which waits); meanwhile bad rows read NaN.  ``False``
+            never blocks the host; a bad row's statistics are then NaN (which the masks and the monitor reject).
+            Without the wait (``"deferred"``, ``False``) and with ``impl="auto"``, logits above
             ``~3.4e38 * T / log2(e)`` give NaN instead of being recomputed on the torch path.
         vocab_parallel_group: tensor-parallel group when each rank holds a vocabulary shard (Megatron style).
             Labels stay global ids; every rank returns the full-vocabulary statistics.
@@ -153,17 +158,19 @@ def token_stats(logits: torch.Tensor, labels: torch.Tensor, *, temperature: floa
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"logits must have shape [..., V] with V >= 1, got {tuple(logits.shape)}")
     temperature, ignore_index = check_stats_args(labels, logits, "logits", temperature, ignore_index, chunk_size, impl)
-    if not isinstance(check, bool):
-        raise TypeError(f"check must be a bool, got {check!r}")
+    check = deferred.check_mode(check)
     if vocab_parallel_group is None and vocab_start_index != 0:
         raise ValueError("vocab_start_index needs vocab_parallel_group")
+    deferred.resolve_ready(make_room=check == "deferred")  # earlier deferred checks whose counts have arrived
     if _use_triton(impl, logits, vocab_parallel_group):
         triton_stats = _triton_stats()
-        report = triton_stats.host_report() if check else None  # pinned words the kernel writes its counters to
-        # no autograd graph; no device counters (the checked call reads them from the host words)
+        # pinned words the kernel writes its counters to (no device counters, no autograd graph)
+        report = None if not check else triton_stats.host_report() if check is True else triton_stats.spare_report()
         out = triton_stats.token_stats_triton(logits, labels, temperature, ignore_index, report=report, counters=False)
         result = TokenStats(out.logp, out.entropy, out.s_star, out.s_expected, out.s_centered, out.valid)
-        if report is not None and out.valid.numel():
+        if check == "deferred":
+            _defer_report(report, triton_stats, labels, logits.shape[-1], ignore_index, bool(out.valid.numel()))
+        elif report is not None and out.valid.numel():
             errors = report.wait()  # the one host synchronisation, last: nothing left to do after it
             if errors is not triton_stats.NO_FAULTS:
                 if impl == "auto" and not any(errors[:3]):  # only the kernel's fp32 scaling overflowed
@@ -174,9 +181,20 @@ def token_stats(logits: torch.Tensor, labels: torch.Tensor, *, temperature: floa
                               vocab_start_index)
 
 
+def _defer_report(report, triton_stats, labels: torch.Tensor, vocab: int, ignore_index: int, launched: bool) -> None:
+    """Queue the deferred check of a kernel that writes its counts to ``report`` (a spare of the thread's pool)."""
+    if not launched:  # an empty batch launches nothing
+        triton_stats.return_report(report)
+        return
+    if report.device is not None:
+        report.stream = torch.cuda.current_stream(report.device)
+    deferred.defer(report.poll, report.wait, lambda errors: raise_for_errors(errors, labels, vocab, ignore_index),
+                   lambda: triton_stats.return_report(report), "token_stats")
+
+
 def _token_stats_torch(
     logits: torch.Tensor, labels: torch.Tensor, temperature: float, ignore_index: int, chunk_size: int | None,
-    check: bool, group: dist.ProcessGroup | None, vocab_start: int,
+    check: bool | str, group: dist.ProcessGroup | None, vocab_start: int,
 ) -> TokenStats:
     """The chunked torch path of :func:`token_stats` (any device, fp64 logits, vocabulary-parallel)."""
     v_total = _global_vocab(logits.shape[-1], group, logits.device)
@@ -195,11 +213,14 @@ def _token_stats_torch(
         bad_label = valid & ((flat_labels < 0) | (flat_labels >= v_total))
         nan_inf = valid & (torch.isnan(row_max) | (row_max == math.inf))
         masked = valid & (row_max == -math.inf)
-        if check:
+        if check is True:
             errors = torch.stack([bad_label.sum(), nan_inf.sum(), masked.sum()]).tolist()
             if any(errors):
                 raise_for_errors(errors, labels, v_total, ignore_index)
         else:
+            if check == "deferred" and n:
+                deferred.defer_counts(torch.stack([bad_label.sum(), nan_inf.sum(), masked.sum()]),
+                                      lambda errors: raise_for_errors(errors, labels, v_total, ignore_index), "token_stats")
             out.masked_fill_(bad_label | nan_inf | masked, math.nan)
         out[:4].masked_fill_(~valid, 0.0)
         torch.sub(out[2], out[3], out=out[4])

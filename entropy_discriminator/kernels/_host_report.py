@@ -6,7 +6,9 @@ UVA-mapped host memory, each as one 64-bit word ``(seq << 32) | count``, then a 
 ``(seq << 32) | (any count non-zero)``.  The host polls the summary word until it carries its call's ``seq`` and
 reads the counters only when some row was bad: no CUDA copy, no fence, and a stale word is never taken for the
 answer.  Each thread owns one :class:`HostReport` (a report still in use, e.g. by a re-entrant call, is never handed
-out again); an interrupted wait synchronises the stream before the exception propagates.
+out again) and a pool of spare ones for deferred checks (:func:`spare_report`, ``entropy_discriminator.deferred``),
+which read the words later with :meth:`HostReport.poll`; an interrupted wait synchronises the stream before the
+exception propagates.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class HostReport:
         self.seq = 0
         self._clean = 0  # the summary word of the armed call if no row is bad
         self.device: torch.device | None = None
+        self.stream: torch.cuda.Stream | None = None  # set by a deferred check: the stream it launched on
         self.busy = False
 
     def arm(self, device: torch.device | None) -> int:
@@ -55,8 +58,19 @@ class HostReport:
         self.seq = self.seq % _SEQ_LIMIT + 1
         self._clean = self.seq << 32
         self.device = device if device is not None and device.type == "cuda" else None
+        self.stream = None
         self.busy = True
         return self.seq
+
+    def poll(self) -> tuple[int, ...] | None:
+        """What :meth:`wait` returns, if the armed kernel has written its words; else None, without waiting."""
+        word = self._summary.value
+        if word == self._clean:
+            self.busy = False
+            return NO_FAULTS
+        if self.device is None or word >> 32 == self.seq and self._counts() is not None:
+            return self.wait()
+        return None
 
     def wait(self) -> tuple[int, ...]:
         """Block until the armed kernel has written its words; return the ``ERR_WORDS`` counts (:data:`NO_FAULTS`
@@ -87,7 +101,7 @@ class HostReport:
                     break
                 if polls % 256 == 0:
                     # the stream the kernel was launched on: the call has not left it since
-                    stream = stream or torch.cuda.current_stream(self.device)
+                    stream = stream or self.stream or torch.cuda.current_stream(self.device)
                     if stream.query():
                         break
                     waited = time.perf_counter() - start
@@ -104,7 +118,7 @@ class HostReport:
             raise RuntimeError("the statistics kernel finished without reporting its error counters")
         except BaseException:
             if self.device is not None:  # no kernel may write into this report once the call has left
-                torch.cuda.current_stream(self.device).synchronize()
+                (self.stream or torch.cuda.current_stream(self.device)).synchronize()
             raise
         finally:
             self.busy = False
@@ -121,11 +135,25 @@ class HostReport:
 _local = threading.local()
 
 
+def spare_report() -> HostReport:
+    """A pinned report of this thread's pool for a deferred check; :func:`return_report` gives it back."""
+    spares = getattr(_local, "spares", None)
+    return spares.pop() if spares else HostReport(pinned=torch.cuda.is_available())
+
+
+def return_report(report: HostReport) -> None:
+    """Give a report whose words have been read back to this thread's pool."""
+    spares = getattr(_local, "spares", None)
+    if spares is None:
+        spares = _local.spares = []
+    spares.append(report)
+
+
 def host_report() -> HostReport:
     """This thread's pinned report (a fresh one while it is in use)."""
     rep = getattr(_local, "report", None)
     if rep is None:
-        rep = _local.report = HostReport(pinned=True)
+        rep = _local.report = HostReport(pinned=torch.cuda.is_available())  # Triton's interpreter: plain memory
     elif rep.busy:
-        return HostReport(pinned=True)
+        return HostReport(pinned=torch.cuda.is_available())
     return rep

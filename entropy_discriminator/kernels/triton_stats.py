@@ -34,12 +34,13 @@ import triton.language as tl
 
 from . import interpreting
 from . import is_available as _is_available
-from ._host_report import NO_FAULTS, HostReport, host_report
+from ._host_report import NO_FAULTS, HostReport, host_report, return_report, spare_report
 from ._launch import DirectLauncher
 from ._reduce import (D_FLOOR, ERR_WORDS, ERR_WORDS_C, LOG2E, count_row, exp2, max_nan, merge_partials, rescale,
                       row_faults, store_stats)
 
-__all__ = ["KernelStats", "token_stats_triton", "is_available", "choose_config", "HostReport", "host_report", "NO_FAULTS"]
+__all__ = ["KernelStats", "token_stats_triton", "is_available", "choose_config", "HostReport", "host_report", "NO_FAULTS",
+           "spare_report", "return_report"]
 
 SPLIT_TARGET = 4  # programs per multiprocessor below which rows are split (split-V)
 TAU = 8.0  # lazy-rescale slack in base-2 units: e <= 2^8, e^2 <= 2^16, sums stay far from overflow
