@@ -105,7 +105,8 @@ def run_shape(
 def main(args) -> list[Row]:
     from entropy_discriminator.kernels.triton_fused import DEFAULT_CONFIG
 
-    # the kernel's own per-shape choice (kernels/triton_fused.choose_fused_config), and the same with two moments
+    # the kernel's own choice (triton_fused.DEFAULT_CONFIG, the plan of triton_fused.stream_plan), and the same
+    # with two moments
     configs: dict[str, dict] = {KERNEL: {}, "fused_triton(logp+H only)": {"moments": 2}}
     for spec in args.kernel_config or []:  # e.g. bm=128,bn=128,bk=64,num_warps=8,stages=4
         cfg = {k: int(val) for k, val in (kv.split("=") for kv in spec.split(","))}

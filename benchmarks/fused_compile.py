@@ -1,13 +1,12 @@
 """``python -m benchmarks.fused_compile``: the fused kernel's sweep variants compiled for Hopper, no GPU needed.
 
-For each variant of :data:`benchmarks.fused_vs_cublas.SWEEP` that runs the persistent TMA kernel,
+For each variant of :data:`benchmarks.fused_vs_cublas.SWEEP` that runs the streaming TMA kernel,
 compile it for sm_90 (Triton's own ``ptxas``, ``--arch`` sm_90a) exactly as the public call would
 launch it with bf16 inputs, no bias and unrounded logits, and print what costs no device time to
 read: registers per thread, spill bytes, shared memory, the ``wgmma`` count per K step and the
 ``wgmma.wait_group`` depths.  A variant that spills, or
 needs more shared memory than the 227 KiB a Hopper block may have, is worth dropping before a
-device run.  Runs on any machine with Triton 3.6 (the GPU's count of multiprocessors is taken as
-132, an H100 SXM's).
+device run.  Runs on any machine with Triton 3.6.
 """
 
 from __future__ import annotations
@@ -22,21 +21,21 @@ import tempfile
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
 
 
-def compile_variant(cfg: dict, sms: int = 132) -> dict:
-    """Compile the persistent kernel of ``cfg`` (a full configuration) for sm_90; returns registers,
+def compile_variant(cfg: dict) -> dict:
+    """Compile the streaming kernel of ``cfg`` (a full configuration) for sm_90; returns registers,
     spill stores (bytes), shared memory (bytes), wgmma instructions in the PTX and wait depths."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from entropy_discriminator.kernels.triton_fused import persistent_spec
+    from entropy_discriminator.kernels.triton_fused import stream_spec
 
-    n_prog = cfg["persistent"] * sms
-    kernel, consts = persistent_spec(cfg, False, 0, False, n_prog, True)
+    kernel, consts = stream_spec(cfg, False, 0, False, True)
     sig = {
         "a_desc": f"tensordesc<bf16[{cfg['bm']},{cfg['bk']}]>", "w_desc": f"tensordesc<bf16[{cfg['bn']},{cfg['bk']}]>",
         "b_ptr": "*bf16", "lab_ptr": "*i64", "part_ptr": "*fp32", "yk_ptr": "*fp32", "N": "i32", "V": "i32",
-        "H": "i32", "c": "fp32", "inv_t": "fp32", **{k: "constexpr" for k in consts},
+        "H": "i32", "tiles_per_chunk": "i32", "group_rows": "i32", "c": "fp32", "inv_t": "fp32",
+        **{k: "constexpr" for k in consts},
     }  # fmt: skip
     opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["stages"], **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {})}
     compiled = triton.compile(ASTSource(kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32), options=opts)
@@ -59,24 +58,21 @@ def compile_variant(cfg: dict, sms: int = 132) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
-
-    from entropy_discriminator.kernels.triton_fused import DEFAULT_CONFIG, choose_fused_config
+    from entropy_discriminator.kernels.triton_fused import DEFAULT_CONFIG
 
     from .fused_vs_cublas import SWEEP
 
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.fused_compile", description=__doc__.split("\n")[0], allow_abbrev=False
     )
-    p.add_argument("--h", type=int, default=896, help="hidden size for the 'current' variant's table lookup")
     p.add_argument("--configs", nargs="*", default=None, help="only these SWEEP names")
     args = p.parse_args(argv)
     print(f"{'variant':30s} {'regs':>4s} {'spill B':>7s} {'smem B':>7s} {'wgmma':>5s}  waits")
     for name, over in SWEEP.items():
         if args.configs and name not in args.configs:
             continue
-        cfg = choose_fused_config(args.h, torch.bfloat16) if over is None else {**DEFAULT_CONFIG, **over}
-        if not cfg["persistent"]:
+        cfg = {**DEFAULT_CONFIG, **(over or {})}
+        if not cfg["stream"]:
             print(f"{name:30s} (pointer kernel: not compiled here)")
             continue
         try:

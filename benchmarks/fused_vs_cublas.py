@@ -17,9 +17,9 @@ fused / cuBLAS (target <= 1 / 0.97) and fused / unfused (target <= 1).
 ``--sweep``: instead of the public call, time the fused kernel under each variant of :data:`SWEEP`
 beside cuBLAS and the unfused pair (errors against a float64 reference on 8 rows checked for
 each), write ``sweep.csv`` and ``best.csv`` into the folder ``--out`` and print the fastest correct
-variant per shape (the table behind ``kernels/triton_fused.SHAPE_CONFIGS``).  On one H100 the
-default sweep (15 variants, the 30 shapes) is sized for about 6-7 minutes; ``--budget-s`` stops
-starting new shapes after that many seconds.
+variant per shape (the variants: the streaming kernel's launch plan, program order, tiles and
+pipelining around ``kernels/triton_fused.DEFAULT_CONFIG`` and ``stream_plan``, and the per-tile
+pointer kernel).  ``--budget-s`` stops starting new shapes after that many seconds.
 """
 
 from __future__ import annotations
@@ -41,18 +41,25 @@ COLUMNS = ("card", "H", "V", "N", "dtype", "fused_ms", "cublas_ms", "unfused_ms"
 TARGET_CUBLAS = 1 / 0.97
 
 # Candidate kernel variants timed by --sweep: name -> overrides of triton_fused.DEFAULT_CONFIG, or
-# None for the configuration the public call picks today (triton_fused.choose_fused_config).  A
+# None for the configuration the public call runs (DEFAULT_CONFIG: the streaming kernel, its plan
+# from triton_fused.stream_plan).  "chunks k" forces k vocabulary chunks (the plan's program order
+# kept), "row order" one group of every row block, "L2 x MiB" the plan's budget for a group's
+# hidden blocks; "per-tile" is the pointer kernel the streaming one replaced on 16-bit inputs.  A
 # name starting with "floor" is a timing floor (statistics meaningless), never picked as best.
 SWEEP: dict[str, dict | None] = {
     "current": None,
-    "flat": {},
-    "flat unbranched": {"branch": 0},
-    "flat unbranched s4": {"branch": 0, "stages": 4},
+    "unbranched": {"branch": 0},
+    "chunks 4": {"chunks": 4},
+    "chunks 8": {"chunks": 8},
+    "chunks 12": {"chunks": 12},
+    "row order": {"group_rows": 2**20},
+    "L2 8 MiB": {"group_mib": 8},
+    "L2 32 MiB": {"group_mib": 32},
+    "s4": {"stages": 4},
     "noflat": {"flatten": 0},
-    "noflat s4": {"flatten": 0, "stages": 4},
-    "noflat g16": {"flatten": 0, "group_m": 16},
-    "noflat bk128 s2": {"flatten": 0, "bk": 128, "stages": 2},
-    "floor noflat": {"flatten": 0, "moments": 0},
+    "128x128 w4": {"bn": 128, "num_warps": 4},
+    "per-tile": {"stream": 0},
+    "floor": {"moments": 0},
 }
 ERR_MAX = 2e-3  # max |error| of logp, H, E_p[S] against float64 for a variant to count as correct
 
@@ -157,7 +164,7 @@ def sweep(heads, ns: list[int], dtypes: list[str], out_dir: Path, names: list[st
     shape) and ``out_dir/best.csv`` (per shape the fastest correct variant, not a floor), and returns
     the best rows.
     """
-    from entropy_discriminator.kernels.triton_fused import DEFAULT_CONFIG, choose_fused_config, token_stats_fused_triton
+    from entropy_discriminator.kernels.triton_fused import DEFAULT_CONFIG, token_stats_fused_triton
     from entropy_discriminator.kernels.triton_stats import token_stats_triton
 
     unknown = sorted(set(names or ()) - set(SWEEP))
@@ -184,7 +191,7 @@ def sweep(heads, ns: list[int], dtypes: list[str], out_dir: Path, names: list[st
                     unfused = bench_ms(lambda: token_stats_triton(hidden @ weight.T, labels, 1.0, -100), rep_ms, warmup_ms)
                     times: dict[str, tuple[float, tuple, dict]] = {}
                     for name, over in variants.items():
-                        cfg = choose_fused_config(h, hidden.dtype) if over is None else {**DEFAULT_CONFIG, **over}
+                        cfg = {**DEFAULT_CONFIG, **(over or {})}
                         call = lambda cfg=cfg: token_stats_fused_triton(hidden, weight, labels, None, 1.0, -100, config=cfg)  # noqa: E731
                         try:
                             errs = _max_errors(call(), ref)

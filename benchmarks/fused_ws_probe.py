@@ -4,11 +4,13 @@
 [--orders row,group] [--floor-top 3]`` (a CUDA GPU, Hopper for the TMA schedules) or
 ``TRITON_INTERPRET=1 python benchmarks/fused_ws_probe.py --smoke`` (CPU, Triton's interpreter).
 
-The project's kernel (``kernels/triton_fused.py``) is tile-stationary: each [BM, BN] logits tile is reduced to
-partials and a second kernel merges ceil(V/BN) partials per row.  This probe tries the flash-attention shape
-instead: each program owns BLOCK_N rows and one chunk of the vocabulary, walks that chunk in [BLOCK_N, BLOCK_V]
-logits tiles (tl.dot over K = H, operands from host TMA descriptors or pointers), and keeps per row the running
-statistics, in base-2 units y = z log2(e), d = y - m, e = 2^d = e^(z - m ln 2):
+The project's per-tile kernel (``kernels/triton_fused._fused_tile_kernel``) is tile-stationary: each [BM, BN]
+logits tile is reduced to partials and a second kernel merges ceil(V/BN) partials per row.  This probe tries the
+flash-attention shape instead (``kernels/triton_fused._fused_stream_kernel`` runs this schedule with every feature
+of the public call; this file keeps the standalone version and its measurements): each program owns BLOCK_N rows
+and one chunk of the vocabulary, walks that chunk in [BLOCK_N, BLOCK_V] logits tiles (tl.dot over K = H, operands
+from host TMA descriptors or pointers), and keeps per row the running statistics, in base-2 units y = z log2(e),
+d = y - m, e = 2^d = e^(z - m ln 2):
 
     m (running max),  s0 = sum e,  s1 = sum e d,  s2 = sum e^2,  s3 = sum e^2 d.
 

@@ -5,7 +5,7 @@ kernel of :mod:`.floors` over a grid of program counts; then one-pass kernel con
 (block, warps, stages, split).  Every method is timed two ways: ``do_bench`` (its L2 flush leaves
 dirty lines, as in the rest of the benchmarks) and ``cold`` (:class:`.floors.ColdTimer`, clean cold
 L2).  fused: N=16384, H=3584, V=152064, cuBLAS against fused configurations (pointer and
-persistent TMA kernels).  Rows go to ``<BENCH_RESULTS>/tune_{stats,fused}.csv``.
+streaming TMA kernels).  Rows go to ``<BENCH_RESULTS>/tune_{stats,fused}.csv``.
 """
 
 from __future__ import annotations
@@ -22,19 +22,18 @@ STATS_CONFIGS = [  # block, num_warps, stages, split
 ]  # fmt: skip
 READ_CONFIGS = [(528, 4096, 4, 4), (2112, 2048, 4, 4)]
 FUSED_CONFIGS = {
-    "ptr default": {"persistent": 0},
-    "ptr g16": {"persistent": 0, "group_m": 16},
-    "ptr s4": {"persistent": 0, "stages": 4},
-    "ptr 256x128": {"persistent": 0, "bm": 256, "bn": 128},
-    "ptr 128x128 w4 s4": {"persistent": 0, "bn": 128, "num_warps": 4, "stages": 4},
-    "pers flat s3": {"persistent": 1},
-    "pers flat s4": {"persistent": 1, "stages": 4},
-    "pers flat s3 g16": {"persistent": 1, "group_m": 16},
-    "pers noflat s3": {"persistent": 1, "flatten": 0},
-    "pers ws noflat s3": {"persistent": 1, "flatten": 0, "ws": 1},
-    "pers ws flat s3": {"persistent": 1, "ws": 1},
-    "pers2 128x128 w4 s3": {"persistent": 2, "bn": 128, "num_warps": 4},
-    "pers flat 256x128 s3": {"persistent": 1, "bm": 256, "bn": 128},
+    "ptr default": {"stream": 0},
+    "ptr g16": {"stream": 0, "group_m": 16},
+    "ptr s4": {"stream": 0, "stages": 4},
+    "ptr 256x128": {"stream": 0, "bm": 256, "bn": 128},
+    "ptr 128x128 w4 s4": {"stream": 0, "bn": 128, "num_warps": 4, "stages": 4},
+    "stream flat s3": {},
+    "stream flat s4": {"stages": 4},
+    "stream noflat s3": {"flatten": 0},
+    "stream flat s3 unbranched": {"branch": 0},
+    "stream flat s3 row order": {"group_rows": 2**20},
+    "stream flat s3 chunks 8": {"chunks": 8},
+    "stream 128x128 w4 s3": {"bn": 128, "num_warps": 4},
 }
 
 

@@ -1,18 +1,26 @@
 """Fused LM-head statistics: logits = hidden @ weight.T (+ bias) never reach device memory.
 
-Each [BM, BN] tile of logits is a tensor-core matmul over H (tiles in groups of GROUP_M row blocks, so the operand
-tiles in flight stay in L2), configured per shape (:data:`SHAPE_CONFIGS`).  By default one persistent program per
-multiprocessor walks the tiles with TMA-loaded operands (the next tile's loads in flight during this tile's epilogue
-when the loop is flattened); otherwise (fp32, unaligned strides, pre-Hopper GPUs) one program per tile loads through
-pointers.  The epilogue reduces the tile on chip to six numbers per row (the reference m, the sums s0..s3 of
-:mod:`._reduce`, a NaN-propagating max), and the tile holding a row's label writes that logit.
-:func:`._reduce.merge_kernel` then merges the ceil(V/BN) partials of every row in a fixed order and writes the
-statistics, ``valid`` and the error counters.  Forward only (the statistics are used under no_grad).
+z = (hidden @ weight.T + bias) / T in base-2 units y = z log2(e) (:mod:`._reduce`), with hidden [N, H] and weight
+[V, H] in bf16/fp16/fp32, fp32 accumulation.  Two schedules write the same partials, fp32 [6, N, P]: per row and
+partial j, the reference m_j (the NaN-propagating max of y over the partial's columns), the sums s0..s3 against it
+(against 0 when m_j is -inf: the sums are then 0), and m_j again as the max the merge validates; the label's y_k
+(rounding included) goes to fp32 [N].  :func:`._reduce.merge_kernel` then merges the P partials of every row in a
+fixed order and writes the statistics, ``valid`` and the error counters.  Forward only (the statistics are used
+under no_grad).
+
+- Streaming (:func:`_fused_stream_kernel`; 16-bit inputs with TMA-addressable strides on Hopper or newer): each
+  program owns BM rows and one chunk of the vocabulary (P = S chunks) and walks the chunk's [BM, BN] logits tiles
+  with TMA-loaded operands, the V and K loops pipelined as one, keeping running statistics per row; the chunk
+  count and a grouped program order come from :func:`stream_plan` (fill one wave at the compiled occupancy; keep
+  the hidden blocks in flight within L2).
+- Per tile (:func:`_fused_tile_kernel`; fp32, unaligned strides, pre-Hopper GPUs): one program per [BM, BN] tile
+  (in groups of GROUP_M row blocks), operands through pointers, P = ceil(V / BN) partials.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import numpy as np
 import torch
@@ -20,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from ._reduce import D_FLOOR, ERR_WORDS, LOG2E, exp2, max_nan, merge_block, merge_kernel
+from ._reduce import D_FLOOR, ERR_WORDS, LOG2E, exp2, max_nan, merge_block, merge_kernel, rescale
 from .triton_stats import KernelStats
 
 try:  # host-side TMA descriptors (Triton >= 3.2); without them the pointer kernel is used
@@ -28,23 +36,24 @@ try:  # host-side TMA descriptors (Triton >= 3.2); without them the pointer kern
 except ImportError:  # pragma: no cover - depends on the installed Triton
     TensorDescriptor = None
 
-__all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG", "SHAPE_CONFIGS", "choose_fused_config", "persistent_spec"]
+__all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG", "stream_plan", "stream_spec"]
 
-# persistent: programs per multiprocessor of the persistent TMA kernel (0: one program per tile); flatten / ws: its
-# tile loop pipelined as one with the K loop / warp-specialised; maxnreg: register cap per thread (0: none;
-# benchmarks only); branch: mask the columns past V and form the label logit only in the tiles that need it
-# (block-uniform branches; 0: in every tile); max_programs: a cap on the persistent programs (0: none).  H100,
-# N=16384, H=3584, V=152064 (results/h100/tune_fused.csv): persistent 666 TFLOP/s, one program per tile 595.
-DEFAULT_CONFIG = {"bm": 128, "bn": 256, "bk": 64, "group_m": 8, "num_warps": 8, "stages": 3, "moments": 4,
-                  "persistent": 1, "flatten": 1, "ws": 0, "maxnreg": 0, "branch": 1, "max_programs": 0}  # fmt: skip
-# Per-shape overrides of DEFAULT_CONFIG for 16-bit inputs: (largest hidden size, overrides), first match wins; fp32
-# takes DEFAULT_CONFIG.  Small H runs best with the tile loop not flattened, larger H flattened and unbranched
-# (benchmarks/RESULTS.md, "Fused head against cuBLAS").
-SHAPE_CONFIGS: tuple[tuple[int, dict], ...] = ((1536, {"flatten": 0}), (2**62, {"branch": 0}))
+# Tiles: bm x bn logits, bk deep K steps, num_warps, stages (both kernels); moments (4: every statistic; 2: logp and
+# H alone, sum p^2 and E_p[S] read 0; 0: the matmul and the row max alone, a timing floor); branch: form the label
+# logit only in the tiles that hold some row's label (and, per tile, mask the columns past V only in the last
+# tile): block-uniform branches (0: in every tile); maxnreg: register cap per thread (0: none; benchmarks only).
+# stream: 1 runs the streaming TMA kernel where the inputs allow it (0: always the per-tile pointer kernel);
+# flatten: its V and K loops pipelined as one; chunks / group_rows: its vocabulary chunks and row blocks per group
+# (0: :func:`stream_plan`'s rule); group_mib: the rule's L2 budget for a group's hidden blocks (MiB).  group_m:
+# the per-tile kernel's row blocks per group.  128 x 256 x 64 tiles, 8 warps, 3 stages, flattened: the streaming
+# schedule's best tiles on an H200 (benchmarks/fused_ws_probe.py, benchmarks/RESULTS.md).
+DEFAULT_CONFIG = {"bm": 128, "bn": 256, "bk": 64, "num_warps": 8, "stages": 3, "moments": 4, "branch": 1,
+                  "maxnreg": 0, "stream": 1, "flatten": 1, "chunks": 0, "group_rows": 0, "group_mib": 16,
+                  "group_m": 8}  # fmt: skip
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # logits_dtype -> the epilogue's ROUND code (fp32 logits need no rounding)
 _ROUND_CODES = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# Row slices are sized so that the partials ([6, rows, ceil(V/BN)] fp32) stay under this.
+# Row slices are sized so that the partials ([6, rows, P] fp32) stay under this.
 _WORKSPACE_BYTES = 256 * 2**20
 
 
@@ -70,24 +79,9 @@ def _round_bf16(x):
 
 
 @triton.jit
-def _tile_epilogue(acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
-                   HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MOMENTS: tl.constexpr,
-                   ROUND: tl.constexpr, T_ROUND: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr):
-    """Reduce one [BM, BN] fp32 logits tile to the six partials per row (and the label logit).
-
-    The partials go to part_ptr, fp32 [6, N, num_pid_n] at this tile's column pid_n: m (the
-    NaN-propagating row max of y), the sums s0..s3 against it, and m again as the max the merge
-    validates; y_k is stored for the rows whose label lies in the tile.
-
-    ROUND (0: none, 1: bf16, 2: fp16) rounds L = acc + bias to that dtype (round to nearest even);
-    with T_ROUND also ``L * inv_t`` (torch's ``low / T``: a multiply by the fp32 reciprocal) is
-    rounded, and ``c`` is then ``log2(e)`` alone; otherwise ``c = log2(e) / T``.  FTZ: the
-    exponential flushes results below 2^-126 to 0 (:func:`._reduce.exp2`; off in the interpreter).
-    """
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn % V).to(tl.float32)[None, :]
+def _round_logits(acc, inv_t, ROUND: tl.constexpr, T_ROUND: tl.constexpr):
+    """L = acc (+ bias) rounded as ROUND says (0: none, 1: bf16, 2: fp16; round to nearest even), and with T_ROUND
+    ``L * inv_t`` rounded again (torch's ``low / T``: a multiply by the fp32 reciprocal)."""
     if ROUND == 1:
         acc = _round_bf16(acc)
         if T_ROUND:
@@ -96,6 +90,48 @@ def _tile_epilogue(acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c,
         acc = acc.to(tl.float16).to(tl.float32)
         if T_ROUND:
             acc = (acc * inv_t).to(tl.float16).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _label_logit(acc, col0, labels, row_ok, rm, yk_ptr, c, BN: tl.constexpr, BRANCH: tl.constexpr):
+    """Store y_k = acc[r, labels[r] - col0] * c at ``yk_ptr + rm`` for the rows whose label lies in this tile's
+    columns [col0, col0 + BN) (acc: the tile's final fp32 logits, rounding and -inf mask applied).
+
+    BRANCH: only in tiles where some row's label falls (a block-uniform branch; about one tile in five at V = 152k
+    and BM = 128); otherwise in every tile.  The column is compared in int32 (an [BM, BN] int64 compare costs twice
+    the registers); rows whose label is not in the tile are masked at the store."""
+    in_tile = row_ok & (labels >= col0) & (labels < col0 + BN)
+    lab = tl.where(in_tile, labels, -1).to(tl.int32)
+    rn = col0 + tl.arange(0, BN)
+    if BRANCH:
+        if tl.max(in_tile.to(tl.int32), axis=0) > 0:
+            yk = tl.sum(tl.where(rn[None, :] == lab[:, None], acc, 0.0), axis=1) * c
+            tl.store(yk_ptr + rm, yk, mask=in_tile)
+    else:
+        yk = tl.sum(tl.where(rn[None, :] == lab[:, None], acc, 0.0), axis=1) * c
+        tl.store(yk_ptr + rm, yk, mask=in_tile)
+
+
+@triton.jit
+def _tile_epilogue(acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
+                   HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MOMENTS: tl.constexpr,
+                   ROUND: tl.constexpr, T_ROUND: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr):
+    """Reduce one [BM, BN] fp32 logits tile to the six partials per row (and the label logit).
+
+    The partials go to part_ptr, fp32 [6, N, num_pid_n] at this tile's column pid_n: m (the
+    NaN-propagating row max of y), the sums s0..s3 against it, and m again as the max the merge
+    validates; y_k is stored for the rows whose label lies in the tile (:func:`_label_logit`).
+
+    ROUND / T_ROUND: :func:`_round_logits`; with T_ROUND ``c`` is ``log2(e)`` alone, otherwise
+    ``c = log2(e) / T``.  FTZ: the exponential flushes results below 2^-126 to 0
+    (:func:`._reduce.exp2`; off in the interpreter).
+    """
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn % V).to(tl.float32)[None, :]
+    acc = _round_logits(acc, inv_t, ROUND=ROUND, T_ROUND=T_ROUND)
     if BRANCH:
         if pid_n * BN + BN > V:  # the last column tile only: columns past V are -inf
             acc = tl.where(rn[None, :] < V, acc, float("-inf"))
@@ -123,18 +159,7 @@ def _tile_epilogue(acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c,
         s3 = tl.zeros_like(s0)
     row_ok = rm < N
     labels = tl.load(lab_ptr + rm % N)
-    in_tile = row_ok & (labels >= pid_n * BN) & (labels < pid_n * BN + BN)
-    # the label's column inside the tile in int32 (an [BM, BN] int64 compare costs twice the
-    # registers); rows whose label is not in the tile are masked at the store
-    col = tl.where(in_tile, labels - pid_n * BN, -1).to(tl.int32)
-    cols = tl.arange(0, BN)
-    if BRANCH:
-        if tl.max(in_tile.to(tl.int32), axis=0) > 0:  # about one tile in five holds a label of its rows
-            yk = tl.sum(tl.where(cols[None, :] == col[:, None], acc, 0.0), axis=1) * c
-            tl.store(yk_ptr + rm, yk, mask=in_tile)
-    else:
-        yk = tl.sum(tl.where(cols[None, :] == col[:, None], acc, 0.0), axis=1) * c
-        tl.store(yk_ptr + rm, yk, mask=in_tile)
+    _label_logit(acc, pid_n * BN, labels, row_ok, rm, yk_ptr, c, BN=BN, BRANCH=BRANCH)
     stride_f = tl.cast(N, tl.int64) * num_pid_n
     q = part_ptr + rm.to(tl.int64) * num_pid_n + pid_n
     tl.store(q, m, mask=row_ok)
@@ -179,71 +204,206 @@ def _fused_tile_kernel(h_ptr, w_ptr, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, 
 
 
 @triton.jit
-def _fused_persistent_kernel(a_desc, w_desc, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, c, inv_t,
-                             HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, T_ROUND: tl.constexpr, BM: tl.constexpr,
-                             BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
-                             MOMENTS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
-                             WARP_SPECIALIZE: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr):
-    """Persistent variant: NUM_PROGRAMS programs walk the tiles; operands arrive by TMA descriptors.
+def _stream_tile(a_desc, w_desc, rb, t, H, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 STAGES: tl.constexpr):
+    """fp32 [BM, BN] = hidden[rb*BM : +BM] @ weight[t*BN : +BN].T over K = H in BK steps, operands by TMA (rows,
+    columns and K past the tensors' ends are zero-filled by the copy engine)."""
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for kk in tl.range(0, tl.cdiv(H, BK), num_stages=STAGES):
+        a = a_desc.load([rb * BM, kk * BK])
+        b = w_desc.load([t * BN, kk * BK])
+        acc = tl.dot(a, b.T, acc)
+    return acc
 
-    With FLATTEN the tile loop and the K loop are pipelined as one, so the loads of the next tile
-    are in flight while this tile's epilogue runs.  Out-of-range rows, columns and K are zero-filled
-    by the copy engine (columns >= V are then masked to -inf in the epilogue).
+
+@triton.jit
+def _fold_tile(y, m, s0, s1, s2, s3, MOMENTS: tl.constexpr, FTZ: tl.constexpr):
+    """Fold one tile of base-2 logits y = L c (fp32 [BM, BN]; L the final logits, bias and rounding applied) into
+    each row's running statistics.
+
+    m: the NaN-propagating running max of y; s0..s3 (:mod:`._reduce`) against m_ref = m, or 0 while m is -inf
+    (the sums are then 0).  On a new max the sums move with :func:`._reduce.rescale`; d = y - m_ref is clamped
+    at -D_FLOOR (-inf logits: e = 0 and e d = 0).  MOMENTS: 4 all sums, 2 s0 and s1 (s2, s3 stay 0), 0 the max
+    alone (a timing floor)."""
+    m_new = max_nan(m, tl.reduce(y, 1, max_nan))
+    if MOMENTS != 0:
+        m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
+        s0, s1, s2, s3 = rescale(s0, s1, s2, s3, m, m_ref)
+        d = tl.maximum(y - m_ref[:, None], -D_FLOOR)
+        e = exp2(d, FTZ)
+        s0 += tl.sum(e, axis=1)
+        s1 += tl.sum(e * d, axis=1)
+        if MOMENTS == 4:
+            e2 = e * e
+            s2 += tl.sum(e2, axis=1)
+            s3 += tl.sum(e2 * d, axis=1)
+    return m_new, s0, s1, s2, s3
+
+
+@triton.jit(do_not_specialize=["tiles_per_chunk", "group_rows"])
+def _fused_stream_kernel(a_desc, w_desc, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, tiles_per_chunk, group_rows, c,
+                         inv_t, HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, T_ROUND: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                         MOMENTS: tl.constexpr, FLATTEN: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr):
+    """Row-stationary streaming schedule: one program, BM rows x one chunk of the vocabulary.
+
+    The grid is ceil(N / BM) row blocks x S chunks of ``tiles_per_chunk`` [BM, BN] tiles (the last chunk may be
+    shorter).  Program order: the row blocks form groups of ``group_rows`` (the last may be smaller); a group's
+    programs run together, row block fastest, then chunk, so the programs in flight share the group's hidden
+    blocks and each W tile in L2 (``group_rows`` >= the row blocks: plain row order).  Each program walks its
+    chunk's tiles (with FLATTEN the V and K loops pipelined as one: the next tile's loads in flight during this
+    tile's epilogue), forms each tile's final logits (bias, rounding: as :func:`_tile_epilogue`), folds them into
+    running statistics (:func:`_fold_tile`) and picks the label logit (:func:`_label_logit`); the last, partial
+    vocabulary tile is peeled off the loop (columns >= V set to -inf there only).  It writes its chunk's partials
+    to part_ptr, fp32 [6, N, S] at column ``chunk``: m, s0..s3 against m (0 when m is -inf), and m again as the
+    max the merge validates: the per-tile partials of :func:`_tile_epilogue`, over a chunk of tiles.
     """
-    num_pid_m = tl.cdiv(N, BM)
-    num_pid_n = tl.cdiv(V, BN)
-    k_tiles = tl.cdiv(H, BK)
-    num_tiles = num_pid_m * num_pid_n
-    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE,
-                         num_stages=STAGES):
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for ki in range(k_tiles):
-            a = a_desc.load([pid_m * BM, ki * BK])
-            b = w_desc.load([pid_n * BN, ki * BK])
-            acc = tl.dot(a, b.T, acc)
-        _tile_epilogue(acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
-                       HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ,
-                       BRANCH=BRANCH)  # fmt: skip
+    pid = tl.program_id(0)
+    num_rb = tl.cdiv(N, BM)
+    n_chunks = tl.num_programs(0) // num_rb
+    per_group = group_rows * n_chunks
+    gid = pid // per_group
+    first = gid * group_rows
+    gsize = tl.minimum(num_rb - first, group_rows)
+    local = pid - gid * per_group
+    rb = first + local % gsize
+    chunk = local // gsize
+    n_full = V // BN  # tiles with no column past V
+    t0 = chunk * tiles_per_chunk
+    t1 = tl.minimum(t0 + tiles_per_chunk, tl.cdiv(V, BN))
+    t1f = tl.minimum(t1, n_full)
+    rm = rb * BM + tl.arange(0, BM)
+    row_ok = rm < N
+    labels = tl.load(lab_ptr + rm % N)
+    m = tl.full([BM], float("-inf"), dtype=tl.float32)
+    s0 = tl.zeros([BM], dtype=tl.float32)
+    s1 = tl.zeros([BM], dtype=tl.float32)
+    s2 = tl.zeros([BM], dtype=tl.float32)
+    s3 = tl.zeros([BM], dtype=tl.float32)
+    for t in tl.range(t0, t1f, flatten=FLATTEN):
+        acc = _stream_tile(a_desc, w_desc, rb, t, H, BM=BM, BN=BN, BK=BK, STAGES=STAGES)
+        if HAS_BIAS:  # a full tile: every column < V
+            acc += tl.load(b_ptr + t * BN + tl.arange(0, BN)).to(tl.float32)[None, :]
+        # y in registers of its own (a branch that reads the wgmma accumulator itself makes ptxas serialise the
+        # wgmmas: its warning C7515); the label is picked before the fold, where y dies
+        y = _round_logits(acc, inv_t, ROUND=ROUND, T_ROUND=T_ROUND) * c
+        _label_logit(y, t * BN, labels, row_ok, rm, yk_ptr, 1.0, BN=BN, BRANCH=BRANCH)
+        m, s0, s1, s2, s3 = _fold_tile(y, m, s0, s1, s2, s3, MOMENTS=MOMENTS, FTZ=FTZ)
+    if t1 > n_full:  # this chunk holds the last, partial tile: peeled so that the loop has no column mask
+        acc = _stream_tile(a_desc, w_desc, rb, n_full, H, BM=BM, BN=BN, BK=BK, STAGES=STAGES)
+        rn = n_full * BN + tl.arange(0, BN)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < V, other=0.0).to(tl.float32)[None, :]
+        y = tl.where(rn[None, :] < V, _round_logits(acc, inv_t, ROUND=ROUND, T_ROUND=T_ROUND) * c, float("-inf"))
+        _label_logit(y, n_full * BN, labels, row_ok, rm, yk_ptr, 1.0, BN=BN, BRANCH=BRANCH)
+        m, s0, s1, s2, s3 = _fold_tile(y, m, s0, s1, s2, s3, MOMENTS=MOMENTS, FTZ=FTZ)
+    stride_f = tl.cast(N, tl.int64) * n_chunks
+    q = part_ptr + rm.to(tl.int64) * n_chunks + chunk
+    tl.store(q, m, mask=row_ok)
+    tl.store(q + stride_f, s0, mask=row_ok)
+    tl.store(q + 2 * stride_f, s1, mask=row_ok)
+    tl.store(q + 3 * stride_f, s2, mask=row_ok)
+    tl.store(q + 4 * stride_f, s3, mask=row_ok)
+    tl.store(q + 5 * stride_f, m, mask=row_ok)
 
 
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def persistent_spec(
-    cfg: dict, has_bias: bool, round_code: int, t_round: bool, n_prog: int, ftz: bool
-) -> tuple[object, dict]:
-    """The persistent TMA kernel (:func:`_fused_persistent_kernel`) and a configuration's compile-time arguments."""
-    return _fused_persistent_kernel, {"HAS_BIAS": has_bias, "ROUND": round_code, "T_ROUND": t_round, "BM": cfg["bm"],
-                                      "BN": cfg["bn"], "BK": cfg["bk"], "GROUP_M": cfg["group_m"],
-                                      "STAGES": cfg["stages"], "MOMENTS": cfg["moments"], "NUM_PROGRAMS": n_prog,
-                                      "FTZ": ftz, "BRANCH": bool(cfg["branch"]), "FLATTEN": bool(cfg["flatten"]),
-                                      "WARP_SPECIALIZE": bool(cfg["ws"])}  # fmt: skip
+def stream_spec(cfg: dict, has_bias: bool, round_code: int, t_round: bool, ftz: bool) -> tuple[object, dict]:
+    """The streaming TMA kernel (:func:`_fused_stream_kernel`) and a configuration's compile-time arguments."""
+    return _fused_stream_kernel, {"HAS_BIAS": has_bias, "ROUND": round_code, "T_ROUND": t_round, "BM": cfg["bm"],
+                                  "BN": cfg["bn"], "BK": cfg["bk"], "STAGES": cfg["stages"],
+                                  "MOMENTS": cfg["moments"], "FLATTEN": bool(cfg["flatten"]), "FTZ": ftz,
+                                  "BRANCH": bool(cfg["branch"])}  # fmt: skip
 
 
-def _use_persistent(cfg: dict, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The persistent TMA kernel runs when asked for, on 16-bit inputs the copy engine can address.
+def _use_stream(cfg: dict, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The streaming TMA kernel runs when asked for (``stream``), on 16-bit inputs the copy engine can address.
 
     TMA needs 16-byte aligned row strides and bases (H a multiple of 8 for 16-bit data) and a
     Hopper-or-newer GPU; fp32 inputs keep the pointer kernel (its full-precision dot).
     """
-    if not cfg["persistent"] or TensorDescriptor is None or hidden.dtype == torch.float32:
+    if not cfg["stream"] or TensorDescriptor is None or hidden.dtype == torch.float32:
         return False
     if hidden.device.type == "cuda" and torch.cuda.get_device_capability(hidden.device)[0] < 9:
         return False
     return all(t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0 for t in (hidden, weight))
 
 
-def choose_fused_config(hdim: int, dtype: torch.dtype) -> dict:
-    """The kernel configuration for hidden size ``hdim``: DEFAULT_CONFIG with the overrides of the
-    first SHAPE_CONFIGS entry whose bound holds (16-bit inputs), else DEFAULT_CONFIG.  The sweep
-    found no N dependence beyond its noise (N = 4096, 16384, 65536)."""
-    if dtype != torch.float32:
-        for h_max, over in SHAPE_CONFIGS:
-            if hdim <= h_max:
-                return {**DEFAULT_CONFIG, **over}
-    return dict(DEFAULT_CONFIG)
+@functools.lru_cache(maxsize=512)
+def stream_plan(rows: int, vocab: int, hdim: int, elt: int, bm: int, bn: int, wave: int, chunks: int = 0,
+                group_rows: int = 0, group_mib: float = 16.0) -> tuple[int, int, int]:
+    """(tiles per chunk, chunks S, row blocks per group G) of the streaming kernel for ``rows`` rows.
+
+    rb = ceil(rows / bm) row blocks, T = ceil(vocab / bn) tiles, ``wave`` programs resident at once (SMs x the
+    compiled kernel's occupancy), gmax = floor(group_mib MiB / (bm hdim elt)) row blocks whose hidden blocks fit
+    the L2 budget.
+
+    - G: ``group_rows`` when given (> 0); else rb (row order) when rb <= gmax; else gmax evened out over the
+      groups, ceil(rb / ceil(rb / gmax)).
+    - S: ``chunks`` when given (> 0); else, in the grouped order, floor(wave / G) (one group per wave: its programs
+      share the group's hidden blocks and each W tile in L2); else (row order) the smallest S in [1, T] whose
+      estimate ceil(rb S / wave) (ceil(T / S) + 1) (waves x the tiles of a chunk, plus about one tile's worth for
+      a program's pipeline fill and partials) is within 2 % of the least.
+    - S is clipped to [1, T] and evened: tiles per chunk ceil(T / S), S = ceil(T / that) (no empty chunk); one
+      chunk makes every order the row order (G = rb).
+
+    On an H200 (132 SMs, occupancy 1; bm 128, bn 256, bf16; V 151936 / 152064) this gives, (H, N): S, G:
+    (896, 4096) 4, row order; (896, 16384 and 65536) 2, 64; (1536 and 2048, 4096) 4, row order;
+    (1536, 16384) 4, 32; (1536, 65536) 3, 40; (2048, 16384 and 65536) 4, 32; (3584, 4096 and 16384) 8, 16;
+    (3584, 65536) 7, 18; (5120, 4096) 12, 11; (5120, 16384 and 65536) 11, 12.
+    """
+    rb = -(-rows // bm)
+    nvt = -(-vocab // bn)
+    gmax = max(1, int(group_mib * 2**20) // (bm * hdim * elt))
+    if group_rows > 0:
+        g = min(group_rows, rb)
+    elif rb <= gmax:
+        g = rb
+    else:
+        g = -(-rb // -(-rb // gmax))
+    if chunks > 0:
+        s = chunks
+    elif g < rb:
+        s = max(1, wave // g)
+    else:
+        cost = {k: -(-rb * k // wave) * (-(-nvt // k) + 1) for k in range(1, nvt + 1)}
+        best = min(cost.values())
+        s = min(k for k, v in cost.items() if v <= 1.02 * best)
+    s = max(1, min(s, nvt))
+    tpc = -(-nvt // s)
+    s = -(-nvt // tpc)
+    return tpc, s, (rb if s == 1 else g)
+
+
+# programs per SM of the compiled streaming kernel, by (device, compile-time arguments, launch options, dtype)
+_OCCUPANCY: dict[tuple, int] = {}
+
+
+def _programs_per_wave(kernel, make_args, consts: dict, launch_opts: dict, dtype: torch.dtype,
+                       device: torch.device) -> int:
+    """SMs x programs per SM of ``kernel`` as compiled for the arguments ``make_args()`` and these options: the
+    registers and shared memory of the compiled kernel against the SM's (compiled and read once per device,
+    dtype and configuration; the interpreter: one program per SM)."""
+    if device.type != "cuda":
+        return _num_sms(device)
+    key = (device.index, dtype, tuple(sorted(consts.items())), tuple(sorted(launch_opts.items())))
+    occ = _OCCUPANCY.get(key)
+    if occ is None:
+        compiled = kernel.warmup(*make_args(), grid=(1,), **consts, **launch_opts)
+        if hasattr(compiled, "result"):  # Triton's asynchronous compile mode hands back a future
+            compiled = compiled.result()
+        compiled._init_handles()  # loads the binary: n_regs
+        props = torch.cuda.get_device_properties(device)
+        warps = launch_opts["num_warps"]
+        regs_per_warp = -(-max(1, compiled.n_regs) * 32 // 256) * 256  # allocated per warp in units of 256
+        by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * warps)
+        by_smem = getattr(props, "shared_memory_per_multiprocessor", 233472) // (compiled.metadata.shared + 1024)
+        by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
+        occ = _OCCUPANCY[key] = max(1, min(by_regs, by_smem, by_threads))
+    return occ * _num_sms(device)
 
 
 def token_stats_fused_triton(
@@ -255,12 +415,15 @@ def token_stats_fused_triton(
 
     hidden [N, H], weight [V, H] (bf16/fp16/fp32, same dtype, CUDA, last dim contiguous), bias [V] or None, labels
     [N] int64.  Returns :class:`.triton_stats.KernelStats` (fp32 [N] statistics, bool ``valid``, int32 error
-    counters).  Matmul in the input dtype on tensor cores with fp32 accumulation (fp32 inputs: the slow "ieee" dot),
-    in row slices of ``rows_per_launch`` (default: partials <= 256 MiB).  ``config`` overrides
-    :func:`choose_fused_config` (benchmarks; ``moments=2`` skips sum p^2 and E_p[S], which read 0; ``moments=0``
-    every exponential, a timing floor).  ``logits_dtype`` rounds L = hidden @ W.T + b in the epilogue,
-    z = fp32(round(L)) / T; with ``temperature_in_logits_dtype`` z = fp32(round(round(L) * fp32(1/T))), as torch's
-    ``low_logits / T`` (``entropy_discriminator.token_stats_from_hidden``).
+    counters).  Matmul in the input dtype on tensor cores with fp32 accumulation (fp32 inputs: the slow "ieee" dot).
+    16-bit inputs with TMA-addressable strides on Hopper or newer run the streaming kernel
+    (:func:`_fused_stream_kernel`, launch plan :func:`stream_plan`), partials fp32 [6, rows, S]; otherwise the
+    per-tile pointer kernel, partials fp32 [6, rows, ceil(V / bn)]; then :func:`._reduce.merge_kernel`.  Rows go in
+    slices of ``rows_per_launch`` (default: partials <= 256 MiB).  ``config`` overrides :data:`DEFAULT_CONFIG`
+    (benchmarks and tests; ``moments=2`` skips sum p^2 and E_p[S], which read 0; ``moments=0`` every exponential, a
+    timing floor).  ``logits_dtype`` rounds L = hidden @ W.T + b in the epilogue, z = fp32(round(L)) / T; with
+    ``temperature_in_logits_dtype`` z = fp32(round(round(L) * fp32(1/T))), as torch's ``low_logits / T``
+    (``entropy_discriminator.token_stats_from_hidden``).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -285,16 +448,14 @@ def token_stats_fused_triton(
     result = KernelStats(*out.unbind(0), valid, errors)
     if n_rows == 0:
         return result
-    cfg = {**choose_fused_config(hdim, hidden.dtype), **(config or {})}
-    # num_stages also pipelines the persistent kernel's inner K loop when the tile loop is not flattened
+    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    # num_stages also pipelines the streaming kernel's inner K loop when its tile loop is not flattened
     launch_opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["stages"],
                    **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {})}  # fmt: skip
     ftz = not interpreting()
     bm, bn, bk = cfg["bm"], cfg["bn"], cfg["bk"]
-    persistent = _use_persistent(cfg, hidden, weight)
+    stream = _use_stream(cfg, hidden, weight)
     n_tiles = triton.cdiv(vocab, bn)
-    if rows_per_launch is None:
-        rows_per_launch = max(bm, (_WORKSPACE_BYTES // (24 * n_tiles)) // bm * bm)
     if logits_dtype not in _ROUND_CODES:
         raise ValueError(f"logits_dtype must be None or one of {_DTYPES}, got {logits_dtype!r}")
     if temperature_in_logits_dtype and logits_dtype is None:
@@ -305,24 +466,45 @@ def token_stats_fused_triton(
     inv_t = float(np.float32(1.0) / np.float32(temperature))
     c = LOG2E if t_round else LOG2E / float(temperature)
     bias_arg = bias.contiguous() if bias is not None else hidden
-    w_desc = TensorDescriptor.from_tensor(weight, [bn, bk]) if persistent else None
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        if stream:
+            w_desc = TensorDescriptor.from_tensor(weight, [bn, bk])
+            kernel, consts = stream_spec(cfg, bias is not None, round_code, t_round, ftz)
+
+            def args(r0: int, r1: int, part, yk, tpc: int, g: int) -> tuple:
+                return (TensorDescriptor.from_tensor(hidden[r0:r1], [bm, bk]), w_desc, bias_arg, labels[r0:r1],
+                        part, yk, r1 - r0, vocab, hdim, tpc, g, c, inv_t)  # fmt: skip
+
+            # the compiled kernel's occupancy: the argument types and specialisations of a one-slice launch
+            wave = _programs_per_wave(kernel, lambda: args(0, n_rows, out, out, 1, 1), consts, launch_opts,
+                                      hidden.dtype, dev)  # fmt: skip
+
+            def plan(rows: int) -> tuple[int, int, int]:
+                return stream_plan(rows, vocab, hdim, hidden.element_size(), bm, bn, wave, int(cfg["chunks"]),
+                                   int(cfg["group_rows"]), float(cfg["group_mib"]))  # fmt: skip
+
+            if rows_per_launch is None:  # the largest slice whose partials fit, re-planned for that slice
+                rows_per_launch = n_rows
+                for _ in range(4):
+                    s = plan(rows_per_launch)[1]
+                    if 24 * rows_per_launch * s <= _WORKSPACE_BYTES or rows_per_launch <= bm:
+                        break
+                    rows_per_launch = max(bm, (_WORKSPACE_BYTES // (24 * s)) // bm * bm)
+            tpc, n_cols, g = plan(min(n_rows, rows_per_launch))
+        else:
+            n_cols = n_tiles
+            if rows_per_launch is None:
+                rows_per_launch = max(bm, (_WORKSPACE_BYTES // (24 * n_tiles)) // bm * bm)
         for r0 in range(0, n_rows, rows_per_launch):
             r1 = min(n_rows, r0 + rows_per_launch)
             rows = r1 - r0
-            part = torch.empty((6, rows, n_tiles), device=dev, dtype=torch.float32)
+            part = torch.empty((6, rows, n_cols), device=dev, dtype=torch.float32)
             yk = torch.full((rows,), float("nan"), device=dev, dtype=torch.float32)
             lab = labels[r0:r1]
-            n_all = triton.cdiv(rows, bm) * n_tiles
-            if persistent:
-                n_prog = min(n_all, cfg["persistent"] * _num_sms(dev), cfg["max_programs"] or n_all)
-                kernel, consts = persistent_spec(cfg, bias is not None, round_code, t_round, n_prog, ftz)
-                kernel[(n_prog,)](
-                    TensorDescriptor.from_tensor(hidden[r0:r1], [bm, bk]), w_desc, bias_arg, lab, part, yk,
-                    rows, vocab, hdim, c, inv_t, **consts, **launch_opts,
-                )  # fmt: skip
+            if stream:
+                kernel[(triton.cdiv(rows, bm) * n_cols,)](*args(r0, r1, part, yk, tpc, g), **consts, **launch_opts)
             else:
-                _fused_tile_kernel[(n_all,)](
+                _fused_tile_kernel[(triton.cdiv(rows, bm) * n_tiles,)](
                     hidden[r0:r1], weight, bias_arg, lab, part, yk, rows, vocab, hdim,
                     hidden.stride(0), weight.stride(0), c, inv_t,
                     HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, EVEN_K=hdim % bk == 0, IEEE=hidden.dtype == torch.float32,
@@ -330,7 +512,7 @@ def token_stats_fused_triton(
                     FTZ=ftz, BRANCH=bool(cfg["branch"]), **launch_opts,
                 )  # fmt: skip
             merge_kernel[(rows,)](
-                part, yk, lab, out[:, r0:], valid[r0:], errors, rows, n_rows, n_tiles, vocab, int(ignore_index),
-                PB=merge_block(n_tiles), num_warps=4 if n_tiles >= 128 else 1,
+                part, yk, lab, out[:, r0:], valid[r0:], errors, rows, n_rows, n_cols, vocab, int(ignore_index),
+                PB=merge_block(n_cols), num_warps=4 if n_cols >= 128 else 1,
             )  # fmt: skip
     return result
