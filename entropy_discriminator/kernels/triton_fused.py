@@ -50,6 +50,10 @@ __all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG", "stream_plan", "stream_
 DEFAULT_CONFIG = {"bm": 128, "bn": 256, "bk": 64, "num_warps": 8, "stages": 3, "moments": 4, "branch": 1,
                   "maxnreg": 0, "stream": 1, "flatten": 1, "chunks": 0, "group_rows": 0, "group_mib": 16,
                   "group_m": 8}  # fmt: skip
+# The streaming kernel forms the label logit in every tile (branch 0) from this hidden size on: there the
+# block-uniform branches cost the flattened loop more than the compare and select they save (H200, H 5120:
+# 1.02-1.00x cuBLAS unbranched against 1.05-1.11x; H <= 3584 mixed or the other way; benchmarks/RESULTS.md).
+UNBRANCHED_FROM_H = 4096
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # logits_dtype -> the epilogue's ROUND code (fp32 logits need no rounding)
 _ROUND_CODES = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -455,6 +459,8 @@ def token_stats_fused_triton(
     ftz = not interpreting()
     bm, bn, bk = cfg["bm"], cfg["bn"], cfg["bk"]
     stream = _use_stream(cfg, hidden, weight)
+    if stream and "branch" not in (config or {}) and hdim >= UNBRANCHED_FROM_H:
+        cfg["branch"] = 0
     n_tiles = triton.cdiv(vocab, bn)
     if logits_dtype not in _ROUND_CODES:
         raise ValueError(f"logits_dtype must be None or one of {_DTYPES}, got {logits_dtype!r}")
