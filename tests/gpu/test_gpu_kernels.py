@@ -379,38 +379,184 @@ def test_fused_from_hidden_matches_float64(n, h, v, dtype, bias, temperature):
     assert torch.equal(again.s_centered, stats.s_centered)
 
 
+def only_fused_kernel(monkeypatch, kernel: str) -> None:
+    """Make the other fused kernel ("stream" or "tile") raise if launched: the call under test runs ``kernel``."""
+    from entropy_discriminator.kernels import triton_fused
+
+    names = {"stream": "_fused_stream_kernel", "tile": "_fused_tile_kernel"}
+
+    class Forbidden:
+        def __getitem__(self, grid):
+            raise AssertionError(f"{kernel} was expected, but the other fused kernel was launched")
+
+    monkeypatch.setattr(triton_fused, names["tile" if kernel == "stream" else "stream"], Forbidden())
+
+
+def check_rows(stats, idx: torch.Tensor, ref: dict, labels: torch.Tensor, scale: float) -> None:
+    """The statistics of rows ``idx`` against their float64 reference ``ref``, ``valid`` of every row."""
+    for name in FIELDS:
+        got = getattr(stats, name)[idx].double()
+        assert not torch.isnan(got).any(), f"{name}: NaN (unwritten or wrong)"
+        want = ref[name].to(got.device)
+        same_inf = torch.isinf(got) & (got == want)
+        err = float(torch.where(same_inf, torch.zeros_like(got), (got - want).abs()).max())
+        assert err <= TOL[name] * scale, (name, err)
+    assert torch.equal(stats.valid, labels != -100)
+
+
 @pytest.mark.parametrize(
-    ("n", "h", "v", "dtype", "bias", "stages"),
+    ("n", "h", "v", "dtype", "bias", "cfg", "rows_per_launch"),
     [
-        (1000, 896, 20000, torch.bfloat16, False, 3),
-        (777, 200, 3001, torch.bfloat16, True, 3),  # ragged N, V and H
-        (600, 512, 9001, torch.float16, True, 4),
+        (1000, 896, 20000, torch.bfloat16, False, {"chunks": 7}, None),
+        (777, 200, 3001, torch.bfloat16, True, {"chunks": 3, "group_rows": 2}, 256),  # ragged N, V and H
+        (600, 512, 9001, torch.float16, True, {"stages": 4, "branch": 0}, None),
+        (300, 256, 5000, torch.bfloat16, True, {"flatten": 0, "group_rows": 1}, None),
+        (129, 64, 2000, torch.float16, False, {"bn": 128, "num_warps": 4}, None),
+        (40, 128, 70000, torch.bfloat16, True, {}, None),  # one row block: the plan splits V over the SMs
     ],
 )
-def test_fused_persistent_kernel_with_few_programs_matches_float64(n, h, v, dtype, bias, stages):
+def test_fused_stream_kernel_plans_match_float64(monkeypatch, n, h, v, dtype, bias, cfg, rows_per_launch):
     from entropy_discriminator.kernels.triton_fused import token_stats_fused_triton
 
+    only_fused_kernel(monkeypatch, "stream")
     g = torch.Generator(device="cuda").manual_seed(n + h)
     hidden = torch.randn(n, h, device="cuda", generator=g).to(dtype)
     weight = (torch.randn(v, h, device="cuda", generator=g) * (4 / h**0.5)).to(dtype)
     b = torch.randn(v, device="cuda", generator=g).to(dtype) if bias else None
     labels = make_labels(n, n, v)
-    cfg = {"bn": 128, "stages": stages, "max_programs": 7}  # 7 programs: many tiles each
-    stats = token_stats_fused_triton(hidden, weight, labels, b, 1.0, -100, config=cfg)
-    check(stats, hidden.double() @ weight.double().T + (b.double() if bias else 0.0), labels, 1.0, scale=5.0)
+    poison(n)
+    stats = token_stats_fused_triton(hidden, weight, labels, b, 0.9, -100, config=cfg, rows_per_launch=rows_per_launch)
+    check(stats, hidden.double() @ weight.double().T + (b.double() if bias else 0.0), labels, 0.9, scale=5.0)
 
 
-def test_fused_persistent_and_per_tile_kernels_agree():
+def exact_head(seed: int, n: int, h: int, v: int, dtype: torch.dtype, neg_inf: bool):
+    """A head-sized problem on the GPU whose fp32-accumulated logits are exact (hidden k/8, |k| <= 16; weight
+    j/256, |j| <= 16; bias i/8: products are multiples of 2^-11 and every partial sum stays below 2^9 for H <= 4096),
+    so the float64 reference rounds the very logits the kernel rounds; with ``neg_inf`` 5 % of the bias is -inf
+    (never at a label)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = (torch.randint(-16, 17, (n, h), device="cuda", generator=g) / 8).to(dtype)
+    weight = (torch.randint(-16, 17, (v, h), device="cuda", generator=g) / 256).to(dtype)
+    bias = (torch.randint(-8, 9, (v,), device="cuda", generator=g) / 8).to(dtype)
+    labels = make_labels(seed, n, v)
+    if neg_inf:
+        bias[torch.rand(v, device="cuda", generator=g) < 0.05] = float("-inf")
+        labels = torch.where((labels >= 0) & torch.isinf(bias[labels.clamp(min=0)]), 0, labels)
+        bias[0] = 0.0
+    return hidden, weight, bias, labels
+
+
+@pytest.mark.parametrize(
+    ("n", "h", "v", "dtype", "bias", "logits_dtype", "t_low", "temperature"),
+    [
+        (4096, 896, 151936, torch.bfloat16, True, torch.bfloat16, False, 1.0),
+        (4096, 3584, 152064, torch.float16, True, torch.float16, True, 0.7),
+        (4096, 3584, 152064, torch.bfloat16, True, torch.bfloat16, True, 1.3),
+        (4096, 896, 151936, torch.float16, False, None, False, 1.0),
+        (4096, 3584, 152064, torch.bfloat16, False, None, False, 1.0),
+    ],
+)
+def test_fused_stream_kernel_at_head_shapes_matches_float64(monkeypatch, n, h, v, dtype, bias, logits_dtype, t_low,
+                                                            temperature):
+    """The public call on Qwen2.5 head shapes runs the streaming kernel (its default plan) and matches float64 on
+    64 rows spread over the batch: with rounding, the float64 statistics of the rounded exact logits (the label
+    logit as the tile rounds it); without, those of the unrounded logits of random inputs (fp32 accumulation over
+    H: the tolerance of test_fused_from_hidden_matches_float64)."""
+    from rounding_reference import rounded_reference
+
+    only_fused_kernel(monkeypatch, "stream")
+    if logits_dtype is not None:
+        hidden, weight, b, labels = exact_head(n + h, n, h, v, dtype, neg_inf=bias)
+    else:
+        g = torch.Generator(device="cuda").manual_seed(n + h)
+        hidden = torch.randn(n, h, device="cuda", generator=g).to(dtype)
+        weight = (torch.randn(v, h, device="cuda", generator=g) * (4 / h**0.5)).to(dtype)
+        b, labels = None, make_labels(n, n, v)
+    poison(n)
+    kw = dict(bias=b, temperature=temperature, logits_dtype=logits_dtype, temperature_in_logits_dtype=t_low)
+    stats = ed.token_stats_from_hidden(hidden, weight, labels, impl="triton", **kw)
+    idx = torch.linspace(0, n - 1, 64, device="cuda").long()
+    if logits_dtype is not None:
+        ref = rounded_reference(hidden[idx], weight, b, labels[idx], temperature, logits_dtype, t_low)
+        check_rows(stats, idx, ref, labels, scale=2.0)  # exact logits: fp32 sums over V alone
+    else:
+        ref = reference_token_stats(hidden[idx].double() @ weight.double().T, labels[idx], temperature)
+        check_rows(stats, idx, ref, labels, scale=5.0)
+    again = ed.token_stats_from_hidden(hidden, weight, labels, impl="triton", **kw)
+    assert torch.equal(again.s_centered, stats.s_centered)
+
+
+@pytest.mark.parametrize(
+    ("n", "h", "v", "dtype", "bias", "logits_dtype", "rows_per_launch"),
+    [
+        (700, 512, 9001, torch.bfloat16, False, None, 256),
+        (2048, 896, 151936, torch.bfloat16, True, torch.bfloat16, None),
+        (1024, 3584, 152064, torch.float16, True, torch.float16, None),
+    ],
+)
+def test_fused_stream_and_per_tile_kernels_agree(n, h, v, dtype, bias, logits_dtype, rows_per_launch):
+    """The streaming kernel (its plan, row slices) and the per-tile pointer kernel give the same statistics to
+    fp32 rounding, the same ``valid`` and error counters."""
     from entropy_discriminator.kernels.triton_fused import token_stats_fused_triton
 
-    g = torch.Generator(device="cuda").manual_seed(11)
-    hidden = torch.randn(700, 512, device="cuda", generator=g).to(torch.bfloat16)
-    weight = (torch.randn(9001, 512, device="cuda", generator=g) * 0.2).to(torch.bfloat16)
-    labels = make_labels(700, 700, 9001)
-    per = token_stats_fused_triton(hidden, weight, labels, None, 1.0, -100, config={"persistent": 0})
-    pers = token_stats_fused_triton(hidden, weight, labels, None, 1.0, -100, config={"persistent": 1}, rows_per_launch=256)
-    for a, b in zip(per, pers):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    g = torch.Generator(device="cuda").manual_seed(11 + h)
+    hidden = torch.randn(n, h, device="cuda", generator=g).to(dtype)
+    weight = (torch.randn(v, h, device="cuda", generator=g) * (4 / h**0.5)).to(dtype)
+    b = torch.randn(v, device="cuda", generator=g).to(dtype) if bias else None
+    labels = make_labels(n, n, v)
+    kw = dict(logits_dtype=logits_dtype, rows_per_launch=rows_per_launch)
+    per = token_stats_fused_triton(hidden, weight, labels, b, 0.8, -100, config={"stream": 0}, **kw)
+    stream = token_stats_fused_triton(hidden, weight, labels, b, 0.8, -100, config={"stream": 1}, **kw)
+    for a, c in zip(per[:5], stream[:5]):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+    assert torch.equal(per.valid, stream.valid) and torch.equal(per.errors, stream.errors)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("stream", [0, 1])
+def test_fused_kernels_count_bad_rows_on_gpu(stream, dtype):
+    """Compiled, both kernels count all -inf rows, NaN / +inf rows (a NaN logit in one tile of a chunk among finite
+    ones too: the running max propagates NaN) and labels outside [0, V); ignored rows stay 0."""
+    from entropy_discriminator.kernels.triton_fused import token_stats_fused_triton
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    n, h, v = 300, 64, 9001
+    hidden = torch.randn(n, h, device="cuda", generator=g).to(dtype)
+    weight = (torch.randn(v, h, device="cuda", generator=g) * 0.3).to(dtype)
+    weight[:, 0] = weight[:, 0].abs() + 0.25
+    hidden[0], hidden[1] = 0.0, 0.0
+    hidden[0, 0], hidden[1, 0] = -math.inf, math.inf  # every logit -inf; every logit +inf
+    hidden[2, 5] = math.nan
+    hidden[3, 5] = math.nan  # ignored below
+    labels = make_labels(4, n, v, ignore_frac=0.0)
+    labels[3], labels[4], labels[5] = -100, v, -3
+    cfg = {"stream": stream, "chunks": 5}
+    stats = token_stats_fused_triton(hidden, weight, labels, None, 1.0, -100, config=cfg)
+    assert stats.errors.tolist() == [2, 2, 1, 0]
+    for name in FIELDS:
+        got = getattr(stats, name)
+        assert torch.isnan(got[[0, 1, 2, 4, 5]]).all() and got[3] == 0 and not torch.isnan(got[6:]).any(), name
+    bias = torch.zeros(v, device="cuda", dtype=dtype)
+    bias[5000] = math.nan  # one NaN logit per row, mid-vocabulary
+    stats = token_stats_fused_triton(hidden[6:], weight, labels[6:], bias, 1.0, -100, config=cfg)
+    assert stats.errors.tolist() == [0, n - 6, 0, 0]
+
+
+def test_streaming_kernel_occupancy_on_hopper():
+    """The default 128 x 256 x 64 tiles (3 stages: 148 KB of shared memory) fit once per SM, 128 x 128 with 4 warps
+    (98 KB) twice: the wave the plan fills (one program per SM for the default)."""
+    from entropy_discriminator.kernels import triton_fused
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the streaming kernel needs Hopper or newer")
+    hidden = torch.randn(256, 512, device="cuda").to(torch.bfloat16)
+    weight = torch.randn(5000, 512, device="cuda").to(torch.bfloat16)
+    labels = make_labels(1, 256, 5000)
+    triton_fused._OCCUPANCY.clear()
+    triton_fused.token_stats_fused_triton(hidden, weight, labels, None, 1.0, -100)
+    assert list(triton_fused._OCCUPANCY.values()) == [1]
+    triton_fused.token_stats_fused_triton(hidden, weight, labels, None, 1.0, -100, config={"bn": 128, "num_warps": 4})
+    assert sorted(triton_fused._OCCUPANCY.values()) == [1, 2]
 
 
 @settings(max_examples=20, deadline=None)
@@ -425,7 +571,7 @@ def test_fused_persistent_and_per_tile_kernels_agree():
     temperature=st.sampled_from([1.0, 0.7]),
 )
 def test_fused_kernel_rounds_bf16_logits_on_gpu(seed, n, h, v, scale, t_low, neg_inf, temperature):
-    """``logits_dtype=bf16`` in the compiled kernel (persistent TMA kernel when H allows it) against the
+    """``logits_dtype=bf16`` in the compiled kernel (streaming TMA kernel when H allows it) against the
     float64 statistics of the rounded logits (exact fp32 products: tests/rounding_reference.py), and
     at least as accurate as the chunked torch path (cuBLAS bf16 GEMM)."""
     from rounding_reference import exact_problem, rounded_reference
