@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         cfg = {**DEFAULT_CONFIG, **(over or {})}
         if not cfg["stream"]:
-            print(f"{name:30s} (pointer kernel: not compiled here)")
+            print(f"{name:30s} (a per-tile kernel: not compiled here)")
             continue
         try:
             r = compile_variant(cfg)

@@ -240,11 +240,11 @@ def test_choose_config_splits_only_small_batches(dtype):
 
 
 def _only(monkeypatch, kernel: str) -> dict[str, int]:
-    """Let only ``kernel`` ("stream" or "tile") of the fused module run: the other raises when launched.  Returns
-    the count of launches of ``kernel``, filled as the call runs."""
+    """Let only ``kernel`` ("stream", "persistent" or "tile") of the fused module run: the others raise when
+    launched.  Returns the count of launches of ``kernel``, filled as the call runs."""
     from entropy_discriminator.kernels import triton_fused
 
-    names = {"stream": "_fused_stream_kernel", "tile": "_fused_tile_kernel"}
+    names = {"stream": "_fused_stream_kernel", "tile": "_fused_tile_kernel", "persistent": "_fused_persistent_kernel"}
     runs = {"launches": 0}
     real = getattr(triton_fused, names[kernel])
 
@@ -257,9 +257,9 @@ def _only(monkeypatch, kernel: str) -> dict[str, int]:
         def __getitem__(self, grid):
             raise AssertionError(f"{kernel} was expected, but the other fused kernel was launched")
 
-    other = names["tile" if kernel == "stream" else "stream"]
     monkeypatch.setattr(triton_fused, names[kernel], Counted())
-    monkeypatch.setattr(triton_fused, other, Forbidden())
+    for other in set(names) - {kernel}:
+        monkeypatch.setattr(triton_fused, names[other], Forbidden())
     return runs
 
 
@@ -291,6 +291,10 @@ def _float64_logits(hid, w, b) -> torch.Tensor:
         (33, 48, 256, torch.float16, True, 1.0, 16, {"chunks": 4, "group_rows": 1}, "stream"),
         (9, 32, 40, torch.float16, True, 1.3, None, {}, "stream"),  # V < BN: the peeled tile alone
         (21, 40, 300, torch.float16, False, 1.0, 16, {"chunks": 3, "flatten": 0, "branch": 0}, "stream"),
+        # the persistent per-tile kernel: row slices, flattened or not, branched or not, V not a multiple of BN
+        (37, 48, 300, torch.float16, True, 1.2, 16, {"stream": 0, "persistent": 1}, "persistent"),
+        (40, 40, 500, torch.float16, False, 0.7, None, {"stream": 0, "persistent": 1, "flatten": 0, "branch": 1},
+         "persistent"),
     ],
 )
 def test_fused_kernel_matches_float64(monkeypatch, n, h, v, dtype, bias, temperature, rows_per_launch, cfg, kernel):
@@ -300,6 +304,23 @@ def test_fused_kernel_matches_float64(monkeypatch, n, h, v, dtype, bias, tempera
     out = token_stats_fused_triton(hid, w, labels, b, temperature, -100, config=config, rows_per_launch=rows_per_launch)
     _check(out, _float64_logits(hid, w, b), labels, temperature)
     assert runs["launches"] == (-(-n // rows_per_launch) if rows_per_launch else 1)
+
+
+def test_fused_kernel_picks_the_persistent_kernel_by_hidden_size(monkeypatch):
+    """A config that sets neither ``stream`` nor ``persistent`` takes them from the hidden size: the persistent
+    per-tile kernel (unbranched) inside PERSISTENT_H, the streaming kernel outside; an explicit choice wins."""
+    from entropy_discriminator.kernels import triton_fused
+
+    monkeypatch.setattr(triton_fused, "PERSISTENT_H", (40, 48))
+    tiles = {"bm": 16, "bn": 64, "bk": 16, "group_m": 3}
+    for h, cfg, kernel in ((40, {}, "persistent"), (48, {}, "stream"), (32, {}, "stream"),
+                           (40, {"stream": 1}, "stream"), (40, {"persistent": 0}, "stream")):
+        with monkeypatch.context() as m:
+            runs = _only(m, kernel)
+            hid, w, b, labels = _fused_problem(h, 19, h, 200, torch.float16, True)
+            out = token_stats_fused_triton(hid, w, labels, b, 1.1, -100, config={**tiles, **cfg})
+            assert runs["launches"] == 1, (h, cfg)
+        _check(out, _float64_logits(hid, w, b), labels, 1.1)
 
 
 def test_fused_stream_kernel_masked_vocabulary(monkeypatch):
@@ -450,8 +471,8 @@ def test_fused_kernel_refuses_unknown_config_keys():
     labels = torch.zeros(0, dtype=torch.int64, device=hid.device)
     with pytest.raises(ValueError, match=r"unknown keys \['pipeline'\]"):
         token_stats_fused_triton(hid, w, labels, None, 1.0, -100, config={"bn": 32, "pipeline": 1})
-    with pytest.raises(ValueError, match=r"unknown keys \['persistent'\]"):  # the kernel the streaming one replaced
-        token_stats_fused_triton(hid, w, labels, None, 1.0, -100, config={"persistent": 1})
+    with pytest.raises(ValueError, match=r"unknown keys \['max_programs', 'ws'\]"):  # keys of an earlier kernel
+        token_stats_fused_triton(hid, w, labels, None, 1.0, -100, config={"ws": 0, "max_programs": 4})
 
 
 @pytest.mark.parametrize("stream", [0, 1])

@@ -13,6 +13,9 @@ under no_grad).
   with TMA-loaded operands, the V and K loops pipelined as one, keeping running statistics per row; the chunk
   count and a grouped program order come from :func:`stream_plan` (fill one wave at the compiled occupancy; keep
   the hidden blocks in flight within L2).
+- Persistent per tile (:func:`_fused_persistent_kernel`; the same inputs, by default for
+  :data:`PERSISTENT_H` hidden sizes): one program per SM walks the [BM, BN] tiles (in groups of GROUP_M row
+  blocks) with TMA-loaded operands, the tile and K loops pipelined as one, P = ceil(V / BN) partials.
 - Per tile (:func:`_fused_tile_kernel`; fp32, unaligned strides, pre-Hopper GPUs): one program per [BM, BN] tile
   (in groups of GROUP_M row blocks), operands through pointers, P = ceil(V / BN) partials.
 """
@@ -42,18 +45,24 @@ __all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG", "stream_plan", "stream_
 # H alone, sum p^2 and E_p[S] read 0; 0: the matmul and the row max alone, a timing floor); branch: form the label
 # logit only in the tiles that hold some row's label (and, per tile, mask the columns past V only in the last
 # tile): block-uniform branches (0: in every tile); maxnreg: register cap per thread (0: none; benchmarks only).
-# stream: 1 runs the streaming TMA kernel where the inputs allow it (0: always the per-tile pointer kernel);
+# stream: 1 runs the streaming TMA kernel where the inputs allow it (0: a per-tile kernel); persistent: with stream 0,
+# 1 runs the persistent per-tile TMA kernel where the inputs allow it (0: the pointer kernel); a call's config that
+# sets neither takes them from the hidden size (:data:`PERSISTENT_H`);
 # flatten: its V and K loops pipelined as one; chunks / group_rows: its vocabulary chunks and row blocks per group
 # (0: :func:`stream_plan`'s rule); group_mib: the rule's L2 budget for a group's hidden blocks (MiB).  group_m:
 # the per-tile kernel's row blocks per group.  128 x 256 x 64 tiles, 8 warps, 3 stages, flattened: the streaming
 # schedule's best tiles on an H200 (benchmarks/fused_ws_probe.py, benchmarks/RESULTS.md).
 DEFAULT_CONFIG = {"bm": 128, "bn": 256, "bk": 64, "num_warps": 8, "stages": 3, "moments": 4, "branch": 1,
-                  "maxnreg": 0, "stream": 1, "flatten": 1, "chunks": 0, "group_rows": 0, "group_mib": 16,
+                  "maxnreg": 0, "stream": 1, "persistent": 0, "flatten": 1, "chunks": 0, "group_rows": 0, "group_mib": 16,
                   "group_m": 8}  # fmt: skip
 # The streaming kernel forms the label logit in every tile (branch 0) from this hidden size on: there the
 # block-uniform branches cost the flattened loop more than the compare and select they save (H200, H 5120:
 # 1.02-1.00x cuBLAS unbranched against 1.05-1.11x; H <= 3584 mixed or the other way; benchmarks/RESULTS.md).
 UNBRANCHED_FROM_H = 4096
+# Hidden sizes [lo, hi) whose 16-bit heads run the persistent per-tile kernel (unbranched) by default: at H 3584 it
+# took 1.02-1.07x cuBLAS against the streaming kernel's 1.04-1.15x on an H200; at H 2048 it was slower at N <= 16384
+# (benchmarks/RESULTS.md); the streaming kernel runs below and above.
+PERSISTENT_H = (3072, 4096)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # logits_dtype -> the epilogue's ROUND code (fp32 logits need no rounding)
 _ROUND_CODES = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -208,6 +217,31 @@ def _fused_tile_kernel(h_ptr, w_ptr, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, 
 
 
 @triton.jit
+def _fused_persistent_kernel(a_desc, w_desc, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, c, inv_t,
+                             HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, T_ROUND: tl.constexpr, BM: tl.constexpr,
+                             BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
+                             MOMENTS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
+                             FTZ: tl.constexpr, BRANCH: tl.constexpr):
+    """NUM_PROGRAMS programs walk the [BM, BN] tiles in grouped order, operands by TMA (rows, columns and K past the
+    tensors' ends zero-filled; columns >= V masked to -inf by the epilogue); with FLATTEN the tile and K loops are
+    pipelined as one, so the next tile's loads run during this tile's epilogue.  Partials as
+    :func:`_fused_tile_kernel`'s."""
+    num_pid_m = tl.cdiv(N, BM)
+    num_pid_n = tl.cdiv(V, BN)
+    k_tiles = tl.cdiv(H, BK)
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=FLATTEN, num_stages=STAGES):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = a_desc.load([pid_m * BM, ki * BK])
+            b = w_desc.load([pid_n * BN, ki * BK])
+            acc = tl.dot(a, b.T, acc)
+        _tile_epilogue(acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
+                       HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ,
+                       BRANCH=BRANCH)  # fmt: skip
+
+
+@triton.jit
 def _stream_tile(a_desc, w_desc, rb, t, H, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  STAGES: tl.constexpr):
     """fp32 [BM, BN] = hidden[rb*BM : +BM] @ weight[t*BN : +BN].T over K = H in BK steps, operands by TMA (rows,
@@ -323,13 +357,23 @@ def stream_spec(cfg: dict, has_bias: bool, round_code: int, t_round: bool, ftz: 
                                   "BRANCH": bool(cfg["branch"])}  # fmt: skip
 
 
-def _use_stream(cfg: dict, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The streaming TMA kernel runs when asked for (``stream``), on 16-bit inputs the copy engine can address.
+def _schedule(cfg: dict, config: dict | None, hidden: torch.Tensor, weight: torch.Tensor) -> str:
+    """``"stream"``, ``"persistent"`` or ``"tile"``: which kernel runs (and, by the hidden size, ``cfg``'s
+    ``stream`` / ``persistent`` / ``branch`` when the caller's ``config`` leaves them unset)."""
+    if not _tma_ok(hidden, weight):
+        return "tile"
+    hdim = hidden.shape[1]
+    if not {"stream", "persistent"} & set(config or {}) and PERSISTENT_H[0] <= hdim < PERSISTENT_H[1]:
+        cfg.update(stream=0, persistent=1)
+    if "branch" not in (config or {}) and (hdim >= UNBRANCHED_FROM_H or not cfg["stream"]):
+        cfg["branch"] = 0
+    return "stream" if cfg["stream"] else "persistent" if cfg["persistent"] else "tile"
 
-    TMA needs 16-byte aligned row strides and bases (H a multiple of 8 for 16-bit data) and a
-    Hopper-or-newer GPU; fp32 inputs keep the pointer kernel (its full-precision dot).
-    """
-    if not cfg["stream"] or TensorDescriptor is None or hidden.dtype == torch.float32:
+
+def _tma_ok(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the TMA kernels can take these inputs: 16-bit, on a Hopper-or-newer GPU, 16-byte aligned row strides
+    and bases (H a multiple of 8); fp32 inputs keep the pointer kernel (its full-precision dot)."""
+    if TensorDescriptor is None or hidden.dtype == torch.float32:
         return False
     if hidden.device.type == "cuda" and torch.cuda.get_device_capability(hidden.device)[0] < 9:
         return False
@@ -421,8 +465,9 @@ def token_stats_fused_triton(
     [N] int64.  Returns :class:`.triton_stats.KernelStats` (fp32 [N] statistics, bool ``valid``, int32 error
     counters).  Matmul in the input dtype on tensor cores with fp32 accumulation (fp32 inputs: the slow "ieee" dot).
     16-bit inputs with TMA-addressable strides on Hopper or newer run the streaming kernel
-    (:func:`_fused_stream_kernel`, launch plan :func:`stream_plan`), partials fp32 [6, rows, S]; otherwise the
-    per-tile pointer kernel, partials fp32 [6, rows, ceil(V / bn)]; then :func:`._reduce.merge_kernel`.  Rows go in
+    (:func:`_fused_stream_kernel`, launch plan :func:`stream_plan`), partials fp32 [6, rows, S], or for hidden sizes
+    in :data:`PERSISTENT_H` the persistent per-tile kernel; otherwise the per-tile pointer kernel; per-tile
+    partials are fp32 [6, rows, ceil(V / bn)]; then :func:`._reduce.merge_kernel`.  Rows go in
     slices of ``rows_per_launch`` (default: partials <= 256 MiB).  ``config`` overrides :data:`DEFAULT_CONFIG`
     (benchmarks and tests; ``moments=2`` skips sum p^2 and E_p[S], which read 0; ``moments=0`` every exponential, a
     timing floor).  ``logits_dtype`` rounds L = hidden @ W.T + b in the epilogue, z = fp32(round(L)) / T; with
@@ -458,9 +503,8 @@ def token_stats_fused_triton(
                    **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {})}  # fmt: skip
     ftz = not interpreting()
     bm, bn, bk = cfg["bm"], cfg["bn"], cfg["bk"]
-    stream = _use_stream(cfg, hidden, weight)
-    if stream and "branch" not in (config or {}) and hdim >= UNBRANCHED_FROM_H:
-        cfg["branch"] = 0
+    schedule = _schedule(cfg, config, hidden, weight)
+    stream = schedule == "stream"
     n_tiles = triton.cdiv(vocab, bn)
     if logits_dtype not in _ROUND_CODES:
         raise ValueError(f"logits_dtype must be None or one of {_DTYPES}, got {logits_dtype!r}")
@@ -499,6 +543,7 @@ def token_stats_fused_triton(
             tpc, n_cols, g = plan(min(n_rows, rows_per_launch))
         else:
             n_cols = n_tiles
+            w_desc = TensorDescriptor.from_tensor(weight, [bn, bk]) if schedule == "persistent" else None
             if rows_per_launch is None:
                 rows_per_launch = max(bm, (_WORKSPACE_BYTES // (24 * n_tiles)) // bm * bm)
         for r0 in range(0, n_rows, rows_per_launch):
@@ -509,6 +554,15 @@ def token_stats_fused_triton(
             lab = labels[r0:r1]
             if stream:
                 kernel[(triton.cdiv(rows, bm) * n_cols,)](*args(r0, r1, part, yk, tpc, g), **consts, **launch_opts)
+            elif schedule == "persistent":
+                n_prog = min(triton.cdiv(rows, bm) * n_tiles, _num_sms(dev))
+                _fused_persistent_kernel[(n_prog,)](
+                    TensorDescriptor.from_tensor(hidden[r0:r1], [bm, bk]), w_desc, bias_arg, lab, part, yk, rows,
+                    vocab, hdim, c, inv_t, HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, BM=bm,
+                    BN=bn, BK=bk, GROUP_M=cfg["group_m"], STAGES=cfg["stages"], MOMENTS=cfg["moments"],
+                    NUM_PROGRAMS=n_prog, FLATTEN=bool(cfg["flatten"]), FTZ=ftz, BRANCH=bool(cfg["branch"]),
+                    **launch_opts,
+                )  # fmt: skip
             else:
                 _fused_tile_kernel[(triton.cdiv(rows, bm) * n_tiles,)](
                     hidden[r0:r1], weight, bias_arg, lab, part, yk, rows, vocab, hdim,
