@@ -27,12 +27,9 @@ import torch
 
 #: Deferred checks one thread may leave unread; the next deferred call waits for the oldest.
 MAX_PENDING = 16
-#: The values of ``check``: wait for the counts, defer them (this module), or skip them (bad rows read NaN).
-CHECK_MODES = (True, "deferred", False)
-
-
 def check_mode(check: object) -> bool | str:
-    """``check`` if it is one of :data:`CHECK_MODES`, else ``TypeError`` naming it."""
+    """``check`` if it is ``True`` (wait for the counts), ``"deferred"`` (this module) or ``False`` (skip them: bad
+    rows read NaN), else ``TypeError`` naming it."""
     if check is True or check is False or check == "deferred":
         return check  # type: ignore[return-value]
     raise TypeError(f"check must be True, False or 'deferred', got {check!r}")

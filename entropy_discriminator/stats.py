@@ -213,14 +213,15 @@ def _token_stats_torch(
         bad_label = valid & ((flat_labels < 0) | (flat_labels >= v_total))
         nan_inf = valid & (torch.isnan(row_max) | (row_max == math.inf))
         masked = valid & (row_max == -math.inf)
+        counts = torch.stack([bad_label.sum(), nan_inf.sum(), masked.sum()]) if check else None
         if check is True:
-            errors = torch.stack([bad_label.sum(), nan_inf.sum(), masked.sum()]).tolist()
+            errors = counts.tolist()
             if any(errors):
                 raise_for_errors(errors, labels, v_total, ignore_index)
         else:
             if check == "deferred" and n:
-                deferred.defer_counts(torch.stack([bad_label.sum(), nan_inf.sum(), masked.sum()]),
-                                      lambda errors: raise_for_errors(errors, labels, v_total, ignore_index), "token_stats")
+                deferred.defer_counts(counts, lambda errors: raise_for_errors(errors, labels, v_total, ignore_index),
+                                      "token_stats")
             out.masked_fill_(bad_label | nan_inf | masked, math.nan)
         out[:4].masked_fill_(~valid, 0.0)
         torch.sub(out[2], out[3], out=out[4])

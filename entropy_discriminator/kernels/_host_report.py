@@ -135,10 +135,15 @@ class HostReport:
 _local = threading.local()
 
 
+def _new_report() -> HostReport:
+    """A report in pinned memory (plain memory where CUDA is absent: Triton's interpreter)."""
+    return HostReport(pinned=torch.cuda.is_available())
+
+
 def spare_report() -> HostReport:
     """A pinned report of this thread's pool for a deferred check; :func:`return_report` gives it back."""
     spares = getattr(_local, "spares", None)
-    return spares.pop() if spares else HostReport(pinned=torch.cuda.is_available())
+    return spares.pop() if spares else _new_report()
 
 
 def return_report(report: HostReport) -> None:
@@ -153,7 +158,7 @@ def host_report() -> HostReport:
     """This thread's pinned report (a fresh one while it is in use)."""
     rep = getattr(_local, "report", None)
     if rep is None:
-        rep = _local.report = HostReport(pinned=torch.cuda.is_available())  # Triton's interpreter: plain memory
+        rep = _local.report = _new_report()
     elif rep.busy:
-        return HostReport(pinned=torch.cuda.is_available())
+        return _new_report()
     return rep

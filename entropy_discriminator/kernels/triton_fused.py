@@ -127,6 +127,20 @@ def _label_logit(acc, col0, labels, row_ok, rm, yk_ptr, c, BN: tl.constexpr, BRA
 
 
 @triton.jit
+def _store_partials(part_ptr, rm, row_ok, N, n_cols, col, m, s0, s1, s2, s3):
+    """Store rows ``rm``'s partials at column ``col`` of part_ptr, fp32 [6, N, n_cols]: m, s0..s3, and m again (the
+    max the merge validates); rows past N (``row_ok`` False) are not stored."""
+    stride_f = tl.cast(N, tl.int64) * n_cols
+    q = part_ptr + rm.to(tl.int64) * n_cols + col
+    tl.store(q, m, mask=row_ok)
+    tl.store(q + stride_f, s0, mask=row_ok)
+    tl.store(q + 2 * stride_f, s1, mask=row_ok)
+    tl.store(q + 3 * stride_f, s2, mask=row_ok)
+    tl.store(q + 4 * stride_f, s3, mask=row_ok)
+    tl.store(q + 5 * stride_f, m, mask=row_ok)
+
+
+@triton.jit
 def _tile_epilogue(acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
                    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MOMENTS: tl.constexpr,
                    ROUND: tl.constexpr, T_ROUND: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr):
@@ -173,14 +187,7 @@ def _tile_epilogue(acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c,
     row_ok = rm < N
     labels = tl.load(lab_ptr + rm % N)
     _label_logit(acc, pid_n * BN, labels, row_ok, rm, yk_ptr, c, BN=BN, BRANCH=BRANCH)
-    stride_f = tl.cast(N, tl.int64) * num_pid_n
-    q = part_ptr + rm.to(tl.int64) * num_pid_n + pid_n
-    tl.store(q, m, mask=row_ok)
-    tl.store(q + stride_f, s0, mask=row_ok)
-    tl.store(q + 2 * stride_f, s1, mask=row_ok)
-    tl.store(q + 3 * stride_f, s2, mask=row_ok)
-    tl.store(q + 4 * stride_f, s3, mask=row_ok)
-    tl.store(q + 5 * stride_f, m, mask=row_ok)
+    _store_partials(part_ptr, rm, row_ok, N, num_pid_n, pid_n, m, s0, s1, s2, s3)
 
 
 @triton.jit
@@ -335,14 +342,7 @@ def _fused_stream_kernel(a_desc, w_desc, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V,
         y = tl.where(rn[None, :] < V, _round_logits(acc, inv_t, ROUND=ROUND, T_ROUND=T_ROUND) * c, float("-inf"))
         _label_logit(y, n_full * BN, labels, row_ok, rm, yk_ptr, 1.0, BN=BN, BRANCH=BRANCH)
         m, s0, s1, s2, s3 = _fold_tile(y, m, s0, s1, s2, s3, MOMENTS=MOMENTS, FTZ=FTZ)
-    stride_f = tl.cast(N, tl.int64) * n_chunks
-    q = part_ptr + rm.to(tl.int64) * n_chunks + chunk
-    tl.store(q, m, mask=row_ok)
-    tl.store(q + stride_f, s0, mask=row_ok)
-    tl.store(q + 2 * stride_f, s1, mask=row_ok)
-    tl.store(q + 3 * stride_f, s2, mask=row_ok)
-    tl.store(q + 4 * stride_f, s3, mask=row_ok)
-    tl.store(q + 5 * stride_f, m, mask=row_ok)
+    _store_partials(part_ptr, rm, row_ok, N, n_chunks, chunk, m, s0, s1, s2, s3)
 
 
 def _num_sms(device: torch.device) -> int:
