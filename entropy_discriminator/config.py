@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +23,7 @@ from .stats import IMPLS, TokenStats
 METHODS = ("none", "clip_b", "clip_v", "autopilot")
 #: The threshold masks (``compute_mask``); ``"autopilot"`` is a controller with state (``build_autopilot``).
 MASK_METHODS = ("clip_b", "clip_v")
-#: The defaults of every entry point (API, CLI, adapters): mu = 2.5 and no cap for both masks (README "Defaults":
-#: the reference's Clip_V setting for 7B models, mu 8.5 with a 1e-4 cap, clips nothing in a batch under 10,000 tokens).
+#: The defaults of every entry point (API, CLI, adapters): mu = 2.5 and no cap for both masks (README "Defaults").
 DEFAULT_MU_LOW = {"clip_b": DEFAULT_MU, "clip_v": DEFAULT_MU}
 DEFAULT_MAX_FRAC: dict[str, float | None] = {"clip_b": None, "clip_v": None}
 #: Fields of the threshold masks and their defaults: a non-default value is refused with method ``"autopilot"``.
@@ -34,15 +33,12 @@ AUTOPILOT_ONLY: dict[str, Any] = {
     "target_entropy": "hold", "decay_steps": None, "gain": _autopilot.DEFAULT_GAIN,
     "max_step": _autopilot.DEFAULT_MAX_STEP, "eta": None, "form": "cov", "smoothing": _autopilot.DEFAULT_SMOOTHING,
 }
-#: Fields that only act through a mask or the autopilot, and their defaults: with method ``"none"`` a value other
-#: than these (or, for ``max_frac``, None: no cap, what ``"auto"`` means for the masks) is refused, since the run
-#: would silently only monitor.
+#: Fields that only act through a mask or the autopilot, and their defaults: refused away from them (and a number
+#: ``max_frac``) with method ``"none"``, since the run would silently only monitor.
 CONTROL_ONLY: dict[str, Any] = {**MASK_ONLY, "sides": "negative", "mask_mode": "zero_pg", **AUTOPILOT_ONLY}
-#: Default of ``calibrate_every``: one calibration batch in ten (the adapters' cost: one no-grad forward of a share of
-#: that batch, ``calibrate_share``).
+#: Defaults of ``calibrate_every`` and ``calibrate_share``: one calibration batch in ten, of whose sequences the
+#: after-update pass reads one in four (docs/adapters/law-and-autopilot.md, "What a calibration batch costs").
 DEFAULT_CALIBRATE_EVERY = 10
-#: Default of ``calibrate_share``: the after-update pass reads one sequence in four of the calibration batch
-#: (docs/adapters/law-and-autopilot.md, "What a calibration batch costs").
 DEFAULT_CALIBRATE_SHARE = 0.25
 
 
@@ -50,40 +46,28 @@ DEFAULT_CALIBRATE_SHARE = 0.25
 class EntropyDiscConfig:
     """Entropy-discriminator settings, as adapters read them from a framework's config.
 
-    Every field is checked whenever it is set, at construction and on any later assignment: a bad setting raises
-    ``ValueError`` naming ``entropy_disc.<field>``, whatever its type; real-valued fields take any real number or
-    0-d tensor and are stored as Python floats.  Assigning a name that is not a field raises ``AttributeError``
-    naming the closest field.  Fields of one kind of method are refused, away from their defaults, under the other
-    (the config left unchanged): :data:`MASK_ONLY` under ``"autopilot"``, :data:`AUTOPILOT_ONLY` under ``"clip_b"`` /
-    ``"clip_v"``, and :data:`CONTROL_ONLY` (also ``sides``, ``mask_mode``, a number ``max_frac``) under ``"none"``:
-    set the method first, then its settings.
+    Every field is checked whenever it is set (construction and later assignment): a bad value raises ``ValueError``
+    naming ``entropy_disc.<field>``; real fields take any real number or 0-d tensor and store a Python float; an
+    unknown name raises ``AttributeError`` naming the closest field.  Fields of one kind of method set away from their
+    defaults are refused under another (the config left unchanged): :data:`MASK_ONLY` under ``"autopilot"``,
+    :data:`AUTOPILOT_ONLY` under ``"clip_b"`` / ``"clip_v"``, :data:`CONTROL_ONLY` and a number ``max_frac`` under
+    ``"none"``: set the method first, then its settings.
 
     Attributes:
         method: ``"none"`` (metrics only), ``"clip_b"`` (mask on S*), ``"clip_v"`` (mask on S_c) or ``"autopilot"``
             (:class:`~entropy_discriminator.EntropyAutopilot`, docs/autopilot.md).
-        mu_low: lower bound in batch stds (>= 0, ``inf`` disables it); None takes the default (2.5 for both masks).
-        mu_high: upper bound in batch stds; ``inf`` (default) clips one side only.
-        sides: advantage sign whose tokens may be clipped (dropped): negative, positive or both.
-        max_frac: cap on the clipped share, in [0, 1] (at most ``floor(max_frac * n)`` of ``n`` valid tokens,
-            :func:`~entropy_discriminator.masks.cap_limit`); ``"auto"``: the default (no cap for either mask, 0.05
-            for the autopilot); None: no cap.  Stored as the decimal it was written as (``np.float32(1e-4)`` is
-            ``0.0001``).
-        cap_rule: ``"share"`` (``floor(max_frac * n)``) or ``"reference"`` (at least one token when over the cap,
-            Trinity-RFT's rule).
-        mask_mode: ``"zero_pg"`` (clipped tokens lose their policy-gradient term; the loss normaliser is unchanged)
-            or ``"drop_token"`` (they leave the loss mask).
+        mu_low, mu_high: bounds in batch stds (>= 0, ``inf`` disables one); defaults None (2.5) and ``inf``.
+        sides, cap_rule: as in :func:`~entropy_discriminator.clip_b_mask`; mask_mode: as in
+            :func:`~entropy_discriminator.apply_keep_mask`.
+        max_frac: cap on the clipped share, in [0, 1], stored as the decimal it was written as (``np.float32(1e-4)``
+            is ``0.0001``); ``"auto"``: no cap for the masks, 0.05 for the autopilot; None: no cap.
         chunk_size, impl: passed to :func:`~entropy_discriminator.token_stats`.
         log_metrics: log the monitor's metrics every step.
-        target_entropy, decay_steps, gain, max_step, form, smoothing: the autopilot's (:class:`EntropyAutopilot`;
-            defaults ``"hold"``, None, 0.05, 0.02, ``"cov"``, 0.2).
-        eta: autopilot: the step size ``eta`` of the law ``dH ~ -eta Cov_B(A, r S_c)`` (a finite real > 0); None
-            (default): the optimizer's configured learning rate (:meth:`step_size`).
-        calibrate_every: every this many statistics batches the adapter measures the realised entropy change of
-            that batch's tokens and feeds the scale ``kappa`` that puts ``-eta Cov_B(A, r S_c)`` in nats (int >= 0;
-            0: off, the cheap score is logged as ``delta_entropy/cheap`` only; docs/adapters/law-and-autopilot.md).
-        calibrate_share: the share of a calibration batch's sequences that the after-update pass reads, in (0, 1]
-            (default 0.25: ``ceil(0.25 B)`` of ``B`` rows spread evenly over the batch,
-            :func:`~entropy_discriminator.law_scale.calibration_rows`); 1 reads the whole batch.
+        target_entropy, decay_steps, gain, max_step, form, smoothing: the autopilot's (:class:`EntropyAutopilot`).
+        eta: the autopilot's step size in ``dH ~ -eta Cov_B(A, r S_c)`` (> 0); None: the optimizer's learning rate.
+        calibrate_every, calibrate_share: every this many statistics batches (int >= 0; 0: off) the adapter measures
+            the realised entropy change on this share, in (0, 1], of the batch's sequences: the scale ``kappa`` of
+            ``-eta Cov_B`` in nats (docs/adapters/law-and-autopilot.md).
     """
 
     method: str = "none"
@@ -124,9 +108,7 @@ class EntropyDiscConfig:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None) -> EntropyDiscConfig:
         """Build from a dict (e.g. a Hydra/OmegaConf node); unknown keys raise ``ValueError`` naming the closest
-        field.  Values may be command-line strings, parsed by the field's type (:func:`_from_text`: numbers,
-        ``"inf"``, ``"hold"``, ``"auto"``, integers, ``true``/``false``/``1``/``0``/``yes``/``no``/``on``/``off``,
-        ``none``/``null``); any other string raises ``ValueError`` naming the field and what it takes."""
+        field.  Command-line strings are parsed by the field's type (:func:`_from_text`), else ``ValueError``."""
         values = dict(values or {})
         known = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(values) - set(known))
@@ -150,8 +132,7 @@ class EntropyDiscConfig:
 
     @property
     def needs_expected(self) -> bool:
-        """True when the mask needs ``E_p[S]`` (a full pass over the vocabulary): Clip_V and the
-        autopilot (both read ``S_c = S* - E_p[S]``)."""
+        """True when the method reads ``S_c = S* - E_p[S]`` (a full pass over the vocabulary): Clip_V, autopilot."""
         return self.method in ("clip_v", "autopilot")
 
     def resolved(self) -> tuple[float, float | None]:
@@ -194,12 +175,9 @@ class EntropyDiscConfig:
         return clip_v_mask(s_centered, advantages, valid, **kwargs)
 
     def build_autopilot(self, process_group: Group = None, *, vocab_size: int | None = None) -> EntropyAutopilot:
-        """A fresh :class:`~entropy_discriminator.EntropyAutopilot` with these settings (method ``"autopilot"``).
-
-        ``max_frac="auto"`` becomes the autopilot's default cap, 0.05; ``vocab_size``: the policy's vocabulary size
-        when known (a target above its log is refused).  The step size is given per batch:
-        ``from_stats(stats, advantages, lr=self.step_size(lr), ratio=r)``.
-        """
+        """A fresh :class:`~entropy_discriminator.EntropyAutopilot` with these settings (method ``"autopilot"``;
+        ``max_frac="auto"``: 0.05; ``vocab_size``, when known, refuses a target above its log).  Call it per batch as
+        ``from_stats(stats, advantages, lr=self.step_size(lr), ratio=r)``."""
         if self.method != "autopilot":
             raise ValueError(f"entropy_disc.method is {self.method!r}: build_autopilot needs method 'autopilot'")
         max_frac = _autopilot.DEFAULT_MAX_FRAC if self.max_frac == "auto" else self.max_frac
@@ -210,9 +188,8 @@ class EntropyDiscConfig:
         )  # fmt: skip
 
     def step_size(self, learning_rate: float) -> float:
-        """``eta`` of the autopilot's law: the ``eta`` field when set, else ``learning_rate``, the optimizer's
-        configured peak (a schedule below it is a gain ``g < 1`` the feedback absorbs; docs/autopilot.md).
-        ``ValueError`` naming ``entropy_disc.eta`` when the result is not a finite real > 0."""
+        """``eta`` of the autopilot's law: the ``eta`` field, else ``learning_rate`` (the optimizer's configured peak;
+        docs/autopilot.md); ``ValueError`` naming ``entropy_disc.eta`` unless that is a finite real > 0."""
         if self.eta is not None:
             return self.eta
         try:
@@ -257,6 +234,14 @@ def _optional(check):
     return lambda name, value: None if value is None else check(name, value)
 
 
+def _real(**bounds: Any):
+    return lambda name, value: real_number(name, value, **bounds)
+
+
+def _int(minimum: int):
+    return lambda name, value: integer(name, value, minimum=minimum)
+
+
 def _max_frac(name: str, value: object) -> float | str | None:
     if value is None or (isinstance(value, str) and value == "auto"):
         return value
@@ -280,14 +265,6 @@ def _flag(name: str, value: object) -> bool:
     return bool(value)
 
 
-#: How :meth:`EntropyDiscConfig.from_mapping` reads a string for a field: ``(kind, words kept as text, takes None)``.
-_TEXT_KINDS: dict[str, tuple[type, tuple[str, ...], bool]] = {
-    "mu_low": (float, (), True), "mu_high": (float, (), False), "max_frac": (float, ("auto",), True),
-    "chunk_size": (int, (), True), "log_metrics": (bool, (), False), "target_entropy": (float, ("hold",), False),
-    "decay_steps": (int, (), True), "gain": (float, (), False), "max_step": (float, (), False),
-    "eta": (float, (), True), "smoothing": (float, (), False), "calibrate_every": (int, (), False),
-    "calibrate_share": (float, (), False),
-}
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
@@ -309,24 +286,28 @@ def _from_text(key: str, text: str) -> object:
     raise ValueError(f"entropy_disc.{key} must be {' or '.join(options)}, got {text!r}")
 
 
-_FIELD_CHECKS = {
-    "method": _choice(METHODS),
-    "mu_low": _optional(lambda name, value: real_number(name, value, finite=False, minimum=0)),
-    "mu_high": lambda name, value: real_number(name, value, finite=False, minimum=0),
-    "sides": _choice(SIDES),
-    "max_frac": _max_frac,
-    "cap_rule": _choice(CAP_RULES),
-    "mask_mode": _choice(MASK_MODES),
-    "chunk_size": _optional(lambda name, value: integer(name, value, minimum=1)),
-    "impl": _choice(IMPLS),
-    "log_metrics": _flag,
-    "target_entropy": _target_entropy,
-    "decay_steps": _optional(lambda name, value: integer(name, value, minimum=1)),
-    "gain": lambda name, value: real_number(name, value, above=0, maximum=1),
-    "max_step": lambda name, value: real_number(name, value, finite=False, above=0),
-    "eta": _optional(lambda name, value: real_number(name, value, above=0)),
-    "form": _choice(FORMS),
-    "smoothing": lambda name, value: real_number(name, value, above=0, maximum=1),
-    "calibrate_every": lambda name, value: integer(name, value, minimum=0),
-    "calibrate_share": lambda name, value: real_number(name, value, above=0, maximum=1),
+#: Each field's check, and how :meth:`EntropyDiscConfig.from_mapping` reads a string for it (:func:`_from_text`):
+#: ``(kind, words kept as text, takes None)``, or None where the string is the value.
+_FIELDS: dict[str, tuple[Callable[[str, Any], Any], tuple[type, tuple[str, ...], bool] | None]] = {
+    "method": (_choice(METHODS), None),
+    "mu_low": (_optional(_real(finite=False, minimum=0)), (float, (), True)),
+    "mu_high": (_real(finite=False, minimum=0), (float, (), False)),
+    "sides": (_choice(SIDES), None),
+    "max_frac": (_max_frac, (float, ("auto",), True)),
+    "cap_rule": (_choice(CAP_RULES), None),
+    "mask_mode": (_choice(MASK_MODES), None),
+    "chunk_size": (_optional(_int(1)), (int, (), True)),
+    "impl": (_choice(IMPLS), None),
+    "log_metrics": (_flag, (bool, (), False)),
+    "target_entropy": (_target_entropy, (float, ("hold",), False)),
+    "decay_steps": (_optional(_int(1)), (int, (), True)),
+    "gain": (_real(above=0, maximum=1), (float, (), False)),
+    "max_step": (_real(finite=False, above=0), (float, (), False)),
+    "eta": (_optional(_real(above=0)), (float, (), True)),
+    "form": (_choice(FORMS), None),
+    "smoothing": (_real(above=0, maximum=1), (float, (), False)),
+    "calibrate_every": (_int(0), (int, (), False)),
+    "calibrate_share": (_real(above=0, maximum=1), (float, (), False)),
 }
+_FIELD_CHECKS = {name: check for name, (check, _) in _FIELDS.items()}
+_TEXT_KINDS = {name: kind for name, (_, kind) in _FIELDS.items() if kind is not None}

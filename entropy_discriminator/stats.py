@@ -12,10 +12,8 @@ All of them follow from the row max ``m`` and ``u_i = z_i - m``, ``e_i = exp(u_i
     s0 = sum e,  s1 = sum e u,  ubar = s1/s0 = E_p[u],   log Z = log s0 (+ m)
     H = log s0 - ubar,   log p_k = u_k - log s0,   E_p[S] = sum e^2 (u - ubar) / s0^2
 
-since ``H + log p_i = u_i - ubar``.  The last, centred form keeps its accuracy on near-uniform rows, where
-``H sum p^2 + sum p^2 log p`` subtracts two nearly equal numbers (relative error up to ~1e-1 in fp32).  The torch
-path evaluates it per chunk of rows in two sweeps; ``kernels/`` holds a one-pass Triton kernel for CUDA
-(``impl="triton"``, ``E_p[S] = (sum e^2 u - ubar sum e^2) / s0^2``), chosen by ``impl="auto"`` when available.
+since ``H + log p_i = u_i - ubar``; the centred form keeps its accuracy on near-uniform rows (docs/science.md).
+The torch path makes two sweeps per chunk of rows; ``kernels/`` holds the one-pass Triton kernel (``impl="triton"``).
 """
 
 from __future__ import annotations
@@ -29,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from . import deferred
-from ._checks import NO_IGNORE_INDEX, common_shape, ignore_index_value, real_number, require_float, require_tensor
+from ._checks import (NO_IGNORE_INDEX, common_shape, ignore_index_value, one_of, real_number, require_float,
+                      require_tensor)
 from .distributed import all_reduce
 
 #: ``impl=`` names accepted by :func:`token_stats`.
@@ -65,32 +64,26 @@ class TokenStats:
 
 
 def field_of(value: object, field: str) -> tuple[object, torch.Tensor | None]:
-    """``(value.<field>, value.valid)`` when ``value`` is a :class:`TokenStats`, else ``(value, None)``: how the
-    masks, the monitor and ``batch_entropy_change`` take a score tensor or the statistics (whose ``valid`` is then
-    intersected with the caller's mask, :func:`~entropy_discriminator._checks.valid_within`)."""
+    """``(value.<field>, value.valid)`` for a :class:`TokenStats`, else ``(value, None)``: the ``valid`` that
+    :func:`~entropy_discriminator._checks.valid_within` intersects with the caller's mask."""
     if isinstance(value, TokenStats):
         return getattr(value, field), value.valid
     return value, None
 
 
-#: How far below 0 an entropy, and above 0 a log-probability, :func:`discriminator_score` accepts as rounding
-#: (nats): two roundings of half a bfloat16 spacing at magnitudes in [16, 32) (logsumexp and E_p[z] of
-#: bf16 logits), 1/16 each.  Beyond it the input is not an entropy / a log-probability (e.g. a negated one).
+#: How far below 0 an entropy, and above 0 a log-probability, :func:`discriminator_score` accepts as rounding (nats):
+#: two roundings of half a bf16 spacing at magnitudes in [16, 32) (logsumexp and E_p[z] of bf16 logits), 1/16 each.
 SCORE_SLACK = 0.125
 
 
 def discriminator_score(logp: torch.Tensor, entropy: torch.Tensor, *, check: bool = True) -> torch.Tensor:
-    """``S* = exp(logp) * (entropy + logp)`` from what every framework already logs.
+    """``S* = exp(logp) * (entropy + logp)`` from what every framework already logs (all Clip_B needs).
 
-    Equivalent torch: ``logp.exp() * (entropy + logp)``, computed in float32 (float64 stays float64), with
-    ``S* = 0`` where ``logp = -inf``; a NaN in ``logp`` or ``entropy`` gives a NaN score (which the masks refuse at
-    a valid position).  ``logp`` and ``entropy`` must broadcast; the result has their broadcast shape.  Clip_B needs
-    nothing more.
-
-    ``entropy >= -SCORE_SLACK`` and ``logp <= SCORE_SLACK`` (0.125 nats of rounding) at every entry, else
-    ``ValueError`` naming the argument and the count (one host synchronisation; pad positions must hold in-range
-    values, e.g. 0).  ``check=False`` skips that check, for entropies a framework computed itself whose rounding can
-    exceed the slack (e.g. verl's vocabulary-parallel Megatron entropy from bf16 logits).
+    ``logp`` and ``entropy``: float tensors that broadcast; returns their broadcast shape in float32 (float64 stays
+    float64), ``S* = 0`` where ``logp = -inf``, NaN where an input is NaN.  Raises ``ValueError`` naming the argument
+    and the count unless ``entropy >= -SCORE_SLACK`` and ``logp <= SCORE_SLACK`` at every entry (pad positions too;
+    one host synchronisation); ``check=False`` skips that, for a framework's own entropies whose rounding exceeds
+    the slack (e.g. verl's vocabulary-parallel Megatron entropy from bf16 logits).
     """
     require_float("logp", logp)
     require_float("entropy", entropy)
@@ -116,43 +109,26 @@ def _check_score_domain(logp: torch.Tensor, entropy: torch.Tensor) -> None:
 def token_stats(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
                 ignore_index: int | None = -100, chunk_size: int | None = None, impl: str = "auto",
                 check: bool | str = True, vocab_parallel_group: dist.ProcessGroup | None = None, vocab_start_index: int = 0) -> TokenStats:
-    """Exact per-token ``logp, H, S*, E_p[S], S_c`` of ``softmax(logits / temperature)``.
-
-    Equivalent (memory-hungry) torch, with ``k = labels``::
-
-        logq = torch.log_softmax(logits.double() / temperature, -1); p = logq.exp()
-        H = -(p * logq).sum(-1); lpk = logq.gather(-1, k[..., None])[..., 0]
-        s_star = lpk.exp() * (H + lpk); s_expected = (p**2 * (H[..., None] + logq)).sum(-1)
-
-    (``E_p[S]`` in the centred form of the module docstring.)
+    """Exact per-token ``logp, H, S*, E_p[S], S_c`` of ``softmax(logits / temperature)`` (module docstring).
 
     Args:
-        logits: ``[..., V]`` bf16/fp16/fp32/fp64, any leading shape, any strides (views are read in place).
-            ``-inf`` entries are legal (masked vocabulary); NaN or ``+inf`` in a counted row raises ``ValueError``.
-        labels: integer tensor of shape ``logits.shape[:-1]``: the sampled token of each row, in ``[0, V)`` or
-            ``ignore_index``.  Aligning labels with logits (the one-token shift) is the caller's job.
-        temperature: logits are upcast, then divided by it, exactly as samplers do (after subtracting the row max,
-            so finite logits never overflow).
-        ignore_index: label of positions that are skipped (0 and ``valid=False``); ``None``: none is skipped.
-        chunk_size: rows per chunk on the torch path; peak extra memory about ``3 * chunk_size * V`` accumulator
-            elements (fp32, or fp64 for fp64 logits), never a full fp32 copy.  Default: ``2**25 // V`` rows.
-        impl: ``"torch"`` (chunked, any device), ``"triton"`` (one-pass CUDA kernel) or ``"auto"`` (Triton for
-            CUDA logits when available, else torch).
-        check: raise ``ValueError`` naming the fault for a label out of range, a NaN / ``+inf`` logit or a row of
-            ``-inf`` only in a counted row.  On CUDA: one host synchronisation (the kernel writes its counts to
-            pinned host memory, which the call polls).  ``"deferred"``: the same check without the wait
-            (:mod:`entropy_discriminator.deferred`): the call returns at once and the ``ValueError`` comes from the
-            next call of this thread whose check has arrived by then, or from
-            :func:`~entropy_discriminator.raise_deferred` (which waits); meanwhile bad rows read NaN.  ``False``
-            never blocks the host; a bad row's statistics are then NaN (which the masks and the monitor reject).
-            Without the wait (``"deferred"``, ``False``) and with ``impl="auto"``, logits above
-            ``~3.4e38 * T / log2(e)`` give NaN instead of being recomputed on the torch path.
-        vocab_parallel_group: tensor-parallel group when each rank holds a vocabulary shard (Megatron style).
-            Labels stay global ids; every rank returns the full-vocabulary statistics.
-        vocab_start_index: first global vocabulary id of this rank's shard.
+        logits: ``[..., V]`` bf16/fp16/fp32/fp64, any strides (views are read in place); ``-inf`` entries are legal.
+        labels: integer tensor of shape ``logits.shape[:-1]`` (already shifted): in ``[0, V)`` or ``ignore_index``.
+        temperature: the upcast logits, less their row max, are divided by it, as samplers do.
+        ignore_index: label of skipped positions (0 and ``valid=False``); ``None``: none is skipped.
+        chunk_size: rows per chunk on the torch path (about ``3 * chunk_size * V`` extra elements; default
+            ``2**25 // V``).
+        impl: ``"torch"`` (chunked, any device), ``"triton"`` (one-pass CUDA kernel) or ``"auto"`` (Triton when
+            available).
+        check: ``True``: raise ``ValueError`` for a label out of range, a NaN / ``+inf`` logit or a row of ``-inf``
+            in a counted row (on CUDA one host synchronisation); ``"deferred"``: the same check without the wait,
+            raised by a later call of this thread or :func:`~entropy_discriminator.raise_deferred`
+            (:mod:`~entropy_discriminator.deferred`); ``False``: bad rows read NaN.  Without the wait and with
+            ``impl="auto"``, logits above ``~3.4e38 * T / log2(e)`` read NaN instead of a torch recomputation.
+        vocab_parallel_group, vocab_start_index: when each rank holds the vocabulary shard starting at
+            ``vocab_start_index`` (Megatron style); labels stay global ids, every rank gets full-vocabulary results.
 
-    Returns:
-        :class:`TokenStats`, every field of ``labels.shape``; float32 (float64 for fp64 logits).
+    Returns :class:`TokenStats`, every field of ``labels.shape``, float32 (float64 for fp64 logits).
     """
     logits = require_float("logits", logits)
     if logits.dim() < 1 or logits.shape[-1] == 0:
@@ -230,9 +206,8 @@ def _token_stats_torch(
 
 
 def raise_for_errors(errors: list[int], labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
-    """Raise the ``ValueError`` the first non-zero counter names.  ``errors`` counts counted rows with: a label
-    outside ``[0, vocab)``, a NaN or ``+inf`` logit, every logit ``-inf``, and (Triton kernels only) finite logits
-    that overflow fp32 once scaled by ``log2(e) / temperature``."""
+    """Raise the ``ValueError`` of the first non-zero count of counted rows with: a label outside ``[0, vocab)``, a
+    NaN or ``+inf`` logit, every logit ``-inf``, (Triton only) finite logits that overflow fp32 once scaled."""
     bad_label, nan_inf, masked, overflow = (list(errors) + [0])[:4]
     if bad_label:
         flat = labels.reshape(-1)
@@ -254,9 +229,8 @@ def raise_for_errors(errors: list[int], labels: torch.Tensor, vocab: int, ignore
 
 def check_stats_args(labels: object, source: torch.Tensor, source_name: str, temperature: object, ignore_index: object,
                      chunk_size: object, impl: object) -> tuple[float, int]:
-    """Validate the arguments :func:`token_stats` and ``token_stats_from_hidden`` share: ``labels`` an integer
-    tensor of shape ``source.shape[:-1]`` on ``source``'s device, ``temperature`` a real > 0, ``ignore_index`` an
-    integer or None.  Returns ``(temperature, ignore_index)`` as Python ``float`` / ``int``."""
+    """Check the arguments :func:`token_stats` and ``token_stats_from_hidden`` share; returns ``(temperature,
+    ignore_index)`` as Python ``float`` / ``int``."""
     labels = require_tensor("labels", labels)
     if labels.dtype not in _INT_DTYPES:
         raise TypeError(f"labels must be an integer tensor, got dtype {labels.dtype}")
@@ -270,8 +244,7 @@ def check_stats_args(labels: object, source: torch.Tensor, source_name: str, tem
     ignore_index = ignore_index_value(ignore_index)
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    one_of("impl", impl, IMPLS)
     return temperature, ignore_index
 
 
@@ -335,13 +308,8 @@ def _moments_torch(rows: torch.Tensor, labels: torch.Tensor, temperature: float,
                    group: dist.ProcessGroup | None, vocab_start: int) -> tuple[torch.Tensor, ...]:
     """logp, H, S*, E_p[S] and the unscaled row max of one ``[n, V]`` chunk (three [n, V] buffers).
 
-    u = (x - max x) / T (the shift first: finite logits cannot overflow).  A first sweep gives
-    ubar = E_p[u] = sum e^u u / sum e^u; the second works with v = u - ubar (|v| small wherever p
-    is not negligible; v <= log V since ubar >= -H): e = exp(v), s0 = sum e, s1 = sum e v,
-    s2 = sum e^2, s3 = sum e^2 v, and H = log s0 - s1/s0, log p_k = v_k - log s0,
-    E_p[S] = sum p^2 (v - s1/s0) = (s3 - s2 s1/s0) / s0^2.  Centring on ubar makes s1/s0 nearly 0,
-    so E_p[S] keeps its relative accuracy on near-uniform rows (where it is ~var(u)/V and
-    ``H sum p^2 + sum p^2 log p`` cancels entirely).
+    A first sweep gives ``ubar = E_p[u]``; the second sums ``e = exp(v)`` over ``v = u - ubar`` (so ``s1/s0`` is
+    nearly 0): ``H = log s0 - s1/s0``, ``log p_k = v_k - log s0``, ``E_p[S] = (s3 - s2 s1/s0) / s0^2``.
     """
     z = rows.to(acc, copy=True)
     m = z.amax(dim=-1)
