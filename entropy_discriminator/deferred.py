@@ -1,19 +1,10 @@
-"""Checks that do not wait: ``token_stats(..., check="deferred")`` and :func:`raise_deferred`.
+"""Checks that do not wait: ``token_stats(..., check="deferred")`` and :func:`raise_deferred` (docs/performance.md).
 
-A waiting check (``check=True``) holds the host until the kernel has counted the bad rows (labels out of range, NaN
-or ``+inf`` logits, rows of ``-inf``, fp32 overflow): at small N that one wait costs more than the kernel
-(benchmarks/RESULTS.md).  A deferred check launches the same kernel, which writes the same counts to pinned host
-memory, and returns at once; a bad row's statistics read NaN meanwhile, as with ``check=False``.  The counts are read,
-and the ``ValueError`` the waiting check names is raised (the argument and the count, plus which earlier call), by
-the first of:
-
-* the next ``token_stats`` / ``token_stats_from_hidden`` call of the same thread, for every earlier call whose counts
-  have arrived (it never waits for one still running);
-* :func:`raise_deferred`, which waits for every deferred check of the thread: call it before acting on the host on
-  what the statistics decided (before ``optimizer.step()``, say);
-* a deferred call finding :data:`MAX_PENDING` checks still unread: it waits for the oldest, before its own work.
-
-Each thread keeps its own pending checks, oldest first.
+A deferred check counts the same bad rows as ``check=True`` without the host waiting for the counts (bad rows read
+NaN meanwhile); the waiting check's ``ValueError``, naming the earlier call, is raised by the first of: the thread's
+next ``token_stats`` / ``token_stats_from_hidden`` call (for the checks whose counts have arrived),
+:func:`raise_deferred` (which waits for all), or a deferred call finding :data:`MAX_PENDING` unread (it waits for
+the oldest).  Each thread keeps its own pending checks, oldest first.
 """
 
 from __future__ import annotations
@@ -27,9 +18,10 @@ import torch
 
 #: Deferred checks one thread may leave unread; the next deferred call waits for the oldest.
 MAX_PENDING = 16
+
+
 def check_mode(check: object) -> bool | str:
-    """``check`` if it is ``True`` (wait for the counts), ``"deferred"`` (this module) or ``False`` (skip them: bad
-    rows read NaN), else ``TypeError`` naming it."""
+    """``check`` if it is ``True``, ``False`` or ``"deferred"``, else ``TypeError`` naming it."""
     if check is True or check is False or check == "deferred":
         return check  # type: ignore[return-value]
     raise TypeError(f"check must be True, False or 'deferred', got {check!r}")
@@ -37,8 +29,8 @@ def check_mode(check: object) -> bool | str:
 
 @dataclass
 class _Pending:
-    """One deferred check: ``poll()`` gives the counts once they have arrived (else None), ``wait()`` blocks for
-    them; ``explain(counts)`` raises the ``ValueError`` they name; ``done()`` hands the buffers back."""
+    """``poll()``: the counts once arrived, else None; ``wait()``: blocks for them; ``explain(counts)``: raises their
+    ``ValueError``; ``done()``: hands the buffers back."""
 
     poll: Callable[[], tuple[int, ...] | None]
     wait: Callable[[], tuple[int, ...]]
@@ -50,24 +42,18 @@ class _Pending:
 _local = threading.local()
 
 
-def _queue() -> deque[_Pending]:
-    queue = getattr(_local, "pending", None)
-    if queue is None:
-        queue = _local.pending = deque()
-    return queue
-
-
 def defer(poll: Callable[[], tuple[int, ...] | None], wait: Callable[[], tuple[int, ...]],
           explain: Callable[[tuple[int, ...]], None], done: Callable[[], None], call: str) -> None:
-    """Queue a check of this thread (the functions of :class:`_Pending`; ``call`` names the function for the
-    message).  Callers first make room with ``resolve_ready(make_room=True)``, before their work."""
-    _queue().append(_Pending(poll, wait, explain, done, call))
+    """Queue a check of this thread (:class:`_Pending`; ``call`` names the function); callers first make room with
+    ``resolve_ready(make_room=True)``."""
+    if getattr(_local, "pending", None) is None:
+        _local.pending = deque()
+    _local.pending.append(_Pending(poll, wait, explain, done, call))
 
 
 def resolve_ready(make_room: bool = False) -> None:
-    """Raise what the oldest deferred checks of this thread whose counts have arrived found, without waiting (the
-    queue is read in order up to the first one still running); with ``make_room``, then wait for the oldest while
-    :data:`MAX_PENDING` are queued.  Cheap when nothing is pending: one lookup."""
+    """Raise what this thread's oldest checks whose counts have arrived found, in order, without waiting; with
+    ``make_room``, then wait for the oldest while :data:`MAX_PENDING` are queued."""
     queue = getattr(_local, "pending", None)
     if queue:
         _resolve(queue, block=False, limit=len(queue))
@@ -76,9 +62,8 @@ def resolve_ready(make_room: bool = False) -> None:
 
 
 def raise_deferred() -> None:
-    """Wait for every deferred check of this thread (``check="deferred"``) and raise the ``ValueError`` of the first
-    one that found a bad row (its argument and count, as the waiting check names them); the checks after it stay
-    queued.  A no-op when none is pending."""
+    """Wait for every deferred check of this thread and raise the ``ValueError`` of the first that found a bad row
+    (the checks after it stay queued); a no-op when none is pending."""
     queue = getattr(_local, "pending", None)
     if queue:
         _resolve(queue, block=True, limit=len(queue))
@@ -107,8 +92,7 @@ def _resolve(queue: deque[_Pending], *, block: bool, limit: int) -> None:
 
 
 def _event_counts(counts: torch.Tensor) -> tuple[Callable[[], tuple[int, ...] | None], Callable[[], tuple[int, ...]]]:
-    """``(poll, wait)`` over an int device tensor of counts: copied without waiting into pinned memory behind an
-    event on the current stream (CUDA), or read at once (any other device)."""
+    """``(poll, wait)`` over an int device tensor of counts: a pinned copy behind an event (CUDA), else read now."""
     if counts.device.type != "cuda":
         values = tuple(counts.tolist())
         return (lambda: values), (lambda: values)

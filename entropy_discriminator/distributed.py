@@ -1,8 +1,7 @@
 """Collectives the batch statistics need, each a no-op without a process group.
 
-Every batch statistic is reduced from sums and counts (never a mean of means), so a data-parallel job sees the
-thresholds one process would compute on the concatenated batch.  Every rank of ``group`` calls each function in the
-same order, with empty shards too; :func:`reduce_or_raise` makes a bad value on one rank raise on every rank.
+Batch statistics are reduced from sums and counts (never a mean of means), so a data-parallel job sees what one
+process would compute on the concatenated batch.  Every rank of ``group`` calls each function in the same order.
 """
 
 from __future__ import annotations
@@ -45,13 +44,12 @@ def all_gather_cat(values: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def reduce_or_raise(build: Callable[[], tuple[torch.Tensor, T]], size: int, group: Group) -> tuple[list[float], T]:
-    """Run a call's local checks and sums, all-reduce them, and agree on failure across ranks.
+    """Sum over ``group`` the float64 ``payload`` of ``size`` entries from ``build() -> (payload, context)``, and
+    return it as Python floats (one host synchronisation) with ``context``.
 
-    ``build()`` validates the local arguments and returns ``(payload, context)``, ``payload`` a float64 vector of
-    ``size`` entries to be summed over ``group``.  A rank whose ``build`` raises still takes part (zeros and a failure
-    flag in an extra slot); then every rank raises the lowest failing rank's error with its message (``ValueError`` /
-    ``TypeError`` as raised, others as ``RuntimeError``).  Without a group the error propagates unchanged.  Returns
-    the reduced payload as Python floats (one host synchronisation) and ``context``.
+    A rank whose ``build`` raises still takes part (zeros and a failure flag); then every rank raises the lowest
+    failing rank's error (``ValueError`` / ``TypeError`` as raised, others as ``RuntimeError``).  Without a group the
+    error propagates unchanged.
     """
     if group is None:
         payload, context = build()
@@ -91,15 +89,9 @@ def rank_offset(n_local: int, group: Group, device: torch.device) -> int:
 
 
 def top_k_mask(score: torch.Tensor, candidate: torch.Tensor, k: int, group: Group) -> torch.Tensor:
-    """Bool mask (``candidate``'s shape) of the ``k`` candidates with the largest ``score`` over all ranks.
-
-    ``score`` is float64 of ``candidate``'s shape; ties go to the smaller position in the concatenated flat batch
-    (independent of the sharding).  Equivalent single-process Python over the candidates' flat positions ``i``::
-
-        chosen = sorted(candidates, key=lambda i: (-score[i], i))[:k]
-
-    One process: one stable descending sort on the device, no host synchronisation.
-    """
+    """Bool mask (``candidate``'s shape) of the ``k`` candidates with the largest float64 ``score`` over all ranks,
+    ties to the smaller position in the concatenated flat batch: ``sorted(candidates, key=lambda i: (-score[i],
+    i))[:k]``.  One process: one stable sort on the device, no host synchronisation."""
     flat = candidate.reshape(-1)
     if k <= 0:
         return torch.zeros_like(candidate)
@@ -116,13 +108,8 @@ def top_k_mask(score: torch.Tensor, candidate: torch.Tensor, k: int, group: Grou
 
 
 def global_top_k(score: torch.Tensor, position: torch.Tensor, k: int, group: Group) -> torch.Tensor:
-    """Bool mask over the local ``score`` of the ``k`` largest scores over all ranks.
-
-    Ties are broken by the smaller global ``position`` (int64, unique across ranks), so the result
-    does not depend on how the batch is sharded.  Equivalent single-process torch::
-
-        order = sorted(range(n), key=lambda i: (-score[i], position[i]))[:k]
-    """
+    """Bool mask over the local ``score`` of the ``k`` largest scores over all ranks, ties to the smaller global
+    ``position`` (int64, unique across ranks): ``sorted(range(n), key=lambda i: (-score[i], position[i]))[:k]``."""
     device = score.device
     k_local = min(k, score.numel())
     local = _lexsort_desc(score, position)[:k_local]
@@ -145,12 +132,9 @@ def _lexsort_desc(score: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
 
 
 def kth_smallest(values: torch.Tensor, ks: list[int], group: Group, where: torch.Tensor | None = None) -> list[float]:
-    """Exact ``k``-th smallest (1-based) of the float32 ``values[where]`` of all ranks, for each k in ``ks``.
-
-    Equal to ``torch.sort(cat(values[where]).float())[k - 1]`` with ``-0.0`` below ``+0.0``.  One process: one sort
-    of integer keys on the device.  Across ranks: a radix select on the order-preserving integer image of the float32
-    bits, 4 rounds of one ``[len(ks), 256]`` all-reduce of counts; no gather, no ``torch.quantile`` (which fails above
-    2**24 elements).  Every ``k`` must lie in ``[1, number of selected values]``.
+    """Exact ``k``-th smallest (1-based, in ``[1, number selected]``) of the float32 ``values[where]`` of all ranks,
+    for each k in ``ks``: ``torch.sort(cat(values[where]).float())[k - 1]``, ``-0.0`` below ``+0.0``.  One process:
+    one sort of integer keys; across ranks: a radix select, 4 rounds of one ``[len(ks), 256]`` all-reduce of counts.
     """
     if not ks:
         return []
@@ -184,13 +168,12 @@ def _radix_select(keys: torch.Tensor, where: torch.Tensor | None, target: torch.
 
 
 def _sortable_int(x: torch.Tensor) -> torch.Tensor:
-    """int32 keys with the order of the float32 values: the bits, with the 31 low bits of
-    negative values flipped (``-0.0`` sorts just below ``+0.0``).  The map is its own inverse."""
+    """int32 keys with the order of the float32 values: the bits, the 31 low bits of negatives flipped (its own
+    inverse: :func:`_float_from_sortable`)."""
     bits = x.view(torch.int32)
     return bits ^ ((bits >> 31) & _INT32_MAX)
 
 
 def _float_from_sortable(keys: torch.Tensor) -> torch.Tensor:
     """float32 values of int keys from :func:`_sortable_int` (its inverse)."""
-    bits = keys.to(torch.int32)
-    return (bits ^ ((bits >> 31) & _INT32_MAX)).view(torch.float32)
+    return _sortable_int(keys.to(torch.int32).view(torch.float32)).view(torch.float32)

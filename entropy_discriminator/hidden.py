@@ -1,15 +1,9 @@
-"""Per-token statistics straight from LM-head inputs, for frameworks that fuse the LM head.
-
-``token_stats_from_hidden`` computes :func:`entropy_discriminator.token_stats` of ``hidden @ weight.T + bias``
-without holding the ``[N, V]`` logits: on CUDA (bf16/fp16) a Triton kernel keeps each logits tile on chip (the
-matmul with the streaming reduction in its epilogue); elsewhere a torch path materialises ``[chunk, V]`` fp32
-logits for one slice of rows at a time.  ``logits_dtype`` reproduces the rounding of a framework that computes
-its LM head in bf16/fp16, so the statistics are those of its own distribution (docs/precision.md).
+"""Per-token statistics straight from LM-head inputs, for frameworks that fuse the LM head: on CUDA (bf16/fp16) a
+Triton matmul with the streaming reduction in its epilogue, elsewhere ``[chunk, V]`` fp32 logits at a time
+(rounding as a framework's bf16/fp16 head does: docs/precision.md).
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 
@@ -24,23 +18,6 @@ _DEFAULT_CHUNK_ELEMENTS = 1 << 25
 _LOGITS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-class _Rounding(NamedTuple):
-    """How fp32-accumulated logits are rounded before the statistics (see ``logits_dtype``)."""
-
-    dtype: torch.dtype | None
-    temperature_in_dtype: bool
-
-    def apply(self, logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, float]:
-        """``(logits', T')`` such that ``token_stats(logits', temperature=T')`` (fp32 upcast, then
-        ``/ T'``) reads the rounded distribution: ``round(L), T`` or ``round(round(L) / T), 1``."""
-        if self.dtype is None:
-            return logits, temperature
-        low = logits.to(self.dtype)
-        if not self.temperature_in_dtype:
-            return low, temperature
-        return (low / temperature).to(self.dtype), 1.0
-
-
 def token_stats_from_hidden(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, bias: torch.Tensor | None = None,
     temperature: float = 1.0, ignore_index: int | None = -100, chunk_size: int | None = None, impl: str = "auto",
@@ -50,26 +27,20 @@ def token_stats_from_hidden(
 
     Args:
         hidden: ``[N, H]`` (or ``[..., H]``) bf16/fp16/fp32 LM-head inputs.
-        weight: ``[V, H]`` LM-head weight, same dtype and device as ``hidden``.
-        labels: integer ``[N]`` (``hidden.shape[:-1]``): sampled token ids in ``[0, V)`` or ``ignore_index``.
-        bias: optional ``[V]`` LM-head bias.
+        weight: ``[V, H]`` LM-head weight, same dtype and device as ``hidden``; bias: optional ``[V]``.
+        labels: integer ``hidden.shape[:-1]``: sampled token ids in ``[0, V)`` or ``ignore_index``.
         temperature: ``z = L / temperature``, ``L = hidden @ weight.T + bias`` with fp32 accumulation.
-        ignore_index: label of skipped positions (0 in every statistic, ``valid=False``).
-        chunk_size: rows per slice on the torch path (default ``2**25 // V``: a slice's fp32 logits stay under
-            128 MiB); ignored by the Triton path.
-        impl: ``"triton"`` (fused CUDA kernel), ``"torch"`` (chunked matmul + :func:`token_stats`, any device) or
-            ``"auto"`` (Triton for bf16/fp16 CUDA inputs when available, else torch).
-        check: as in :func:`token_stats` (``True``: one host synchronisation; ``"deferred"``: raised later, by the
-            next call or :func:`~entropy_discriminator.raise_deferred`; ``False``: NaN statistics in bad rows).
-        logits_dtype: None (``z = L / T`` in fp32, L unrounded) or ``torch.bfloat16`` / ``float16`` / ``float32``:
-            L is rounded to this dtype (to nearest even), as a framework computing its head in it does, then
-            upcast: ``z = fp32(round(L)) / T``.  Give the inputs in the framework's compute dtype too.
-        temperature_in_logits_dtype: with ``logits_dtype``, the division is rounded too,
-            ``z = fp32(round(round(L) / T))``, as a framework dividing its low-precision logits by T does.
+        ignore_index, check: as in :func:`token_stats`.
+        chunk_size: rows per slice on the torch path (default ``2**25 // V``: 128 MiB of fp32 logits).
+        impl: ``"triton"`` (fused CUDA kernel), ``"torch"`` (any device) or ``"auto"`` (Triton for bf16/fp16 CUDA
+            inputs when available).
+        logits_dtype: None, or bf16 / fp16 / fp32: L is rounded to it (to nearest even) as a framework computing
+            its head in it does, ``z = fp32(round(L)) / T`` (give the inputs in that framework's dtype too).
+        temperature_in_logits_dtype: with ``logits_dtype``, the division is rounded too: ``z = fp32(round(round(L)
+            / T))``.
 
-    Returns :class:`TokenStats` of ``labels.shape``: float32 ``logp, entropy, s_star, s_expected, s_centered``
-    (formulas of :func:`token_stats`) and bool ``valid``; ``ValueError`` for bad shapes, dtypes, devices, labels,
-    temperature or ``logits_dtype``, or logits rows holding NaN / +inf.
+    Returns :class:`TokenStats` of ``labels.shape`` (float32, formulas of :func:`token_stats`); ``ValueError`` for
+    bad shapes, dtypes, devices, labels, temperature or ``logits_dtype``, or logits rows holding NaN / +inf.
     """
     hidden = require_float("hidden", hidden)
     weight = require_float("weight", weight)
@@ -93,7 +64,6 @@ def token_stats_from_hidden(
         raise ValueError(f"temperature_in_logits_dtype must be a bool, got {temperature_in_logits_dtype!r}")
     if temperature_in_logits_dtype and logits_dtype is None:
         raise ValueError("temperature_in_logits_dtype=True needs a logits_dtype to round to")
-    rounding = _Rounding(logits_dtype, temperature_in_logits_dtype)
 
     deferred.resolve_ready(make_room=check == "deferred")  # earlier deferred checks whose counts have arrived
     shape = labels.shape
@@ -104,7 +74,7 @@ def token_stats_from_hidden(
     )
     if not use_triton:
         return _from_hidden_torch(h2, weight, k, bias, float(temperature), int(ignore_index), chunk_size, impl, check,
-                                  shape, rounding)
+                                  shape, logits_dtype, temperature_in_logits_dtype)
     if not (hidden.is_cuda and kernels.is_available()):
         raise RuntimeError("impl='triton' needs CUDA tensors and an importable triton")
     from .kernels.triton_fused import token_stats_fused_triton
@@ -126,22 +96,21 @@ def token_stats_from_hidden(
 
 def _from_hidden_torch(h2: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None,
                        temperature: float, ignore_index: int, chunk_size: int | None, impl: str, check: bool,
-                       shape: torch.Size, rounding: _Rounding) -> TokenStats:
-    """Chunked torch path: fp32 logits of ``chunk_size`` rows at a time (rounded as ``rounding``
-    says), then :func:`token_stats`."""
+                       shape: torch.Size, dtype: torch.dtype | None, temperature_in_dtype: bool) -> TokenStats:
+    """Chunked torch path: fp32 logits of ``chunk_size`` rows at a time (rounded to ``dtype``), then
+    :func:`token_stats`."""
     n, vocab = h2.shape[0], weight.shape[0]
     rows = chunk_size or max(1, _DEFAULT_CHUNK_ELEMENTS // vocab)
-    # Logits rounded to the inputs' own dtype come from the backend's GEMM in that dtype (fp32
-    # accumulation, one rounding): the op a framework computing its head in that dtype calls, so
-    # the rounded logits are bit for bit the framework's on the same device.  Otherwise fp32.
-    native = rounding.dtype is not None and rounding.dtype == h2.dtype
+    # Logits rounded to the inputs' own dtype come from the GEMM in that dtype, the framework's op (bit for bit).
+    native = dtype is not None and dtype == h2.dtype
     w32 = weight if native else weight.float()
     b32 = None if bias is None else bias.to(w32.dtype)
     parts: list[TokenStats] = []
     with torch.no_grad():
         for lo in range(0, n, rows):
             h_rows = h2[lo : lo + rows] if native else h2[lo : lo + rows].float()
-            logits, temp = rounding.apply(torch.nn.functional.linear(h_rows, w32, b32), temperature)
+            logits, temp = _rounded(torch.nn.functional.linear(h_rows, w32, b32), temperature, dtype,
+                                    temperature_in_dtype)
             parts.append(token_stats(logits, labels[lo : lo + rows], temperature=temp, ignore_index=ignore_index,
                                      impl="torch" if impl == "torch" else "auto", check=check))
             del logits
@@ -150,3 +119,13 @@ def _from_hidden_torch(h2: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
         empty = torch.zeros(0, dtype=torch.float32, device=h2.device)
         return TokenStats(*(empty.reshape(shape) for _ in fields[:-1]), valid=empty.bool().reshape(shape))
     return TokenStats(**{f: torch.cat([getattr(p, f) for p in parts]).reshape(shape) for f in fields})
+
+
+def _rounded(logits: torch.Tensor, temperature: float, dtype: torch.dtype | None,
+             temperature_in_dtype: bool) -> tuple[torch.Tensor, float]:
+    """``(logits', T')`` with which :func:`token_stats` reads the rounded distribution: ``round(L), T`` or
+    ``round(round(L) / T), 1`` (``dtype`` None: ``L, T``)."""
+    if dtype is None:
+        return logits, temperature
+    low = logits.to(dtype)
+    return ((low / temperature).to(dtype), 1.0) if temperature_in_dtype else (low, temperature)

@@ -1,20 +1,10 @@
-"""Clip_B and Clip_V keep-masks (paper eqs. 15-16; DESIGN.md "Masks").
+"""Clip_B and Clip_V keep-masks (paper eqs. 15-16; semantics in docs/api.md, "Mask semantics").
 
-Both drop from the loss the tokens whose score is a batch outlier, only among tokens whose
-advantage has the sign named by ``sides``:
-
-* Clip_B on ``S*``: keep when ``-mu_low * sigma <= S* - mean <= mu_high * sigma``;
-* Clip_V on ``S_c``: keep when ``-mu_low * sigma' <= S_c <= mu_high * sigma'`` (no re-centring:
-  the batch mean of ``S_c`` is ~0 by Corollary 2).
-
-``mean`` and ``sigma`` are the population mean and standard deviation over every valid token of
-the batch, in float64, across all ranks of ``process_group``.  Zero-advantage tokens are never
-clipped: their policy-gradient term is already zero (the reference Clip_V clips them too).
-
-The first argument may be the :class:`~entropy_discriminator.TokenStats` itself
-(``clip_v_mask(stats, advantages, response_mask)``): then only positions valid in both the caller's mask and
-``stats.valid`` count, so ignored labels (which hold 0) never enter the mean, sigma or the counts.  With a plain
-score tensor ``valid`` alone decides: pass ``response_mask & stats.valid``.
+Both drop from the loss the batch outliers of a score among the tokens whose advantage has the sign ``sides``
+names (never zero-advantage tokens); ``mean`` and ``sigma`` are population statistics over every valid token, in
+float64, across ``process_group``.  The first argument may be the :class:`~entropy_discriminator.TokenStats`
+itself: then only positions valid in both ``valid`` and ``stats.valid`` count (with a plain score tensor pass
+``response_mask & stats.valid``).
 """
 
 from __future__ import annotations
@@ -43,9 +33,8 @@ ZERO_STD = 1e-12
 class MaskResult:
     """A keep-mask and the batch statistics behind it (counts are global over the process group).
 
-    ``keep`` is bool with the scores' shape, True where the token stays in the loss (always at invalid positions).
-    ``lower``/``upper``: the thresholds in score units (``-inf``/``inf`` where the matching ``mu`` is infinite);
-    ``capped``: ``max_frac`` limited the number of clipped tokens.
+    ``keep``: bool of the scores' shape, True where the token stays (always at invalid positions); ``lower`` /
+    ``upper``: thresholds in score units (``-inf`` / ``inf`` for an infinite ``mu``); ``capped``: ``max_frac`` acted.
     """
 
     keep: torch.Tensor
@@ -74,22 +63,17 @@ def clip_b_mask(s_star: torch.Tensor | TokenStats, advantages: torch.Tensor, val
     """Clip_B: keep token t when ``-mu_low*sigma <= S*_t - mean(S*) <= mu_high*sigma``.
 
     Args:
-        s_star: ``[B, T]`` (or any shape) float scores ``S* = p_k (H + log p_k)``, or the
-            :class:`~entropy_discriminator.TokenStats` they come from (module docstring).
+        s_star: ``[B, T]`` (or any shape) float scores ``S* = p_k (H + log p_k)``, or their ``TokenStats``.
         advantages: ``[B]`` per sequence (GRPO) or the scores' shape (per token, GAE).
         valid: bool or 0/1 tensor of the scores' shape (the response mask).
-        mu_low, mu_high: bounds in units of the batch std (any real or 0-d tensor); ``math.inf`` disables a side
-            (default 2.5 and inf: one-sided, the paper's Clip_B setting).
-        sides: advantage sign whose tokens may be clipped: ``negative`` (A < 0, the paper's and the reference's
-            default), ``positive`` (A > 0) or ``both``.
-        max_frac: a cap on the clipped share (default None: no cap): at most :func:`cap_limit` tokens are
-            clipped, the most violating first (distance beyond the bound in units of sigma), ties by position.
-        cap_rule: ``"share"`` (default: at most ``floor(max_frac * n_valid)``, so ``0`` clips nothing) or
-            ``"reference"`` (at least one token when over the cap, as Trinity-RFT).
-        process_group: statistics and the cap are global over this group; a bad value on one rank raises the
-            same error on every rank.
+        mu_low, mu_high: bounds in batch stds (any real >= 0 or 0-d tensor); ``math.inf`` disables a side.
+        sides: advantage sign whose tokens may be clipped: ``negative`` (A < 0), ``positive`` or ``both``.
+        max_frac: cap on the clipped share (None: no cap): at most :func:`cap_limit` tokens, the most violating
+            first (distance beyond the bound in units of sigma), ties by position.
+        cap_rule: ``"share"`` or ``"reference"`` (:func:`cap_limit`).
+        process_group: statistics and the cap are global over it; a bad value on one rank raises on every rank.
 
-    Returns :class:`MaskResult`; ``keep`` has the scores' shape.
+    Returns :class:`MaskResult`; ``ValueError`` / ``TypeError`` naming a bad argument, or NaN / inf at a valid position.
     """
     return _outlier_mask("clip_b", "s_star", s_star, advantages, valid, True, mu_low, mu_high, sides, max_frac,
                          cap_rule, process_group)
@@ -100,9 +84,8 @@ def clip_v_mask(s_centered: torch.Tensor | TokenStats, advantages: torch.Tensor,
                 max_frac: float | None = None, cap_rule: str = "share", process_group: Group = None) -> MaskResult:
     """Clip_V: keep token t when ``-mu_low*sigma' <= S_c,t <= mu_high*sigma'``, sigma' = std(S_c).
 
-    ``S_c = S* - E_p[S]`` from :func:`~entropy_discriminator.token_stats` (or the ``TokenStats`` itself).
-    Arguments and defaults as in :func:`clip_b_mask`.  The reference's settings for 7B models (mu = 8.5,
-    ``max_frac=1e-4``) clip nothing in a batch of a few thousand tokens; ``cap_rule="reference"`` caps as it does.
+    ``S_c = S* - E_p[S]`` from :func:`~entropy_discriminator.token_stats` (or the ``TokenStats`` itself); no
+    re-centring (its batch mean is ~0, Corollary 2).  Arguments, defaults and errors as in :func:`clip_b_mask`.
     """
     return _outlier_mask("clip_v", "s_centered", s_centered, advantages, valid, False, mu_low, mu_high, sides, max_frac,
                          cap_rule, process_group)
@@ -111,15 +94,10 @@ def clip_v_mask(s_centered: torch.Tensor | TokenStats, advantages: torch.Tensor,
 def apply_keep_mask(
     pg_losses: torch.Tensor, keep: torch.Tensor, loss_mask: torch.Tensor, *, mode: str = "zero_pg"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Apply a keep-mask to a per-token policy-gradient loss, one of two documented ways.
-
-    * ``"zero_pg"`` (default): ``pg_losses * keep``; ``loss_mask`` unchanged, so the loss
-      normaliser (token count) stays what the framework computes.
-    * ``"drop_token"``: ``loss_mask * keep``; the token leaves the loss and its denominator
-      (the reference implementation's behaviour); ``pg_losses`` unchanged.
-
-    Shapes: all three ``[B, T]`` (or any common shape); ``keep`` bool or 0/1, ``loss_mask`` any
-    real or bool tensor. Returns ``(pg_losses, loss_mask)`` with the input dtypes.
+    """Apply a keep-mask to a per-token policy-gradient loss: ``"zero_pg"``: ``pg_losses * keep`` (the loss
+    normaliser unchanged); ``"drop_token"``: ``loss_mask * keep`` (the token leaves the denominator too, as the
+    reference does).  All three of one shape (``[B, T]``); ``keep`` bool or 0/1, ``loss_mask`` real or bool.
+    Returns ``(pg_losses, loss_mask)`` with the input dtypes; ``ValueError`` for a bad mode, shape or keep value.
     """
     require_float("pg_losses", pg_losses)
     one_of("mode", mode, MASK_MODES)
@@ -192,12 +170,8 @@ _N_CHECKS = 3
 
 
 def cap_limit(max_frac: object, n_valid: int, cap_rule: str = "share") -> int | None:
-    """Most tokens a mask may clip, from ``max_frac`` in exact decimal arithmetic (None: no cap).
-
-    ``cap_rule="share"`` (default): ``floor(max_frac * n_valid)``, so ``n_clipped <= max_frac * n_valid`` always
-    holds and ``max_frac = 0`` clips nothing.  ``cap_rule="reference"``: ``max(floor(max_frac * n_valid), 1)``, the
-    rule of Trinity-RFT 0.6.0's ``ClipVAdvantageFn``.  ``max_frac`` is read as the decimal it was written as
-    (``0.29`` is 29/100).
+    """Most tokens a mask may clip (None: no cap): ``floor(max_frac * n_valid)`` (``cap_rule="share"``) or at least
+    1 (``"reference"``, Trinity-RFT 0.6.0's rule), ``max_frac`` read as the decimal it was written as (0.29 = 29/100).
     """
     if max_frac is None:
         return None
@@ -205,10 +179,9 @@ def cap_limit(max_frac: object, n_valid: int, cap_rule: str = "share") -> int | 
     return max(limit, 1) if cap_rule == "reference" else limit
 
 
-def _check_params(
-    mu_low: object, mu_high: object, sides: object, max_frac: object, cap_rule: object
-) -> tuple[float, float]:
-    """``(mu_low, mu_high)`` as floats, after checking ``sides``, ``max_frac`` and ``cap_rule``; errors name the argument."""
+def _check_params(mu_low: object, mu_high: object, sides: object, max_frac: object,
+                  cap_rule: object) -> tuple[float, float]:
+    """``(mu_low, mu_high)`` as floats, after checking ``sides``, ``max_frac`` and ``cap_rule``."""
     low = real_number("mu_low", mu_low, finite=False, minimum=0)
     high = real_number("mu_high", mu_high, finite=False, minimum=0)
     one_of("sides", sides, SIDES)

@@ -15,24 +15,14 @@ from .stats import TokenStats, field_of
 
 
 class EntropyMonitor:
-    """Turns one batch's per-token tensors into a flat ``dict[str, float]`` under ``prefix``.
+    """Turns one batch's per-token tensors into a flat ``dict[str, float]`` under ``prefix`` (keys: docs/api.md,
+    "Metrics").
 
-    Every mean, std and fraction is reduced from global sums and counts over the valid tokens of all ranks of
-    ``process_group``; percentiles are exact nearest-rank order statistics, the ``ceil(q/100 * n)``-th smallest
-    valid entropy (:meth:`percentile_ranks`; one sort, or a radix select across ranks, never ``torch.quantile``).
-    The key set depends only on which arguments are given (and on whether the mask's thresholds are finite), never
-    on the batch: a statistic undefined on a batch (a mean over no token) is ``NaN``, counts and fractions of an
-    empty set are 0.  Keys (``prefix`` = ``entropy_disc/``):
-
-    * ``entropy/mean``, ``entropy/p10`` ... ``entropy/p99``, ``entropy/mean_adv_pos``,
-      ``entropy/mean_adv_neg``, ``entropy/kept_mean``, ``entropy/clipped_mean``;
-    * ``s_star/mean``, ``s_star/std``, ``s_centered/mean``, ``s_centered/std``;
-    * ``clip/frac``, ``clip/frac_adv_pos``, ``clip/frac_adv_neg``, ``clip/n_clipped``,
-      ``clip/threshold_low``, ``clip/threshold_high`` (finite ones), ``clip/capped``;
-    * ``cov/adv_s_centered`` = ``Cov_B(A, r S_c)``; ``delta_entropy/predicted`` = ``-lr * Cov_B(A, r S_c)``
-      (Corollaries 4, 4.1; times ``scale`` when given, then also ``delta_entropy/scale``); ``delta_entropy/realised``
-      from :meth:`realised`;
-    * ``tokens/valid``, ``tokens/adv_pos``, ``tokens/adv_neg``.
+    Means, stds and fractions are reduced from global sums and counts over the valid tokens of all ranks of
+    ``process_group``; percentiles are exact nearest-rank order statistics (:meth:`percentile_ranks`).  The key set
+    depends only on which arguments are given (and on which mask thresholds are finite): a mean over no token is
+    ``NaN``, counts and fractions of an empty set are 0.  ``cov/adv_s_centered`` is ``Cov_B(A, r S_c)``,
+    ``delta_entropy/predicted`` ``-lr * Cov_B(A, r S_c)`` (Corollaries 4, 4.1; times ``scale`` when given).
     """
 
     def __init__(self, *, prefix: str = "entropy_disc/", percentiles: Sequence[float] = (10, 50, 90, 99),
@@ -63,8 +53,7 @@ class EntropyMonitor:
             raise TypeError(f"percentiles must be a sequence of numbers in (0, 100], e.g. (10, 50, 90), got "
                             f"{percentiles!r} ({type(percentiles).__name__})")
         values = list(percentiles)
-        qs = [real_number("percentiles", q, above=0, maximum=100) for q in values]
-        self._percentiles = tuple(qs)
+        self._percentiles = tuple(real_number("percentiles", q, above=0, maximum=100) for q in values)
         self._ranks = tuple(exact_fraction(q) / 100 for q in values)
 
     def percentile_ranks(self, n: int) -> list[int]:
@@ -76,16 +65,13 @@ class EntropyMonitor:
                  s_star: torch.Tensor | None = None, s_centered: torch.Tensor | None = None,
                  mask: MaskResult | None = None, ratio: torch.Tensor | None = None, lr: float | None = None,
                  scale: float | None = None) -> dict[str, float]:
-        """Metrics of one batch. Tensors share ``entropy``'s shape (``advantages`` may be ``[B]``).
+        """Metrics of one batch; float tensors of ``entropy``'s shape (``advantages`` may be ``[B]``).
 
-        ``mask`` must have been computed on this batch over the same valid tokens (its ``n_valid`` must equal the
-        count here, else ``ValueError``) and the same ``process_group``; ``ratio`` (``pi / pi_sample``, per token,
-        finite and >= 0) weights ``S_c`` in the covariance off-policy; ``lr`` (a finite real >= 0) turns the
-        covariance into the predicted entropy change; ``scale`` (``kappa`` of a
-        :class:`~entropy_discriminator.law.Calibration`, > 0, with ``lr``) puts it in nats:
-        ``delta_entropy/predicted = -kappa lr Cov_B``, ``delta_entropy/scale = kappa``.  NaN / inf at a valid
-        position raises ``ValueError`` naming the tensor, on every rank.  Host synchronisations: one for the sums
-        and counts, one for the percentiles.
+        ``mask``: computed on this batch over the same valid tokens (else ``ValueError``) and ``process_group``;
+        ``ratio``: ``pi / pi_sample`` per token (finite, >= 0), weighting ``S_c`` off-policy; ``lr`` (finite, >= 0):
+        gives ``delta_entropy/predicted``; ``scale`` (``kappa`` of a :class:`~entropy_discriminator.law.Calibration`,
+        > 0, needs ``lr``): ``-kappa lr Cov_B`` in nats, logged as ``delta_entropy/scale``.  NaN / inf at a valid
+        position raises ``ValueError`` naming the tensor, on every rank.  Two host synchronisations.
         """
         return self._metrics(None, entropy=entropy, valid=valid, advantages=advantages, s_star=s_star,
                              s_centered=s_centered, mask=mask, ratio=ratio, lr=lr, scale=scale)
@@ -135,8 +121,7 @@ class EntropyMonitor:
                              (masked["ratio"] < 0).sum())
             for name in ("s_star", "s_centered"):
                 if name in masked:
-                    x = masked[name]
-                    parts += [sums[name], (x * x).sum()]
+                    parts += [sums[name], (masked[name] * masked[name]).sum()]
             if mask is not None:
                 keep = require_tensor("mask.keep", getattr(mask, "keep", None))
                 require_shape("mask.keep", keep, shape, "entropy")
@@ -202,11 +187,8 @@ class EntropyMonitor:
 
     def realised(self, entropy_before: torch.Tensor | TokenStats, entropy_after: torch.Tensor | TokenStats,
                  valid: torch.Tensor) -> dict[str, float]:
-        """``delta_entropy/realised`` = mean(H after) - mean(H before) over the valid tokens of all ranks.
-
-        Both entropies are of the same tokens (same shape), before and after the update; ``NaN`` when no token is
-        valid.  Either may be the ``TokenStats`` itself: then only positions valid in both count.
-        """
+        """``delta_entropy/realised`` = mean(H after) - mean(H before) over the valid tokens of all ranks (``NaN``
+        for none): the same tokens' entropies (one shape), or their ``TokenStats`` (then valid in both counts)."""
         entropy_before, before_valid = field_of(entropy_before, "entropy")
         entropy_after, after_valid = field_of(entropy_after, "entropy")
 

@@ -1,14 +1,12 @@
 """Per-token statistics folded over vocabulary chunks of logits that exist one tile at a time.
 
-A framework whose LM head never holds the ``[N, V]`` logits (it reduces ``[n, C]`` tiles and drops them) can hand
-every tile to :class:`VocabFold` too: the statistics of exactly the logits it computed, for one more read of each
-tile.  Per token the fold keeps, in base-2 units ``y = x c`` (``c = log2(e) scale / T`` for a raw tile entry ``x``),
-the running maximum ``m`` and, against it (``d_i = y_i - m``, ``e_i = 2^d_i``)::
+A framework whose LM head reduces ``[n, C]`` logits tiles and drops them hands every tile to :class:`VocabFold` too.
+Per token it keeps, in base-2 units ``y = x c`` (``c = log2(e) scale / T``), the running maximum ``m`` and, against
+it (``d_i = y_i - m``, ``e_i = 2^d_i``)::
 
     s0 = sum e,  s1 = sum e d,  s2 = sum e^2,  s3 = sum e^2 d,  and y_k of the label k.
 
-Moving ``m`` to ``m' >= m`` multiplies by ``a = 2^(m - m')`` and shifts ``d`` by ``m - m'``
-(``kernels/_reduce.py`` writes out the algebra).  :meth:`VocabFold.finish` then gives::
+A new maximum rescales them (``kernels/_reduce.py`` writes out the algebra).  :meth:`VocabFold.finish` gives::
 
     H = log s0 - ln2 s1/s0,   log p_k = ln2 (y_k - m) - log s0,   S* = p_k (H + log p_k),
     E_p[S] = ln2 (s3 - s2 s1/s0) / s0^2,   S_c = S* - E_p[S].
@@ -21,7 +19,7 @@ import math
 import torch
 
 from . import kernels
-from ._checks import real_number
+from ._checks import one_of, real_number
 from .stats import IMPLS
 
 __all__ = ["VocabFold"]
@@ -33,29 +31,24 @@ _D_FLOOR = -256.0
 
 
 class VocabFold:
-    """Accumulator of the statistics of ``n`` tokens over vocabulary tiles.
-
-    ``state`` is ``[6, n]`` float32: ``m, s0, s1, s2, s3, y_k`` (module doc); the statistics read
-    ``z = x * scale / temperature`` for a tile entry ``x`` (upcast to fp32).  ``impl``: ``"auto"`` (the Triton kernel
-    for CUDA tiles when available, else torch), ``"torch"`` or ``"triton"``.
-    """
+    """Accumulator of the statistics of ``n`` tokens over vocabulary tiles, of ``z = x * scale / temperature`` for a
+    tile entry ``x``; ``state``: ``[6, n]`` float32 ``m, s0, s1, s2, s3, y_k``.  ``impl``: ``"auto"`` (Triton for CUDA
+    tiles when available), ``"torch"`` or ``"triton"``; ``ValueError`` for a bad temperature, scale or impl."""
 
     def __init__(self, n: int, device: torch.device | str, *, temperature: float = 1.0, scale: float = 1.0,
                  impl: str = "auto") -> None:
         temperature = real_number("temperature", temperature, above=0)
         if real_number("scale", scale) == 0:
             raise ValueError(f"scale must be finite and nonzero, got {scale!r}")
-        if impl not in IMPLS:
-            raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        one_of("impl", impl, IMPLS)
         self.c = _LOG2E * float(scale) / temperature
         self.state = torch.zeros((6, n), dtype=torch.float32, device=device)
         self.state[0].fill_(-math.inf)
         self.impl = impl
 
     def fold(self, tile: torch.Tensor, labels: torch.Tensor, row_start: int, vocab_start: int) -> None:
-        """Fold ``tile`` ``[rows, C]`` (any float dtype, unit stride along C): vocabulary ids
-        ``vocab_start .. vocab_start + C - 1`` of tokens ``row_start .. row_start + rows - 1``,
-        whose labels (global ids) are ``labels`` ``[rows]``."""
+        """Fold ``tile`` ``[rows, C]`` (any float dtype, unit stride along C for Triton): vocabulary ids from
+        ``vocab_start`` of the tokens from ``row_start``, with global label ids ``labels`` ``[rows]``."""
         rows, cols = tile.shape
         if labels.shape != (rows,) or row_start < 0 or row_start + rows > self.state.shape[1]:
             raise ValueError(f"tile {tuple(tile.shape)} with labels {tuple(labels.shape)} at row {row_start} does not "
