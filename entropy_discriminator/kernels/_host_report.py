@@ -1,14 +1,10 @@
 """Host-mapped words through which a kernel hands its error counters to the calling thread.
 
-A checked call (``token_stats(..., check=True)``) waits for its kernel once; reading device counters back would add
-a copy (~25 us at N = 256 on an H100).  Instead the kernel's last program stores the counters straight into pinned,
-UVA-mapped host memory, each as one 64-bit word ``(seq << 32) | count``, then a summary word
-``(seq << 32) | (any count non-zero)``.  The host polls the summary word until it carries its call's ``seq`` and
-reads the counters only when some row was bad: no CUDA copy, no fence, and a stale word is never taken for the
-answer.  Each thread owns one :class:`HostReport` (a report still in use, e.g. by a re-entrant call, is never handed
-out again) and a pool of spare ones for deferred checks (:func:`spare_report`, ``entropy_discriminator.deferred``),
-which read the words later with :meth:`HostReport.poll`; an interrupted wait synchronises the stream before the
-exception propagates.
+The kernel's last program stores the counters into pinned, UVA-mapped host memory as 64-bit words
+``(seq << 32) | count``, then a summary word ``(seq << 32) | (any count non-zero)``; the host polls the summary word
+until it carries its call's ``seq``: no device-to-host copy (~25 us at N = 256 on an H100), and a stale word is
+never taken for the answer.  Each thread owns one :class:`HostReport` (never handed out while in use) and a pool of
+spares for deferred checks (:func:`spare_report`), read later with :meth:`HostReport.poll`.
 """
 
 from __future__ import annotations
@@ -21,15 +17,11 @@ import torch
 
 from ._reduce import ERR_WORDS
 
-#: How the host waits for the words: a tight poll for SPIN_SECONDS, then polls with ``time.sleep(0)`` between them
-#: (the GIL released at each) until YIELD_SECONDS, then ``stream.synchronize()``.  The spin is what CUDA's own
-#: synchronisation does while CPU cores outnumber GPUs; yielding early can give the core away for a scheduler time
-#: slice, and a synchronisation's wake-up takes 0.1-0.2 ms, a polled word a microsecond (benchmarks/RESULTS.md,
-#: "direct launches and the wait's spin").
+#: The wait: a tight poll for SPIN_SECONDS (a synchronisation's wake-up takes 0.1-0.2 ms, a polled word a
+#: microsecond: benchmarks/RESULTS.md), then polls with ``time.sleep(0)`` until YIELD_SECONDS, then a synchronize.
 SPIN_SECONDS = 5e-3
 YIELD_SECONDS = 5e-2
 _SEQ_LIMIT = 2**31 - 1
-
 
 #: What :meth:`HostReport.wait` returns for a call without a bad row.
 NO_FAULTS = (0,) * ERR_WORDS
@@ -42,8 +34,7 @@ class HostReport:
     def __init__(self, pinned: bool) -> None:
         self.words = torch.zeros(ERR_WORDS + 1, dtype=torch.int64, pin_memory=pinned)
         self._view = self.words.numpy()  # the same memory; tolist() reads it afresh every time
-        # The summary word alone, read through ctypes (a fresh 8-byte load per ``.value``, ~0.1 us):
-        # all that a call without a bad row reads.
+        # the summary word through ctypes: a fresh 8-byte load per ``.value`` (~0.1 us)
         self._summary = ctypes.c_int64.from_address(self.words.data_ptr() + 8 * ERR_WORDS)
         self.seq = 0
         self._clean = 0  # the summary word of the armed call if no row is bad
@@ -52,9 +43,8 @@ class HostReport:
         self.busy = False
 
     def arm(self, device: torch.device | None) -> int:
-        """The tag the next kernel, launched on ``device``'s current stream, writes (1 .. 2**31 - 1,
-        never the previous one's); ``device`` None or not CUDA: the kernel runs on the host
-        (Triton's interpreter) and has written its words when the launch returns."""
+        """The tag (1 .. 2**31 - 1, never the previous one) the next kernel, on ``device``'s current stream, writes;
+        ``device`` None or not CUDA: the interpreter, whose kernel has written its words when the launch returns."""
         self.seq = self.seq % _SEQ_LIMIT + 1
         self._clean = self.seq << 32
         self.device = device if device is not None and device.type == "cuda" else None
@@ -65,19 +55,14 @@ class HostReport:
     def poll(self) -> tuple[int, ...] | None:
         """What :meth:`wait` returns, if the armed kernel has written its words; else None, without waiting."""
         word = self._summary.value
-        if word == self._clean:
-            self.busy = False
-            return NO_FAULTS
-        if self.device is None or word >> 32 == self.seq and self._counts() is not None:
+        if word == self._clean or self.device is None or word >> 32 == self.seq and self._counts() is not None:
             return self.wait()
         return None
 
     def wait(self) -> tuple[int, ...]:
         """Block until the armed kernel has written its words; return the ``ERR_WORDS`` counts (:data:`NO_FAULTS`
-        when no row was bad).  Polls the summary word (no CUDA call; :data:`SPIN_SECONDS`) until it carries this
-        call's tag, then, if some row was bad, every counter word once it carries the tag.  Checks the stream every
-        256 polls (errors raise there; a finished stream ends the wait).  The one host synchronisation of a checked
-        call."""
+        when no row was bad).  Checks the stream every 256 polls (errors raise there; a finished stream ends the
+        wait); an interrupted wait synchronises the stream before the exception propagates."""
         if self._summary.value == self._clean:  # the common case, kept to one load and one compare
             self.busy = False
             return NO_FAULTS
@@ -124,8 +109,7 @@ class HostReport:
             self.busy = False
 
     def _counts(self) -> tuple[int, ...] | None:
-        """The counters if every word carries this call's tag (words are ``(seq << 32) | count``,
-        seq in [1, 2**31)), else None."""
+        """The counters if every word carries this call's tag, else None."""
         words = self._view.tolist()
         if min(words) >> 32 == self.seq == max(words) >> 32:
             return tuple(w & 0xFFFFFFFF for w in words[:ERR_WORDS])
@@ -148,10 +132,7 @@ def spare_report() -> HostReport:
 
 def return_report(report: HostReport) -> None:
     """Give a report whose words have been read back to this thread's pool."""
-    spares = getattr(_local, "spares", None)
-    if spares is None:
-        spares = _local.spares = []
-    spares.append(report)
+    _local.__dict__.setdefault("spares", []).append(report)
 
 
 def host_report() -> HostReport:

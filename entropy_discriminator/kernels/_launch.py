@@ -1,12 +1,9 @@
 """Direct launches of an already compiled Triton kernel (host time of small calls).
 
-``kernel[grid](*args)`` re-derives on every call what only changes with the arguments' *classes* (binding,
-specialisation, cache lookup, launch metadata): 71-136 us of host time for the public statistics call against 48-93
-us through this path on the H100s of ``benchmarks.host_path`` (benchmarks/RESULTS.md), more than the kernel takes at
-N = 256.  :class:`DirectLauncher` keys its own cache by the same classes (:func:`_key_source`, honouring each
-parameter's ``do_not_specialize`` flags) plus the compile-time arguments, ``num_warps``, the device and Triton's
-debug / instrumentation switches.  The first call of a class goes through Triton and stores the compiled kernel;
-later calls pass the positional arguments straight to its launcher.  Only for the Triton releases of
+``kernel[grid](*args)`` re-derives on every call what only changes with the arguments' *classes*: 71-136 us of host
+time for the public statistics call against 48-93 us through this path (H100, ``benchmarks.host_path``), more than
+the kernel takes at N = 256.  :class:`DirectLauncher` keys its own cache by those classes; the first call of a class
+goes through Triton, later ones straight to the compiled kernel's launcher.  Only for the Triton releases of
 :data:`SUPPORTED`, kernels without annotated parameters, and never while a launch or pre-run hook is installed.
 """
 
@@ -28,12 +25,9 @@ _MAX_ENTRIES = 4096
 
 
 def _key_source(kinds: str, params: list) -> str:
-    """Source of ``key(args, consts, num_warps, device, runtime, compilation)``, generated once per kernel (as
-    Triton generates its binder).  Per runtime parameter: a pointer (``"p"``) gives its dtype and whether it is
-    16-byte aligned (dtype only under ``do_not_specialize_on_alignment``); an integer (``"i"``) its type, whether it
-    is 1, divisible by 16, and fits int32 and int64 (width only under ``do_not_specialize``); a float (``"f"``) its
-    type.
-    """
+    """Source of ``key(args, consts, num_warps, device, runtime, compilation)``, generated once per kernel, with what
+    Triton specialises on: a pointer's dtype and 16-byte alignment, an integer's type, == 1, % 16 == 0 and width,
+    a float's type (honouring ``do_not_specialize`` and ``do_not_specialize_on_alignment``)."""
     names = [f"a{i}" for i in range(len(kinds))]
     parts = []
     for a, kind, p in zip(names, kinds, params):
@@ -56,20 +50,16 @@ def _key_source(kinds: str, params: list) -> str:
 
 def _hooks_installed() -> bool:
     """A launch hook is installed (Triton 3.6 keeps them in always-present, possibly empty ``HookChain`` s)."""
-    rt = triton.knobs.runtime
-    for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
-        if hook is not None and getattr(hook, "calls", True):
-            return True
-    return False
+    hooks = (triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook)
+    return any(hook is not None and getattr(hook, "calls", True) for hook in hooks)
 
 
 class DirectLauncher:
     """Launch ``fn`` (a ``triton.jit`` function) with ``launch(grid, args, consts, num_warps, device)``.
 
-    ``kinds`` declares the runtime parameters in order (``"p"`` pointer, ``"i"`` integer, ``"f"`` float); ``args``
-    are the runtime arguments, ``consts`` the ``(name, value)`` of the compile-time ones, in parameter order.  Same
-    effect, bits and errors as ``fn[grid](*args, **dict(consts), num_warps=num_warps)``, which it calls on a cache
-    miss or whenever a direct launch is not safe.
+    ``kinds`` declares the runtime parameters in order (``"p"`` pointer, ``"i"`` integer, ``"f"`` float); ``consts``
+    holds the ``(name, value)`` of the compile-time ones, in parameter order.  Same effect, bits and errors as
+    ``fn[grid](*args, **dict(consts), num_warps=num_warps)``, which it calls on a miss or when not safe.
     """
 
     def __init__(self, fn, kinds: str) -> None:
@@ -88,8 +78,7 @@ class DirectLauncher:
         self._key = namespace["key"]
 
     def key(self, args: Sequence[object], consts: tuple, num_warps: int, device: int) -> tuple:
-        """The cache key of one launch: every argument's class (see :func:`_key_source`), the
-        compile-time arguments, ``num_warps``, the device and Triton's debug / instrumentation switches."""
+        """The cache key of one launch (:func:`_key_source`)."""
         return self._key(args, consts, num_warps, device, triton.knobs.runtime, triton.knobs.compilation)
 
     def launch(

@@ -1,14 +1,13 @@
 """Triton building blocks shared by the one-pass and the fused kernels.
 
-Notation (all fp32).  A row of temperature-scaled logits z_i = x_i / T is handled in base-2 units
-y_i = x_i * c with c = log2(e) / T, so that e^(z_i - z_ref) = 2^(y_i - m) and the exponential is one
-``exp2`` of one fused multiply-add.  Against a reference m (a running max, possibly lazy: it is
+Notation (all fp32).  Logits z_i = x_i / T are handled in base-2 units y_i = x_i * c, c = log2(e) / T, so that
+e^(z_i - z_ref) = 2^(y_i - m) is one ``exp2`` of one FMA.  Against a reference m (a running max, possibly lazy:
 moved only when the data exceed it by more than TAU, so e <= 2^TAU) the kernels accumulate
 
     s0 = sum e_i,  s1 = sum e_i d_i,  s2 = sum e_i^2,  s3 = sum e_i^2 d_i,   e_i = 2^d_i, d_i = y_i - m
 
-with e^2 computed as e*e (one exponential per logit).  Moving m to m' = m + delta' multiplies the
-sums by a = 2^(m - m') and shifts the d's by dl = m - m':
+with e^2 computed as e*e (one exponential per logit).  Moving m to m' multiplies the sums by a = 2^(m - m') and
+shifts the d's by dl = m - m':
 
     s0' = a s0,  s1' = a (s1 + dl s0),  s2' = a^2 s2,  s3' = a^2 (s3 + dl s2).
 
@@ -29,8 +28,7 @@ LOG2E = 1.4426950408889634  # host side only
 # d is clamped at -D_FLOOR before e*d is formed: 2^-256 is 0 in fp32, so the clamp changes no sum
 # and keeps 0 * (-inf) (masked vocabulary entries, the masked tail) out of s1 and s3.
 D_FLOOR = tl.constexpr(256.0)
-# int32 error counters written by :func:`count_row`: bad label, NaN/+inf, all -inf, scaling overflow
-# (ERR_WORDS on the host, ERR_WORDS_C inside kernels).
+# int32 error counters of :func:`count_row`: bad label, NaN/+inf, all -inf, scaling overflow (ERR_WORDS_C in kernels)
 ERR_WORDS = 4
 ERR_WORDS_C = tl.constexpr(ERR_WORDS)
 
@@ -43,10 +41,8 @@ def max_nan(a, b):
 
 @triton.jit
 def exp2(d, FTZ: tl.constexpr):
-    """2^d in fp32.  FTZ: one ``ex2.approx.ftz.f32`` (results below 2^-126 flush to 0); otherwise
-    ``tl.exp2`` (``ex2.approx.f32``, which ptxas wraps in a denormal range fix-up: about three more
-    instructions per logit).  Every caller's reference is at most its data's max, so the largest term
-    of a sum has e >= 1 and a flushed e < 2^-126 changes no fp32 sum."""
+    """2^d in fp32.  FTZ: one ``ex2.approx.ftz.f32``, saving ``tl.exp2``'s denormal fix-up (about three instructions
+    per logit); every caller's largest term has e >= 1, so a flushed e < 2^-126 changes no fp32 sum."""
     if FTZ:
         return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32, is_pure=True,
                                          pack=1)
@@ -69,10 +65,7 @@ def rescale(s0, s1, s2, s3, m_old, m_new):
 
 @triton.jit
 def finalize(mu, s0, s1, s2, s3, yk, valid):
-    """Per-token statistics from the sums against the finite reference mu (see module doc).
-
-    Returns (logp, entropy, s_star, s_expected), each 0 where ``valid`` is False.
-    """
+    """(logp, entropy, s_star, s_expected) from the sums against the finite reference mu; 0 where not ``valid``."""
     log_s0 = tl.log(s0)
     dbar = s1 / s0
     ent = log_s0 - LN2 * dbar
@@ -88,11 +81,8 @@ def finalize(mu, s0, s1, s2, s3, yk, valid):
 
 @triton.jit
 def merge_partials(mj, s0j, s1j, s2j, s3j):
-    """Combine vectors of partial sums (each against its own reference m_j) into one row's sums.
-
-    Padding entries carry m_j = -inf and zero sums.  Returns (mu, s0, s1, s2, s3) against the
-    finite reference mu (the largest m_j, 0 when every m_j is -inf); fixed reduction order.
-    """
+    """Combine vectors of partial sums, each against its own m_j (padding: -inf, zero sums), in a fixed order into
+    (mu, s0, s1, s2, s3) against the finite reference mu (the largest m_j, 0 when every m_j is -inf)."""
     m = tl.max(mj, axis=0)
     mu = tl.where(m > float("-inf"), m, 0.0)
     dj = mj - mu
@@ -107,9 +97,8 @@ def merge_partials(mj, s0j, s1j, s2j, s3j):
 
 @triton.jit
 def row_faults(valid, in_range, mx, mx_scaled):
-    """The four ways a counted row can be bad: a label outside [0, V); a NaN or +inf logit (``mx``,
-    the NaN-propagating max of the unscaled logits); every logit -inf; finite logits whose scaled
-    max ``mx_scaled`` overflows fp32.  Returns the four flags (False for an ignored row)."""
+    """The four fault flags of a row (False when ignored): label outside [0, V); NaN or +inf (``mx``, the
+    NaN-propagating raw max); every logit -inf; finite logits whose scaled max ``mx_scaled`` overflows fp32."""
     bad_label = valid & (in_range == 0)
     nan_inf = valid & ((mx != mx) | (mx == float("inf")))
     masked = valid & (mx == float("-inf"))
@@ -119,8 +108,7 @@ def row_faults(valid, in_range, mx, mx_scaled):
 
 @triton.jit
 def count_faults(err_ptr, bad_label, nan_inf, masked, overflow):
-    """One increment of each raised flag's counter in ``err_ptr`` (int32 [ERR_WORDS]); relaxed:
-    whoever reads the counters orders itself after them with an acquire (see the callers)."""
+    """Count each raised flag in ``err_ptr`` (int32 [ERR_WORDS]); relaxed: readers order themselves with an acquire."""
     tl.atomic_add(err_ptr, 1, mask=bad_label, sem="relaxed", scope="gpu")
     tl.atomic_add(err_ptr + 1, 1, mask=nan_inf, sem="relaxed", scope="gpu")
     tl.atomic_add(err_ptr + 2, 1, mask=masked, sem="relaxed", scope="gpu")
@@ -129,8 +117,7 @@ def count_faults(err_ptr, bad_label, nan_inf, masked, overflow):
 
 @triton.jit
 def count_row(err_ptr, valid, in_range, mx, mx_scaled):
-    """:func:`row_faults` of one row, counted into ``err_ptr`` (:func:`count_faults`); returns
-    whether the row is bad."""
+    """:func:`row_faults` counted into ``err_ptr``; returns whether the row is bad."""
     bad_label, nan_inf, masked, overflow = row_faults(valid, in_range, mx, mx_scaled)
     count_faults(err_ptr, bad_label, nan_inf, masked, overflow)
     return bad_label | nan_inf | masked | overflow
@@ -138,9 +125,8 @@ def count_row(err_ptr, valid, in_range, mx, mx_scaled):
 
 @triton.jit
 def store_stats(row, n_out, valid, bad, mu, s0, s1, s2, s3, yk, out_ptr, valid_ptr):
-    """Write one row's five statistics and ``valid``: ``out_ptr`` is fp32 [5, n_out] (logp,
-    entropy, s_star, s_expected, s_centered), ``valid_ptr`` bool [n_out].  A bad row's statistics
-    are NaN (never a plausible number); ignored rows are 0."""
+    """Write one row's statistics to fp32 [5, n_out] ``out_ptr`` (logp, entropy, s_star, s_expected, s_centered; NaN
+    for a bad row, 0 for an ignored one) and ``valid`` to bool [n_out] ``valid_ptr``."""
     logp, ent, s_star, s_exp = finalize(mu, s0, s1, s2, s3, yk, valid)
     logp = tl.where(bad, float("nan"), logp)
     ent = tl.where(bad, float("nan"), ent)
@@ -163,21 +149,12 @@ def store_row(row, n_out, valid, in_range, mu, s0, s1, s2, s3, yk, mx, mx_scaled
 
 
 @triton.jit
-def merge_kernel(
-    part_ptr,  # fp32 [6, N, NP]: m, s0, s1, s2, s3, mx (base-2 units) per row and partial
-    yk_ptr,  # fp32 [N]: y of the label logit (base-2 units)
-    lab_ptr,  # int [N]
-    out_ptr,  # fp32 [5, n_out] outputs (this launch's rows start at out_ptr)
-    valid_ptr,  # bool [N]
-    err_ptr,  # int32 [ERR_WORDS] error counters
-    N,
-    n_out,
-    NP,
-    V,
-    ignore_index,
-    PB: tl.constexpr,
-):
-    """Deterministic merge of NP partial sums per row, in a fixed order (no atomics on the sums)."""
+def merge_kernel(part_ptr, yk_ptr, lab_ptr, out_ptr, valid_ptr, err_ptr, N, n_out, NP, V, ignore_index,
+                 PB: tl.constexpr):
+    """Deterministic merge of NP partial sums per row, in a fixed order (no atomics on the sums).  ``part_ptr`` fp32
+    [6, N, NP] (m, s0..s3, mx in base-2 units), ``yk_ptr`` fp32 [N] (y of the label logit), ``lab_ptr`` int [N],
+    ``out_ptr`` fp32 [5, n_out] (this launch's rows start there), ``valid_ptr`` bool [N], ``err_ptr`` int32
+    [ERR_WORDS]."""
     row = tl.program_id(0)
     label = tl.load(lab_ptr + row)
     valid = label != ignore_index

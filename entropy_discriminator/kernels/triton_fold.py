@@ -1,8 +1,5 @@
-"""Triton kernel of :class:`entropy_discriminator.vocab_fold.VocabFold`: one tile into the running sums.
-
-One program per token row reads its ``C`` entries of the tile once, in blocks of BLOCK: per block
-the block max moves the running max ``m`` (the sums rescaled by ``2^(m - m')``), then the block's
-``e = 2^(y - m)`` are added into ``s0..s3`` (see :mod:`entropy_discriminator.vocab_fold`).
+"""Triton kernel of :class:`entropy_discriminator.vocab_fold.VocabFold`: one tile into the running sums, one
+program per token row, in blocks of BLOCK (the running max moved per block, the sums rescaled by ``2^(m - m')``).
 """
 
 from __future__ import annotations

@@ -1,30 +1,23 @@
-"""One-pass Triton kernel for the per-token vocabulary statistics (measurements: benchmarks/RESULTS.md).
+"""One-pass Triton kernel for the per-token vocabulary statistics (design: docs/performance.md; measurements:
+benchmarks/RESULTS.md; the algebra: :mod:`._reduce`).
 
-Each logits row is read once.  A program streams its row (for small N one slice of it: split-V) in blocks of
-BLOCK logits, an unmasked main loop then one masked tail.  Per block it takes the block max, moves the reference m
-only when that max exceeds m by more than TAU (lazy rescaling) and adds into four per-lane accumulators
+A program streams its row (for small N one slice of it: split-V) in blocks of BLOCK logits, an unmasked main loop
+then one masked tail, moving the reference m only when a block max exceeds it by more than TAU (lazy rescaling), into
+four per-lane accumulators summed once at the row's end.  bf16 rows with V even and 4-byte aligned starts take the
+PACKED loop (int32 words of two logits).  With split-V the row's last program to arrive merges the slices' partials
+in slice order (deterministic bits).  Rows whose label is ``ignore_index`` are not read.
 
-    e = exp2(x * c - m)   (log2(e)/T folded into the one FMA),   s0 += e, s1 += e d,
-    s2 += e*e, s3 += e*e d   (e^(2(z-m)) as the square of e^(z-m)),
-
-summed once at the end of the row (:mod:`._reduce` has the algebra).  bf16 rows with V even and 4-byte aligned
-starts take the PACKED loop: int32 words of two logits, the block max on the packed pairs (``max.NaN.bf16x2``), each
-logit widened by one integer instruction on BLOCK/2 lanes.  With split-V each program writes its six partials and
-takes a ticket from the row's arrival counter; the last one merges the partials in slice order (deterministic
-bits).  Rows whose label is ``ignore_index`` are not read.
-
-The program that finishes a row counts it in the stream workspace's error counters if it is bad (label outside
-[0, V), a NaN or +inf logit, every logit -inf, or finite logits that overflow fp32 once scaled by log2(e)/T), counts
-it as finished, then writes its statistics (NaN for a bad row) and ``valid``.  The program that finishes the call's
-last row moves the counters into the call's ``errors`` words, resets the workspace (allocated once per stream and
-left zeroed by every launch) and, when asked, stores them and a summary word into pinned host memory for the host
-to poll (:mod:`._host_report`): a checked call waits once and copies nothing.
+The program that finishes a row counts its faults in the stream workspace (allocated once per stream and left
+zeroed by every launch), then writes its statistics (NaN for a bad row); the one that finishes the call's last row
+moves the counters into ``errors`` and, when asked, into pinned host memory for the host to poll
+(:mod:`._host_report`): a checked call waits once and copies nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import threading
 from typing import NamedTuple
 
@@ -32,8 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
-from . import is_available as _is_available
+from . import interpreting, is_available
 from ._host_report import NO_FAULTS, HostReport, host_report, return_report, spare_report
 from ._launch import DirectLauncher
 from ._reduce import (D_FLOOR, ERR_WORDS, ERR_WORDS_C, LOG2E, count_row, exp2, max_nan, merge_partials, rescale,
@@ -48,17 +40,10 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INTERPRETING = interpreting()
 
 
-def is_available() -> bool:
-    """Triton importable and a CUDA device present."""
-    return _is_available()
-
-
 @triton.jit
 def _rebase(bm, c, m, mx, s0, s1, s2, s3, TAU: tl.constexpr):
-    """Take a block's NaN-propagating max ``bm`` (raw logits) into the row max ``mx`` and, when it
-    exceeds the reference m by more than TAU (lazy rescale: False for NaN, taken once for the first
-    finite block), move m and the sums to it.  Returns (m, mx, mu, s0..s3), mu the finite reference
-    the block's logits are taken against."""
+    """Take a block's NaN-propagating max ``bm`` (raw logits) into the row max ``mx``; when ``bm * c`` exceeds m by
+    more than TAU (never for NaN), move m and the sums to it.  Returns (m, mx, mu, s0..s3), mu the finite reference."""
     mx = max_nan(mx, bm)
     bm2 = bm * c
     if bm2 > m + TAU:
@@ -99,10 +84,8 @@ def _halves(w):
 
 @triton.jit
 def _update_packed(w, c, m, mx, s0, s1, s2, s3, TAU: tl.constexpr, FTZ: tl.constexpr, ASM: tl.constexpr):
-    """:func:`_update` for a block of bf16 logits read as int32 words of two (``PACKED``): the block
-    max is taken on the packed pairs (half an instruction per logit; ASM False: on the fp32 halves,
-    for Triton's interpreter, which runs no PTX), and each half is widened by one integer
-    instruction.  Accumulators hold BLOCK // 2 lanes, each fed by the two logits of its word."""
+    """:func:`_update` for bf16 logits read as int32 words of two: the block max on the packed pairs (half an
+    instruction per logit; ASM False, for the interpreter, which runs no PTX: on the fp32 halves); BLOCK // 2 lanes."""
     lo, hi = _halves(w)
     if ASM:
         wm_lo, wm_hi = _halves(tl.reduce(w, 0, _max_bf16x2))
@@ -115,9 +98,8 @@ def _update_packed(w, c, m, mx, s0, s1, s2, s3, TAU: tl.constexpr, FTZ: tl.const
     return m, mx, s0, s1, s2, s3
 
 
-# Workspace (int32 words, one buffer per device and stream, zero between launches): words 0-1 are
-# one int64, the call's finished rows plus (<< 32) its bad rows; words 2-3 (split-V) one int64, the
-# call's finished programs plus (<< 32) those whose slice raised a fault flag (_slice_flag); then
+# Workspace (int32 words, one buffer per device and stream, zero between launches): words 0-1 one int64, finished
+# rows plus (<< 32) bad rows; words 2-3 (split-V) finished programs plus (<< 32) flagged ones (_slice_flag); then
 # the ERR_WORDS error counters; then (split-V) one arrival counter per row.
 WS_PROGS = tl.constexpr(2)
 WS_ERR = tl.constexpr(4)
@@ -126,8 +108,7 @@ WS_ROWS = tl.constexpr(4 + ERR_WORDS)
 
 @triton.jit
 def _publish(host_ptr, seq, counts, any_bad):
-    """The host words: ``(seq << 32) | count`` per counter, then the summary word
-    ``(seq << 32) | any_bad`` (64-bit write-through stores to pinned host memory)."""
+    """The host words ``(seq << 32) | count`` per counter, then ``(seq << 32) | any_bad`` (write-through stores)."""
     tag = seq.to(tl.int64) << 32
     tl.store(host_ptr + tl.arange(0, ERR_WORDS_C), tag | counts.to(tl.int64), cache_modifier=".wt")
     tl.store(host_ptr + ERR_WORDS_C, tag | any_bad.to(tl.int64), cache_modifier=".wt")
@@ -135,20 +116,16 @@ def _publish(host_ptr, seq, counts, any_bad):
 
 @triton.jit
 def _slice_flag(valid, in_range, mx, mx_scaled):
-    """Split-V: whether this program's slice may make its row bad (a bad label, a NaN or +inf, a
-    scaling overflow, or no logit above -inf, which makes the row bad only if its other slices
-    have none either).  No flag in any slice means no bad row."""
+    """Split-V: whether this slice may make its row bad (all -inf counts only if every slice is); no flag in any
+    slice means no bad row."""
     bad_label, nan_inf, masked, overflow = row_faults(valid, in_range, mx, mx_scaled)
     return bad_label | nan_inf | masked | overflow
 
 
 @triton.jit
 def _early_publish(ws_ptr, N, flag, host_ptr, seq, SPLIT: tl.constexpr):
-    """Split-V, right after a program's streaming loop: count the program as finished (and
-    flagged, if ``flag``) with one relaxed 64-bit add.  The program that completes the count of a
-    call in which no slice was flagged publishes the clean answer to the host at once: no row can
-    be bad, so the host need not wait for the rows' merges and :func:`_finish_row`, which then
-    publishes nothing."""
+    """Split-V, right after the streaming loop: count the program as finished (and flagged) with one relaxed add;
+    the program completing a call without flags publishes the clean answer at once (no wait for the merges)."""
     progs_ptr = (ws_ptr + WS_PROGS).to(tl.pointer_type(tl.int64))
     inc = 1 + (flag.to(tl.int64) << 32)
     now = tl.atomic_add(progs_ptr, inc, sem="relaxed", scope="gpu") + inc
@@ -158,12 +135,9 @@ def _early_publish(ws_ptr, N, flag, host_ptr, seq, SPLIT: tl.constexpr):
 
 @triton.jit
 def _finish_row(ws_ptr, N, bad, err_ptr, host_ptr, seq, REPORT: tl.constexpr, SPLIT: tl.constexpr, COUNTERS: tl.constexpr):
-    """Called once per row, after its faults are counted and before its statistics are stored (so no later work
-    sits between the last row and the host's return).  One acq_rel 64-bit add counts the row as finished (and bad,
-    if ``bad``).  The program that finishes the call's N-th row resets that word and, only if some row was bad,
-    takes the error counters out of the workspace (one exchange); it writes them to ``err_ptr`` (COUNTERS) and to the
-    host words (REPORT, :func:`_publish`) unless :func:`_early_publish` already gave the host the clean answer;
-    every program's finished-program count precedes its row's arrival, so it resets that word too."""
+    """Once per row, before its statistics are stored: one acq_rel add counts it finished (and bad).  The program
+    finishing the N-th row resets that word, takes the counters out of the workspace if some row was bad, and writes
+    them to ``err_ptr`` (COUNTERS) and the host (REPORT) unless :func:`_early_publish` did; it resets that count."""
     tl.debug_barrier()  # this row's counter increments come before its arrival
     done_ptr = ws_ptr.to(tl.pointer_type(tl.int64))
     inc = 1 + (bad.to(tl.int64) << 32)
@@ -199,8 +173,7 @@ def _stats_kernel(x_ptr, inner, stride_outer, stride_inner, lab_ptr, V, chunk, c
     in_range = (label >= 0) & (label < V)
     outer = r // inner
     row_ptr = x_ptr + outer * stride_outer + (r - outer * inner) * stride_inner
-    # The label's logit, loaded before the loop (every program of a split row loads it) so that its
-    # latency is not on the path from the row's last block to the call's end.
+    # the label's logit, loaded before the loop: its latency stays off the path from the last block to the call's end
     xk = tl.load(row_ptr + label, mask=valid & in_range, other=float("nan")).to(tl.float32)
     start = sp * chunk
     n = tl.where(valid, tl.minimum(V - start, chunk), 0)
@@ -248,8 +221,7 @@ def _stats_kernel(x_ptr, inner, stride_outer, stride_inner, lab_ptr, V, chunk, c
         mu = tl.where(m > float("-inf"), m, 0.0)
         store_stats(r, N, valid, bad, mu, t0, t1, t2, t3, xk * c, out_ptr, valid_ptr)
     else:
-        # Split-V: publish this slice's partials; the last program of the row to arrive (arrival
-        # counter after the error words) merges all of them in slice order (deterministic bits).
+        # Split-V: publish this slice's partials; the row's last program to arrive merges them in slice order
         stride_f = tl.cast(N, tl.int64) * SPLIT
         base = part_ptr + r * SPLIT
         tl.store(base + sp, m)
@@ -278,10 +250,9 @@ def _stats_kernel(x_ptr, inner, stride_outer, stride_inner, lab_ptr, V, chunk, c
 
 
 class KernelStats(NamedTuple):
-    """What the kernels return: five fp32 statistics and ``valid`` of the labels' shape, and
-    ``errors`` (None when the call asked for no counters), int32 [ERR_WORDS] device counters of counted rows with a label outside [0, V), a
-    NaN or +inf logit, every logit -inf, and finite logits whose scaled values overflow fp32 (in
-    that order; a bad row's statistics are NaN)."""
+    """Five fp32 statistics and ``valid`` of the labels' shape; ``errors`` (None when no counters were asked for):
+    int32 [ERR_WORDS] counts of rows with a label outside [0, V), a NaN or +inf logit, every logit -inf, and finite
+    logits that overflow fp32 once scaled (a bad row's statistics are NaN)."""
 
     logp: torch.Tensor
     entropy: torch.Tensor
@@ -303,21 +274,17 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-# (block, num_warps, stages) of the streaming loop by logits dtype, one rule for every card: the loops that stay at
-# the read floor as the bandwidth per multiprocessor grows, chosen on an H100 (N=16384, V=151936) on all 132 SMs and
-# on 88 (an H200's bandwidth per SM): benchmarks/RESULTS.md, results/h100/sweep_proxy.csv (bf16, PACKED),
-# sweep_fp16.csv (fp16), results/h200/sweep_issue11.csv (fp32).
+# (block, num_warps, stages) by logits dtype: the loops that stay at the read floor as bandwidth per SM grows, chosen
+# on an H100 on 132 and 88 SMs (benchmarks/RESULTS.md; results/h100/sweep_proxy.csv, sweep_fp16.csv,
+# results/h200/sweep_issue11.csv).
 _LOOP_DEFAULTS = {torch.bfloat16: (1024, 1, 4), torch.float16: (512, 1, 8), torch.float32: (2048, 4, 3)}
 
 
 def choose_config(n_rows: int, vocab: int, dtype: torch.dtype, num_sms: int) -> dict:
-    """Block size, warps, pipelining depth and split-V factor for an [n_rows, vocab] problem.
-
-    The loop of :data:`_LOOP_DEFAULTS` (one warp per block for 16-bit logits: no cross-warp max reduction); split-V
-    when the rows alone give fewer than SPLIT_TARGET programs per multiprocessor, by the power of two that reaches
-    it, capped so that each slice holds >= 2 blocks (results/h100/tune_stats.csv).  ``packed=0`` in a ``config``
-    turns the PACKED loop off (benchmarks).
-    """
+    """Block size, warps, pipelining depth and split-V factor for an [n_rows, vocab] problem: the loop of
+    :data:`_LOOP_DEFAULTS` (one warp for 16-bit logits: no cross-warp max reduction); split-V by the power of two
+    that reaches SPLIT_TARGET programs per SM, each slice >= 2 blocks (results/h100/tune_stats.csv).  ``packed=0``
+    in a ``config`` turns the PACKED loop off (benchmarks)."""
     return dict(_choose(n_rows, vocab, dtype, num_sms))
 
 
@@ -334,9 +301,8 @@ def _choose(n_rows: int, vocab: int, dtype: torch.dtype, num_sms: int) -> tuple:
 
 
 def _row_layout(shape: tuple, strides: tuple) -> tuple[int, int, int] | None:
-    """``(inner, stride_outer, stride_inner)`` with row r of ``x[..., V]`` (``x.shape``,
-    ``x.stride()``; flat row order) at ``(r // inner) * stride_outer + (r % inner) * stride_inner``,
-    or None when the leading dimensions do not fold into two such levels."""
+    """``(inner, stride_outer, stride_inner)`` placing flat row r of ``x[..., V]`` at ``(r // inner) * stride_outer +
+    (r % inner) * stride_inner``, or None when the leading dimensions do not fold into two such levels."""
     dims = [(n, st) for n, st in zip(shape[:-1], strides[:-1]) if n != 1]
     folded: list[list[int]] = []
     for n, st in dims:
@@ -346,11 +312,8 @@ def _row_layout(shape: tuple, strides: tuple) -> tuple[int, int, int] | None:
             folded.append([n, st])
     if len(folded) > 2:
         return None
-    if len(folded) == 2:
-        return folded[1][0], folded[0][1], folded[1][1]
-    if len(folded) == 1:
-        return folded[0][0], 0, folded[0][1]
-    return 1, 0, 0
+    (_, stride_outer), (inner, stride_inner) = [[1, 0]] * (2 - len(folded)) + folded
+    return inner, stride_outer, stride_inner
 
 
 def token_stats_triton(
@@ -384,9 +347,7 @@ def token_stats_triton(
         logits = logits.contiguous()
     plan = _plan(logits.shape, logits.stride(), logits.dtype, dev, tuple(sorted(config.items())) if config else None)
     n_rows = plan.n_rows
-    # Host time matters at small N (the launch path costs about as much as the kernel): a cached
-    # plan, two or three allocations and no views before the launch, no device switch unless the
-    # tensors live on another GPU, no memset, one direct launch (kernels/_launch.py).
+    # host time matters at small N: a cached plan, no views or memset before the launch, one direct launch
     out = torch.empty((5, *labels.shape), device=dev, dtype=torch.float32)  # rows of the flat [5, n_rows]
     valid = torch.empty(labels.shape, device=dev, dtype=torch.bool)
     errors = torch.empty(ERR_WORDS, device=dev, dtype=torch.int32) if counters else None
@@ -401,8 +362,7 @@ def token_stats_triton(
     switch = dev.type == "cuda" and dev.index != torch.cuda.current_device()
     with torch.cuda.device(dev) if switch else contextlib.nullcontext():
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # CUDA graph capture: buffers of the graph's own (captured memset, graph memory pool),
-            # never the per-stream ones, which eager calls on that stream keep using.
+            # CUDA graph capture: the graph's own buffers, never the per-stream ones eager calls keep using
             ws = torch.zeros(plan.ws_words, device=dev, dtype=torch.int32)
             part = torch.empty(plan.part_words, device=dev) if plan.split > 1 else ws
         else:
@@ -452,9 +412,7 @@ def _plan(shape: torch.Size, strides: tuple, dtype: torch.dtype, dev: torch.devi
     vocab = shape[-1]
     if vocab == 0:
         raise ValueError("logits must have a non-empty vocabulary dimension")
-    n_rows = 1
-    for d in shape[:-1]:
-        n_rows *= d
+    n_rows = math.prod(shape[:-1])
     cfg = dict(config) if config else choose_config(n_rows, vocab, dtype, _num_sms(dev))
     split, chunk = _split_plan(vocab, cfg["block"], cfg["split"])
     layout = _row_layout(shape, strides)
@@ -472,23 +430,17 @@ def _plan(shape: torch.Size, strides: tuple, dtype: torch.dtype, dev: torch.devi
     return _Plan(n_rows, vocab, layout, split, chunk, ws_words, parts, cfg["num_warps"], packed, table)
 
 
-# Per (device, stream) buffers: the workspace (zero between launches, see the module docstring)
-# and the split-V partials (written and read inside one launch).  Launches on one stream are
-# ordered, so a buffer is never used by two launches at once; launches on different streams get
-# different buffers.  A stream's buffer is replaced by a larger one when a call needs more.
+# Per (device, stream) buffers: the workspace and the split-V partials.  Launches on one stream are ordered, so a
+# buffer is never used by two launches at once.
 _BUFFERS: dict[tuple, torch.Tensor] = {}
 _BUFFERS_LOCK = threading.Lock()
 
 
-def _stream_key(kind: str, dev: torch.device, stream: tuple | None) -> tuple:
-    """``stream``: (device index, raw CUDA stream handle), None in Triton's interpreter."""
-    return (kind, *stream) if stream is not None else (kind, str(dev), threading.get_ident())
-
-
 def _stream_buffer(kind: str, dev: torch.device, stream: tuple | None, words: int, dtype: torch.dtype) -> torch.Tensor:
-    """This stream's ``kind`` buffer of at least ``words`` elements: ``"ws"`` int32 zeros (kept zero
-    by every launch), ``"part"`` uninitialised; grown (at least doubled) when a call needs more."""
-    key = _stream_key(kind, dev, stream)
+    """This stream's (``stream``: (device index, raw handle), None in the interpreter) ``kind`` buffer of at least
+    ``words`` elements: ``"ws"`` int32 zeros (kept zero by every launch), ``"part"`` uninitialised; grown (at least
+    doubled) when a call needs more."""
+    key = (kind, *stream) if stream is not None else (kind, str(dev), threading.get_ident())
     buf = _BUFFERS.get(key)
     if buf is None or buf.numel() < words:
         with _BUFFERS_LOCK:
@@ -512,10 +464,8 @@ _LAUNCHER = DirectLauncher(_stats_kernel, _KINDS)
 
 
 def _launch(x, layout, labels, rows, out, valid, n_out, c, ignore_index, plan, part, ws, errors, host, seq) -> None:
-    """One launch of the streaming kernel over ``rows`` rows of ``x`` (``layout``: see
-    :func:`_row_layout`; ``labels``, ``out`` and ``valid`` start at the first of them) on the
-    current device, through :class:`._launch.DirectLauncher` (Triton's own launch path costs more
-    host time than the kernel takes at N = 256)."""
+    """One direct launch over ``rows`` rows of ``x`` (``layout``: :func:`_row_layout`; ``labels``, ``out`` and
+    ``valid`` start at the first of them) on the current device."""
     inner, stride_outer, stride_inner = layout
     args = (x, inner, stride_outer, stride_inner, labels, plan.vocab, plan.chunk, c, ignore_index, out, valid, part, ws,
             n_out, errors if errors is not None else ws, host, seq)  # fmt: skip
