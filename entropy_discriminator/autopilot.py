@@ -1,29 +1,18 @@
 """Entropy autopilot: each step, drop the fewest tokens so that the predicted entropy change meets a target
-(docs/autopilot.md).
+(docs/autopilot.md: the terms, the selection rule across ranks and the feedback law).
 
-Per valid token ``t`` of the whole batch (all ranks of the process group; ``N`` valid tokens) the term ``c_t`` is
-either the law's (``terms=``, ``carry=``: :func:`~entropy_discriminator.law.token_terms`, in nats; ``carry`` is the
-step's change without this step's gradient, e.g. Adam's momentum) or Corollary 4's cheap score scaled by ``kappa``
-(``scale``, e.g. a :class:`~entropy_discriminator.law.Calibration`'s), with ``a_t = A_t``, ``y_t = r_t * S_c,t``,
-``a_bar``, ``y_bar`` their means over the ``N`` valid tokens and ``carry = 0``::
+Per valid token ``t`` of the whole batch (``N`` valid tokens over the group) the term ``c_t`` is the law's
+(``terms=``, ``carry=``: :func:`~entropy_discriminator.law.token_terms`) or Corollary 4's cheap score scaled by
+``kappa`` (``scale``), with ``a = A``, ``y = r S_c``, ``a_bar``, ``y_bar`` their means and ``carry = 0``::
 
     form="cov"  (Cor. 4 / 4.1):  c_t = -kappa (eta / N) (a_t - a_bar) (y_t - y_bar)
     form="mean" (eq. 23):        c_t = -kappa (eta / N) a_t y_t
 
-Dropping a set ``D`` as ``apply_keep_mask(mode="zero_pg")`` does (the loss normaliser stays ``N``) predicts
-``P(D) = P_0 - sum_{t in D} c_t`` with ``P_0 = carry + sum_t c_t`` (the full batch's ``N``, ``a_bar``, ``y_bar``, so
-the selection below is exact; under ``mode="drop_token"`` the kept tokens' steps grow by ``N / (N - |D|)``, a gain
-error the feedback absorbs).
-
-Selection: the candidates are the valid tokens with ``c_t < 0`` if ``target > P_0`` (dropping one raises ``P``),
-else those with ``c_t > 0``, whose advantage sign ``sides`` allows (zero-advantage tokens never), ordered by
-``|c_t|`` descending, ties by the smaller flat position in the concatenated batch.  With
-``L = min(#candidates, cap_limit(max_frac, N))`` and ``P_j = P_0 - cumsum(c_(1), ..., c_(L))[j]`` (one float64
-``torch.cumsum``, the same array on every rank) the first ``j*`` candidates are dropped: ``j* = 0`` if
-``P_0 == target``, else the first ``j`` whose ``P_j`` has crossed the target, else ``L`` (the cap, or the
-candidates, ran out).  Across ranks each rank sends its own first ``L`` candidates with one ``all_gather``: the
-selection equals the one-process selection on the concatenated batch (up to the float64 rounding of the
-all-reduced sums, as for the masks).
+Dropping a set ``D`` (``apply_keep_mask(mode="zero_pg")``) predicts ``P(D) = P_0 - sum_{t in D} c_t`` with
+``P_0 = carry + sum_t c_t``.  The candidates are the valid tokens with ``c_t < 0`` if ``target > P_0``, else
+``c_t > 0``, whose advantage sign ``sides`` allows, by ``|c_t|`` descending (ties: the smaller flat position); of
+the first ``L = min(#candidates, cap_limit(max_frac, N))`` the shortest prefix whose ``P_j`` crosses the target is
+dropped, else all ``L``.  Across ranks the selection equals the one-process one on the concatenated batch.
 """
 
 from __future__ import annotations
@@ -36,19 +25,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._checks import (DataChecks, broadcast_advantages, integer, one_of, real_number, require_float, require_shape,
-                      valid_mask)
+from ._checks import DataChecks, integer, one_of, real_number, require_float, require_shape, valid_mask
 from .distributed import Group, _lexsort_desc, all_gather_cat, reduce_or_raise
-from .dynamics import FORMS, covariance_terms
+from .dynamics import FORMS, _weighted_terms
 from .law import Calibration
 from .masks import SIDES, MaskResult, cap_limit
 from .stats import TokenStats
 
 #: Prefix of :meth:`AutopilotResult.metrics`' keys.
 AUTOPILOT_PREFIX = "entropy_disc/autopilot/"
-#: Gain ``k`` of the feedback law.  With Adam (``beta1 = 0.9``) a step's own gradient is a tenth of the step,
-#: the rest is momentum the law's carry reports, so the error's projected rest point moves by ``k / (1 - beta1)``
-#: of the error per step: 0.05 is a half there (a twentieth per step for SGD without momentum).
+#: Gain ``k`` of the feedback law: with Adam (``beta1 = 0.9``) the error's projected rest point moves by
+#: ``k / (1 - beta1)`` of the error per step, a half (docs/autopilot.md); a twentieth for SGD without momentum.
 DEFAULT_GAIN = 0.05
 #: Largest desired entropy change of one step, in nats/token, either direction.
 DEFAULT_MAX_STEP = 0.02
@@ -66,13 +53,11 @@ _SETTINGS = ("target_entropy", "decay_steps", "gain", "max_step", "max_frac", "s
 class AutopilotResult:
     """The autopilot's keep-mask for one batch and the numbers behind it (all global over the group).
 
-    ``mask``: a :class:`~entropy_discriminator.MaskResult` with ``method="autopilot"`` (``keep``: bool, the scores'
-    shape, True where the token stays and at invalid positions; ``center``/``std`` 0 and infinite thresholds;
-    ``capped``: the target was not met and more candidates than the cap existed).  ``entropy``: the measured
-    batch-mean token entropy ``H_t`` (nats/token; NaN when not given or no valid token); ``entropy_smoothed`` /
-    ``target_entropy``: the law's ``Ĥ_t`` / ``H*_t`` (NaN outside the controller); ``target_dh``: the desired change
-    of this step (NaN for an empty batch); ``predicted_dh_before`` / ``_after``: ``P_0`` and ``P(D)`` (nats when the
-    terms are the law's or ``scale`` is calibrated); ``scale``: ``kappa`` (NaN when ``terms`` were given).
+    ``mask``: a ``MaskResult`` with ``method="autopilot"`` (``keep`` True where the token stays and where invalid;
+    ``capped``: the target was not met and candidates beyond the cap existed).  ``entropy``: the measured ``H_t``
+    (NaN when not given or no valid token); ``entropy_smoothed`` / ``target_entropy``: ``Ĥ_t`` / ``H*_t`` (NaN
+    outside the controller); ``target_dh`` (NaN for an empty batch); ``predicted_dh_before`` / ``_after``: ``P_0`` /
+    ``P(D)``; ``scale``: ``kappa`` (NaN when ``terms`` were given).
     """
 
     mask: MaskResult
@@ -108,8 +93,8 @@ def autopilot_mask(s_centered: torch.Tensor, advantages: torch.Tensor, valid: to
                    target_dh: float, ratio: torch.Tensor | None = None, max_frac: float | None = DEFAULT_MAX_FRAC,
                    sides: str = "negative", form: str = "cov", terms: torch.Tensor | None = None, carry: float = 0.0,
                    scale: float = 1.0, process_group: Group = None) -> AutopilotResult:
-    """Drop the fewest tokens so that the predicted entropy change of the step meets ``target_dh`` (the terms and
-    the selection of the module docstring; :class:`EntropyAutopilot` sets the target by feedback).
+    """Drop the fewest tokens so that the predicted entropy change of the step meets ``target_dh`` (module
+    docstring; :class:`EntropyAutopilot` sets the target by feedback).
 
     Args:
         s_centered: ``S_c = S* - E_p[S]``, ``[B, T]`` (or any shape), any float dtype (read as float64).
@@ -120,16 +105,14 @@ def autopilot_mask(s_centered: torch.Tensor, advantages: torch.Tensor, valid: to
         ratio: ``r = pi / pi_sample`` per token, ``s_centered``'s shape, finite and ``>= 0`` (None: 1).
         max_frac: cap on the dropped share (``floor(max_frac * N)`` tokens, :func:`~.masks.cap_limit`; None: none).
         sides: advantage sign whose tokens may be dropped: ``negative``, ``positive`` or ``both``.
-        form: ``"cov"`` (default, Corollaries 4 / 4.1) or ``"mean"`` (eq. 23), for the cheap score.
-        terms: the law's per-token terms ``c_t`` (:func:`~entropy_discriminator.law.token_terms`), float,
-            ``s_centered``'s shape, finite at valid positions; None: the cheap score.
+        form: ``"cov"`` or ``"mean"``, for the cheap score.
+        terms: the law's ``c_t``, float, ``s_centered``'s shape, finite at valid positions; None: the cheap score.
         carry: the law's carry (the same number on every rank; only with ``terms``).
         scale: ``kappa`` of the cheap score (a finite real > 0; only without ``terms``).
         process_group: everything is global over this group; a bad value on one rank raises on every rank.
 
-    Returns:
-        :class:`AutopilotResult` (``entropy``, ``entropy_smoothed``, ``target_entropy`` NaN); an empty batch keeps
-        everything with ``P_0 = P(D) = 0``.
+    Returns :class:`AutopilotResult` (``entropy``, ``entropy_smoothed``, ``target_entropy`` NaN); an empty batch
+    keeps everything with ``P_0 = P(D) = 0``.
     """
     target = real_number("target_dh", target_dh)
     return _select(s_centered, advantages, valid, None, lr=lr, ratio=ratio, max_frac=max_frac, sides=sides, form=form,
@@ -141,12 +124,8 @@ def fixed_share_mask(s_centered: torch.Tensor, advantages: torch.Tensor, valid: 
                      raise_entropy: bool = True, lr: float = 1.0, ratio: torch.Tensor | None = None,
                      sides: str = "negative", form: str = "cov", terms: torch.Tensor | None = None, carry: float = 0.0,
                      scale: float = 1.0, process_group: Group = None) -> AutopilotResult:
-    """Drop a fixed share of the tokens every step: the autopilot's selection without its feedback.
-
-    The autopilot's candidates and order for a target never met (with ``raise_entropy`` the tokens with
-    ``c_t < 0``, else ``c_t > 0``, largest ``|c_t|`` first); the first ``min(#candidates, floor(share * N))`` are
-    dropped: ``autopilot_mask(..., target_dh=math.inf if raise_entropy else -math.inf, max_frac=share)``.  The control
-    that isolates the controller: a constant share where the autopilot varies it.
+    """Drop a fixed share of the tokens every step, the autopilot's selection without its feedback (the control
+    that isolates the controller): ``autopilot_mask(..., target_dh=±inf by raise_entropy, max_frac=share)``.
 
     Args:
         share: the dropped share of the ``N`` valid tokens, a real in [0, 1] (0 drops nothing).
@@ -154,8 +133,7 @@ def fixed_share_mask(s_centered: torch.Tensor, advantages: torch.Tensor, valid: 
         lr: ``eta`` of the cheap score (a finite real > 0): it scales ``predicted_dh_*`` only, never the selection.
         The rest as in :func:`autopilot_mask`.
 
-    Returns:
-        :class:`AutopilotResult` with ``target_dh`` = +inf or -inf; ``capped`` tells that candidates were left.
+    Returns :class:`AutopilotResult` with ``target_dh`` = +inf or -inf; ``capped`` tells that candidates were left.
     """
     if share is None:
         raise TypeError("share must be a real number in [0, 1], got None")
@@ -191,35 +169,23 @@ def _select(s_centered: torch.Tensor, advantages: torch.Tensor, valid: torch.Ten
         one_of("sides", sides, SIDES)
         one_of("form", form, FORMS)
         require_float("s_centered", s_centered)
-        shape = s_centered.shape
         checks = DataChecks()
-        valid_b = valid_mask(valid, shape, checks)
-        a = broadcast_advantages(advantages, shape).to(s_centered.device)
-        y = s_centered.to(torch.float64)
-        if ratio is not None:
-            require_float("ratio", ratio)
-            require_shape("ratio", ratio, shape, "s_centered")
-            checks.finite("ratio", ratio, valid_b)
-            checks.count("ratio must be >= 0 (pi / pi_sample); negative at {} valid position(s)",
-                          (valid_b & (ratio < 0)).sum())
-            y = y * ratio.to(device=y.device, dtype=torch.float64)
-        checks.finite("s_centered", s_centered, valid_b)
-        sums = covariance_terms(a, y, valid_b)
-        checks.finite("advantages", a, valid_b, witness=sums[1])
-        h_sum = torch.zeros((), dtype=torch.float64, device=y.device)
-        if entropy is not None:
-            require_float("entropy", entropy)
-            require_shape("entropy", entropy, shape, "s_centered")
-            h_sum = torch.where(valid_b, entropy.to(device=y.device, dtype=torch.float64), 0.0).sum()
-            checks.finite("entropy", entropy, valid_b, witness=h_sum)
-        c_sum = torch.zeros((), dtype=torch.float64, device=y.device)
-        c = None
-        if terms is not None:
-            require_float("terms", terms)
-            require_shape("terms", terms, shape, "s_centered")
-            c = torch.where(valid_b, terms.to(device=y.device, dtype=torch.float64), 0.0)
-            c_sum = c.sum()
-            checks.finite("terms", terms, valid_b, witness=c_sum)
+        valid_b = valid_mask(valid, s_centered.shape, checks)
+        a, y, sums = _weighted_terms(advantages, s_centered, valid_b, ratio, checks)
+
+        def per_token(name: str, x: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+            """``x`` in float64, 0 where invalid, and its sum (0 for None), checked finite at valid positions."""
+            if x is None:
+                return None, torch.zeros((), dtype=torch.float64, device=y.device)
+            require_float(name, x)
+            require_shape(name, x, s_centered.shape, "s_centered")
+            x64 = torch.where(valid_b, x.to(device=y.device, dtype=torch.float64), 0.0)
+            total = x64.sum()
+            checks.finite(name, x, valid_b, witness=total)
+            return x64, total
+
+        _, h_sum = per_token("entropy", entropy)
+        c, c_sum = per_token("terms", terms)
         pos, neg = valid_b & (a > 0), valid_b & (a < 0)
         counts = [pos.sum().to(torch.float64), neg.sum().to(torch.float64)]
         payload = torch.cat([torch.stack(checks.witnesses()), sums, torch.stack([h_sum, c_sum, *counts])])
@@ -291,11 +257,10 @@ def _result(
 
 
 class EntropyAutopilot:
-    """Feedback controller holding the batch-mean token entropy at a target by dropping tokens.
+    """Feedback controller holding the batch-mean token entropy at a target by dropping tokens (docs/autopilot.md).
 
-    Law (step ``t`` = number of non-empty batches seen before this one; ``H_t`` the measured batch-mean
-    entropy of this batch, ``H_0`` that of the first; ``P_{t-1}`` the previous step's predicted change
-    ``predicted_dh_after``; ``s`` = ``smoothing``)::
+    Law (step ``t``: non-empty batches seen before this one; ``H_t`` this batch's measured entropy, ``H_0`` the
+    first's; ``P_{t-1}`` the previous ``predicted_dh_after``; ``s`` = ``smoothing``)::
 
         Ĥ_0 = H_0,   Ĥ_t = (1 - s) (Ĥ_{t-1} + P_{t-1}) + s H_t        (the smoothed reading)
         H*_t = H_0                                     target_entropy="hold"
@@ -303,23 +268,17 @@ class EntropyAutopilot:
         H*_t = H_0 + (H_end - H_0) * min(t, D) / D     target_entropy=H_end, decay_steps=D
         target_dh_t = clip((H*_{t+1} - H*_t) - gain * (Ĥ_t - H*_t), -max_step, max_step)
 
-    and :func:`autopilot_mask` with ``target_dh_t`` selects the tokens to drop, in either direction.  ``Ĥ`` follows
-    the noisy batch reading through the law's own prediction of the step taken.  When the selection meets the
-    target the error ``Ĥ - H*`` shrinks by ``1 - gain`` per step without momentum; with Adam the projected rest point
-    moves by ``gain / (1 - beta1)`` of it (docs/autopilot.md).  Saturation leaves the error to the free dynamics.
+    and :func:`autopilot_mask` with ``target_dh_t`` selects the tokens to drop, in either direction.
 
     Args:
         target_entropy: ``"hold"`` (hold ``H_0``) or ``H_end`` in nats/token (a finite real >= 0, at most
             ``log(vocab_size)`` when that is given).
         decay_steps: ramp linearly from ``H_0`` to ``H_end`` over this many steps (int >= 1; needs a number target).
-        gain: ``k`` in ``(0, 1]``.
-        max_step: the band of ``target_dh`` (nats/token per step, > 0, ``inf`` allowed).
-        smoothing: ``s`` in ``(0, 1]`` (1: the raw batch reading).
-        vocab_size: the vocabulary size ``V`` when known (an int >= 2): a target above ``log V`` is refused.
+        gain: ``k`` in ``(0, 1]``.  max_step: the band of ``target_dh`` (> 0, ``inf`` allowed).
+        smoothing: ``s`` in ``(0, 1]`` (1: the raw batch reading).  vocab_size: ``V`` when known (an int >= 2).
         max_frac, sides, form, process_group: as in :func:`autopilot_mask`.
 
-    The controller's memory (``step``, ``H_0``, ``Ĥ``, ``P``, the calibration of the cheap score) is
-    :meth:`state_dict`; restoring it continues the run bit for bit.  Every rank holds the same state.
+    :meth:`state_dict` holds the controller's memory; restoring it continues the run bit for bit.
     """
 
     def __init__(
@@ -373,16 +332,12 @@ class EntropyAutopilot:
             return self.target_entropy
         return h_start + (self.target_entropy - h_start) * (min(step, self.decay_steps) / self.decay_steps)
 
-    def _reading(self, h: float) -> float:
-        """``Ĥ_t`` of the class docstring for the measured ``H_t = h``."""
-        if self.h_smooth is None:
-            return h
-        return (1 - self.smoothing) * (self.h_smooth + self.last_predicted) + self.smoothing * h
-
     def _law(self, h: float) -> tuple[float, float, float]:
         """``(Ĥ_t, H*_t, target_dh_t)`` of the class docstring for the measured ``H_t = h``."""
         h_start = h if self.h_start is None else self.h_start
-        read = self._reading(h)
+        read = h
+        if self.h_smooth is not None:
+            read = (1 - self.smoothing) * (self.h_smooth + self.last_predicted) + self.smoothing * h
         now, nxt = self.target_entropy_at(self.step_count, h_start), self.target_entropy_at(self.step_count + 1, h_start)
         desired = (nxt - now) - self.gain * (read - now)
         return read, now, min(max(desired, -self.max_step), self.max_step)
@@ -390,13 +345,10 @@ class EntropyAutopilot:
     def step(self, advantages: torch.Tensor, *, s_centered: torch.Tensor, entropy: torch.Tensor, valid: torch.Tensor,
              lr: float | None = None, ratio: torch.Tensor | None = None, terms: torch.Tensor | None = None,
              carry: float = 0.0) -> AutopilotResult:
-        """One batch: measure ``H_t``, set ``target_dh_t`` by the law, select the tokens to drop.
-
-        Call once per optimizer step, before it, every rank in the same order.  ``entropy``: per-token entropy
-        (nats), ``s_centered``'s shape; ``terms`` / ``carry``: the law's (:func:`~.law.token_terms`) or None for the
-        cheap score scaled by :attr:`calibration` (see :meth:`calibrate`); the rest as in :func:`autopilot_mask`.  A
-        batch without a valid token keeps everything and leaves the state unchanged.
-        """
+        """One batch, once per optimizer step before it, every rank in the same order: measure ``H_t`` (``entropy``:
+        per token, ``s_centered``'s shape), set ``target_dh_t`` by the law, select the tokens to drop (the cheap score
+        scaled by :attr:`calibration` without ``terms``; the rest as in :func:`autopilot_mask`).  A batch without a
+        valid token keeps everything and leaves the state unchanged."""
         res = _select(s_centered, advantages, valid, entropy, lr=lr, ratio=ratio, max_frac=self.max_frac,
                       sides=self.sides, form=self.form, terms=terms, carry=carry, scale=self.calibration.scale,
                       process_group=self.process_group, law=self._law)  # fmt: skip
@@ -409,9 +361,8 @@ class EntropyAutopilot:
         return res
 
     def calibrate(self, cheap: float, exact: float) -> float:
-        """Feed one same-batch pair to :attr:`calibration` (``cheap`` = ``-lr Cov_B(A, r S_c)`` of the step
-        taken, ``exact`` = the law's prediction of it, e.g. :func:`~entropy_discriminator.law.step_entropy_change`);
-        returns the new ``kappa``."""
+        """Feed one same-batch pair (``-lr Cov_B(A, r S_c)``, the law's prediction) to :attr:`calibration`; returns
+        the new ``kappa``."""
         return self.calibration.update(cheap, exact)
 
     def from_stats(
@@ -428,15 +379,15 @@ class EntropyAutopilot:
                          ratio=ratio, terms=terms, carry=carry)  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
-        """The controller's memory as plain Python values (picklable, ``torch.load(weights_only=True)``-safe):
-        ``{"version", "settings", "step", "h_start", "h_smooth", "last_predicted", "calibration"}``."""
+        """``{"version", "settings", "step", "h_start", "h_smooth", "last_predicted", "calibration"}``, plain Python
+        values (``torch.load(weights_only=True)``-safe)."""
         return {"version": STATE_VERSION, "settings": self.settings(), "step": self.step_count,
                 "h_start": self.h_start, "h_smooth": self.h_smooth, "last_predicted": self.last_predicted,
                 "calibration": self.calibration.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output; ``ValueError`` / ``TypeError`` naming the bad entry.  A state of
-        another layout version or other settings is refused by name: it would continue a different law."""
+        """Restore :meth:`state_dict`'s output; ``ValueError`` / ``TypeError`` naming the bad entry (another layout
+        version or other settings included)."""
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a mapping from state_dict(), got {type(state).__name__}")
         if "version" in state and state["version"] != STATE_VERSION:

@@ -1,10 +1,8 @@
 """The paper's first-order entropy-change predictions (Theorems 1-2, Corollaries 4 and 4.1).
 
-The step size ``eta`` (``alpha = eta * r * A``) is measured on the temperature-scaled logits ``u = z / T`` that
-:func:`~entropy_discriminator.token_stats` reads with ``temperature=T``.  In the tabular case (every token owns its
-raw logits ``z``), plain SGD at learning rate ``lambda`` on ``L = -(1/N) sum_t A_t log softmax(z_t / T)[k_t]`` moves
-``z_t`` by ``(lambda / (N T)) A_t (e_k - p_t)``, hence ``u_t`` by ``(lambda / (N T^2)) A_t (e_k - p_t)``:
-``eta = lambda / (N * T^2)``.  For a network ``eta`` is an effective rate.
+``eta`` (``alpha = eta * r * A``) is measured on the temperature-scaled logits ``u = z / T`` of
+:func:`~entropy_discriminator.token_stats`: for plain SGD at rate ``lambda`` on tabular logits
+``eta = lambda / (N * T^2)``; for a network ``eta`` is an effective rate (docs/law.md).
 """
 
 from __future__ import annotations
@@ -20,10 +18,9 @@ FORMS = ("cov", "mean")
 
 
 def entropy_change_logit(eps: torch.Tensor | float, s_star: torch.Tensor) -> torch.Tensor:
-    """Theorem 1: raising the sampled token's logit by ``eps`` changes entropy by ``-eps * S*``.
+    """Theorem 1: raising the sampled token's logit by ``eps`` changes entropy by ``ΔH = -eps * S* + O(eps^2)``.
 
-    ``ΔH = -eps * S* + O(eps^2)`` for ``δz = eps * e_k``; element-wise.  ``eps``: a real number (or 0-d tensor) or
-    a tensor broadcasting to ``s_star``'s shape; the result has that shape.
+    Element-wise; ``eps``: a real number (or 0-d tensor) or a tensor broadcasting to ``s_star``'s shape, the result's.
     """
     require_float("s_star", s_star)
     eps = real_or_tensor("eps", eps, s_star.shape, "s_star")
@@ -31,10 +28,11 @@ def entropy_change_logit(eps: torch.Tensor | float, s_star: torch.Tensor) -> tor
 
 
 def entropy_change_step(alpha: torch.Tensor | float, s_star: torch.Tensor, s_expected: torch.Tensor) -> torch.Tensor:
-    """Theorem 2: a policy-gradient step ``δz = alpha (e_k - p)``, ``alpha = lr * r * A``.
+    """Theorem 2: a policy-gradient step ``δz = alpha (e_k - p)``, ``alpha = lr * r * A``, changes entropy by
+    ``ΔH = -alpha * (S* - E_p[S]) + O(alpha^2)``, element-wise.
 
-    ``ΔH = -alpha * (S* - E_p[S]) + O(alpha^2)``; element-wise.  ``s_expected`` has ``s_star``'s shape; ``alpha``:
-    a real number (or 0-d tensor) or a tensor broadcasting to it (per sequence: ``alpha[:, None]``).
+    ``s_expected`` has ``s_star``'s shape; ``alpha``: a real number (or 0-d tensor) or a tensor broadcasting to it
+    (per sequence: ``alpha[:, None]``).
     """
     require_float("s_star", s_star)
     require_float("s_expected", s_expected)
@@ -47,19 +45,16 @@ def batch_entropy_change(
     advantages: torch.Tensor, s_centered: torch.Tensor | TokenStats, valid: torch.Tensor, *, lr: float,
     ratio: torch.Tensor | None = None, form: str = "cov", process_group: Group = None,
 ) -> float:
-    """First-order change of the batch-mean token entropy after one step on this batch.
-
-    * ``form="cov"`` (Corollaries 4 and 4.1): ``-lr * Cov_B(A, r * S_c)``, the population covariance over the
-      valid tokens of the whole batch (across ``process_group``).
-    * ``form="mean"`` (eq. 23, before Corollary 2 drops ``E_B[A] E_B[r S_c]``): ``-lr * E_B[A * r * S_c]``.
+    """First-order change of the batch-mean token entropy after one step on this batch: ``-lr * Cov_B(A, r * S_c)``
+    (``form="cov"``, Corollaries 4 and 4.1, the population covariance over the valid tokens of the whole group) or
+    ``-lr * E_B[A * r * S_c]`` (``form="mean"``, eq. 23).
 
     Args:
         advantages: ``[B]`` per sequence or per token with ``s_centered``'s shape.
         s_centered: ``S_c = S* - E_p[S]``, ``[B, T]`` (or any shape), or the ``TokenStats`` it comes from (then only
             positions valid in both ``valid`` and its ``valid`` count).
         valid: bool or 0/1 tensor of ``s_centered``'s shape.
-        lr: the step size ``eta`` in ``alpha = eta * r * A`` on the temperature-scaled logits, a finite real >= 0
-            (``lambda / (N * T^2)`` in the tabular case, module docstring; for a network an effective rate).
+        lr: the step size ``eta``, a finite real >= 0 (``lambda / (N * T^2)`` in the tabular case, module docstring).
         ratio: importance ratio ``r = pi / pi_sample`` per token, finite and >= 0 (None: on-policy, r = 1).
         process_group: reduce the sums over this group; a bad value on one rank raises on every rank.
 
@@ -73,18 +68,7 @@ def batch_entropy_change(
         eta = real_number("lr", lr, minimum=0)
         checks = DataChecks()
         valid_b = valid_mask(valid_within(valid, within), s_centered.shape, checks)
-        a = broadcast_advantages(advantages, s_centered.shape).to(s_centered.device)
-        y = s_centered.to(torch.float64)
-        if ratio is not None:
-            require_float("ratio", ratio)
-            require_shape("ratio", ratio, s_centered.shape, "s_centered")
-            checks.finite("ratio", ratio, valid_b)
-            checks.count("ratio must be >= 0 (pi / pi_sample); negative at {} valid position(s)",
-                         ((ratio < 0) & valid_b).sum())
-            y = y * ratio.to(torch.float64)
-        checks.finite("s_centered", s_centered, valid_b)
-        terms = covariance_terms(a, y, valid_b)
-        checks.finite("advantages", a, valid_b, witness=terms[1])
+        _, _, terms = _weighted_terms(advantages, s_centered, valid_b, ratio, checks)
         return torch.cat([torch.stack(checks.witnesses()), terms]), (checks, eta)
 
     n_checks = 3 + 2 * (ratio is not None)
@@ -97,6 +81,25 @@ def batch_entropy_change(
     if form == "cov":
         moment -= (s_a / n) * (s_y / n)
     return -eta * moment
+
+
+def _weighted_terms(advantages: torch.Tensor, s_centered: torch.Tensor, valid: torch.Tensor,
+                   ratio: torch.Tensor | None, checks: DataChecks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float64 ``(a, y, covariance_terms(a, y, valid))`` with ``a = A`` and ``y = r * S_c``; the checks of ``ratio``
+    (finite, >= 0), ``s_centered`` and ``advantages`` (finite at valid positions) are added to ``checks``."""
+    a = broadcast_advantages(advantages, s_centered.shape).to(s_centered.device)
+    y = s_centered.to(torch.float64)
+    if ratio is not None:
+        require_float("ratio", ratio)
+        require_shape("ratio", ratio, s_centered.shape, "s_centered")
+        checks.finite("ratio", ratio, valid)
+        checks.count("ratio must be >= 0 (pi / pi_sample); negative at {} valid position(s)",
+                     ((ratio < 0) & valid).sum())
+        y = y * ratio.to(device=y.device, dtype=torch.float64)
+    checks.finite("s_centered", s_centered, valid)
+    terms = covariance_terms(a, y, valid)
+    checks.finite("advantages", a, valid, witness=terms[1])
+    return a, y, terms
 
 
 def covariance_terms(a: torch.Tensor, y: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
