@@ -1,8 +1,5 @@
-"""Argument validation shared by the core modules: every error names the argument at fault.
-
-Argument coercion (:func:`real_number`, :func:`integer`, :func:`one_of`, shape checks) raises at once (the arguments
-are the same on every rank); :class:`DataChecks` counts bad entries (NaN, non-0/1 masks) on the device and reads them
-with the call's first reduction, so a bad value on one rank raises on every rank at no extra host synchronisation.
+"""Argument validation shared by the core modules: every error names the argument at fault.  Arguments raise at
+once; bad data (NaN, non-0/1 masks) is counted by :class:`DataChecks` and read with the call's first reduction.
 """
 
 from __future__ import annotations
@@ -27,8 +24,7 @@ def require_tensor(name: str, value: object) -> torch.Tensor:
 
 
 def require_finite(name: str, values: torch.Tensor, where: torch.Tensor | None = None) -> None:
-    """Raise ``ValueError`` naming ``name`` if ``values`` (restricted to ``where``) holds NaN or inf (a local check,
-    one host sync; the masks and the monitor use :class:`DataChecks` instead)."""
+    """Raise ``ValueError`` naming ``name`` if ``values`` (restricted to ``where``) holds NaN or inf (one host sync)."""
     bad = ~torch.isfinite(values)
     if where is not None:
         bad = bad & where
@@ -55,16 +51,15 @@ def _scalar(value: object) -> object:
 
 def _real_wanted(finite: bool, minimum: float | None, above: float | None, maximum: float | None) -> str:
     """What :func:`real_number` asked for, in words (built only for an error message)."""
-    bounds = [f">= {minimum:g}" if minimum is not None else "", f"> {above:g}" if above is not None else ""]
-    bounds.append(f"<= {maximum:g}" if maximum is not None else "")
-    return " ".join(["a finite real number" if finite else "a real number (inf allowed)", *filter(None, bounds)])
+    bounds = [f"{op} {x:g}" for op, x in ((">=", minimum), (">", above), ("<=", maximum)) if x is not None]
+    return " ".join(["a finite real number" if finite else "a real number (inf allowed)", *bounds])
 
 
 def real_number(name: str, value: object, *, finite: bool = True, minimum: float | None = None,
                 above: float | None = None, maximum: float | None = None) -> float:
-    """``value`` as a Python float, or ``ValueError``/``TypeError`` naming ``name``: any real number (``int``,
-    ``float``, numpy scalars, ``Fraction``...) or 0-d real tensor / array; not ``bool``, strings, NaN, nor
-    (``finite=True``) ``±inf``.  Bounds: ``minimum <= value``, ``above < value``, ``value <= maximum``."""
+    """``value`` (a real number, numpy scalar or 0-d real tensor / array; not ``bool``, NaN nor, with ``finite``,
+    ``±inf``) as a float with ``minimum <= value``, ``above < value``, ``value <= maximum``, else ``ValueError`` /
+    ``TypeError`` naming ``name``."""
     if type(value) is float:  # the common case: no 0-d tensor or array to unwrap
         x = value
     else:
@@ -98,8 +93,7 @@ NO_IGNORE_INDEX = -(2**63)
 
 
 def ignore_index_value(value: object) -> int:
-    """``ignore_index`` as a Python int for the kernels: an integer, or None for "ignore nothing"
-    (:data:`NO_IGNORE_INDEX`, so every label is checked against ``[0, V)`` and counted)."""
+    """``ignore_index`` as a Python int for the kernels: an integer, or None as :data:`NO_IGNORE_INDEX`."""
     return NO_IGNORE_INDEX if value is None else integer("ignore_index", value)
 
 
@@ -117,9 +111,8 @@ def did_you_mean(name: str, known: Iterable[str]) -> str:
 
 
 def exact_fraction(value: object) -> Fraction:
-    """The decimal a finite real number was written as: ``exact_fraction(99.9) == Fraction(999, 10)`` (floats, also
-    ``np.float32`` and 0-d tensors, as their shortest round-tripping decimal in their own precision), so that
-    ``ceil(q/100 * n)`` and ``floor(max_frac * n)`` give the decimal results a user expects."""
+    """The decimal a finite real number was written as, ``exact_fraction(99.9) == Fraction(999, 10)`` (floats,
+    ``np.float32`` and 0-d tensors: their shortest round-tripping decimal in their own precision)."""
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu()
         value = (value.float() if value.dtype == torch.bfloat16 else value).numpy()
@@ -139,19 +132,6 @@ def require_shape(name: str, value: torch.Tensor, shape: torch.Size, ref: str) -
     return value
 
 
-def broadcasts_to(name: str, value: torch.Tensor, shape: torch.Size, ref: str) -> None:
-    """Raise ``ValueError`` unless ``value`` broadcasts to ``shape`` without enlarging it."""
-    try:
-        ok = torch.broadcast_shapes(value.shape, shape) == shape
-    except RuntimeError:
-        ok = False
-    if not ok:
-        raise ValueError(
-            f"{name} of shape {tuple(value.shape)} does not broadcast to {ref}'s shape {tuple(shape)} "
-            "(leading dimensions align on the right: per-row values need a trailing 1, e.g. x[:, None])"
-        )
-
-
 def common_shape(**tensors: torch.Tensor) -> torch.Size:
     """The broadcast shape of the named tensors, or ``ValueError`` naming each with its shape."""
     try:
@@ -162,18 +142,24 @@ def common_shape(**tensors: torch.Tensor) -> torch.Size:
 
 
 def real_or_tensor(name: str, value: object, shape: torch.Size, ref: str) -> torch.Tensor | float:
-    """A real number (float) or a real tensor broadcasting to ``shape`` (the shape of ``ref``)."""
-    if isinstance(value, torch.Tensor) and value.dim() > 0:
-        if value.dtype == torch.bool or value.dtype.is_complex:
-            raise TypeError(f"{name} must be a real number or a real tensor, got dtype {value.dtype}")
-        broadcasts_to(name, value, shape, ref)
-        return value
-    return real_number(name, value)
+    """A real number (float) or a real tensor broadcasting to ``shape`` (the shape of ``ref``) without enlarging it."""
+    if not (isinstance(value, torch.Tensor) and value.dim() > 0):
+        return real_number(name, value)
+    if value.dtype == torch.bool or value.dtype.is_complex:
+        raise TypeError(f"{name} must be a real number or a real tensor, got dtype {value.dtype}")
+    try:
+        ok = torch.broadcast_shapes(value.shape, shape) == shape
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} of shape {tuple(value.shape)} does not broadcast to {ref}'s shape {tuple(shape)} "
+                         "(leading dimensions align on the right: per-row values need a trailing 1, e.g. x[:, None])")
+    return value
 
 
 def valid_mask(valid: object, shape: torch.Size, checks: DataChecks, name: str = "valid") -> torch.Tensor:
-    """``valid`` (bool, or numeric 0/1 as frameworks' ``response_mask``) as a bool tensor of ``shape``; non-0/1
-    entries are counted in ``checks`` (one check is always added, whatever the dtype)."""
+    """``valid`` (bool, or numeric 0/1) as a bool tensor of ``shape``; non-0/1 entries are counted in ``checks``
+    (one check is always added)."""
     t = require_tensor(name, valid)
     if t.shape != shape:
         raise ValueError(f"{name} must have the scores' shape {tuple(shape)}, got {tuple(t.shape)}")
@@ -189,8 +175,8 @@ def valid_mask(valid: object, shape: torch.Size, checks: DataChecks, name: str =
 
 
 def valid_within(valid: object, within: torch.Tensor | None, name: str = "valid") -> object:
-    """``valid`` (its dtype kept) with every position outside the bool tensor ``within`` set to 0 / False: a
-    ``TokenStats``' ``valid``, so a response mask never counts ignored labels' zeros (None: ``valid`` unchanged)."""
+    """``valid`` (its dtype kept) set to 0 outside the bool tensor ``within`` (a ``TokenStats``' ``valid``; None:
+    ``valid`` unchanged)."""
     if within is None:
         return valid
     t = require_tensor(name, valid)
@@ -207,8 +193,7 @@ def as_valid_mask(valid: object, shape: torch.Size, name: str = "valid") -> torc
 
 
 def broadcast_advantages(advantages: object, shape: torch.Size) -> torch.Tensor:
-    """Float64 advantages of ``shape`` from per-sequence ``[B]`` (``B == shape[0]``, GRPO) or per-token (``shape``,
-    PPO with GAE) ``advantages``."""
+    """Float64 advantages of ``shape`` from per-sequence ``[B]`` (``B == shape[0]``) or per-token ``advantages``."""
     a = require_tensor("advantages", advantages)
     if a.dtype == torch.bool or a.dtype.is_complex:
         raise TypeError(f"advantages must be a real tensor, got dtype {a.dtype}")
@@ -225,19 +210,16 @@ def broadcast_advantages(advantages: object, shape: torch.Size) -> torch.Tensor:
 class DataChecks:
     """Checks of the data (NaN / inf, 0/1 masks) whose verdict rides on the call's first reduction.
 
-    Each check puts one float64 0-d *witness* into the reduced payload: for a finiteness check the sum over the valid
-    positions (non-finite exactly when a valid value is NaN or inf, barring a float64 overflow), for a 0/1 mask the
-    count of other values.  :meth:`verdict` reads the reduced witnesses; only when one is not clean does every rank
-    count the bad entries exactly, reduce the counts and raise ``ValueError`` naming the first offender with its
-    global count, the same message on every rank.
+    Each check adds one float64 0-d *witness* to the payload: a sum over the valid positions (non-finite when a value
+    is) or a count of bad entries.  Only when a reduced witness is not clean does every rank count the bad entries
+    exactly and raise the same ``ValueError``, naming the first offender with its global count.
     """
 
     def __init__(self) -> None:
         self._checks: list[tuple[str, torch.Tensor, bool, Callable[[], torch.Tensor]]] = []
 
     def finite(self, name: str, values: torch.Tensor, where: torch.Tensor, witness: torch.Tensor | None = None) -> None:
-        """Check ``values`` for NaN / inf at the ``where`` positions (``witness``: ``sum(where(where, values, 0))`` in
-        float64 if the caller already has it)."""
+        """Check ``values`` for NaN / inf at ``where`` (``witness``: its float64 masked sum, if already computed)."""
         if witness is None:
             witness = torch.where(where, values.to(torch.float64), 0.0).sum()
         recount = lambda: (~torch.isfinite(values) & where).sum()  # noqa: E731

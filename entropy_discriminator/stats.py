@@ -47,13 +47,9 @@ _NEG_CLAMP = -1.0e4
 
 @dataclass(frozen=True)
 class TokenStats:
-    """Per-token statistics, every field of the labels' shape.
-
-    ``logp, entropy, s_star, s_expected, s_centered`` are float32 (float64 when the logits are float64); ``valid``
-    is bool (``labels != ignore_index``).  Ignored positions hold 0.  ``logp`` is ``-inf`` where the sampled token's
-    logit is ``-inf`` (its ``s_star`` is then 0).  With ``check=False``, rows that would have raised (label out of
-    range, NaN / ``+inf``, every logit ``-inf``) hold NaN.
-    """
+    """Per-token statistics of the labels' shape: float32 (float64 for float64 logits) ``logp, entropy, s_star,
+    s_expected, s_centered`` and bool ``valid`` (``labels != ignore_index``).  Ignored positions hold 0; ``logp`` is
+    ``-inf`` (and ``s_star`` 0) where the label's logit is ``-inf``; rows ``check`` did not raise for hold NaN."""
 
     logp: torch.Tensor
     entropy: torch.Tensor
@@ -89,21 +85,16 @@ def discriminator_score(logp: torch.Tensor, entropy: torch.Tensor, *, check: boo
     require_float("entropy", entropy)
     common_shape(logp=logp, entropy=entropy)
     if check:
-        _check_score_domain(logp, entropy)
+        out_of_range = torch.stack([(entropy < -SCORE_SLACK).sum(), (logp > SCORE_SLACK).sum()]).tolist()
+        for (name, rule), n in zip((("entropy", f">= -{SCORE_SLACK}: an entropy is >= 0 nats"),
+                                    ("logp", f"<= {SCORE_SLACK}: a log-probability is <= 0")), out_of_range):
+            if n:
+                raise ValueError(f"{name} must be {rule} (up to rounding); {n} entr{'y is' if n == 1 else 'ies are'} "
+                                 "outside (check=False skips this for a framework's own entropies)")
     dtype = torch.float64 if torch.float64 in (logp.dtype, entropy.dtype) else torch.float32
     lp, h = logp.to(dtype), entropy.to(dtype)
     p = lp.exp()
     return torch.where((p > 0) | torch.isnan(lp), p * (h + lp), torch.zeros((), dtype=dtype, device=p.device))
-
-
-def _check_score_domain(logp: torch.Tensor, entropy: torch.Tensor) -> None:
-    """``ValueError`` naming ``entropy`` / ``logp`` when an entry is below ``-SCORE_SLACK`` / above ``SCORE_SLACK``."""
-    out_of_range = torch.stack([(entropy < -SCORE_SLACK).sum(), (logp > SCORE_SLACK).sum()]).tolist()
-    for (name, rule), n in zip((("entropy", f">= -{SCORE_SLACK}: an entropy is >= 0 nats"),
-                                ("logp", f"<= {SCORE_SLACK}: a log-probability is <= 0")), out_of_range):
-        if n:
-            raise ValueError(f"{name} must be {rule} (up to rounding); {n} entr{'y is' if n == 1 else 'ies are'} "
-                             "outside (check=False skips this for a framework's own entropies)")
 
 
 def token_stats(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
