@@ -46,28 +46,23 @@ DEFAULT_CALIBRATE_SHARE = 0.25
 class EntropyDiscConfig:
     """Entropy-discriminator settings, as adapters read them from a framework's config.
 
-    Every field is checked whenever it is set (construction and later assignment): a bad value raises ``ValueError``
-    naming ``entropy_disc.<field>``; real fields take any real number or 0-d tensor and store a Python float; an
-    unknown name raises ``AttributeError`` naming the closest field.  Fields of one kind of method set away from their
-    defaults are refused under another (the config left unchanged): :data:`MASK_ONLY` under ``"autopilot"``,
-    :data:`AUTOPILOT_ONLY` under ``"clip_b"`` / ``"clip_v"``, :data:`CONTROL_ONLY` and a number ``max_frac`` under
-    ``"none"``: set the method first, then its settings.
+    Every field is checked whenever it is set: a bad value raises ``ValueError`` naming ``entropy_disc.<field>``
+    (real fields take any real or 0-d tensor and store a float), an unknown name ``AttributeError``.  Fields set away
+    from their defaults are refused (the config unchanged) under a method they do not act in: :data:`MASK_ONLY` under
+    ``"autopilot"``, :data:`AUTOPILOT_ONLY` under the masks, :data:`CONTROL_ONLY` and a number ``max_frac`` under
+    ``"none"``: set the method first.
 
     Attributes:
-        method: ``"none"`` (metrics only), ``"clip_b"`` (mask on S*), ``"clip_v"`` (mask on S_c) or ``"autopilot"``
-            (:class:`~entropy_discriminator.EntropyAutopilot`, docs/autopilot.md).
-        mu_low, mu_high: bounds in batch stds (>= 0, ``inf`` disables one); defaults None (2.5) and ``inf``.
-        sides, cap_rule: as in :func:`~entropy_discriminator.clip_b_mask`; mask_mode: as in
-            :func:`~entropy_discriminator.apply_keep_mask`.
-        max_frac: cap on the clipped share, in [0, 1], stored as the decimal it was written as (``np.float32(1e-4)``
-            is ``0.0001``); ``"auto"``: no cap for the masks, 0.05 for the autopilot; None: no cap.
-        chunk_size, impl: passed to :func:`~entropy_discriminator.token_stats`.
-        log_metrics: log the monitor's metrics every step.
-        target_entropy, decay_steps, gain, max_step, form, smoothing: the autopilot's (:class:`EntropyAutopilot`).
-        eta: the autopilot's step size in ``dH ~ -eta Cov_B(A, r S_c)`` (> 0); None: the optimizer's learning rate.
-        calibrate_every, calibrate_share: every this many statistics batches (int >= 0; 0: off) the adapter measures
-            the realised entropy change on this share, in (0, 1], of the batch's sequences: the scale ``kappa`` of
-            ``-eta Cov_B`` in nats (docs/adapters/law-and-autopilot.md).
+        method: ``"none"`` (metrics only), ``"clip_b"`` (mask on S*), ``"clip_v"`` (mask on S_c) or ``"autopilot"``.
+        mu_low, mu_high, sides, cap_rule: as in :func:`~entropy_discriminator.clip_b_mask` (mu_low None: 2.5).
+        max_frac: cap on the clipped share in [0, 1], stored as the decimal it was written as; ``"auto"``: no cap
+            for the masks, 0.05 for the autopilot; None: no cap.
+        mask_mode: as in :func:`~entropy_discriminator.apply_keep_mask`.
+        chunk_size, impl: passed to :func:`~entropy_discriminator.token_stats`; log_metrics: log the monitor's.
+        target_entropy, decay_steps, gain, max_step, form, smoothing: the autopilot's (docs/autopilot.md).
+        eta: the autopilot's step size in ``dH ~ -eta Cov_B(A, r S_c)``; None: the optimizer's learning rate.
+        calibrate_every, calibrate_share: every this many batches (0: off) the adapter measures the realised entropy
+            change on this share of the batch's sequences (docs/adapters/law-and-autopilot.md).
     """
 
     method: str = "none"
@@ -201,8 +196,7 @@ class EntropyDiscConfig:
 
 
 def _check_combination(values: Mapping[str, Any]) -> None:
-    """``ValueError`` for fields that do not apply to ``values["method"]`` set away from their defaults
-    (class docstring), and for ``decay_steps`` without a number ``target_entropy``."""
+    """``ValueError`` for settings the method ignores (class docstring) and ``decay_steps`` without a target."""
     method = values["method"]
     if values["decay_steps"] is not None and values["target_entropy"] == "hold":
         raise ValueError(f"entropy_disc.decay_steps={values['decay_steps']} ramps the target from the starting "

@@ -29,8 +29,7 @@ def check_mode(check: object) -> bool | str:
 
 @dataclass
 class _Pending:
-    """``poll()``: the counts once arrived, else None; ``wait()``: blocks for them; ``explain(counts)``: raises their
-    ``ValueError``; ``done()``: hands the buffers back."""
+    """One queued check: ``poll`` / ``wait`` for its counts, ``explain`` raises, ``done`` hands buffers back."""
 
     poll: Callable[[], tuple[int, ...] | None]
     wait: Callable[[], tuple[int, ...]]

@@ -168,8 +168,7 @@ def _radix_select(keys: torch.Tensor, where: torch.Tensor | None, target: torch.
 
 
 def _sortable_int(x: torch.Tensor) -> torch.Tensor:
-    """int32 keys with the order of the float32 values: the bits, the 31 low bits of negatives flipped (its own
-    inverse: :func:`_float_from_sortable`)."""
+    """int32 keys in the order of the float32 values: the bits, the 31 low bits of negatives flipped (an involution)."""
     bits = x.view(torch.int32)
     return bits ^ ((bits >> 31) & _INT32_MAX)
 

@@ -26,18 +26,14 @@ def token_stats_from_hidden(
     """``token_stats(hidden @ weight.T + bias, labels, temperature=...)`` without [N, V] logits.
 
     Args:
-        hidden: ``[N, H]`` (or ``[..., H]``) bf16/fp16/fp32 LM-head inputs.
-        weight: ``[V, H]`` LM-head weight, same dtype and device as ``hidden``; bias: optional ``[V]``.
-        labels: integer ``hidden.shape[:-1]``: sampled token ids in ``[0, V)`` or ``ignore_index``.
+        hidden, weight, bias: ``[..., H]`` bf16/fp16/fp32 inputs, ``[V, H]`` of their dtype and device, ``[V]`` or None.
+        labels: integer, of shape ``hidden.shape[:-1]``.
         temperature: ``z = L / temperature``, ``L = hidden @ weight.T + bias`` with fp32 accumulation.
         ignore_index, check: as in :func:`token_stats`.
         chunk_size: rows per slice on the torch path (default ``2**25 // V``: 128 MiB of fp32 logits).
-        impl: ``"triton"`` (fused CUDA kernel), ``"torch"`` (any device) or ``"auto"`` (Triton for bf16/fp16 CUDA
-            inputs when available).
-        logits_dtype: None, or bf16 / fp16 / fp32: L is rounded to it (to nearest even) as a framework computing
-            its head in it does, ``z = fp32(round(L)) / T`` (give the inputs in that framework's dtype too).
-        temperature_in_logits_dtype: with ``logits_dtype``, the division is rounded too: ``z = fp32(round(round(L)
-            / T))``.
+        impl: ``"triton"`` (fused CUDA kernel), ``"torch"`` or ``"auto"`` (Triton for bf16/fp16 CUDA when available).
+        logits_dtype: bf16 / fp16 / fp32: L rounded to it (nearest even) as a framework's head in it does.
+        temperature_in_logits_dtype: the division rounded too, ``z = fp32(round(round(L) / T))``.
 
     Returns :class:`TokenStats` of ``labels.shape`` (float32, formulas of :func:`token_stats`); ``ValueError`` for
     bad shapes, dtypes, devices, labels, temperature or ``logits_dtype``, or logits rows holding NaN / +inf.
@@ -97,8 +93,7 @@ def token_stats_from_hidden(
 def _from_hidden_torch(h2: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None,
                        temperature: float, ignore_index: int, chunk_size: int | None, impl: str, check: bool,
                        shape: torch.Size, dtype: torch.dtype | None, temperature_in_dtype: bool) -> TokenStats:
-    """Chunked torch path: fp32 logits of ``chunk_size`` rows at a time (rounded to ``dtype``), then
-    :func:`token_stats`."""
+    """Chunked torch path: :func:`token_stats` of the logits of ``chunk_size`` rows at a time."""
     n, vocab = h2.shape[0], weight.shape[0]
     rows = chunk_size or max(1, _DEFAULT_CHUNK_ELEMENTS // vocab)
     # Logits rounded to the inputs' own dtype come from the GEMM in that dtype, the framework's op (bit for bit).
@@ -123,8 +118,7 @@ def _from_hidden_torch(h2: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
 
 def _rounded(logits: torch.Tensor, temperature: float, dtype: torch.dtype | None,
              temperature_in_dtype: bool) -> tuple[torch.Tensor, float]:
-    """``(logits', T')`` with which :func:`token_stats` reads the rounded distribution: ``round(L), T`` or
-    ``round(round(L) / T), 1`` (``dtype`` None: ``L, T``)."""
+    """``(round(L), T)`` or ``(round(round(L) / T), 1)`` for :func:`token_stats` (``dtype`` None: ``(L, T)``)."""
     if dtype is None:
         return logits, temperature
     low = logits.to(dtype)

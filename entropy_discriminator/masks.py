@@ -66,11 +66,9 @@ def clip_b_mask(s_star: torch.Tensor | TokenStats, advantages: torch.Tensor, val
         s_star: ``[B, T]`` (or any shape) float scores ``S* = p_k (H + log p_k)``, or their ``TokenStats``.
         advantages: ``[B]`` per sequence (GRPO) or the scores' shape (per token, GAE).
         valid: bool or 0/1 tensor of the scores' shape (the response mask).
-        mu_low, mu_high: bounds in batch stds (any real >= 0 or 0-d tensor); ``math.inf`` disables a side.
+        mu_low, mu_high: bounds in batch stds (reals >= 0); ``math.inf`` disables a side.
         sides: advantage sign whose tokens may be clipped: ``negative`` (A < 0), ``positive`` or ``both``.
-        max_frac: cap on the clipped share (None: no cap): at most :func:`cap_limit` tokens, the most violating
-            first (distance beyond the bound in units of sigma), ties by position.
-        cap_rule: ``"share"`` or ``"reference"`` (:func:`cap_limit`).
+        max_frac, cap_rule: at most :func:`cap_limit` tokens (None: no cap), the most violating first.
         process_group: statistics and the cap are global over it; a bad value on one rank raises on every rank.
 
     Returns :class:`MaskResult`; ``ValueError`` / ``TypeError`` naming a bad argument, or NaN / inf at a valid position.

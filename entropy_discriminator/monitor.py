@@ -15,15 +15,9 @@ from .stats import TokenStats, field_of
 
 
 class EntropyMonitor:
-    """Turns one batch's per-token tensors into a flat ``dict[str, float]`` under ``prefix`` (keys: docs/api.md,
-    "Metrics").
-
-    Means, stds and fractions are reduced from global sums and counts over the valid tokens of all ranks of
-    ``process_group``; percentiles are exact nearest-rank order statistics (:meth:`percentile_ranks`).  The key set
-    depends only on which arguments are given (and on which mask thresholds are finite): a mean over no token is
-    ``NaN``, counts and fractions of an empty set are 0.  ``cov/adv_s_centered`` is ``Cov_B(A, r S_c)``,
-    ``delta_entropy/predicted`` ``-lr * Cov_B(A, r S_c)`` (Corollaries 4, 4.1; times ``scale`` when given).
-    """
+    """Turns one batch's per-token tensors into a flat ``dict[str, float]`` under ``prefix`` (docs/api.md, "Metrics":
+    global sums and counts over ``process_group``, the same keys for every batch, NaN for a mean over no token).
+    ``cov/adv_s_centered`` is ``Cov_B(A, r S_c)``, ``delta_entropy/predicted`` ``-lr * Cov_B(A, r S_c)``."""
 
     def __init__(self, *, prefix: str = "entropy_disc/", percentiles: Sequence[float] = (10, 50, 90, 99),
                  process_group: Group = None) -> None:

@@ -103,21 +103,18 @@ def token_stats(logits: torch.Tensor, labels: torch.Tensor, *, temperature: floa
     """Exact per-token ``logp, H, S*, E_p[S], S_c`` of ``softmax(logits / temperature)`` (module docstring).
 
     Args:
-        logits: ``[..., V]`` bf16/fp16/fp32/fp64, any strides (views are read in place); ``-inf`` entries are legal.
-        labels: integer tensor of shape ``logits.shape[:-1]`` (already shifted): in ``[0, V)`` or ``ignore_index``.
-        temperature: the upcast logits, less their row max, are divided by it, as samplers do.
-        ignore_index: label of skipped positions (0 and ``valid=False``); ``None``: none is skipped.
-        chunk_size: rows per chunk on the torch path (about ``3 * chunk_size * V`` extra elements; default
-            ``2**25 // V``).
-        impl: ``"torch"`` (chunked, any device), ``"triton"`` (one-pass CUDA kernel) or ``"auto"`` (Triton when
-            available).
-        check: ``True``: raise ``ValueError`` for a label out of range, a NaN / ``+inf`` logit or a row of ``-inf``
-            in a counted row (on CUDA one host synchronisation); ``"deferred"``: the same check without the wait,
-            raised by a later call of this thread or :func:`~entropy_discriminator.raise_deferred`
-            (:mod:`~entropy_discriminator.deferred`); ``False``: bad rows read NaN.  Without the wait and with
-            ``impl="auto"``, logits above ``~3.4e38 * T / log2(e)`` read NaN instead of a torch recomputation.
-        vocab_parallel_group, vocab_start_index: when each rank holds the vocabulary shard starting at
-            ``vocab_start_index`` (Megatron style); labels stay global ids, every rank gets full-vocabulary results.
+        logits: ``[..., V]`` bf16/fp16/fp32/fp64, any strides; ``-inf`` entries are legal.
+        labels: integer, of shape ``logits.shape[:-1]`` (already shifted), in ``[0, V)`` or ``ignore_index``.
+        temperature: divides the upcast logits less their row max, as samplers do.
+        ignore_index: label of skipped positions (0 and ``valid=False``); None skips nothing.
+        chunk_size: rows per chunk of the torch path (``3 * chunk_size * V`` extra elements; default ``2**25 // V``).
+        impl: ``"torch"`` (any device), ``"triton"`` (one-pass CUDA kernel) or ``"auto"`` (Triton when available).
+        check: ``True`` raises ``ValueError`` for a label out of range, a NaN / ``+inf`` logit or a row of ``-inf``
+            in a counted row (one host synchronisation); ``"deferred"``: the same, raised later without the wait
+            (:mod:`~entropy_discriminator.deferred`); ``False``: bad rows read NaN (as do, without the wait and with
+            ``impl="auto"``, logits above ``~3.4e38 * T / log2(e)``).
+        vocab_parallel_group, vocab_start_index: each rank holds the vocabulary shard starting at
+            ``vocab_start_index``; labels stay global ids, every rank gets the full-vocabulary statistics.
 
     Returns :class:`TokenStats`, every field of ``labels.shape``, float32 (float64 for fp64 logits).
     """
@@ -279,8 +276,7 @@ def _triton_stats():
 
 
 def _row_chunks(x: torch.Tensor, chunk_size: int) -> Iterator[tuple[slice, torch.Tensor]]:
-    """Yield ``(flat_rows, [n, V] rows)`` covering ``x[..., V]`` in flat row order, ``n <= chunk_size``: views where
-    ``x`` views as ``[rows, V]``, else (e.g. ``logits[:, :-1]``) a ``[n, V]`` copy of one chunk at a time."""
+    """``(flat_rows, [n <= chunk_size, V] rows)`` of ``x[..., V]`` in order: views, or one chunk's copy at a time."""
     n_rows = math.prod(x.shape[:-1])
     try:
         flat = x.view(-1, x.shape[-1])
@@ -297,11 +293,7 @@ def _row_chunks(x: torch.Tensor, chunk_size: int) -> Iterator[tuple[slice, torch
 
 def _moments_torch(rows: torch.Tensor, labels: torch.Tensor, temperature: float, ignore_index: int, acc: torch.dtype,
                    group: dist.ProcessGroup | None, vocab_start: int) -> tuple[torch.Tensor, ...]:
-    """logp, H, S*, E_p[S] and the unscaled row max of one ``[n, V]`` chunk (three [n, V] buffers).
-
-    A first sweep gives ``ubar = E_p[u]``; the second sums ``e = exp(v)`` over ``v = u - ubar`` (so ``s1/s0`` is
-    nearly 0): ``H = log s0 - s1/s0``, ``log p_k = v_k - log s0``, ``E_p[S] = (s3 - s2 s1/s0) / s0^2``.
-    """
+    """logp, H, S*, E_p[S] and the unscaled row max of one ``[n, V]`` chunk, the second sweep centred on E_p[u]."""
     z = rows.to(acc, copy=True)
     m = z.amax(dim=-1)
     if group is not None:
