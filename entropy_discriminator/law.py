@@ -1,27 +1,15 @@
 """The first-order entropy law for the optimizer actually used: ``ΔH_B ≈ ∇θH_B · Δθ`` (docs/law.md).
 
-Corollary 4 (:func:`~entropy_discriminator.batch_entropy_change`, ``-η Cov_B(A, r S_c)``) is the law of plain SGD on
-the logits.  Under Adam the step ``Δθ`` is preconditioned and carries momentum; to first order the batch-mean token
-entropy ``H_B`` of this batch's tokens then changes by ``∇θH_B · Δθ``, for the step the optimizer is about to take:
+``H_B`` is the batch-mean token entropy of this batch's tokens, ``Δθ`` the step the optimizer is about to take
+(read after ``loss.backward()``, before ``optimizer.step()``): :func:`step_entropy_change`, in closed form for
+Adam / AdamW / SGD (:func:`linearise_step`) or, for any optimizer, by a step measured and undone.  With the step
+affine in this step's loss gradient ``g = Σ_t J_tᵀ ∂L/∂z_t``, ``Δθ = P ⊙ g + carry`` (:class:`StepLinearisation`),
+:func:`token_terms` splits it over tokens::
 
-* :func:`step_entropy_change`: ``Σ_p ⟨∇_p H_B, Δθ_p⟩``, ``Δθ`` read after ``loss.backward()`` and before
-  ``optimizer.step()``, in closed form for Adam / AdamW / SGD (:func:`linearise_step`) or, for any optimizer, by a
-  step that is measured and undone (``route="lookahead"``); the two agree to rounding.
-* :func:`token_terms`: the step is affine in this step's loss gradient ``g``, ``Δθ = P ⊙ g + carry``
-  (:class:`StepLinearisation`; ``P`` holds the learning rate, Adam's bias corrections and the gradient's share
-  ``1 - β1`` of the momentum, ``carry`` what the step does without ``g``: earlier momentum, weight decay).  With
-  ``w = P ⊙ ∇θH_B`` and ``g = Σ_t J_tᵀ ∂L/∂z_t`` (``J_t`` the Jacobian of token ``t``'s logits ``z_t``)::
+    ΔH_B ≈ ∇θH_B · carry + Σ_t c_t,        c_t = (∂L/∂z_t) · δz_t,   δz_t = J_t (P ⊙ ∇θH_B)
 
-      ΔH_B ≈ ∇θH_B · carry + Σ_t c_t,        c_t = (∂L/∂z_t) · δz_t,   δz_t = J_t w
-
-  ``δz = J w`` is one forward-mode product (:func:`logit_tangents`).  For ``L = -Σ_t ω_t log softmax(z_t / T)[k_t]``
-  (``ω_t = A_t r_t keep_t / n``) :func:`token_contributions` gives ``c_t = -(ω_t / T)(δz_{t,k} - p_t · δz_t)``; for
-  SGD on tabular logits this is Corollary 4's ``-(η/N) A_t r_t S_c,t`` with ``η = λ / (N T²)``.  Gradient-norm
-  clipping scales ``g``: pass its factor as ``grad_scale``.
-* Beyond first order, along the same ``Δθ``: :func:`step_entropy_curvature` (``½ Δθᵀ ∇²θH_B Δθ``) and
-  :func:`logit_step_entropy_change` (the network expanded, the softmax entropy of the moved logits taken exactly).
-
-:class:`Calibration` turns Corollary 4's cheap score into nats from either prediction on the same batch.
+:func:`step_entropy_curvature` and :func:`logit_step_entropy_change` go beyond first order along the same ``Δθ``;
+:class:`Calibration` puts Corollary 4's cheap score in nats.
 """
 
 from __future__ import annotations
@@ -55,12 +43,10 @@ def _analytic_kind(optimizer: torch.optim.Optimizer) -> str | None:
 def _groups_of(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> list[dict[str, Any]]:
     """The param group of each of ``params``; ``ValueError`` for a parameter the optimizer does not hold."""
     where = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    out = []
     for i, p in enumerate(params):
         if id(p) not in where:
             raise ValueError(f"params[{i}] (shape {tuple(p.shape)}) is not a parameter of the optimizer")
-        out.append(where[id(p)])
-    return out
+    return [where[id(p)] for p in params]
 
 
 def _params(params: object) -> list[torch.Tensor]:
@@ -78,29 +64,25 @@ def _aligned(name: str, values: object, params: list[torch.Tensor]) -> list[torc
         raise TypeError(f"{name} must be a sequence of tensors aligned with params, got {type(values).__name__}")
     if len(values) != len(params):
         raise ValueError(f"{name} has {len(values)} entries, params {len(params)}")
-    out: list[torch.Tensor | None] = []
     for i, (v, p) in enumerate(zip(values, params)):
         if v is not None:
             require_float(f"{name}[{i}]", v)
             require_shape(f"{name}[{i}]", v, p.shape, f"params[{i}]")
-        out.append(v)
-    return out
+    return list(values)
 
 
 @dataclass(frozen=True)
 class StepLinearisation:
     """The optimizer's next step as an affine map of this step's loss gradient: ``Δθ_p = scale_p ⊙ g_p + carry_p``.
 
-    ``scale`` (the preconditioner ``P`` of the module docstring) and ``carry``: one float64 tensor per parameter of
-    ``params``, of its shape, zero for a parameter the step leaves alone.
+    ``scale`` (``P``) and ``carry``: one float64 tensor per parameter of ``params``, of its shape, zero for a
+    parameter the step leaves alone.  ``formed``: per parameter, False on Adam's first step (``Δθ = -lr ĝ / (|ĝ| + ε)``
+    element by element, not additive over tokens), else True.
     """
 
     params: tuple[torch.Tensor, ...]
     scale: tuple[torch.Tensor, ...]
     carry: tuple[torch.Tensor, ...]
-    #: per parameter: True when the preconditioner does not hang on this step's gradient beyond the
-    #: ``(1 - β2) g²`` of Adam's second moment (SGD always; Adam/AdamW from their second step on).  False on
-    #: Adam's first step, ``Δθ = -lr ĝ / (|ĝ| + ε)`` element by element: not additive over tokens.
     formed: tuple[bool, ...] = ()
 
     def delta(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
@@ -112,11 +94,8 @@ class StepLinearisation:
         self, entropy_grads: Sequence[torch.Tensor | None], grads: Sequence[torch.Tensor | None] | None = None
     ) -> tuple[list[torch.Tensor], float]:
         """``(w, carry)``: ``w_p = scale_p ⊙ ∇_p H_B`` (float64, the tangent of :func:`logit_tangents`) and
-        ``carry = Σ_p ∇_p H_B · carry_p``, the predicted change of the step without this step's gradient.
-
-        A parameter whose preconditioner is not formed (Adam's first step) is not split over tokens: ``w_p = 0`` and
-        its whole change ``∇_p H_B · Δθ_p(g)`` joins the carry, ``g`` = ``grads`` (then required).
-        """
+        ``carry = Σ_p ∇_p H_B · carry_p``; where not ``formed``, ``w_p = 0`` and the carry takes ``∇_p H_B · Δθ_p(g)``
+        with ``g`` = ``grads`` (then required)."""
         ps = list(self.params)
         gs = _aligned("entropy_grads", entropy_grads, ps)
         formed = self.formed or (True,) * len(ps)
@@ -128,12 +107,8 @@ class StepLinearisation:
         w, carry = [], 0.0
         for i, (g, s, c) in enumerate(zip(gs, self.scale, self.carry)):
             g64 = torch.zeros_like(s) if g is None else g.detach().to(torch.float64)
-            if formed[i]:
-                w.append(s * g64)
-                carry += float((g64 * c).sum())
-            else:
-                w.append(torch.zeros_like(s))
-                carry += float((g64 * deltas[i]).sum())
+            w.append(s * g64 if formed[i] else torch.zeros_like(s))
+            carry += float((g64 * (c if formed[i] else deltas[i])).sum())
         return w, carry
 
 
@@ -153,7 +128,6 @@ def linearise_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tens
     ``Δθ = -lr (ĝ + μ buf')`` with nesterov else ``-lr buf'``.  ``maximize`` flips ``g``.
 
     Args:
-        optimizer: the optimizer that will take the step.
         params: parameters of ``optimizer`` (any subset, any order); the result is aligned with them.
         grads: this step's loss gradients aligned with ``params`` (default: each ``p.grad``; None: the step
             leaves ``p`` alone, as torch does, unless ``preconditioner="state"``).
@@ -175,14 +149,12 @@ def linearise_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tens
     ps = _params(params)
     groups = _groups_of(optimizer, ps)
     gs = [p.grad for p in ps] if grads is None else _aligned("grads", grads, ps)
-    scale, carry, formed = [], [], []
+    rows = []  # (scale, carry, formed) per parameter
     for i, (p, g, group) in enumerate(zip(ps, gs, groups)):
         theta = p.detach().to(torch.float64)
         zero = torch.zeros_like(theta)
         if g is None and preconditioner == "step":
-            scale.append(zero)
-            carry.append(zero)
-            formed.append(True)
+            rows.append((zero, zero, True))
             continue
         state = optimizer.state.get(p, {})
         sign = -1.0 if group.get("maximize", False) else 1.0
@@ -200,9 +172,7 @@ def linearise_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tens
             c = -lr * a * wd * theta if wd else zero
             if b:
                 c = c - lr * b * buf.detach().to(torch.float64)
-            scale.append(torch.full_like(theta, -lr * a * sign * s))
-            carry.append(c)
-            formed.append(True)
+            rows.append((torch.full_like(theta, -lr * a * sign * s), c, True))
             continue
         beta1, beta2 = (float(x) for x in group["betas"])
         eps, amsgrad = float(group["eps"]), bool(group.get("amsgrad", False))
@@ -231,28 +201,22 @@ def linearise_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tens
             c = c - lr * wd * theta
         elif wd:
             c = c - d * (1 - beta1) * wd * theta
-        scale.append(-d * (1 - beta1) * sign * s)
-        carry.append(c)
-        formed.append(step > 0)
-    return StepLinearisation(tuple(ps), tuple(scale), tuple(carry), tuple(formed))
+        rows.append((-d * (1 - beta1) * sign * s, c, step > 0))
+    return StepLinearisation(tuple(ps), *(tuple(row[k] for row in rows) for k in range(3)))
 
 
 def optimizer_step_delta(
     optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], *, route: str = "auto"
 ) -> list[torch.Tensor]:
-    """``Δθ`` of each of ``params`` in the step ``optimizer.step()`` would take now (float64; nothing changes).
-
-    Call after the backward (and any gradient clipping), before ``optimizer.step()``.  ``route``:
-    ``"analytic"`` (Adam, AdamW, SGD: :func:`linearise_step` with each ``p.grad``), ``"lookahead"`` (any optimizer
-    without a closure: copies the parameters and the optimizer state, steps, measures, restores both exactly) or
-    ``"auto"`` (analytic where available).
-    """
+    """``Δθ`` of each of ``params`` in the step ``optimizer.step()`` would take now (float64; nothing changes), read
+    after the backward (and any clipping): ``route`` ``"analytic"`` (:func:`linearise_step` with each ``p.grad``),
+    ``"lookahead"`` (any optimizer without a closure: step, measure, restore parameters and state exactly) or
+    ``"auto"`` (analytic where available)."""
     one_of("route", route, ROUTES)
     ps = _params(params)
     _groups_of(optimizer, ps)
     if route == "analytic" or (route == "auto" and _analytic_kind(optimizer) is not None):
-        lin = linearise_step(optimizer, ps)
-        return lin.delta([p.grad for p in ps])
+        return linearise_step(optimizer, ps).delta([p.grad for p in ps])
     return _lookahead(optimizer, ps)
 
 
@@ -278,12 +242,9 @@ def _lookahead(optimizer: torch.optim.Optimizer, ps: list[torch.Tensor]) -> list
 
 def step_entropy_change(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
                         entropy_grads: Sequence[torch.Tensor | None], *, route: str = "auto") -> float:
-    """Exact first-order change of the batch-mean entropy in the step the optimizer is about to take.
-
+    """Exact first-order change of the batch-mean entropy in the step the optimizer is about to take:
     ``Σ_p ⟨∇_p H_B, Δθ_p⟩`` (float), ``Δθ`` from :func:`optimizer_step_delta` (same ``route``), ``entropy_grads`` =
-    ``torch.autograd.grad(H_B, params)`` (None entries: zero).  Call after the backward, before ``optimizer.step()``;
-    compare with the entropy of the same tokens after the step.
-    """
+    ``torch.autograd.grad(H_B, params)`` (None entries: zero)."""
     ps = _params(params)
     hs = _aligned("entropy_grads", entropy_grads, ps)
     delta = optimizer_step_delta(optimizer, ps, route=route)
@@ -311,11 +272,9 @@ def _primals_and_tangents(primals: Mapping[str, torch.Tensor], tangents: Mapping
     if set(primals) != set(tangents):
         raise ValueError(f"{tang_name} must have {prim_name}' keys, got {sorted(set(tangents) ^ set(primals))} differing")
     prim = {k: v.detach() for k, v in primals.items()}
-    tang = {}
     for k, v in prim.items():
         require_shape(f"{tang_name}[{k!r}]", tangents[k], v.shape, f"{prim_name}[{k!r}]")
-        tang[k] = tangents[k].detach().to(v.dtype)
-    return prim, tang
+    return prim, {k: tangents[k].detach().to(v.dtype) for k, v in prim.items()}
 
 
 def logit_tangents(fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], primals: Mapping[str, torch.Tensor],
@@ -323,25 +282,20 @@ def logit_tangents(fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], primal
     """``(z, δz) = (fn(θ), J_fn(θ) w)``: one forward-mode product (``torch.func.jvp``).
 
     ``fn(params) -> logits`` (e.g. ``lambda p: functional_call(model, p, (seq,))[:, P-1:-1]``); ``primals`` and
-    ``tangents`` map the same names to tensors of equal shapes (tangents cast to each primal's dtype).
-    Scaled-dot-product attention runs its math kernel (the fused kernels have no forward-mode derivative).
+    ``tangents`` map the same names to tensors of equal shapes.  Attention runs SDPA's math kernel (forward mode).
     """
     prim, tang = _primals_and_tangents(primals, tangents, ("primals", "tangents"))
     with sdpa_kernel(SDPBackend.MATH):
-        z, dz = torch.func.jvp(fn, (prim,), (tang,))
-    return z, dz
+        return torch.func.jvp(fn, (prim,), (tang,))
 
 
 def step_entropy_curvature(fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
                            named_params: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor],
                            valid: torch.Tensor, *, temperature: float = 1.0) -> float:
-    """The second-order term of the step's entropy change: ``½ Δθᵀ ∇²θH_B Δθ`` (float).
+    """The second-order term of the step's entropy change: ``½ Δθᵀ ∇²θH_B Δθ`` (float), forward mode over forward mode.
 
     ``H_B(θ)`` = :func:`batch_mean_entropy` of ``fn(θ)`` over ``valid`` at ``temperature``; ``delta`` maps each
-    name of ``named_params`` to its ``Δθ`` (e.g. :func:`optimizer_step_delta`, read before ``optimizer.step()``;
-    cast to each parameter's dtype).  Added to :func:`step_entropy_change` it gives
-    ``ΔH_B ≈ ∇θH_B · Δθ + ½ Δθᵀ ∇²θH_B Δθ``.  The second derivative of ``ε ↦ H_B(θ + ε Δθ)`` at 0 by forward mode
-    over forward mode: about 3-4 forwards of cost, no backward; attention as in :func:`logit_tangents`.
+    name of ``named_params`` to its ``Δθ`` (e.g. :func:`optimizer_step_delta`; cast to each parameter's dtype).
     """
     t = real_number("temperature", temperature, above=0)
     prim, tang = _primals_and_tangents(named_params, delta, ("named_params", "delta"))
@@ -357,17 +311,12 @@ def step_entropy_curvature(fn: Callable[[dict[str, torch.Tensor]], torch.Tensor]
 def logit_step_entropy_change(fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
                               named_params: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor],
                               valid: torch.Tensor, *, temperature: float = 1.0, order: int = 2) -> float:
-    """The step's entropy change with the network expanded in the step and the entropy taken exactly (float).
-
-    ``z = fn(θ)`` ``[..., V]``; ``δz = J Δθ`` and ``δ²z = Δθᵀ ∇²θz Δθ`` (per logit) along ``delta`` (as in
-    :func:`step_entropy_curvature`)::
+    """The step's entropy change with the network expanded in the step and the entropy taken exactly (float)::
 
         ΔH_B ≈ H_B(z + δz [+ ½ δ²z]) - H_B(z)        order 1 [order 2]
 
-    with :func:`batch_mean_entropy` over ``valid`` at ``temperature``.  Exact to first [second] order in the
-    step, like :func:`step_entropy_change` [plus :func:`step_entropy_curvature`], but the softmax entropy, whose
-    curvature dominates when a step is large for the entropy that is left, is not expanded.  Cost: one forward and
-    one forward-mode product (order 1), or one forward-mode product over another (order 2); no backward.
+    ``z = fn(θ)`` ``[..., V]``, ``δz = J Δθ`` and ``δ²z = Δθᵀ ∇²θz Δθ`` (per logit) along ``delta`` (as in
+    :func:`step_entropy_curvature`), :func:`batch_mean_entropy` over ``valid`` at ``temperature``; no backward.
     """
     t = real_number("temperature", temperature, above=0)
     if order not in (1, 2):
@@ -388,13 +337,12 @@ def logit_step_entropy_change(fn: Callable[[dict[str, torch.Tensor]], torch.Tens
 
 def token_contributions(logits: torch.Tensor, tangents: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                         valid: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
-    """Per-token terms ``c_t = -(ω_t / T)(δz_{t,k} - p_t · δz_t)`` of a policy-gradient step (float64 ``[B, T]``).
+    """Per-token terms ``c_t = -(ω_t / T)(δz_{t,k} - p_t · δz_t)`` of a policy-gradient step (float64 ``[B, T]``,
+    zero at invalid positions), ``p = softmax(z / T)``.
 
-    ``logits`` ``z`` and ``tangents`` ``δz = J w`` ``[B, T, V]`` (from :func:`logit_tangents`, ``-inf`` logits
-    allowed: their ``p`` is 0), ``labels`` ``k`` int ``[B, T]`` (read at valid positions only), ``weights``
-    ``ω_t = A_t r_t keep_t / n`` ``[B, T]`` or ``[B]`` (the coefficient of ``-log p_t[k]`` in the loss's gradient:
-    advantage, importance ratio, keep-mask and the loss's normaliser; 0 for a PPO-clipped token), ``valid``
-    ``[B, T]``; ``p = softmax(z / T)``.  Zero at invalid positions.
+    ``logits`` ``z`` and ``tangents`` ``δz = J w`` ``[B, T, V]`` (``-inf`` logits allowed), ``labels`` ``k`` int
+    ``[B, T]`` (read at valid positions only), ``weights`` ``ω_t = A_t r_t keep_t / n`` ``[B, T]`` or ``[B]`` (the
+    coefficient of ``-log p_t[k]`` in the loss's gradient; 0 for a PPO-clipped token), ``valid`` ``[B, T]``.
     """
     require_float("logits", logits)
     require_float("tangents", tangents)
@@ -412,8 +360,7 @@ def token_contributions(logits: torch.Tensor, tangents: torch.Tensor, labels: to
     if w.dim() == 1 and len(shape) == 2 and w.shape[0] == shape[0]:
         w = w[:, None].expand(shape)
     require_shape("weights", w, shape, "labels")
-    z = logits.to(torch.float64)
-    dz = tangents.to(torch.float64)
+    z, dz = logits.to(torch.float64), tangents.to(torch.float64)
     p = torch.softmax(z / t, -1)
     p_dz = torch.where(p > 0, p * dz, torch.zeros_like(dz)).sum(-1)
     dz_k = dz.gather(-1, lab[..., None])[..., 0]
@@ -442,16 +389,11 @@ def token_terms(optimizer: torch.optim.Optimizer, named_params: Mapping[str, tor
                 entropy_grads: Sequence[torch.Tensor | None] | None = None) -> TokenTerms:
     """Per-token contributions to the entropy change of the optimizer's next step, and its carry.
 
-    ``z = fn(named_params)`` are the logits of the batch's tokens ``[B, T, V]``: one backward of ``H_B``
-    (:func:`batch_mean_entropy` of ``z`` over ``valid`` at ``temperature``), :func:`linearise_step` (``preconditioner``,
-    ``grads``, ``grad_scale`` as there; default ``"step"`` with ``grads``, e.g. this step's unmasked loss gradient,
-    else ``"state"``, usable before any backward from the second step on), ``w = P ⊙ ∇θH_B``, one
-    :func:`logit_tangents` and :func:`token_contributions` with ``weights`` ``ω_t``.  Where the preconditioner is not
-    formed (Adam/AdamW before their first step, ``lr ĝ / (|ĝ| + ε)`` element by element) a parameter's change is not
-    split over tokens: its terms are 0 and its change is in the carry, so on Adam's first step every term is 0 and
-    ``carry`` is the exact prediction.  ``entropy_grads`` (``∇θH_B`` aligned with ``named_params``' values, e.g. from
-    the training forward, ``retain_graph=True``) skips the forward and backward of ``H_B``.  For the step whose loss
-    gradient is ``Σ_t J_tᵀ ∂L/∂z_t``, ``∂L/∂z_t = -(ω_t/T)(e_k - p_t)``, ``carry + Σ c_t`` equals
+    ``z = fn(named_params)`` ``[B, T, V]``: one backward of ``H_B`` (:func:`batch_mean_entropy` over ``valid`` at
+    ``temperature``; skipped when ``entropy_grads``, aligned with ``named_params``' values, are given),
+    :func:`linearise_step` (``preconditioner`` default: ``"step"`` with ``grads``, else ``"state"``), one
+    :func:`logit_tangents` of ``w = P ⊙ ∇θH_B`` and :func:`token_contributions` with ``weights``.  A parameter whose
+    preconditioner is not formed (Adam's first step) puts its whole change in the carry.  ``carry + Σ c_t`` equals
     :func:`step_entropy_change` to rounding.
     """
     names = list(named_params)
@@ -472,21 +414,15 @@ def token_terms(optimizer: torch.optim.Optimizer, named_params: Mapping[str, tor
 
 
 class Calibration:
-    """The scale ``κ`` that puts Corollary 4's cheap prediction ``-lr Cov_B(A, r S_c)`` in nats.
+    """The scale ``κ`` that puts Corollary 4's cheap prediction ``-lr Cov_B(A, r S_c)`` in nats: :meth:`update` with
+    the cheap ``x`` and the law's ``y`` of the same batch (least squares through 0, forgetting ρ)::
 
-    :meth:`update` with the cheap prediction ``x`` and the law's ``y`` (:func:`step_entropy_change`, or a
-    :class:`TokenTerms`' ``predicted``) of the same batch::
-
-        S_xy <- ρ S_xy + x y,   S_xx <- ρ S_xx + x²,   κ = S_xy / S_xx    (least squares through 0, forgetting ρ)
-
-    ``κ`` is 1 until the first update with ``x != 0``.  ``state_dict`` / ``load_state_dict`` carry it in checkpoints.
+        S_xy <- ρ S_xy + x y,   S_xx <- ρ S_xx + x²,   κ = S_xy / S_xx     (1 until an update with x != 0)
     """
 
     def __init__(self, *, forgetting: float = 0.9) -> None:
         self.forgetting = real_number("forgetting", forgetting, minimum=0, maximum=1)
-        self.s_xy = 0.0
-        self.s_xx = 0.0
-        self.count = 0
+        self.s_xy, self.s_xx, self.count = 0.0, 0.0, 0
 
     @property
     def scale(self) -> float:
