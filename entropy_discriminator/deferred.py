@@ -90,11 +90,12 @@ def _resolve(queue: deque[_Pending], *, block: bool, limit: int) -> None:
                 raise ValueError(f"{err} (found by the deferred check of an earlier {item.call} call)") from None
 
 
-def _event_counts(counts: torch.Tensor) -> tuple[Callable[[], tuple[int, ...] | None], Callable[[], tuple[int, ...]]]:
-    """``(poll, wait)`` over an int device tensor of counts: a pinned copy behind an event (CUDA), else read now."""
+def defer_counts(counts: torch.Tensor, explain: Callable[[tuple[int, ...]], None], call: str) -> None:
+    """Queue the check of an int device tensor of fault counts: a pinned copy behind an event (CUDA), else read now."""
     if counts.device.type != "cuda":
         values = tuple(counts.tolist())
-        return (lambda: values), (lambda: values)
+        defer(lambda: values, lambda: values, explain, lambda: None, call)
+        return
     host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
     host.copy_(counts, non_blocking=True)
     event = torch.cuda.Event()
@@ -104,10 +105,4 @@ def _event_counts(counts: torch.Tensor) -> tuple[Callable[[], tuple[int, ...] | 
         event.synchronize()
         return tuple(host.tolist())
 
-    return (lambda: wait() if event.query() else None), wait
-
-
-def defer_counts(counts: torch.Tensor, explain: Callable[[tuple[int, ...]], None], call: str) -> None:
-    """Queue the check of an int device tensor of fault counts (:func:`_event_counts`)."""
-    poll, wait = _event_counts(counts)
-    defer(poll, wait, explain, lambda: None, call)
+    defer(lambda: wait() if event.query() else None, wait, explain, lambda: None, call)

@@ -61,7 +61,8 @@ def reduce_or_raise(build: Callable[[], tuple[torch.Tensor, T]], size: int, grou
             raise RuntimeError(f"internal: payload of {payload.numel()} entries, expected {size}")
     except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank
         failure, context = exc, None  # type: ignore[assignment]
-        payload = torch.zeros(size, dtype=torch.float64, device=_fallback_device(group))
+        nccl = dist.get_backend(group) == "nccl"
+        payload = torch.zeros(size, dtype=torch.float64, device=torch.cuda.current_device() if nccl else "cpu")
     flag = torch.tensor([0.0 if failure is None else 1.0], dtype=torch.float64, device=payload.device)
     values = all_reduce(torch.cat([payload.to(torch.float64), flag]), group).tolist()
     if values[-1] > 0:
@@ -72,12 +73,6 @@ def reduce_or_raise(build: Callable[[], tuple[torch.Tensor, T]], size: int, grou
         error = {"TypeError": TypeError, "ValueError": ValueError}.get(kind, RuntimeError)
         raise error(f"{text} (raised on rank {rank}; every rank of the process group raises this error)") from failure
     return values[:-1], context
-
-
-def _fallback_device(group: Group) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def rank_offset(n_local: int, group: Group, device: torch.device) -> int:

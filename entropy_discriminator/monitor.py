@@ -96,7 +96,6 @@ class EntropyMonitor:
             h_sum = h.sum()
             checks.finite("entropy", entropy, valid_b, witness=h_sum)
             parts = [valid_b.sum().to(torch.float64), h_sum]
-            a = None
             if advantages is not None:
                 adv = broadcast_advantages(advantages, shape).to(entropy.device)
                 a = torch.where(valid_b, adv, 0.0)
@@ -110,12 +109,11 @@ class EntropyMonitor:
                     masked[name] = x = self._masked(name, t, shape, valid_b)
                     sums[name] = x.sum()
                     checks.finite(name, t, valid_b, witness=sums[name])
+                    if name != "ratio":
+                        parts += [sums[name], (x * x).sum()]
             if "ratio" in masked:  # r = pi / pi_sample: a negative one flips the sign of its token's term
                 checks.count("ratio must be >= 0 (pi / pi_sample); negative at {} valid position(s)",
                              (masked["ratio"] < 0).sum())
-            for name in ("s_star", "s_centered"):
-                if name in masked:
-                    parts += [sums[name], (masked[name] * masked[name]).sum()]
             if mask is not None:
                 keep = require_tensor("mask.keep", getattr(mask, "keep", None))
                 require_shape("mask.keep", keep, shape, "entropy")
@@ -130,10 +128,8 @@ class EntropyMonitor:
         values, (checks, valid_b, lr_value) = reduce_or_raise(local, size, group)
         checks.verdict(values[:n_checks], group)
         total = iter(values[n_checks:])
-        out: dict[str, float] = {}
         n, h_sum = next(total), next(total)
-        out["tokens/valid"] = n
-        out["entropy/mean"] = _ratio(h_sum, n)
+        out: dict[str, float] = {"tokens/valid": n, "entropy/mean": _ratio(h_sum, n)}
         values = kth_smallest(entropy, self.percentile_ranks(int(n)), group, where=valid_b) if n > 0 else None
         for i, q in enumerate(self.percentiles):
             out[f"entropy/p{q:g}"] = math.nan if values is None else values[i]
@@ -150,11 +146,9 @@ class EntropyMonitor:
                 out[f"{name}/std"] = math.sqrt(max(s2 / n - mean * mean, 0.0)) if n > 0 else math.nan
         if mask is not None:
             if getattr(mask, "n_valid", n) != n:
-                raise ValueError(
-                    f"mask was computed over {mask.n_valid} valid token(s), these statistics count {int(n)}: build "
-                    "the mask over the same tokens (pass the TokenStats to clip_b_mask / clip_v_mask, or a response "
-                    "mask intersected with stats.valid)"
-                )
+                raise ValueError(f"mask was computed over {mask.n_valid} valid token(s), these statistics count "
+                                 f"{int(n)}: build the mask over the same tokens (pass the TokenStats to clip_b_mask / "
+                                 "clip_v_mask, or a response mask intersected with stats.valid)")
             h_kept, n_kept = next(total), next(total)
             out.update(self._mask_metrics(mask, n, h_sum, h_kept, n_kept))
         if has_cov:
