@@ -15,12 +15,14 @@ over ``process_group``.  An empty batch is a no-op.  Losses are per token: the c
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from ._checks import as_valid_mask, broadcast_advantages, require_finite, require_float
+from ._checks import as_valid_mask, broadcast_advantages, require_finite, require_float, require_shape
 from .distributed import Group, all_reduce, global_top_k, kth_smallest, rank_offset
+from .dynamics import covariance_terms
 
 #: verl 0.9.1's defaults (``verl/workers/config/actor.py``, ``PolicyLossConfig``).
 VERL_CLIP_COV_RATIO = 2e-4
@@ -52,15 +54,13 @@ def ppo_clip_losses(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantag
                     clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate per token: ``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``, ``r = exp(logp - old)``.
 
-    Shapes ``[B, T]`` (``advantages`` may be ``[B]``).  Returns ``(pg_losses, clipped)``: the losses in
-    ``log_prob``'s dtype and the bool mask where the clipped branch is the larger one (``-A clip(r) > -A r``).
+    Shapes ``[B, T]`` (``advantages`` may be ``[B]``).  Returns ``(pg_losses, clipped)``: the losses in ``log_prob``'s
+    dtype and the bool mask where the clipped branch is the larger one (``-A clip(r) > -A r``).
     """
     require_float("log_prob", log_prob)
-    if old_log_prob.shape != log_prob.shape:
-        raise ValueError(f"old_log_prob must have log_prob's shape {tuple(log_prob.shape)}, got {tuple(old_log_prob.shape)}")
-    for label, eps in (("clip_ratio_low", clip_ratio_low), ("clip_ratio_high", clip_ratio_high)):
-        if not (isinstance(eps, (int, float)) and eps >= 0):
-            raise ValueError(f"{label} must be a number >= 0, got {eps!r}")
+    require_shape("old_log_prob", old_log_prob, log_prob.shape, "log_prob")
+    _number("clip_ratio_low", clip_ratio_low, lambda x: x >= 0, "a number >= 0")
+    _number("clip_ratio_high", clip_ratio_high, lambda x: x >= 0, "a number >= 0")
     adv = broadcast_advantages(advantages, log_prob.shape).to(log_prob.device, log_prob.dtype)
     ratio = torch.exp(log_prob - old_log_prob)
     pg1 = -adv * ratio
@@ -68,25 +68,23 @@ def ppo_clip_losses(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantag
     return torch.maximum(pg1, pg2), pg2 > pg1
 
 
-def _global_mean(x: torch.Tensor, valid: torch.Tensor, group: Group) -> tuple[float, int]:
-    """(mean over the valid entries of every rank, global valid count), in float64."""
-    zero = torch.zeros((), dtype=torch.float64, device=x.device)
-    n, total = all_reduce(torch.stack([valid.sum().to(torch.float64), torch.where(valid, x.detach().double(), zero).sum()]), group)
-    return (float(total / n) if n > 0 else 0.0), int(n)
+def _number(name: str, value: object, ok: Callable[[float], bool], wanted: str) -> None:
+    """``ValueError`` naming ``name`` unless ``value`` is an int or float for which ``ok`` holds."""
+    if not (isinstance(value, (int, float)) and ok(value)):
+        raise ValueError(f"{name} must be {wanted}, got {value!r}")
 
 
 def _token_covariance(adv: torch.Tensor, log_prob: torch.Tensor, valid: torch.Tensor, group: Group) -> tuple[torch.Tensor, int]:
     """``(A - mean_B A) (logp - mean_B logp)`` per token in float64 (means over valid tokens, global), and n_valid."""
-    mean_a, n = _global_mean(adv, valid, group)
-    mean_l, _ = _global_mean(log_prob, valid, group)
-    return (adv.double() - mean_a) * (log_prob.detach().double() - mean_l), n
+    n, s_a, s_l, _ = all_reduce(covariance_terms(adv, log_prob.detach(), valid), group).tolist()
+    mean_a, mean_l = (s_a / n, s_l / n) if n > 0 else (0.0, 0.0)
+    return (adv.double() - mean_a) * (log_prob.detach().double() - mean_l), int(n)
 
 
 def _checked(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor):
     require_float("log_prob", log_prob)
     require_float("old_log_prob", old_log_prob)
-    if old_log_prob.shape != log_prob.shape:
-        raise ValueError(f"old_log_prob must have log_prob's shape {tuple(log_prob.shape)}, got {tuple(old_log_prob.shape)}")
+    require_shape("old_log_prob", old_log_prob, log_prob.shape, "log_prob")
     valid = as_valid_mask(valid, log_prob.shape)
     adv = broadcast_advantages(advantages, log_prob.shape).to(log_prob.device)
     require_finite("log_prob", log_prob.detach(), valid)
@@ -102,19 +100,15 @@ def clip_cov_losses(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantag
                     process_group: Group = None) -> CovLossResult:
     """Clip-Cov (verl 0.9.1 ``compute_policy_loss_clip_cov``), per token.
 
-    ``cov_t = (A_t - mean_B A) (logp_t - mean_B logp)`` over the valid tokens; candidates are valid tokens with
-    ``clip_cov_lb < cov_t < clip_cov_ub`` where the PPO clip is not active; ``max(floor(clip_cov_ratio * N), 1)``
-    of them (all if fewer) are drawn uniformly at random and their loss is multiplied by 0 (gradient removed).
-    The loss elsewhere is PPO's clipped surrogate (:func:`ppo_clip_losses`).
-
-    Without ``process_group`` the draw is ``torch.randperm(n_candidates, generator=generator)`` over the candidates
-    in row-major order (``generator=None``: verl's global-RNG draw); with a group each rank draws a uniform key per
-    candidate and the globally largest keys win.  Shapes: ``log_prob``, ``old_log_prob``, ``valid`` ``[B, T]``;
-    ``advantages`` ``[B]`` or ``[B, T]``.
+    ``cov_t = (A_t - mean_B A) (logp_t - mean_B logp)`` over the valid tokens; of the valid tokens with
+    ``clip_cov_lb < cov_t < clip_cov_ub`` where the PPO clip is not active, ``max(floor(clip_cov_ratio * N), 1)``
+    (all if fewer) drawn uniformly at random lose their loss (times 0); elsewhere PPO's (:func:`ppo_clip_losses`).
+    Without ``process_group`` the draw is ``torch.randperm(n_candidates, generator=generator)`` in row-major order
+    (verl's); with a group the globally largest uniform keys win.  Shapes ``[B, T]``, ``advantages`` ``[B]`` or
+    ``[B, T]``.
     """
     adv, valid = _checked(log_prob, old_log_prob, advantages, valid)
-    if not (isinstance(clip_cov_ratio, (int, float)) and 0 < clip_cov_ratio <= 1):
-        raise ValueError(f"clip_cov_ratio must be a number in (0, 1], got {clip_cov_ratio!r}")
+    _number("clip_cov_ratio", clip_cov_ratio, lambda x: 0 < x <= 1, "a number in (0, 1]")
     if not clip_cov_lb < clip_cov_ub:
         raise ValueError(f"clip_cov_lb ({clip_cov_lb}) must be < clip_cov_ub ({clip_cov_ub})")
     pg, clipped = ppo_clip_losses(log_prob, old_log_prob, adv, clip_ratio_low=clip_ratio_low,
@@ -142,18 +136,14 @@ def clip_cov_losses(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantag
 def kl_cov_losses(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor, *,
                   kl_cov_ratio: float = VERL_KL_COV_RATIO, ppo_kl_coef: float = VERL_PPO_KL_COEF,
                   process_group: Group = None) -> CovLossResult:
-    """KL-Cov (verl 0.9.1 ``compute_policy_loss_kl_cov``), per token.
-
-    Loss ``-A_t r_t`` (no PPO clip), plus ``ppo_kl_coef * |logp_t - old_logp_t|`` on the
-    ``max(1, floor(kl_cov_ratio * N))`` valid tokens with the largest ``cov_t = (A_t - mean_B A)(logp_t - mean_B logp)``
-    (ties by row-major position; global over ``process_group``).  ``r_t = exp(logp_t - old_logp_t)``.  Shapes as
-    :func:`clip_cov_losses`; the losses have ``log_prob``'s dtype and carry the gradient.
+    """KL-Cov (verl 0.9.1 ``compute_policy_loss_kl_cov``), per token: ``-A_t r_t`` (no PPO clip), plus
+    ``ppo_kl_coef * |logp_t - old_logp_t|`` on the ``max(1, floor(kl_cov_ratio * N))`` valid tokens with the largest
+    ``cov_t`` (as in :func:`clip_cov_losses`; ties by row-major position).  ``r_t = exp(logp_t - old_logp_t)``; shapes
+    as :func:`clip_cov_losses`; the losses have ``log_prob``'s dtype and carry the gradient.
     """
     adv, valid = _checked(log_prob, old_log_prob, advantages, valid)
-    if not (isinstance(kl_cov_ratio, (int, float)) and 0 < kl_cov_ratio <= 1):
-        raise ValueError(f"kl_cov_ratio must be a number in (0, 1], got {kl_cov_ratio!r}")
-    if not (isinstance(ppo_kl_coef, (int, float)) and ppo_kl_coef >= 0):
-        raise ValueError(f"ppo_kl_coef must be a number >= 0, got {ppo_kl_coef!r}")
+    _number("kl_cov_ratio", kl_cov_ratio, lambda x: 0 < x <= 1, "a number in (0, 1]")
+    _number("ppo_kl_coef", ppo_kl_coef, lambda x: x >= 0, "a number >= 0")
     diff = log_prob - old_log_prob
     a = adv.to(log_prob.dtype)
     pg = -a * torch.exp(diff)
@@ -177,17 +167,14 @@ def high_entropy_mask(
 ) -> torch.Tensor:
     """Forking tokens: bool mask of the valid tokens whose entropy is at least the global ``1 - rho`` quantile.
 
-    As TRL 1.16's ``top_entropy_quantile = rho``: the threshold is ``torch.quantile`` (linear interpolation) of the
-    float32 entropies of every valid token on every rank, and a token is kept when ``H_t >= threshold``.  Here the
-    two order statistics around the quantile position ``q (N - 1)`` are found exactly without gathering the values
-    (:func:`~entropy_discriminator.distributed.kth_smallest`), then interpolated in float64.  ``rho = 1`` keeps
-    every valid token; an empty batch gives an all-False mask.  ``entropy``, ``valid`` ``[B, T]`` (any common
-    shape); returns bool of that shape.
+    As TRL 1.16's ``top_entropy_quantile = rho``: ``torch.quantile`` (linear interpolation) of the float32 entropies of
+    every valid token on every rank, its two order statistics found exactly without gathering (:func:`kth_smallest`).
+    ``rho = 1`` keeps every valid token; an empty batch gives an all-False mask.  ``entropy``, ``valid`` ``[B, T]``
+    (any common shape); returns bool of that shape.
     """
     require_float("entropy", entropy)
     valid = as_valid_mask(valid, entropy.shape)
-    if not (isinstance(rho, (int, float)) and 0 < rho <= 1):
-        raise ValueError(f"rho must be a number in (0, 1], got {rho!r}")
+    _number("rho", rho, lambda x: 0 < x <= 1, "a number in (0, 1]")
     require_finite("entropy", entropy, valid)
     n = int(all_reduce(valid.sum().to(torch.float64), process_group))
     if n == 0:
@@ -206,14 +193,12 @@ def high_entropy_mask(
 def unlikeliness_scores(
     scores: torch.Tensor, seq_log_prob: torch.Tensor, group_size: int, *, rank_penalty: float = 0.25
 ) -> torch.Tensor:
-    """Rewarding the unlikely (He et al. 2025), the rule of their release (``ray_lean_trainer._compute_advantages``).
+    """Rewarding the unlikely (He et al. 2025), the rule of their release (``ray_lean_trainer._compute_advantages``):
+    ``score_i <- score_i * (1 - rank_penalty * rank_i / G)``, ``rank_i`` in {0, .., G-1} ordering each group of
+    ``G = group_size`` consecutive samples by mean token log-probability (0 = least likely; ties by position).
 
-    Within each group of ``group_size`` consecutive samples, ``rank_i`` in {0, .., G-1} orders the samples by their
-    mean token log-probability under the sampling policy (0 = least likely; ties by position), and
-    ``score_i <- score_i * (1 - rank_penalty * rank_i / G)``: a correct sample loses up to ``rank_penalty`` of its
-    reward the likelier it is; a zero reward stays zero.  GRPO's group normalisation then runs on these scores.
-    ``scores`` and ``seq_log_prob`` float ``[B]``, ``B`` a multiple of ``group_size``; returns ``[B]`` in ``scores``'
-    dtype.  Per group only: groups must not straddle ranks.
+    ``scores`` and ``seq_log_prob`` float ``[B]``, ``B`` a multiple of ``group_size`` (groups must not straddle ranks);
+    returns ``[B]`` in ``scores``' dtype, before GRPO's group normalisation.
     """
     require_float("scores", scores)
     require_float("seq_log_prob", seq_log_prob)
@@ -221,8 +206,7 @@ def unlikeliness_scores(
         raise ValueError(f"scores and seq_log_prob must be 1-D of equal shape, got {tuple(scores.shape)} and {tuple(seq_log_prob.shape)}")
     if group_size < 1 or len(scores) % group_size:
         raise ValueError(f"group_size must be >= 1 and divide the batch ({len(scores)}), got {group_size}")
-    if not (isinstance(rank_penalty, (int, float)) and 0 <= rank_penalty <= 1):
-        raise ValueError(f"rank_penalty must be a number in [0, 1], got {rank_penalty!r}")
+    _number("rank_penalty", rank_penalty, lambda x: 0 <= x <= 1, "a number in [0, 1]")
     require_finite("seq_log_prob", seq_log_prob)
     lp = seq_log_prob.detach().view(-1, group_size)
     order = torch.argsort(lp, dim=1, stable=True)
@@ -233,14 +217,12 @@ def unlikeliness_scores(
 def entropy_bonus(entropy: torch.Tensor, valid: torch.Tensor, *, coef: float, process_group: Group = None) -> torch.Tensor:
     """``-coef * sum_t H_t / N`` over the valid tokens, ``N`` the global valid count: add it to the loss.
 
-    ``entropy`` ``[B, T]`` must carry the gradient (e.g. ``-(p * log p).sum(-1)`` of the current logits); returns a
-    0-d tensor in its dtype.  With data parallelism and gradients averaged over ranks, multiply by the world size
-    as verl's ``token-mean`` does.  An empty batch gives 0.
+    ``entropy`` ``[B, T]`` must carry the gradient; returns a 0-d tensor in its dtype (0 for an empty batch).  With
+    gradients averaged over data-parallel ranks, multiply by the world size as verl's ``token-mean`` does.
     """
     require_float("entropy", entropy)
     valid = as_valid_mask(valid, entropy.shape)
-    if not (isinstance(coef, (int, float)) and math.isfinite(coef)):
-        raise ValueError(f"coef must be a finite number, got {coef!r}")
+    _number("coef", coef, math.isfinite, "a finite number")
     n = float(all_reduce(valid.sum().to(torch.float64), process_group))
     total = torch.where(valid, entropy, torch.zeros((), dtype=entropy.dtype, device=entropy.device)).sum()
     return -coef * total / max(n, 1.0)
