@@ -1,21 +1,12 @@
 """The cheap entropy prediction in nats, for the adapters and any training loop: a scale ``kappa`` fed from the
 same batch (docs/adapters/law-and-autopilot.md).
 
-Corollary 4's ``cheap = -eta Cov_B(A, r S_c)`` (``eta``: :meth:`~entropy_discriminator.EntropyDiscConfig.step_size`)
-ranks the tokens but, under Adam and a network, misses the size of the change by orders of magnitude.  Every
-``calibrate_every``-th statistics batch the adapter measures the realised change of the mean entropy of **that
-batch's tokens** (one no-grad forward after the update, over the ``calibrate_share`` of its sequences that
-:func:`calibration_rows` picks: their mean change is an unbiased estimate of the whole batch's) and feeds ``(cheap, realised)`` to a
-:class:`~entropy_discriminator.law.Calibration` (``kappa = S_xy / S_xx``, least squares through 0, forgetting 0.9).
-Metrics (prefix ``entropy_disc/``): ``delta_entropy/cheap``; with ``calibrate_every > 0`` also
-``delta_entropy/predicted`` (``kappa * cheap``, nats) and ``delta_entropy/scale`` (``kappa``); on calibration batches
-``delta_entropy/realised`` and ``delta_entropy/scale_skipped`` (1 when the pair was left out).
-
-With method ``"autopilot"`` the scale is the controller's own :attr:`EntropyAutopilot.calibration`
-(:meth:`LawScale.bind`), so its selection reads the same ``kappa`` and its state carries it.  The controller needs
-``kappa > 0`` (a non-positive one would invert its selection): a pair that would bring the fit to ``kappa <= 0`` is
-not fed, and the batch logs ``scale_skipped = 1``.  Without the autopilot every pair is fed (``kappa`` of either
-sign).
+Corollary 4's ``cheap = -eta Cov_B(A, r S_c)`` ranks the tokens but, under Adam and a network, misses the size of the
+change by orders of magnitude.  Every ``calibrate_every``-th statistics batch the adapter measures the realised change
+of the mean entropy of that batch's tokens (over the rows :func:`calibration_rows` picks) and feeds
+``(cheap, realised)`` to a :class:`~entropy_discriminator.law.Calibration` (``kappa = S_xy / S_xx``).  With method
+``"autopilot"`` the scale is the controller's own calibration (:meth:`LawScale.bind`), and a pair that would bring
+the fit to ``kappa <= 0`` is not fed (``scale_skipped = 1``).
 """
 
 from __future__ import annotations
@@ -41,11 +32,8 @@ STATE_VERSION = 1
 
 
 class LawScale:
-    """The calibration schedule and ``kappa`` of one trainer (module docstring).
-
-    ``every``: ``calibrate_every`` (int >= 0, 0 off).  Every rank holds the same state (the pairs it is
-    fed are global over the data-parallel group).
-    """
+    """The calibration schedule and ``kappa`` of one trainer (module docstring); ``every``: ``calibrate_every``
+    (int >= 0, 0 off).  Every rank holds the same state (its pairs are global over the data-parallel group)."""
 
     def __init__(self, every: int) -> None:
         self.every = integer("calibrate_every", every, minimum=0)
@@ -74,8 +62,8 @@ class LawScale:
         return due
 
     def feed(self, cheap: float, realised: float) -> bool:
-        """Add one same-batch pair; False when it was left out: either is NaN (a batch without a valid token), or,
-        bound to a controller, the fit with it would have ``kappa <= 0`` (module docstring)."""
+        """Add one same-batch pair; False when it was left out: either is NaN (no valid token), or, bound to a
+        controller, the fit with it would have ``kappa <= 0``."""
         if not (math.isfinite(cheap) and math.isfinite(realised)):
             return False
         calibration = self.calibration
@@ -120,15 +108,9 @@ class LawScale:
 
 def calibration_rows(rows: int, share: float, multiple: int = 1) -> torch.Tensor:
     """Indices (int64, sorted, on the CPU) of the ``m`` sequences of a calibration batch that the after-update pass
-    reads: ``floor(i * rows / m)`` for ``i < m``, spread evenly from row 0 (every 4th row at ``share = 0.25`` when 4
-    divides ``rows``; GRPO groups of consecutive rows all contribute).  ``m = ceil(share * rows)``, rounded up to a
-    multiple of ``multiple`` (int >= 1: a count a framework's dispatch splits evenly over its ranks and
-    micro-batches) and capped at ``rows``.  ``share`` in (0, 1] (1: every row); ``rows = 0`` gives no index.
-
-    Equivalent torch::
-
-        m = min(rows, math.ceil(math.ceil(share * rows) / multiple) * multiple)
-        torch.arange(m) * rows // m
+    reads, ``floor(i * rows / m)`` for ``i < m`` (spread evenly from row 0), with ``m = ceil(share * rows)`` rounded
+    up to a multiple of ``multiple`` (int >= 1: splits evenly over a framework's ranks and micro-batches) and capped
+    at ``rows``.  ``share`` in (0, 1] (1: every row); ``rows = 0`` gives no index.
     """
     rows = integer("rows", rows, minimum=0)
     share = real_number("calibrate_share", share, above=0, maximum=1)
