@@ -1,9 +1,7 @@
 """Peer entropy controls, for comparison with Clip_B / Clip_V on the same batches.
 
-* :func:`clip_cov_losses` and :func:`kl_cov_losses`: Clip-Cov and KL-Cov (Cui et al. 2025) with verl 0.9.1's
-  semantics (``actor.policy_loss.loss_mode: clip_cov | kl_cov``);
-* :func:`high_entropy_mask`: forking tokens / high-entropy minority tokens (Wang et al. 2025), the top
-  ``rho`` share of tokens by entropy, as TRL's ``top_entropy_quantile``;
+* :func:`clip_cov_losses`, :func:`kl_cov_losses`: Clip-Cov and KL-Cov (Cui et al. 2025), verl 0.9.1's semantics;
+* :func:`high_entropy_mask`: forking tokens (Wang et al. 2025), as TRL's ``top_entropy_quantile``;
 * :func:`unlikeliness_scores`: rewarding the unlikely (He et al. 2025), the rank penalty of their release;
 * :func:`entropy_bonus`: ``-coef * token-mean entropy`` added to the loss (verl's ``actor.entropy_coeff``).
 
@@ -21,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ._checks import as_valid_mask, broadcast_advantages, require_finite, require_float, require_shape
-from .distributed import Group, all_reduce, global_top_k, kth_smallest, rank_offset
+from .distributed import Group, all_reduce, global_top_k, kth_smallest, rank_offset, top_k_mask
 from .dynamics import covariance_terms
 
 #: verl 0.9.1's defaults (``verl/workers/config/actor.py``, ``PolicyLossConfig``).
@@ -148,23 +146,15 @@ def kl_cov_losses(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages
     a = adv.to(log_prob.dtype)
     pg = -a * torch.exp(diff)
     cov, n = _token_covariance(adv, log_prob, valid, process_group)
-    flat_valid = valid.reshape(-1)
-    idx = torch.nonzero(flat_valid).reshape(-1)
-    selected = torch.zeros_like(flat_valid)
-    if n > 0:
-        k = max(1, int(n * kl_cov_ratio))
-        offset = rank_offset(flat_valid.numel(), process_group, idx.device)
-        selected[idx[global_top_k(cov.reshape(-1)[idx], idx + offset, k, process_group)]] = True
-    selected = selected.reshape(valid.shape)
+    selected = top_k_mask(cov, valid, max(1, int(n * kl_cov_ratio)) if n > 0 else 0, process_group)
     pg = torch.where(selected, pg + ppo_kl_coef * diff.abs(), pg)
     n_sel = int(all_reduce(selected.sum().to(torch.float64), process_group))
     return CovLossResult(pg_losses=pg, selected=selected, ppo_clipped=torch.zeros_like(selected), n_valid=n,
                          n_selected=n_sel)
 
 
-def high_entropy_mask(
-    entropy: torch.Tensor, valid: torch.Tensor, *, rho: float = 0.2, process_group: Group = None
-) -> torch.Tensor:
+def high_entropy_mask(entropy: torch.Tensor, valid: torch.Tensor, *, rho: float = 0.2,
+                      process_group: Group = None) -> torch.Tensor:
     """Forking tokens: bool mask of the valid tokens whose entropy is at least the global ``1 - rho`` quantile.
 
     As TRL 1.16's ``top_entropy_quantile = rho``: ``torch.quantile`` (linear interpolation) of the float32 entropies of
@@ -190,9 +180,8 @@ def high_entropy_mask(
     return valid & (entropy.detach().float().double() >= threshold)
 
 
-def unlikeliness_scores(
-    scores: torch.Tensor, seq_log_prob: torch.Tensor, group_size: int, *, rank_penalty: float = 0.25
-) -> torch.Tensor:
+def unlikeliness_scores(scores: torch.Tensor, seq_log_prob: torch.Tensor, group_size: int, *,
+                        rank_penalty: float = 0.25) -> torch.Tensor:
     """Rewarding the unlikely (He et al. 2025), the rule of their release (``ray_lean_trainer._compute_advantages``):
     ``score_i <- score_i * (1 - rank_penalty * rank_i / G)``, ``rank_i`` in {0, .., G-1} ordering each group of
     ``G = group_size`` consecutive samples by mean token log-probability (0 = least likely; ties by position).
