@@ -9,10 +9,9 @@ Per valid token ``t`` of the whole batch (``N`` valid tokens over the group) the
     form="mean" (eq. 23):        c_t = -kappa (eta / N) a_t y_t
 
 Dropping a set ``D`` (``apply_keep_mask(mode="zero_pg")``) predicts ``P(D) = P_0 - sum_{t in D} c_t`` with
-``P_0 = carry + sum_t c_t``.  The candidates are the valid tokens with ``c_t < 0`` if ``target > P_0``, else
-``c_t > 0``, whose advantage sign ``sides`` allows, by ``|c_t|`` descending (ties: the smaller flat position); of
-the first ``L = min(#candidates, cap_limit(max_frac, N))`` the shortest prefix whose ``P_j`` crosses the target is
-dropped, else all ``L``.  Across ranks the selection equals the one-process one on the concatenated batch.
+``P_0 = carry + sum_t c_t``: of the tokens whose ``c_t`` moves ``P`` toward the target (and whose advantage sign
+``sides`` allows), by ``|c_t|`` descending, the shortest prefix that crosses the target is dropped, at most
+``cap_limit(max_frac, N)``.  Across ranks the selection equals the one-process one on the concatenated batch.
 """
 
 from __future__ import annotations
@@ -97,12 +96,9 @@ def autopilot_mask(s_centered: torch.Tensor, advantages: torch.Tensor, valid: to
     docstring; :class:`EntropyAutopilot` sets the target by feedback).
 
     Args:
-        s_centered: ``S_c = S* - E_p[S]``, ``[B, T]`` (or any shape), any float dtype (read as float64).
-        advantages: ``[B]`` per sequence or per token with ``s_centered``'s shape.
-        valid: bool or 0/1 tensor of ``s_centered``'s shape.
+        s_centered, advantages, valid, ratio: as in :func:`~entropy_discriminator.batch_entropy_change` (a tensor).
         lr: ``eta`` of the cheap score (a finite real > 0; required without ``terms``, ignored with them).
         target_dh: the desired predicted change (nats/token), a finite real.
-        ratio: ``r = pi / pi_sample`` per token, ``s_centered``'s shape, finite and ``>= 0`` (None: 1).
         max_frac: cap on the dropped share (``floor(max_frac * N)`` tokens, :func:`~.masks.cap_limit`; None: none).
         sides: advantage sign whose tokens may be dropped: ``negative``, ``positive`` or ``both``.
         form: ``"cov"`` or ``"mean"``, for the cheap score.
@@ -295,10 +291,9 @@ class EntropyAutopilot:
         if vocab_size is not None:
             vocab_size = integer("vocab_size", vocab_size, minimum=2)
             if self.target_entropy is not None and self.target_entropy > math.log(vocab_size):
-                raise ValueError(
-                    f"target_entropy {self.target_entropy:g} nats is above log(vocab_size) = {math.log(vocab_size):.4g}, "
-                    "the largest entropy a distribution over the vocabulary can have"
-                )
+                raise ValueError(f"target_entropy {self.target_entropy:g} nats is above log(vocab_size) = "
+                                 f"{math.log(vocab_size):.4g}, the largest entropy a distribution over the "
+                                 "vocabulary can have")
         self.vocab_size = vocab_size
         if decay_steps is not None:
             if self.target_entropy is None:
@@ -371,10 +366,9 @@ class EntropyAutopilot:
     ) -> AutopilotResult:
         """:meth:`step` on the fields of a :class:`~entropy_discriminator.TokenStats`."""
         if not isinstance(stats, TokenStats):
-            raise TypeError(
-                f"stats must be a TokenStats (from token_stats(logits, labels)), got {type(stats).__name__}; "
-                "with separate tensors call step(advantages, s_centered=..., entropy=..., valid=..., lr=...)"
-            )
+            raise TypeError(f"stats must be a TokenStats (from token_stats(logits, labels)), got "
+                            f"{type(stats).__name__}; with separate tensors call step(advantages, "
+                            "s_centered=..., entropy=..., valid=..., lr=...)")
         return self.step(advantages, s_centered=stats.s_centered, entropy=stats.entropy, valid=stats.valid, lr=lr,
                          ratio=ratio, terms=terms, carry=carry)  # fmt: skip
 
@@ -391,10 +385,9 @@ class EntropyAutopilot:
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a mapping from state_dict(), got {type(state).__name__}")
         if "version" in state and state["version"] != STATE_VERSION:
-            raise ValueError(
-                f"state['version'] is {state['version']!r}, this autopilot's is {STATE_VERSION}: the state was saved "
-                "by an earlier autopilot (another law and state layout) and cannot continue this one; start fresh"
-            )
+            raise ValueError(f"state['version'] is {state['version']!r}, this autopilot's is {STATE_VERSION}: the "
+                             "state was saved by an earlier autopilot (another law and state layout) and cannot "
+                             "continue this one; start fresh")
         keys = {"version", "settings", "step", "h_start", "h_smooth", "last_predicted", "calibration"}
         if set(state) != keys:
             raise ValueError(f"state must have the keys {sorted(keys)}, got {sorted(map(str, state))}")
@@ -403,10 +396,8 @@ class EntropyAutopilot:
             raise ValueError(f"state['settings'] must have the keys {sorted(_SETTINGS)}, got {settings!r}")
         for name in _SETTINGS:
             if settings[name] != getattr(self, name):
-                raise ValueError(
-                    f"state['settings']['{name}'] is {settings[name]!r} but this autopilot has {getattr(self, name)!r}: "
-                    "the state was saved by a controller with other settings"
-                )
+                raise ValueError(f"state['settings']['{name}'] is {settings[name]!r} but this autopilot has "
+                                 f"{getattr(self, name)!r}: the state was saved by a controller with other settings")
         step = integer("state['step']", state["step"], minimum=0)
         h_start, h_smooth = state["h_start"], state["h_smooth"]
         if h_start is not None:

@@ -1,10 +1,8 @@
 """The first-order entropy law for the optimizer actually used: ``ΔH_B ≈ ∇θH_B · Δθ`` (docs/law.md).
 
-``H_B`` is the batch-mean token entropy of this batch's tokens, ``Δθ`` the step the optimizer is about to take
-(read after ``loss.backward()``, before ``optimizer.step()``): :func:`step_entropy_change`, in closed form for
-Adam / AdamW / SGD (:func:`linearise_step`) or, for any optimizer, by a step measured and undone.  With the step
-affine in this step's loss gradient ``g = Σ_t J_tᵀ ∂L/∂z_t``, ``Δθ = P ⊙ g + carry`` (:class:`StepLinearisation`),
-:func:`token_terms` splits it over tokens::
+``H_B`` is the mean entropy of this batch's tokens, ``Δθ`` the step the optimizer is about to take
+(:func:`step_entropy_change`).  With ``Δθ = P ⊙ g + carry`` affine in this step's loss gradient
+``g = Σ_t J_tᵀ ∂L/∂z_t`` (:func:`linearise_step`), :func:`token_terms` splits the change over tokens::
 
     ΔH_B ≈ ∇θH_B · carry + Σ_t c_t,        c_t = (∂L/∂z_t) · δz_t,   δz_t = J_t (P ⊙ ∇θH_B)
 
@@ -140,10 +138,8 @@ def linearise_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tens
     """
     kind = _analytic_kind(optimizer)
     if kind is None:
-        raise TypeError(
-            f"optimizer: no closed form for {type(optimizer).__name__} (Adam, AdamW and SGD have one); "
-            "use optimizer_step_delta(..., route='lookahead')"
-        )
+        raise TypeError(f"optimizer: no closed form for {type(optimizer).__name__} (Adam, AdamW and SGD have one); "
+                        "use optimizer_step_delta(..., route='lookahead')")
     one_of("preconditioner", preconditioner, PRECONDITIONERS)
     s = real_number("grad_scale", grad_scale, above=0)
     ps = _params(params)
@@ -184,10 +180,8 @@ def linearise_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tens
         ghat = None if g64 is None else (g64 + wd * theta if (wd and not decoupled) else g64)
         if preconditioner == "state":
             if step == 0:
-                raise ValueError(
-                    f"params[{i}]: preconditioner='state' needs the optimizer's state, which the first step does not "
-                    "have yet; pass this step's gradient (grads=..., preconditioner='step')"
-                )
+                raise ValueError(f"params[{i}]: preconditioner='state' needs the optimizer's state, which the first "
+                                 "step does not have yet; pass this step's gradient (grads=..., preconditioner='step')")
             v_new = v if not amsgrad else torch.maximum(v, state["max_exp_avg_sq"].detach().to(torch.float64))
             vhat = v_new / (1 - beta2**step)
         else:
