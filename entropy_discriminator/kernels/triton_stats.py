@@ -1,16 +1,11 @@
 """One-pass Triton kernel for the per-token vocabulary statistics (design: docs/performance.md; measurements:
 benchmarks/RESULTS.md; the algebra: :mod:`._reduce`).
 
-A program streams its row (for small N one slice of it: split-V) in blocks of BLOCK logits, an unmasked main loop
-then one masked tail, moving the reference m only when a block max exceeds it by more than TAU (lazy rescaling), into
-four per-lane accumulators summed once at the row's end.  bf16 rows with V even and 4-byte aligned starts take the
-PACKED loop (int32 words of two logits).  With split-V the row's last program to arrive merges the slices' partials
-in slice order (deterministic bits).  Rows whose label is ``ignore_index`` are not read.
-
-The program that finishes a row counts its faults in the stream workspace (allocated once per stream and left
-zeroed by every launch), then writes its statistics (NaN for a bad row); the one that finishes the call's last row
-moves the counters into ``errors`` and, when asked, into pinned host memory for the host to poll
-(:mod:`._host_report`): a checked call waits once and copies nothing.
+A program streams its row (for small N one slice of it: split-V) in blocks of BLOCK logits with lazy rescaling into
+per-lane accumulators; bf16 rows may be read as int32 words of two logits (PACKED).  The program that finishes a
+row counts its faults in the stream workspace (allocated once per stream, left zeroed by every launch); the one that
+finishes the call's last row moves the counters into ``errors`` and, when asked, into pinned host memory for the
+host to poll (:mod:`._host_report`).
 """
 
 from __future__ import annotations
@@ -421,12 +416,8 @@ def _plan(shape: torch.Size, strides: tuple, dtype: torch.dtype, dev: torch.devi
     ws_words = 4 + ERR_WORDS + (n_rows if split > 1 else 0)
     parts = 6 * n_rows * split if split > 1 else 0
     packed = cfg.get("packed", 1 if _INTERPRETING else 2) if dtype == torch.bfloat16 and vocab % 2 == 0 else 0
-    table = {
-        (rep, mode, cnt): consts + (("REPORT", rep), ("PACKED", mode), ("COUNTERS", cnt))
-        for rep in (False, True)
-        for mode in {0, packed}
-        for cnt in (False, True)
-    }
+    table = {(rep, mode, cnt): consts + (("REPORT", rep), ("PACKED", mode), ("COUNTERS", cnt))
+             for rep in (False, True) for mode in {0, packed} for cnt in (False, True)}
     return _Plan(n_rows, vocab, layout, split, chunk, ws_words, parts, cfg["num_warps"], packed, table)
 
 
