@@ -147,11 +147,9 @@ class EntropyDiscConfig:
         ``stats`` (a :class:`~entropy_discriminator.TokenStats`, instead of the score tensors).  Method
         ``"autopilot"`` raises ``ValueError``: its mask depends on the controller's state (:meth:`build_autopilot`)."""
         if self.method == "autopilot":
-            raise ValueError(
-                "entropy_disc.method='autopilot' is a controller with state: build it once with "
-                "build_autopilot() and call its from_stats() once per training batch (compute_mask serves clip_b "
-                "and clip_v)"
-            )
+            raise ValueError("entropy_disc.method='autopilot' is a controller with state: build it once with "
+                             "build_autopilot() and call its from_stats() once per training batch (compute_mask serves "
+                             "clip_b and clip_v)")
         mu_low, max_frac = self.resolved()
         if stats is not None:
             if not isinstance(stats, TokenStats):
@@ -176,11 +174,9 @@ class EntropyDiscConfig:
         if self.method != "autopilot":
             raise ValueError(f"entropy_disc.method is {self.method!r}: build_autopilot needs method 'autopilot'")
         max_frac = _autopilot.DEFAULT_MAX_FRAC if self.max_frac == "auto" else self.max_frac
-        return EntropyAutopilot(
-            self.target_entropy, decay_steps=self.decay_steps, gain=self.gain, max_step=self.max_step,
-            max_frac=max_frac, sides=self.sides, form=self.form, smoothing=self.smoothing, vocab_size=vocab_size,
-            process_group=process_group,
-        )  # fmt: skip
+        return EntropyAutopilot(self.target_entropy, decay_steps=self.decay_steps, gain=self.gain, max_step=self.max_step,
+                                max_frac=max_frac, sides=self.sides, form=self.form, smoothing=self.smoothing,
+                                vocab_size=vocab_size, process_group=process_group)
 
     def step_size(self, learning_rate: float) -> float:
         """``eta`` of the autopilot's law: the ``eta`` field, else ``learning_rate`` (the optimizer's configured peak;

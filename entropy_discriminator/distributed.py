@@ -19,9 +19,7 @@ _INT32_MAX = 2**31 - 1
 
 def collective_device(group: Group, device: torch.device) -> torch.device:
     """Device on which ``group``'s backend takes tensors (CUDA for NCCL, CPU otherwise)."""
-    if group is None:
-        return device
-    return device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    return device if group is None or dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
 def all_reduce(values: torch.Tensor, group: Group, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
@@ -105,13 +103,12 @@ def top_k_mask(score: torch.Tensor, candidate: torch.Tensor, k: int, group: Grou
 def global_top_k(score: torch.Tensor, position: torch.Tensor, k: int, group: Group) -> torch.Tensor:
     """Bool mask over the local ``score`` of the ``k`` largest scores over all ranks, ties to the smaller global
     ``position`` (int64, unique across ranks): ``sorted(range(n), key=lambda i: (-score[i], position[i]))[:k]``."""
-    device = score.device
     k_local = min(k, score.numel())
     local = _lexsort_desc(score, position)[:k_local]
     pad = k - k_local
     cand = torch.stack([score[local], position[local].to(torch.float64)], dim=1)
     if pad:
-        filler = torch.tensor([[-torch.inf, float(2**53)]], dtype=torch.float64, device=device).expand(pad, 2)
+        filler = torch.tensor([[-torch.inf, float(2**53)]], dtype=torch.float64, device=score.device).expand(pad, 2)
         cand = torch.cat([cand, filler])
     everyone = all_gather_cat(cand, group)
     winners = everyone[_lexsort_desc(everyone[:, 0], everyone[:, 1].to(torch.int64))[:k]]

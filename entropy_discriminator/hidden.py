@@ -65,9 +65,8 @@ def token_stats_from_hidden(
     shape = labels.shape
     h2 = hidden.reshape(-1, hidden.shape[-1])
     k = labels.reshape(-1)
-    use_triton = impl == "triton" or (
-        impl == "auto" and hidden.is_cuda and hidden.dtype != torch.float32 and kernels.is_available()
-    )
+    use_triton = impl == "triton" or (impl == "auto" and hidden.is_cuda and hidden.dtype != torch.float32
+                                      and kernels.is_available())
     if not use_triton:
         return _from_hidden_torch(h2, weight, k, bias, float(temperature), int(ignore_index), chunk_size, impl, check,
                                   shape, logits_dtype, temperature_in_logits_dtype)

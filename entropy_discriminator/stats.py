@@ -156,10 +156,9 @@ def _defer_report(report, triton_stats, labels: torch.Tensor, vocab: int, ignore
                    lambda: triton_stats.return_report(report), "token_stats")
 
 
-def _token_stats_torch(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float, ignore_index: int, chunk_size: int | None,
-    check: bool | str, group: dist.ProcessGroup | None, vocab_start: int,
-) -> TokenStats:
+def _token_stats_torch(logits: torch.Tensor, labels: torch.Tensor, temperature: float, ignore_index: int,
+                       chunk_size: int | None, check: bool | str, group: dist.ProcessGroup | None,
+                       vocab_start: int) -> TokenStats:
     """The chunked torch path of :func:`token_stats` (any device, fp64 logits, vocabulary-parallel)."""
     v_total = _global_vocab(logits.shape[-1], group, logits.device)
     flat_labels = labels.reshape(-1)
