@@ -241,10 +241,9 @@ def _select(s_centered: torch.Tensor, advantages: torch.Tensor, valid: torch.Ten
     return _result(dropped, n, n_pos, n_neg, j, n_drop_pos, capped, h, h_read, h_target, target, p0, after, kappa)
 
 
-def _result(
-    dropped: torch.Tensor, n: float, n_pos: float, n_neg: float, n_drop: int, n_drop_pos: int, capped: bool, h: float,
-    h_read: float, h_target: float, target: float, before: float, after: float, kappa: float,
-) -> AutopilotResult:
+def _result(dropped: torch.Tensor, n: float, n_pos: float, n_neg: float, n_drop: int, n_drop_pos: int, capped: bool,
+            h: float, h_read: float, h_target: float, target: float, before: float, after: float,
+            kappa: float) -> AutopilotResult:
     """An :class:`AutopilotResult` whose ``MaskResult`` keeps every token but ``dropped`` (counts are global)."""
     mask = MaskResult(keep=~dropped, method="autopilot", center=0.0, std=0.0, lower=-math.inf, upper=math.inf,
                       n_valid=int(n), n_valid_pos=int(n_pos), n_valid_neg=int(n_neg), n_clipped=n_drop,
@@ -266,23 +265,18 @@ class EntropyAutopilot:
 
     and :func:`autopilot_mask` with ``target_dh_t`` selects the tokens to drop, in either direction.
 
-    Args:
-        target_entropy: ``"hold"`` (hold ``H_0``) or ``H_end`` in nats/token (a finite real >= 0, at most
-            ``log(vocab_size)`` when that is given).
-        decay_steps: ramp linearly from ``H_0`` to ``H_end`` over this many steps (int >= 1; needs a number target).
-        gain: ``k`` in ``(0, 1]``.  max_step: the band of ``target_dh`` (> 0, ``inf`` allowed).
-        smoothing: ``s`` in ``(0, 1]`` (1: the raw batch reading).  vocab_size: ``V`` when known (an int >= 2).
-        max_frac, sides, form, process_group: as in :func:`autopilot_mask`.
+    ``target_entropy``: ``"hold"`` or ``H_end`` (nats/token, a finite real >= 0, at most ``log(vocab_size)`` when
+    that int >= 2 is given); ``decay_steps`` ``D``: int >= 1, with a number target; ``gain`` ``k`` and ``smoothing``
+    ``s`` in ``(0, 1]``; ``max_step`` > 0 (``inf`` allowed); the rest as in :func:`autopilot_mask`.
 
     :meth:`state_dict` holds the controller's memory; restoring it continues the run bit for bit.
     """
 
-    def __init__(
-        self, target_entropy: float | str = "hold", *, decay_steps: int | None = None, gain: float = DEFAULT_GAIN,
-        max_step: float = DEFAULT_MAX_STEP, max_frac: float | None = DEFAULT_MAX_FRAC, sides: str = "negative",
-        form: str = "cov", smoothing: float = DEFAULT_SMOOTHING, vocab_size: int | None = None,
-        process_group: Group = None,
-    ) -> None:
+    def __init__(self, target_entropy: float | str = "hold", *, decay_steps: int | None = None,
+                 gain: float = DEFAULT_GAIN, max_step: float = DEFAULT_MAX_STEP,
+                 max_frac: float | None = DEFAULT_MAX_FRAC, sides: str = "negative", form: str = "cov",
+                 smoothing: float = DEFAULT_SMOOTHING, vocab_size: int | None = None,
+                 process_group: Group = None) -> None:
         if isinstance(target_entropy, str):
             one_of("target_entropy", target_entropy, ("hold",))
             self.target_entropy: float | None = None
@@ -360,10 +354,9 @@ class EntropyAutopilot:
         the new ``kappa``."""
         return self.calibration.update(cheap, exact)
 
-    def from_stats(
-        self, stats: TokenStats, advantages: torch.Tensor, *, lr: float | None = None,
-        ratio: torch.Tensor | None = None, terms: torch.Tensor | None = None, carry: float = 0.0,
-    ) -> AutopilotResult:
+    def from_stats(self, stats: TokenStats, advantages: torch.Tensor, *, lr: float | None = None,
+                   ratio: torch.Tensor | None = None, terms: torch.Tensor | None = None,
+                   carry: float = 0.0) -> AutopilotResult:
         """:meth:`step` on the fields of a :class:`~entropy_discriminator.TokenStats`."""
         if not isinstance(stats, TokenStats):
             raise TypeError(f"stats must be a TokenStats (from token_stats(logits, labels)), got "

@@ -29,11 +29,8 @@ def entropy_change_logit(eps: torch.Tensor | float, s_star: torch.Tensor) -> tor
 
 def entropy_change_step(alpha: torch.Tensor | float, s_star: torch.Tensor, s_expected: torch.Tensor) -> torch.Tensor:
     """Theorem 2: a policy-gradient step ``δz = alpha (e_k - p)``, ``alpha = lr * r * A``, changes entropy by
-    ``ΔH = -alpha * (S* - E_p[S]) + O(alpha^2)``, element-wise.
-
-    ``s_expected`` has ``s_star``'s shape; ``alpha``: a real number (or 0-d tensor) or a tensor broadcasting to it
-    (per sequence: ``alpha[:, None]``).
-    """
+    ``ΔH = -alpha * (S* - E_p[S]) + O(alpha^2)``, element-wise; ``s_expected`` has ``s_star``'s shape, ``alpha`` is a
+    real number (or 0-d tensor) or a tensor broadcasting to it (per sequence: ``alpha[:, None]``)."""
     require_float("s_star", s_star)
     require_float("s_expected", s_expected)
     require_shape("s_expected", s_expected, s_star.shape, "s_star")
@@ -41,10 +38,9 @@ def entropy_change_step(alpha: torch.Tensor | float, s_star: torch.Tensor, s_exp
     return -alpha * (s_star - s_expected)
 
 
-def batch_entropy_change(
-    advantages: torch.Tensor, s_centered: torch.Tensor | TokenStats, valid: torch.Tensor, *, lr: float,
-    ratio: torch.Tensor | None = None, form: str = "cov", process_group: Group = None,
-) -> float:
+def batch_entropy_change(advantages: torch.Tensor, s_centered: torch.Tensor | TokenStats, valid: torch.Tensor, *,
+                         lr: float, ratio: torch.Tensor | None = None, form: str = "cov",
+                         process_group: Group = None) -> float:
     """First-order change of the batch-mean token entropy after one step on this batch: ``-lr * Cov_B(A, r * S_c)``
     (``form="cov"``, Corollaries 4 and 4.1, the population covariance over the valid tokens of the whole group) or
     ``-lr * E_B[A * r * S_c]`` (``form="mean"``, eq. 23).

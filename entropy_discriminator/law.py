@@ -51,8 +51,7 @@ def _params(params: object) -> list[torch.Tensor]:
     if isinstance(params, torch.Tensor) or not isinstance(params, Sequence):
         raise TypeError(f"params must be a sequence of tensors (e.g. list(model.parameters())), got {type(params).__name__}")
     for i, p in enumerate(params):
-        if not isinstance(p, torch.Tensor):
-            raise TypeError(f"params[{i}] must be a tensor, got {type(p).__name__}")
+        require_tensor(f"params[{i}]", p)
     return list(params)
 
 
@@ -88,9 +87,8 @@ class StepLinearisation:
         gs = _aligned("grads", grads, list(self.params))
         return [c if g is None else s * g.to(torch.float64) + c for g, s, c in zip(gs, self.scale, self.carry)]
 
-    def direction(
-        self, entropy_grads: Sequence[torch.Tensor | None], grads: Sequence[torch.Tensor | None] | None = None
-    ) -> tuple[list[torch.Tensor], float]:
+    def direction(self, entropy_grads: Sequence[torch.Tensor | None],
+                  grads: Sequence[torch.Tensor | None] | None = None) -> tuple[list[torch.Tensor], float]:
         """``(w, carry)``: ``w_p = scale_p ⊙ ∇_p H_B`` (float64, the tangent of :func:`logit_tangents`) and
         ``carry = Σ_p ∇_p H_B · carry_p``; where not ``formed``, ``w_p = 0`` and the carry takes ``∇_p H_B · Δθ_p(g)``
         with ``g`` = ``grads`` (then required)."""
@@ -199,9 +197,8 @@ def linearise_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tens
     return StepLinearisation(tuple(ps), *(tuple(row[k] for row in rows) for k in range(3)))
 
 
-def optimizer_step_delta(
-    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], *, route: str = "auto"
-) -> list[torch.Tensor]:
+def optimizer_step_delta(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], *,
+                         route: str = "auto") -> list[torch.Tensor]:
     """``Δθ`` of each of ``params`` in the step ``optimizer.step()`` would take now (float64; nothing changes), read
     after the backward (and any clipping): ``route`` ``"analytic"`` (:func:`linearise_step` with each ``p.grad``),
     ``"lookahead"`` (any optimizer without a closure: step, measure, restore parameters and state exactly) or

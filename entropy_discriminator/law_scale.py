@@ -11,6 +11,7 @@ the fit to ``kappa <= 0`` is not fed (``scale_skipped = 1``).
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -68,9 +69,7 @@ class LawScale:
             return False
         calibration = self.calibration
         if self._pilot is not None:
-            trial = Calibration(forgetting=calibration.forgetting)
-            trial.load_state_dict(calibration.state_dict())
-            if trial.update(cheap, realised) <= 0:
+            if copy.copy(calibration).update(cheap, realised) <= 0:  # the fit with the pair, on a copy
                 return False
         calibration.update(cheap, realised)
         return True
