@@ -42,8 +42,9 @@ def require_float(name: str, value: object) -> torch.Tensor:
 
 def _scalar(value: object) -> object:
     """The Python scalar inside a 0-d torch tensor or 0-d numpy array; other values unchanged."""
-    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype != torch.bool and not value.dtype.is_complex:
-        return value.item()
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        if value.dtype != torch.bool and not value.dtype.is_complex:
+            return value.item()
     if isinstance(value, np.ndarray) and value.ndim == 0:
         return value.item()
     return value
@@ -65,7 +66,8 @@ def real_number(name: str, value: object, *, finite: bool = True, minimum: float
     else:
         x = _scalar(value)
         if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
-            raise TypeError(f"{name} must be {_real_wanted(finite, minimum, above, maximum)}, got {value!r} ({type(value).__name__})")
+            raise TypeError(f"{name} must be {_real_wanted(finite, minimum, above, maximum)}, got {value!r} "
+                            f"({type(value).__name__})")
         x = float(x)
     ok = not math.isnan(x) and (math.isfinite(x) or not finite)
     ok = ok and (minimum is None or x >= minimum) and (above is None or x > above) and (maximum is None or x <= maximum)
@@ -105,7 +107,7 @@ def one_of(name: str, value: object, options: Sequence[str]) -> str:
 
 
 def did_you_mean(name: str, known: Iterable[str]) -> str:
-    """``"; did you mean 'mu_low'?"`` naming the closest of ``known`` to a misspelt ``name`` (``""`` if none is close)."""
+    """``"; did you mean 'mu_low'?"`` naming the closest of ``known`` to a misspelt ``name`` (``""`` if none)."""
     close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else ""
 
@@ -201,10 +203,8 @@ def broadcast_advantages(advantages: object, shape: torch.Size) -> torch.Tensor:
         return a.to(torch.float64)
     if a.dim() == 1 and len(shape) >= 1 and a.shape[0] == shape[0]:
         return a.to(torch.float64).reshape((shape[0],) + (1,) * (len(shape) - 1)).expand(shape)
-    raise ValueError(
-        f"advantages must be per sequence [B] with B = {shape[0] if len(shape) else '?'} or per token "
-        f"with the scores' shape {tuple(shape)}, got {tuple(a.shape)}"
-    )
+    raise ValueError(f"advantages must be per sequence [B] with B = {shape[0] if len(shape) else '?'} or per token "
+                     f"with the scores' shape {tuple(shape)}, got {tuple(a.shape)}")
 
 
 class DataChecks:

@@ -174,9 +174,9 @@ class EntropyDiscConfig:
         if self.method != "autopilot":
             raise ValueError(f"entropy_disc.method is {self.method!r}: build_autopilot needs method 'autopilot'")
         max_frac = _autopilot.DEFAULT_MAX_FRAC if self.max_frac == "auto" else self.max_frac
-        return EntropyAutopilot(self.target_entropy, decay_steps=self.decay_steps, gain=self.gain, max_step=self.max_step,
-                                max_frac=max_frac, sides=self.sides, form=self.form, smoothing=self.smoothing,
-                                vocab_size=vocab_size, process_group=process_group)
+        return EntropyAutopilot(self.target_entropy, decay_steps=self.decay_steps, gain=self.gain,
+                                max_step=self.max_step, max_frac=max_frac, sides=self.sides, form=self.form,
+                                smoothing=self.smoothing, vocab_size=vocab_size, process_group=process_group)
 
     def step_size(self, learning_rate: float) -> float:
         """``eta`` of the autopilot's law: the ``eta`` field, else ``learning_rate`` (the optimizer's configured peak;
@@ -186,9 +186,9 @@ class EntropyDiscConfig:
         try:
             return real_number("learning rate", learning_rate, above=0)
         except (TypeError, ValueError):
-            raise ValueError(f"entropy_disc.eta is None, so the autopilot's step size is the optimizer's learning "
-                             f"rate, which must be a finite real number > 0, got {learning_rate!r}; set entropy_disc.eta "
-                             "to a finite real > 0 (or give the optimizer such a learning rate)") from None
+            raise ValueError("entropy_disc.eta is None, so the autopilot's step size is the optimizer's learning rate, "
+                             f"which must be a finite real number > 0, got {learning_rate!r}; set entropy_disc.eta to "
+                             "a finite real > 0 (or give the optimizer such a learning rate)") from None
 
 
 def _check_combination(values: Mapping[str, Any]) -> None:

@@ -18,11 +18,11 @@ _DEFAULT_CHUNK_ELEMENTS = 1 << 25
 _LOGITS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def token_stats_from_hidden(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, bias: torch.Tensor | None = None,
-    temperature: float = 1.0, ignore_index: int | None = -100, chunk_size: int | None = None, impl: str = "auto",
-    check: bool | str = True, logits_dtype: torch.dtype | None = None, temperature_in_logits_dtype: bool = False,
-) -> TokenStats:
+def token_stats_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                            bias: torch.Tensor | None = None, temperature: float = 1.0, ignore_index: int | None = -100,
+                            chunk_size: int | None = None, impl: str = "auto", check: bool | str = True,
+                            logits_dtype: torch.dtype | None = None,
+                            temperature_in_logits_dtype: bool = False) -> TokenStats:
     """``token_stats(hidden @ weight.T + bias, labels, temperature=...)`` without [N, V] logits.
 
     Args:
@@ -41,9 +41,8 @@ def token_stats_from_hidden(
     hidden = require_float("hidden", hidden)
     weight = require_float("weight", weight)
     if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"hidden must be [..., H] and weight [V, H] with the same H, got {tuple(hidden.shape)} and {tuple(weight.shape)}"
-        )
+        raise ValueError(f"hidden must be [..., H] and weight [V, H] with the same H, got {tuple(hidden.shape)} "
+                         f"and {tuple(weight.shape)}")
     if hidden.dtype == torch.float64 or weight.dtype != hidden.dtype:
         raise ValueError(f"hidden and weight must share a bf16/fp16/fp32 dtype, got {hidden.dtype} and {weight.dtype}")
     if weight.device != hidden.device:
@@ -51,7 +50,8 @@ def token_stats_from_hidden(
     temperature, ignore_index = check_stats_args(labels, hidden, "hidden", temperature, ignore_index, chunk_size, impl)
     vocab = weight.shape[0]
     if bias is not None and (bias.shape != (vocab,) or bias.device != hidden.device):
-        raise ValueError(f"bias must be a [{vocab}] tensor on {hidden.device}, got {tuple(bias.shape)} on {bias.device}")
+        raise ValueError(f"bias must be a [{vocab}] tensor on {hidden.device}, got {tuple(bias.shape)} on "
+                         f"{bias.device}")
 
     check = deferred.check_mode(check)
     if logits_dtype is not None and logits_dtype not in _LOGITS_DTYPES:

@@ -89,9 +89,8 @@ def clip_v_mask(s_centered: torch.Tensor | TokenStats, advantages: torch.Tensor,
                          cap_rule, process_group)
 
 
-def apply_keep_mask(
-    pg_losses: torch.Tensor, keep: torch.Tensor, loss_mask: torch.Tensor, *, mode: str = "zero_pg"
-) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_keep_mask(pg_losses: torch.Tensor, keep: torch.Tensor, loss_mask: torch.Tensor, *,
+                    mode: str = "zero_pg") -> tuple[torch.Tensor, torch.Tensor]:
     """Apply a keep-mask to a per-token policy-gradient loss: ``"zero_pg"``: ``pg_losses * keep`` (the loss
     normaliser unchanged); ``"drop_token"``: ``loss_mask * keep`` (the token leaves the denominator too, as the
     reference does).  All three of one shape (``[B, T]``); ``keep`` bool or 0/1, ``loss_mask`` real or bool.

@@ -70,11 +70,10 @@ class EntropyMonitor:
         return self._metrics(None, entropy=entropy, valid=valid, advantages=advantages, s_star=s_star,
                              s_centered=s_centered, mask=mask, ratio=ratio, lr=lr, scale=scale)
 
-    def _metrics(
-        self, within: torch.Tensor | None, *, entropy: torch.Tensor, valid: torch.Tensor,
-        advantages: torch.Tensor | None, s_star: torch.Tensor | None, s_centered: torch.Tensor | None,
-        mask: MaskResult | None, ratio: torch.Tensor | None, lr: float | None, scale: float | None,
-    ) -> dict[str, float]:
+    def _metrics(self, within: torch.Tensor | None, *, entropy: torch.Tensor, valid: torch.Tensor,
+                 advantages: torch.Tensor | None, s_star: torch.Tensor | None, s_centered: torch.Tensor | None,
+                 mask: MaskResult | None, ratio: torch.Tensor | None, lr: float | None,
+                 scale: float | None) -> dict[str, float]:
         """:meth:`__call__` counting only the positions of ``valid`` inside ``within`` (a TokenStats' ``valid``)."""
         group = self.process_group
         has_adv, has_cov = advantages is not None, advantages is not None and s_centered is not None

@@ -99,7 +99,8 @@ def discriminator_score(logp: torch.Tensor, entropy: torch.Tensor, *, check: boo
 
 def token_stats(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
                 ignore_index: int | None = -100, chunk_size: int | None = None, impl: str = "auto",
-                check: bool | str = True, vocab_parallel_group: dist.ProcessGroup | None = None, vocab_start_index: int = 0) -> TokenStats:
+                check: bool | str = True, vocab_parallel_group: dist.ProcessGroup | None = None,
+                vocab_start_index: int = 0) -> TokenStats:
     """Exact per-token ``logp, H, S*, E_p[S], S_c`` of ``softmax(logits / temperature)`` (module docstring).
 
     Args:
@@ -138,7 +139,8 @@ def token_stats(logits: torch.Tensor, labels: torch.Tensor, *, temperature: floa
             errors = report.wait()  # the one host synchronisation, last: nothing left to do after it
             if errors is not triton_stats.NO_FAULTS:
                 if impl == "auto" and not any(errors[:3]):  # only the kernel's fp32 scaling overflowed
-                    return _token_stats_torch(logits, labels, float(temperature), ignore_index, chunk_size, check, None, 0)
+                    return _token_stats_torch(logits, labels, float(temperature), ignore_index, chunk_size, check,
+                                              None, 0)
                 raise_for_errors(errors, labels, logits.shape[-1], ignore_index)
         return result
     return _token_stats_torch(logits, labels, float(temperature), ignore_index, chunk_size, check, vocab_parallel_group,
@@ -170,7 +172,8 @@ def _token_stats_torch(logits: torch.Tensor, labels: torch.Tensor, temperature: 
         chunk_size = max(1, _DEFAULT_CHUNK_ELEMENTS // v_total)
     with torch.no_grad():
         for sl, rows in _row_chunks(logits, chunk_size):
-            *stats, row_max[sl] = _moments_torch(rows, flat_labels[sl], temperature, ignore_index, acc, group, vocab_start)
+            *stats, row_max[sl] = _moments_torch(rows, flat_labels[sl], temperature, ignore_index, acc, group,
+                                                 vocab_start)
             out[:4, sl] = torch.stack(stats)
         valid = flat_labels != ignore_index
         bad_label = valid & ((flat_labels < 0) | (flat_labels >= v_total))
@@ -207,11 +210,9 @@ def raise_for_errors(errors: list[int], labels: torch.Tensor, vocab: int, ignore
     if masked:
         raise ValueError(f"logits rows with every entry -inf at {masked} counted position(s)")
     if overflow:
-        raise ValueError(
-            f"logits / temperature overflow float32 in the Triton kernel in {overflow} counted row(s) "
-            "(it scales logits by log2(e) / temperature; |logit| must stay below ~3.4e38 * temperature / 1.44): "
-            "use impl='torch' or impl='auto', which subtract the row max before scaling"
-        )
+        raise ValueError(f"logits / temperature overflow float32 in the Triton kernel in {overflow} counted row(s) "
+                         "(it scales logits by log2(e) / temperature; |logit| must stay below ~3.4e38 * temperature / "
+                         "1.44): use impl='torch' or impl='auto', which subtract the row max before scaling")
 
 
 def check_stats_args(labels: object, source: torch.Tensor, source_name: str, temperature: object, ignore_index: object,
@@ -222,9 +223,8 @@ def check_stats_args(labels: object, source: torch.Tensor, source_name: str, tem
     if labels.dtype not in _INT_DTYPES:
         raise TypeError(f"labels must be an integer tensor, got dtype {labels.dtype}")
     if labels.shape != source.shape[:-1]:
-        raise ValueError(
-            f"labels must have shape {source_name}.shape[:-1] = {tuple(source.shape[:-1])}, got {tuple(labels.shape)}"
-        )
+        raise ValueError(f"labels must have shape {source_name}.shape[:-1] = {tuple(source.shape[:-1])}, "
+                         f"got {tuple(labels.shape)}")
     if labels.device != source.device:
         raise ValueError(f"labels are on {labels.device} but {source_name} on {source.device}")
     temperature = real_number("temperature", temperature, above=0)
