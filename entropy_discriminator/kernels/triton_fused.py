@@ -107,9 +107,16 @@ def _round_logits(acc, inv_t, ROUND: tl.constexpr, T_ROUND: tl.constexpr):
 
 
 @triton.jit
-def _label_logit(acc, col0, labels, row_ok, rm, yk_ptr, c, BN: tl.constexpr, BRANCH: tl.constexpr):
-    """Store y_k = acc[r, labels[r] - col0] * c at ``yk_ptr + rm`` for the rows whose label lies in this tile's
-    columns [col0, col0 + BN) (acc: the tile's final fp32 logits, rounding and -inf mask applied).
+def _base2(x, c, c_lo):
+    """x (c + c_lo) rounded once: c + c_lo is log2(e) / T (or log2(e)) to about 2^-48 (the fp32 c alone, off by up
+    to 2^-25, moved log p by 1e-5 at |z| ~ 300); infinite and NaN x skip the correction (inf * c_lo may be -inf)."""
+    return tl.fma(x, c, tl.where(tl.abs(x) < float("inf"), x * c_lo, 0.0))
+
+
+@triton.jit
+def _label_logit(acc, col0, labels, row_ok, rm, yk_ptr, c, c_lo, BN: tl.constexpr, BRANCH: tl.constexpr):
+    """Store y_k = :func:`_base2` (acc[r, labels[r] - col0]) at ``yk_ptr + rm`` for the rows whose label lies in this
+    tile's columns [col0, col0 + BN) (acc: the tile's final fp32 logits, rounding and -inf mask applied).
 
     BRANCH: only in tiles where some row's label falls (a block-uniform branch; about one tile in five at V = 152k
     and BM = 128); otherwise in every tile.  The column is compared in int32 (an [BM, BN] int64 compare costs twice
@@ -117,12 +124,8 @@ def _label_logit(acc, col0, labels, row_ok, rm, yk_ptr, c, BN: tl.constexpr, BRA
     in_tile = row_ok & (labels >= col0) & (labels < col0 + BN)
     lab = tl.where(in_tile, labels, -1).to(tl.int32)
     rn = col0 + tl.arange(0, BN)
-    if BRANCH:
-        if tl.max(in_tile.to(tl.int32), axis=0) > 0:
-            yk = tl.sum(tl.where(rn[None, :] == lab[:, None], acc, 0.0), axis=1) * c
-            tl.store(yk_ptr + rm, yk, mask=in_tile)
-    else:
-        yk = tl.sum(tl.where(rn[None, :] == lab[:, None], acc, 0.0), axis=1) * c
+    if (tl.max(in_tile.to(tl.int32), axis=0) > 0) if BRANCH else True:
+        yk = _base2(tl.sum(tl.where(rn[None, :] == lab[:, None], acc, 0.0), axis=1), c, c_lo)
         tl.store(yk_ptr + rm, yk, mask=in_tile)
 
 
@@ -141,7 +144,7 @@ def _store_partials(part_ptr, rm, row_ok, N, n_cols, col, m, s0, s1, s2, s3):
 
 
 @triton.jit
-def _tile_epilogue(acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
+def _tile_epilogue(acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, c_lo, inv_t, num_pid_n,
                    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MOMENTS: tl.constexpr,
                    ROUND: tl.constexpr, T_ROUND: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr):
     """Reduce one [BM, BN] fp32 logits tile to the six partials per row (and the label logit).
@@ -159,15 +162,12 @@ def _tile_epilogue(acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c,
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn % V).to(tl.float32)[None, :]
     acc = _round_logits(acc, inv_t, ROUND=ROUND, T_ROUND=T_ROUND)
-    if BRANCH:
-        if pid_n * BN + BN > V:  # the last column tile only: columns past V are -inf
-            acc = tl.where(rn[None, :] < V, acc, float("-inf"))
-    else:
+    if (pid_n * BN + BN > V) if BRANCH else True:  # BRANCH: the last column tile only; columns past V are -inf
         acc = tl.where(rn[None, :] < V, acc, float("-inf"))
-    # y = acc * c with c > 0: the row max of y is c times that of acc (rounding is monotone), and
-    # d = y - m is one FMA.  A row whose tile is all -inf (masked vocabulary) keeps m = -inf as its
-    # partial's reference but forms d against 0, so that d is -inf (e = 0), never -inf - -inf = NaN.
-    m = tl.reduce(acc, 1, max_nan) * c
+    # y = acc c with c > 0: the row max m of y is that of acc times c (rounding is monotone), and d = y - m is
+    # one FMA.  A row whose tile is all -inf (masked vocabulary) keeps m = -inf as its partial's reference but
+    # forms d against 0, so that d is -inf (e = 0), never -inf - -inf = NaN.
+    m = _base2(tl.reduce(acc, 1, max_nan), c, c_lo)
     m_ref = tl.where(m > float("-inf"), m, 0.0)
     if MOMENTS == 0:  # benchmarks only: the matmul and the row max alone (no exponential; sums 0)
         s0 = tl.zeros_like(m)
@@ -186,12 +186,12 @@ def _tile_epilogue(acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c,
         s3 = tl.zeros_like(s0)
     row_ok = rm < N
     labels = tl.load(lab_ptr + rm % N)
-    _label_logit(acc, pid_n * BN, labels, row_ok, rm, yk_ptr, c, BN=BN, BRANCH=BRANCH)
+    _label_logit(acc, pid_n * BN, labels, row_ok, rm, yk_ptr, c, c_lo, BN=BN, BRANCH=BRANCH)
     _store_partials(part_ptr, rm, row_ok, N, num_pid_n, pid_n, m, s0, s1, s2, s3)
 
 
 @triton.jit
-def _fused_tile_kernel(h_ptr, w_ptr, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, stride_h, stride_w, c, inv_t,
+def _fused_tile_kernel(h_ptr, w_ptr, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, stride_h, stride_w, c, c_lo, inv_t,
                        HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, T_ROUND: tl.constexpr, EVEN_K: tl.constexpr,
                        IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                        STAGES: tl.constexpr, MOMENTS: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr):
@@ -219,12 +219,13 @@ def _fused_tile_kernel(h_ptr, w_ptr, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, 
             acc = tl.dot(a, tl.trans(b), acc)
         a_ptrs += BK
         b_ptrs += BK
-    _tile_epilogue(acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n, HAS_BIAS=HAS_BIAS,
-                   BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ, BRANCH=BRANCH)  # fmt: skip
+    _tile_epilogue(acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, c_lo, inv_t, num_pid_n,
+                   HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ,
+                   BRANCH=BRANCH)  # fmt: skip
 
 
 @triton.jit
-def _fused_persistent_kernel(a_desc, w_desc, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, c, inv_t,
+def _fused_persistent_kernel(a_desc, w_desc, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, c, c_lo, inv_t,
                              HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, T_ROUND: tl.constexpr, BM: tl.constexpr,
                              BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
                              MOMENTS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
@@ -243,7 +244,7 @@ def _fused_persistent_kernel(a_desc, w_desc, b_ptr, lab_ptr, part_ptr, yk_ptr, N
             a = a_desc.load([pid_m * BM, ki * BK])
             b = w_desc.load([pid_n * BN, ki * BK])
             acc = tl.dot(a, b.T, acc)
-        _tile_epilogue(acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, inv_t, num_pid_n,
+        _tile_epilogue(acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, c_lo, inv_t, num_pid_n,
                        HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ,
                        BRANCH=BRANCH)  # fmt: skip
 
@@ -262,19 +263,19 @@ def _stream_tile(a_desc, w_desc, rb, t, H, BM: tl.constexpr, BN: tl.constexpr, B
 
 
 @triton.jit
-def _fold_tile(y, m, s0, s1, s2, s3, MOMENTS: tl.constexpr, FTZ: tl.constexpr):
-    """Fold one tile of base-2 logits y = L c (fp32 [BM, BN]; L the final logits, bias and rounding applied) into
-    each row's running statistics.
+def _fold_tile(x, c, c_lo, m, s0, s1, s2, s3, MOMENTS: tl.constexpr, FTZ: tl.constexpr):
+    """Fold one tile of logits x (fp32 [BM, BN]; bias and rounding applied), in base 2 y = x c, into each row's
+    running statistics.
 
-    m: the NaN-propagating running max of y; s0..s3 (:mod:`._reduce`) against m_ref = m, or 0 while m is -inf
-    (the sums are then 0).  On a new max the sums move with :func:`._reduce.rescale`; d = y - m_ref is clamped
-    at -D_FLOOR (-inf logits: e = 0 and e d = 0).  MOMENTS: 4 all sums, 2 s0 and s1 (s2, s3 stay 0), 0 the max
-    alone (a timing floor)."""
-    m_new = max_nan(m, tl.reduce(y, 1, max_nan))
+    m: the NaN-propagating running max of y (:func:`_base2` of x's row max); s0..s3 (:mod:`._reduce`) against
+    m_ref = m, or 0 while m is -inf (the sums are then 0).  On a new max the sums move with
+    :func:`._reduce.rescale`; d = y - m_ref (one FMA of x) is clamped at -D_FLOOR (-inf logits: e = 0 and e d = 0).
+    MOMENTS: 4 all sums, 2 s0 and s1 (s2, s3 stay 0), 0 the max alone (a timing floor)."""
+    m_new = max_nan(m, _base2(tl.reduce(x, 1, max_nan), c, c_lo))
     if MOMENTS != 0:
         m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
         s0, s1, s2, s3 = rescale(s0, s1, s2, s3, m, m_ref)
-        d = tl.maximum(y - m_ref[:, None], -D_FLOOR)
+        d = tl.maximum(tl.fma(x, c, -m_ref[:, None]), -D_FLOOR)
         e = exp2(d, FTZ)
         s0 += tl.sum(e, axis=1)
         s1 += tl.sum(e * d, axis=1)
@@ -287,7 +288,7 @@ def _fold_tile(y, m, s0, s1, s2, s3, MOMENTS: tl.constexpr, FTZ: tl.constexpr):
 
 @triton.jit(do_not_specialize=["tiles_per_chunk", "group_rows"])
 def _fused_stream_kernel(a_desc, w_desc, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, tiles_per_chunk, group_rows, c,
-                         inv_t, HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, T_ROUND: tl.constexpr,
+                         c_lo, inv_t, HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, T_ROUND: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
                          MOMENTS: tl.constexpr, FLATTEN: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr):
     """Row-stationary streaming schedule: one program, BM rows x one chunk of the vocabulary.
@@ -327,21 +328,19 @@ def _fused_stream_kernel(a_desc, w_desc, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V,
     s3 = tl.zeros([BM], dtype=tl.float32)
     for t in tl.range(t0, t1f, flatten=FLATTEN):
         acc = _stream_tile(a_desc, w_desc, rb, t, H, BM=BM, BN=BN, BK=BK, STAGES=STAGES)
-        if HAS_BIAS:  # a full tile: every column < V
-            acc += tl.load(b_ptr + t * BN + tl.arange(0, BN)).to(tl.float32)[None, :]
-        # y in registers of its own (a branch that reads the wgmma accumulator itself makes ptxas serialise the
-        # wgmmas: its warning C7515); the label is picked before the fold, where y dies
-        y = _round_logits(acc, inv_t, ROUND=ROUND, T_ROUND=T_ROUND) * c
-        _label_logit(y, t * BN, labels, row_ok, rm, yk_ptr, 1.0, BN=BN, BRANCH=BRANCH)
-        m, s0, s1, s2, s3 = _fold_tile(y, m, s0, s1, s2, s3, MOMENTS=MOMENTS, FTZ=FTZ)
+        # the logits x in registers of their own, + bias (a full tile: every column < V) or + 0.0: a branch that reads
+        # the wgmma accumulator makes ptxas serialise the wgmmas.  The label is picked before the fold, where x dies.
+        x = acc + (tl.load(b_ptr + t * BN + tl.arange(0, BN)).to(tl.float32)[None, :] if HAS_BIAS else 0.0)
+        x = _round_logits(x, inv_t, ROUND=ROUND, T_ROUND=T_ROUND)
+        _label_logit(x, t * BN, labels, row_ok, rm, yk_ptr, c, c_lo, BN=BN, BRANCH=BRANCH)
+        m, s0, s1, s2, s3 = _fold_tile(x, c, c_lo, m, s0, s1, s2, s3, MOMENTS=MOMENTS, FTZ=FTZ)
     if t1 > n_full:  # this chunk holds the last, partial tile: peeled so that the loop has no column mask
         acc = _stream_tile(a_desc, w_desc, rb, n_full, H, BM=BM, BN=BN, BK=BK, STAGES=STAGES)
         rn = n_full * BN + tl.arange(0, BN)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=rn < V, other=0.0).to(tl.float32)[None, :]
-        y = tl.where(rn[None, :] < V, _round_logits(acc, inv_t, ROUND=ROUND, T_ROUND=T_ROUND) * c, float("-inf"))
-        _label_logit(y, n_full * BN, labels, row_ok, rm, yk_ptr, 1.0, BN=BN, BRANCH=BRANCH)
-        m, s0, s1, s2, s3 = _fold_tile(y, m, s0, s1, s2, s3, MOMENTS=MOMENTS, FTZ=FTZ)
+        x = acc + (tl.load(b_ptr + rn, mask=rn < V, other=0.0).to(tl.float32)[None, :] if HAS_BIAS else 0.0)
+        x = tl.where(rn[None, :] < V, _round_logits(x, inv_t, ROUND=ROUND, T_ROUND=T_ROUND), float("-inf"))
+        _label_logit(x, n_full * BN, labels, row_ok, rm, yk_ptr, c, c_lo, BN=BN, BRANCH=BRANCH)
+        m, s0, s1, s2, s3 = _fold_tile(x, c, c_lo, m, s0, s1, s2, s3, MOMENTS=MOMENTS, FTZ=FTZ)
     _store_partials(part_ptr, rm, row_ok, N, n_chunks, chunk, m, s0, s1, s2, s3)
 
 
@@ -515,6 +514,7 @@ def token_stats_fused_triton(
     # torch's `low / T` multiplies by the reciprocal computed in fp32 (its CPU and CUDA kernels)
     inv_t = float(np.float32(1.0) / np.float32(temperature))
     c = LOG2E if t_round else LOG2E / float(temperature)
+    c_lo = c - float(np.float32(c))  # the kernels take fp32 c and c_lo: c + c_lo is c to about 2^-48
     bias_arg = bias.contiguous() if bias is not None else hidden
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         if stream:
@@ -523,7 +523,7 @@ def token_stats_fused_triton(
 
             def args(r0: int, r1: int, part, yk, tpc: int, g: int) -> tuple:
                 return (TensorDescriptor.from_tensor(hidden[r0:r1], [bm, bk]), w_desc, bias_arg, labels[r0:r1],
-                        part, yk, r1 - r0, vocab, hdim, tpc, g, c, inv_t)  # fmt: skip
+                        part, yk, r1 - r0, vocab, hdim, tpc, g, c, c_lo, inv_t)  # fmt: skip
 
             # the compiled kernel's occupancy: the argument types and specialisations of a one-slice launch
             wave = _programs_per_wave(kernel, lambda: args(0, n_rows, out, out, 1, 1), consts, launch_opts,
@@ -558,7 +558,7 @@ def token_stats_fused_triton(
                 n_prog = min(triton.cdiv(rows, bm) * n_tiles, _num_sms(dev))
                 _fused_persistent_kernel[(n_prog,)](
                     TensorDescriptor.from_tensor(hidden[r0:r1], [bm, bk]), w_desc, bias_arg, lab, part, yk, rows,
-                    vocab, hdim, c, inv_t, HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, BM=bm,
+                    vocab, hdim, c, c_lo, inv_t, HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, BM=bm,
                     BN=bn, BK=bk, GROUP_M=cfg["group_m"], STAGES=cfg["stages"], MOMENTS=cfg["moments"],
                     NUM_PROGRAMS=n_prog, FLATTEN=bool(cfg["flatten"]), FTZ=ftz, BRANCH=bool(cfg["branch"]),
                     **launch_opts,
@@ -566,7 +566,7 @@ def token_stats_fused_triton(
             else:
                 _fused_tile_kernel[(triton.cdiv(rows, bm) * n_tiles,)](
                     hidden[r0:r1], weight, bias_arg, lab, part, yk, rows, vocab, hdim,
-                    hidden.stride(0), weight.stride(0), c, inv_t,
+                    hidden.stride(0), weight.stride(0), c, c_lo, inv_t,
                     HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, EVEN_K=hdim % bk == 0, IEEE=hidden.dtype == torch.float32,
                     BM=bm, BN=bn, BK=bk, GROUP_M=cfg["group_m"], STAGES=cfg["stages"], MOMENTS=cfg["moments"],
                     FTZ=ftz, BRANCH=bool(cfg["branch"]), **launch_opts,
