@@ -1,10 +1,8 @@
 """Command line ``entropy-discriminator <command>`` (also ``python -m entropy_discriminator <command>``).
 
-Every command has a parser of its own (:class:`CommandParser`) and a ``run(args)`` default that checks what argparse
-cannot (options that do not apply together, the output folder) before any work; a command is added by one
-``_add_<name>(commands)`` function listed in ``COMMANDS``.  Usage errors print the command's usage and exit with
-status 2 before anything runs.  ``compare`` and ``demo --paper`` run the research harness (``entropy_lab``, the
-repository's ``lab/`` folder), imported only when run; without it they are a usage error that says how to install it.
+Each command is added by one function in ``COMMANDS``: its own parser (:class:`CommandParser`) and a ``run(args)``
+default that checks what argparse cannot before any work; usage errors exit with status 2.  ``compare`` and ``demo
+--paper`` import the research harness (``entropy_lab``, the repository's ``lab/``) when run.
 """
 
 from __future__ import annotations
@@ -19,14 +17,15 @@ from types import ModuleType
 from typing import Any
 
 from . import EntropyDiscConfig, __version__
-from .demo.runner import PRESETS, DemoOptions
+from .demo import runner
+from .demo.report import prepare_output_folder
+from .demo.runner import PRESETS, DemoOptions, resolve_device
 from .run_commands import add_plot, add_suggest_mu
 
 
 class CommandParser(argparse.ArgumentParser):
-    """A command's parser: an unknown argument is reported with this command's usage (argparse would hand
-    it to the top-level parser, whose usage does not list the command's options); options are matched
-    whole, never by prefix (``--max-frac`` is not ``--max-frac-v``)."""
+    """A command's parser: an unknown argument is reported with this command's usage (not the top-level one); options
+    are matched whole, never by prefix (``--max-frac`` is not ``--max-frac-v``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **{**kwargs, "allow_abbrev": False})
@@ -54,7 +53,8 @@ def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
-def _config_checked(field: str, method: str, parse: Callable[[str], Any], wanted: str) -> Callable[[str], Any]:
+def _config_checked(field: str, method: str, parse: Callable[[str], Any] = float,
+                    wanted: str = "a number") -> Callable[[str], Any]:
     """argparse type: ``parse(text)`` (else "must be ``wanted``") that :class:`EntropyDiscConfig` accepts as ``field``
     of ``method`` (the core's rule)."""
 
@@ -70,11 +70,6 @@ def _config_checked(field: str, method: str, parse: Callable[[str], Any], wanted
         return value
 
     return check
-
-
-def _mask_setting(field: str, method: str) -> Callable[[str], float]:
-    """argparse type: a number that :class:`EntropyDiscConfig` accepts as ``field`` of ``method``."""
-    return _config_checked(field, method, float, "a number")
 
 
 #: argparse type: ``hold`` or a target entropy in nats/token that :class:`EntropyDiscConfig` accepts.
@@ -104,6 +99,17 @@ LAB_MISSING = (
 )
 
 
+def _prepare_out(parser: argparse.ArgumentParser, out: Path, check_saved: Callable[[Path], None] | None) -> None:
+    """``check_saved(out)`` (when given) and :func:`prepare_output_folder`; a usage error naming ``--out`` if either
+    fails."""
+    try:
+        if check_saved is not None:
+            check_saved(out)
+        prepare_output_folder(out)
+    except ValueError as exc:
+        parser.error(f"argument --out: {exc}")
+
+
 def _lab(module: str, parser: argparse.ArgumentParser, what: str) -> ModuleType:
     """``entropy_lab.<module>``; a usage error (``what`` + :data:`LAB_MISSING`) when ``entropy_lab`` is not installed
     (a module that the lab itself cannot import is raised as it is)."""
@@ -117,8 +123,6 @@ def _lab(module: str, parser: argparse.ArgumentParser, what: str) -> ModuleType:
 
 def _device(text: str) -> str:
     """argparse type: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` that this machine has."""
-    from .demo.runner import resolve_device
-
     try:
         resolve_device(text)
     except ValueError as exc:
@@ -164,12 +168,12 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
         help=f"GRPO steps per arm, minimum 3 (default {full.grpo_steps}; --quick {quick.grpo_steps}; --paper: its size's)",
     )
     demo.add_argument("--threads", type=_int_in(1), help="torch CPU threads, >= 1 (default 1 on CPU: fastest for tiny models)")
-    demo.add_argument("--mu-b", type=_mask_setting("mu_low", "clip_b"),
+    demo.add_argument("--mu-b", type=_config_checked("mu_low", "clip_b"),
                       help=f"Clip_B lower bound in batch stds (default {DemoOptions.mu_b})")
-    demo.add_argument("--mu-v", type=_mask_setting("mu_low", "clip_v"),
+    demo.add_argument("--mu-v", type=_config_checked("mu_low", "clip_v"),
                       help=f"Clip_V lower bound in batch stds (default {DemoOptions.mu_v})")
     demo.add_argument(
-        "--max-frac-v", type=_mask_setting("max_frac", "clip_v"),
+        "--max-frac-v", type=_config_checked("max_frac", "clip_v"),
         help="cap on Clip_V's clipped share, in [0, 1] (default none; 1e-4 clips nothing in a demo batch of under 10,000 tokens)",
     )
     demo.add_argument(
@@ -198,22 +202,13 @@ def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"argument --{dest.replace('_', '-')}: {DEMO_WHY_NOT[mode]}")
     out = args.out if args.out is not None else DEMO_DEFAULT_OUT[mode]
     _warn_threads(args.threads)
-
-    from .demo.report import prepare_output_folder
-    from .demo.runner import run_demo
-
     paper = _lab("paper", parser, "--paper") if args.paper else None
-    try:
-        if paper is not None and mode == "render":
-            paper.check_saved_results(out)
-        prepare_output_folder(out)
-    except ValueError as exc:
-        parser.error(f"argument --out: {exc}")
+    _prepare_out(parser, out, paper.check_saved_results if mode == "render" else None)
     options = {dest: getattr(args, dest) for dest in given}
     if paper is not None:
         paper.run_paper(paper.PaperOptions(out=out, **options))
     else:
-        run_demo(DemoOptions(out=out, **options))
+        runner.run_demo(DemoOptions(out=out, **options))
     return 0
 
 
@@ -250,8 +245,6 @@ def _add_compare(commands: argparse._SubParsersAction) -> None:
 
 def _run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Check the arms, the device and ``--out`` before any work, then run the comparison."""
-    from .demo.report import prepare_output_folder
-
     lab = _lab("compare", parser, "compare")
     try:
         options = lab.CompareOptions(
@@ -262,12 +255,7 @@ def _run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         lab.resolve_device(options.device)
     except (ValueError, RuntimeError) as exc:
         parser.error(str(exc))
-    try:
-        if options.render_only:
-            lab.check_saved_runs(options.out)
-        prepare_output_folder(options.out)
-    except ValueError as exc:
-        parser.error(f"argument --out: {exc}")
+    _prepare_out(parser, options.out, lab.check_saved_runs if options.render_only else None)
     lab.run_compare(options)
     return 0
 
@@ -278,11 +266,8 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_demo, _add_
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``entropy-discriminator`` argument parser: ``--version`` and one subparser per command."""
-    parser = argparse.ArgumentParser(
-        prog="entropy-discriminator",
-        allow_abbrev=False,
-        description="Principled entropy control for RL fine-tuning of LLMs (Clip_B / Clip_V and entropy-dynamics metrics).",
-    )
+    parser = argparse.ArgumentParser(prog="entropy-discriminator", allow_abbrev=False, description=(
+        "Principled entropy control for RL fine-tuning of LLMs (Clip_B / Clip_V and entropy-dynamics metrics)."))
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser)
     for add in COMMANDS:

@@ -11,6 +11,8 @@ import math
 import statistics
 from pathlib import Path
 
+from .demo.report import pyplot
+from .demo.train import pearson
 from .runlog import series
 
 
@@ -28,7 +30,7 @@ def summarise_run(rows: list[dict[str, float]]) -> dict[str, float]:
             "clip_frac_mean": sum(frac) / len(frac) if frac else math.nan,
             "clip_frac_median": statistics.median(frac) if frac else math.nan,
             "steps_clipping_none": float(sum(f == 0 for f in frac)) if frac else math.nan,
-            "dH_corr": _pearson(*zip(*both)) if len(both) >= 3 else math.nan}
+            "dH_corr": pearson([p for p, _ in both], [r for _, r in both])}
 
 
 def format_summary(summary: dict[str, float]) -> str:
@@ -48,10 +50,7 @@ def format_summary(summary: dict[str, float]) -> str:
 def plot_run(rows: list[dict[str, float]], out: str | Path, *, title: str = "") -> Path:
     """Write the three-panel figure of ``rows`` to ``out`` (PNG); needs matplotlib (``pip install -e ".[plot]"``)."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError as exc:
         raise ImportError('entropy-discriminator plot needs matplotlib: pip install -e ".[plot]" from the clone') from exc
     fig, (ax_h, ax_c, ax_d) = plt.subplots(1, 3, figsize=(14, 3.8))
@@ -86,11 +85,3 @@ def plot_run(rows: list[dict[str, float]], out: str | Path, *, title: str = "") 
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
-
-
-def _pearson(x: tuple[float, ...], y: tuple[float, ...]) -> float:
-    n = len(x)
-    mx, my = sum(x) / n, sum(y) / n
-    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y))
-    sxx, syy = sum((a - mx) ** 2 for a in x), sum((b - my) ** 2 for b in y)
-    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else math.nan

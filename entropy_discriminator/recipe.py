@@ -44,13 +44,9 @@ def mu_for_share(scores: torch.Tensor, advantages: torch.Tensor, valid: torch.Te
                  method: str = "clip_b", sides: str = "negative") -> MuSuggestion:
     """The ``mu_low`` with which ``method``'s mask clips the share of ``valid`` tokens nearest ``target_share``.
 
-    Args:
-        scores: ``[B, T]`` (or any shape) float scores: ``S*`` for ``method="clip_b"``, ``S_c`` for ``"clip_v"``.
-        advantages: ``[B]`` per sequence or the scores' shape, as the masks take them.
-        valid: bool or 0/1 tensor of the scores' shape (the response mask).
-        target_share: the wanted share of clipped tokens among the valid ones, in ``(0, 1)``.
-        method: ``"clip_b"`` or ``"clip_v"``.
-        sides: the advantage sign whose tokens may be clipped, as in the masks.
+    ``scores``: ``[B, T]`` (or any shape) float, ``S*`` for ``method="clip_b"``, ``S_c`` for ``"clip_v"``;
+    ``advantages`` (``[B]`` or the scores' shape), ``valid`` (bool or 0/1) and ``sides`` as the masks take them;
+    ``target_share`` in ``(0, 1)``, the wanted share of clipped tokens among the valid ones.
 
     With the eligible tokens (valid, advantage of sign ``sides``) sorted by score ``x_(1) <= x_(2) <= ...``, the
     masks clip exactly ``c`` of them when ``x_(c) < center - mu * sigma <= x_(c + 1)``.  The count chosen is the
@@ -71,7 +67,7 @@ def mu_for_share(scores: torch.Tensor, advantages: torch.Tensor, valid: torch.Te
         raise ValueError("valid marks no token: a mu cannot be chosen on an empty batch")
     center, sigma = float(stats.center), stats.std
     x = _eligible_scores(scores, advantages, valid, sides, center)
-    max_share = _clipped(mask, scores, advantages, valid, sides, 0.0) / n_valid
+    max_share = mask(scores, advantages, valid, mu_low=0.0, sides=sides).n_clipped / n_valid
     if target > max_share:
         raise ValueError(
             f"target_share must be at most {max_share:.6g} on this batch (what mu = 0 clips: {method} with "
@@ -82,7 +78,7 @@ def mu_for_share(scores: torch.Tensor, advantages: torch.Tensor, valid: torch.Te
         mu = _mu_inside(x, count, center, sigma)
         if mu is None:
             continue
-        n_clipped = _clipped(mask, scores, advantages, valid, sides, mu)
+        n_clipped = mask(scores, advantages, valid, mu_low=mu, sides=sides).n_clipped
         if n_clipped == count:
             return MuSuggestion(method, sides, mu, target, n_clipped / n_valid, n_clipped, n_valid, max_share)
     raise AssertionError("no mu reproduces a reachable count")  # unreachable: count 0 always has one
@@ -130,11 +126,6 @@ def _round_up(value: float, digits: int) -> float:
         return 0.0
     scale = 10 ** (digits - 1 - math.floor(math.log10(value)))
     return math.ceil(value * scale) / scale
-
-
-def _clipped(mask: object, scores: torch.Tensor, advantages: object, valid: object, sides: str, mu: float) -> int:
-    """How many tokens the real mask clips with ``mu_low=mu``."""
-    return mask(scores, advantages, valid, mu_low=mu, sides=sides).n_clipped
 
 
 def save_batch(path: str | Path, *, s_star: torch.Tensor, s_centered: torch.Tensor, advantages: torch.Tensor,

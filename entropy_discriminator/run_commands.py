@@ -7,7 +7,12 @@ input (a missing file, not a batch or a metrics log, a target share out of range
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
+
+from .plot import format_summary, plot_run, summarise_run
+from .recipe import METHODS, load_batch, mu_for_share
+from .runlog import read_run, series
 
 #: The target share ``suggest-mu`` aims at unless told (docs/choosing-mu.md: where the masks acted in our runs).
 DEFAULT_TARGET_SHARE = 0.02
@@ -18,7 +23,7 @@ def _share(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1), got {text!r}") from None
+        value = math.nan
     if not 0 < value < 1:
         raise argparse.ArgumentTypeError(f"must be a number in (0, 1), got {text!r}")
     return value
@@ -61,8 +66,6 @@ def add_suggest_mu(commands: argparse._SubParsersAction) -> None:
 def _run_suggest_mu(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.run_log is not None:
         return _suggest_from_run(args, parser)
-    from .recipe import METHODS, load_batch, mu_for_share
-
     try:
         batch = load_batch(args.batch)
     except Exception as exc:  # torch.load raises many types on a file that is not a torch file
@@ -81,9 +84,6 @@ def _run_suggest_mu(args: argparse.Namespace, parser: argparse.ArgumentParser) -
 
 
 def _suggest_from_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .plot import summarise_run
-    from .runlog import read_run, series
-
     try:
         rows = read_run(args.run_log)
     except ValueError as exc:
@@ -123,9 +123,6 @@ def add_plot(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .plot import format_summary, plot_run, summarise_run
-    from .runlog import read_run
-
     try:
         rows = read_run(args.log)
     except ValueError as exc:

@@ -29,8 +29,7 @@ def read_run(path: str | Path) -> list[dict[str, float]]:
         records = [r for line in text.splitlines() if (r := _line(line)) is not None]
     rows = []
     for index, record in enumerate(records):
-        row = _metrics(record)
-        if row:
+        if row := _metrics(record):
             step = record.get("step", index)
             rows.append({"step": float(step) if _number(step) else float(index), **row})
     if not rows:
@@ -89,11 +88,8 @@ def _number(value: object) -> bool:
 
 def _metrics(record: dict) -> dict[str, float]:
     """The record's numeric ``entropy_disc/`` metrics, named by what follows the marker."""
-    out = {}
-    for key, value in record.items():
-        if isinstance(key, str) and MARKER in key and _number(value):
-            out[key.split(MARKER, 1)[1]] = float(value)
-    return out
+    return {key.split(MARKER, 1)[1]: float(value) for key, value in record.items()
+            if isinstance(key, str) and MARKER in key and _number(value)}
 
 
 def series(rows: list[dict[str, float]], name: str) -> tuple[list[float], list[float]]:

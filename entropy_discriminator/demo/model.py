@@ -46,9 +46,8 @@ class _Block(nn.Module):
 
 
 def add_trunk(model: nn.Module, cfg: ModelConfig) -> None:
-    """Register TinyGPT's trunk on ``model``, in this order (parameter order and initialisation draws are TinyGPT's):
-    ``cfg``, ``tok`` (token embedding), ``pos`` (learned positions), ``blocks`` (``n_layers`` pre-norm blocks) and
-    ``ln_f``; :func:`trunk` runs it."""
+    """Register TinyGPT's trunk on ``model`` in TinyGPT's parameter order: ``cfg``, ``tok`` (token embedding), ``pos``
+    (learned positions), ``blocks`` (``n_layers`` pre-norm blocks) and ``ln_f``; :func:`trunk` runs it."""
     model.cfg = cfg
     model.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
     model.pos = nn.Embedding(cfg.max_len, cfg.d_model)
@@ -57,11 +56,8 @@ def add_trunk(model: nn.Module, cfg: ModelConfig) -> None:
 
 
 def trunk(model: nn.Module, tokens: torch.Tensor, name: str = "tokens") -> torch.Tensor:
-    """TinyGPT's final hidden states [B, L, d]: ``ln_f`` of the last block's output, for ``tokens`` [B, L] int64.
-
-    ``model`` holds TinyGPT's trunk (``cfg``, ``tok``, ``pos``, ``blocks``, ``ln_f``): :class:`TinyGPT` or the
-    transformers backbone of :mod:`.hf_policy`.  ``name`` is the argument an over-long input is reported as.
-    """
+    """TinyGPT's final hidden states [B, L, d] for ``tokens`` [B, L] int64, on a ``model`` with :func:`add_trunk`'s
+    modules; ``ValueError`` naming ``name`` when ``L > max_len``."""
     t = tokens.shape[1]
     if t > model.cfg.max_len:
         raise ValueError(f"{name} has length {t} > max_len {model.cfg.max_len}")
@@ -83,21 +79,14 @@ class TinyGPT(nn.Module):
         return self.head(trunk(self, tokens))
 
     def response_logits(self, sequences: torch.Tensor, prompt_len: int) -> torch.Tensor:
-        """Logits [B, T, V] that predict the response tokens ``sequences[:, prompt_len:]`` (T of them).
-
-        The one-token shift: logits at position ``i`` predict token ``i + 1``.
-        """
+        """Logits [B, T, V] that predict the response tokens ``sequences[:, prompt_len:]`` (T of them)."""
         return self(sequences[:, :-1])[:, prompt_len - 1 :]
 
     @torch.no_grad()
-    def generate(
-        self, prompts: torch.Tensor, n_new: int, *, temperature: float, generator: torch.Generator
-    ) -> torch.Tensor:
-        """Sample ``n_new`` tokens after ``prompts`` [B, P] at ``temperature``; returns [B, P + n_new] int64.
-
-        ``temperature == 0`` is greedy.  Sampling draws from ``softmax(logits.float() / temperature)``,
-        the same distribution :func:`entropy_discriminator.token_stats` sees with that temperature.
-        """
+    def generate(self, prompts: torch.Tensor, n_new: int, *, temperature: float,
+                 generator: torch.Generator) -> torch.Tensor:
+        """Sample ``n_new`` tokens after ``prompts`` [B, P] from ``softmax(logits.float() / temperature)`` (0: greedy);
+        returns [B, P + n_new] int64.  ``ValueError`` when ``temperature < 0``."""
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         seq = prompts

@@ -18,10 +18,8 @@ PLOT_HINT = 'matplotlib is not installed, so no PNG was written; install it from
 
 
 class TextProgress:
-    """A dependency-free progress bar: ``label [#####-----] done/total info`` on one line of ``stream``.
-
-    On a terminal it redraws in place; otherwise it prints a line every 10% (CI logs stay short).
-    """
+    """A progress bar ``label [#####-----] done/total info`` on ``stream`` (default stderr): redrawn in place on a
+    terminal, else a line every 10%."""
 
     def __init__(self, label: str, *, stream: TextIO | None = None, width: int = 24) -> None:
         self.label = label
@@ -70,9 +68,8 @@ def prepare_output_folder(path: Path | str) -> Path:
 
 
 def write_csv(path: Path, rows: Sequence[dict[str, object]]) -> None:
-    """Write ``rows`` (dicts; the union of their keys, in first-seen order, is the header) to ``path``.
-
-    Floats are written with 7 significant digits (``nan`` as ``nan``)."""
+    """Write ``rows`` (dicts; the union of their keys, in first-seen order, is the header) to ``path``; floats with 7
+    significant digits."""
     header: list[str] = []
     for row in rows:
         header.extend(k for k in row if k not in header)
@@ -103,14 +100,7 @@ def format_table(rows: Sequence[dict[str, object]], columns: Sequence[tuple[str,
 
 def smooth(values: Sequence[float], window: int) -> list[float]:
     """Trailing moving average over ``window`` points (the first points average what exists)."""
-    out: list[float] = []
-    acc = 0.0
-    for i, v in enumerate(values):
-        acc += v
-        if i >= window:
-            acc -= values[i - window]
-        out.append(acc / min(i + 1, window))
-    return out
+    return [sum(values[max(0, i + 1 - window) : i + 1]) / min(i + 1, window) for i in range(len(values))]
 
 
 def have_matplotlib() -> bool:
@@ -133,8 +123,7 @@ def pyplot():
 
 
 def save_figure(fig, path: Path | BinaryIO, *, dpi: int) -> None:
-    """Lay ``fig`` out (``tight_layout``), write it as a PNG to ``path`` (a file name or a binary stream) at ``dpi``
-    and close it."""
+    """``tight_layout`` ``fig``, write it as a PNG to ``path`` (a file name or a binary stream) at ``dpi``, close it."""
     fig.tight_layout()
     fig.savefig(path, dpi=dpi, format="png")
     pyplot().close(fig)
@@ -157,10 +146,8 @@ def plot_demo(path: Path, curves: dict[str, list[dict[str, float]]], *, window: 
         style = dict(ls=ARM_STYLES[i % len(ARM_STYLES)], lw=1.8, color=f"C{i}", label=arm)
         top[0].plot(steps, smooth([r["entropy"] for r in recs], window), **style)
         top[1].plot(steps, smooth([r["reward"] for r in recs], window), **style)
-        pred = [r["pred_dH"] for r in recs]
-        real = [r["real_dH"] for r in recs]
-        scale = max(max(abs(p) for p in pred), 1e-30)
-        rscale = max(max(abs(x) for x in real), 1e-30)
+        pred, real = ([r[key] for r in recs] for key in ("pred_dH", "real_dH"))
+        scale, rscale = (max(max(abs(v) for v in vals), 1e-30) for vals in (pred, real))
         ax = fig.add_subplot(grid[1, 2 * i : 2 * i + 2])
         ax.scatter([p / scale for p in pred], [x / rscale for x in real], s=9, alpha=0.6, color=f"C{i}")
         ax.axhline(0, color="grey", lw=0.5)

@@ -22,10 +22,7 @@ from .train import ArmResult, ArmSpec, TrainConfig, evaluate, pearson, run_arm, 
 #: The demo's sizes: ``full`` fits 5 minutes on a 2-core CPU, ``quick`` one minute (CI).
 PRESETS = {
     "full": TrainConfig(),
-    "quick": TrainConfig(
-        n_digits=3, d_model=48, n_layers=2, n_heads=4, warmup_steps=600, warmup_batch=64, warmup_lr=3e-3,
-        grpo_steps=30, prompts_per_step=8, group_size=8, lr=1e-3, eval_prompts=64, eval_k=4,
-    ),
+    "quick": TrainConfig(d_model=48, warmup_batch=64, grpo_steps=30, prompts_per_step=8, eval_prompts=64, eval_k=4),
 }
 
 #: The warm-up continues (up to twice its steps) until held-out Avg@k reaches this, so RL starts from a policy
@@ -103,8 +100,8 @@ def demo_arms(opts: DemoOptions) -> list[ArmSpec]:
 
 
 def summarise(result: ArmResult) -> dict[str, object]:
-    """One table row: final entropy and reward (means over the last 10% of steps), Avg@k, Pass@k, mean
-    clip fraction, and the agreement of the Corollary 4 prediction with the realised per-batch ``dH``."""
+    """One table row: final entropy and reward (means over the last 10% of steps), Avg@k, Pass@k, mean clip fraction,
+    and the agreement of the Corollary 4 prediction with the realised per-batch ``dH``."""
     recs = result.records
     tail = recs[-max(1, len(recs) // 10) :]
     pred = [r["pred_dH"] for r in recs]
@@ -133,13 +130,9 @@ def run_demo(opts: DemoOptions, *, stream: TextIO | None = None) -> dict[str, ob
     out = prepare_output_folder(opts.out)
     threads = opts.threads if opts.threads is not None else (1 if device.type == "cpu" else None)
     t_start = time.perf_counter()
-    print(
-        f"entropy-discriminator demo ({'quick' if opts.quick else 'full'}): {cfg.n_digits}-digit addition, "
-        f"TinyGPT d={cfg.d_model} x{cfg.n_layers}, {cfg.grpo_steps} GRPO steps x {cfg.prompts_per_step} prompts x "
-        f"{cfg.group_size} samples, device {device}",
-        file=stream,
-        flush=True,
-    )
+    print(f"entropy-discriminator demo ({'quick' if opts.quick else 'full'}): {cfg.n_digits}-digit addition, "
+          f"TinyGPT d={cfg.d_model} x{cfg.n_layers}, {cfg.grpo_steps} GRPO steps x {cfg.prompts_per_step} prompts x "
+          f"{cfg.group_size} samples, device {device}", file=stream, flush=True)
     with torch_threads(threads):
         torch.manual_seed(opts.seed)
         model = TinyGPT(cfg.model_config()).to(device)
@@ -147,10 +140,8 @@ def run_demo(opts: DemoOptions, *, stream: TextIO | None = None) -> dict[str, ob
                        target_avg=WARMUP_TARGET, max_steps=2 * cfg.warmup_steps)
         base_eval = evaluate(model, cfg, seed=opts.seed, device=device)
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        results = [
-            run_arm(state, cfg, arm, seed=opts.seed, device=device, progress=TextProgress(arm.name))
-            for arm in arms
-        ]
+        results = [run_arm(state, cfg, arm, seed=opts.seed, device=device, progress=TextProgress(arm.name))
+                   for arm in arms]
         task = cfg.task()
         init, a, b = tabular_start(model, task, 16, seed=opts.seed, device=device)
         tab = tabular_check(task, init_logits=init, a=a, b=b, group_size=cfg.group_size, steps=30, step_size=0.02,

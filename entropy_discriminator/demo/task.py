@@ -58,19 +58,15 @@ class AdditionTask:
         while got < count:
             a = torch.randint(0, hi, (2 * count,), generator=generator)
             b = torch.randint(0, hi, (2 * count,), generator=generator)
-            is_eval = self.is_eval(a, b)
-            keep = is_eval if split == "eval" else ~is_eval
+            keep = self.is_eval(a, b) == (split == "eval")
             out_a.append(a[keep])
             out_b.append(b[keep])
             got += int(keep.sum())
         return torch.cat(out_a)[:count], torch.cat(out_b)[:count]
 
     def is_eval(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """bool [N]: whether problem ``(a, b)`` belongs to the held-out split.
-
-        A MINSTD hash of ``a * 10**n + b`` modulo ``held_out`` (a plain modulus would put only sums with
-        ``b`` ending in 0 into the split).
-        """
+        """bool [N]: whether problem ``(a, b)`` is held out, by a MINSTD hash of ``a * 10**n + b`` modulo
+        ``held_out`` (a plain modulus would hold out only the ``b`` ending in 0)."""
         x = (a * 10**self.n_digits + b) % 1_000_003
         return (x * 48271 % 2_147_483_647) % self.held_out == 0
 
@@ -82,12 +78,9 @@ class AdditionTask:
 
     def prompts(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """Prompt tokens, int64 ``[N, 2n + 2]``."""
-        n = len(a)
-        plus = torch.full((n, 1), PLUS, dtype=torch.int64, device=a.device)
-        eq = torch.full((n, 1), EQUALS, dtype=torch.int64, device=a.device)
-        return torch.cat(
-            [self._digits(a, self.n_digits, lsb_first=False), plus, self._digits(b, self.n_digits, lsb_first=False), eq], dim=1
-        )
+        plus, eq = (torch.full((len(a), 1), tok, dtype=torch.int64, device=a.device) for tok in (PLUS, EQUALS))
+        digits_a, digits_b = (self._digits(x, self.n_digits, lsb_first=False) for x in (a, b))
+        return torch.cat([digits_a, plus, digits_b, eq], dim=1)
 
     def answers(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """Correct responses, int64 ``[N, n + 1]`` (digits of ``a + b``, least significant first)."""

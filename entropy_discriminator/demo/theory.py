@@ -1,11 +1,9 @@
-"""The reviewers' question: does the first-order law predict the realised per-batch entropy change?
+"""Does the first-order law predict the realised per-batch entropy change?  The tabular case.
 
-Tabular case (the paper's assumption: every token owns its logits ``z_t``).  A GRPO step with plain SGD at learning
-rate ``lambda`` on ``L = -(1/N) sum_t A_t log p_t(k_t)`` moves each row by ``dz_t = (lambda/N) A_t (e_k - p_t)``:
-Theorem 2 with ``alpha_t = eta A_t``, ``eta = lambda/N`` (temperature 1; :mod:`entropy_discriminator.dynamics`).
-Averaged over the batch it gives Corollary 4, ``dH_B = -eta Cov_B(A, S_c)``, exact up to ``O(eta^2)``; the GRPO loop
-runs on such a table and compares that prediction with the realised change at every step.  The network case is
-measured inside :func:`~entropy_discriminator.demo.train.run_arm` (``pred_dH`` vs ``real_dH``).
+Every token owns its logits ``z_t`` (the paper's assumption): SGD at learning rate ``lambda`` on ``L = -(1/N) sum_t
+A_t log p_t(k_t)`` moves each row by ``dz_t = (lambda/N) A_t (e_k - p_t)``, Theorem 2 with ``alpha_t = eta A_t``,
+``eta = lambda/N``; averaged over the batch, Corollary 4: ``dH_B = -eta Cov_B(A, S_c)`` up to ``O(eta^2)``.  The
+network case is measured inside :func:`~entropy_discriminator.demo.train.run_arm` (``pred_dH`` vs ``real_dH``).
 """
 
 from __future__ import annotations
@@ -61,13 +59,9 @@ def tabular_check(task: AdditionTask, *, init_logits: torch.Tensor, a: torch.Ten
                   steps: int, step_size: float, seed: int) -> Agreement:
     """GRPO on a logit table; Corollary 4's prediction vs the realised batch-entropy change per step.
 
-    Args:
-        task: gives the reward of the sampled answers.
-        init_logits: ``[P, T, V]`` starting logits (e.g. the warmed-up network's on ``P`` prompts);
-            copied ``group_size`` times, one row per token (float64).
-        a, b: the ``P`` prompts' operands, int64 ``[P]``.
-        step_size: ``eta`` of Theorem 2 (logit units); SGD runs at ``lambda = eta * N``.
-        seed: seeds the sampling.
+    ``init_logits`` ``[P, T, V]`` (copied ``group_size`` times, float64) for the prompts of operands ``a, b`` (int64
+    ``[P]``); ``step_size``: ``eta`` of Theorem 2, SGD at ``lambda = eta * N``; ``seed`` seeds the sampling.
+    ``ValueError`` when ``init_logits`` is not ``[P, T, V]`` or ``step_size`` is not finite and > 0.
     """
     if init_logits.dim() != 3 or init_logits.shape[:2] != (len(a), task.response_len):
         raise ValueError(f"init_logits must be [P={len(a)}, T={task.response_len}, V], got {tuple(init_logits.shape)}")

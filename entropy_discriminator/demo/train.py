@@ -1,11 +1,9 @@
 """Warm-up (supervised) and strict on-policy GRPO for the demo, with the core's statistics and masks.
 
-:class:`LoopConfig` and :func:`warm_up` are also the research harness's (``lab/``, ``entropy_lab``).  One GRPO step on
-``P`` prompts x ``G`` samples (``N`` valid response tokens): sample at ``temperature`` (on-policy, ``r = 1``); reward
-``R`` (exact match), ``A_i = (R_i - mean_g R) / (std_g R + 1e-6)``; :func:`~entropy_discriminator.token_stats` on the
-response logits; a keep-mask (none, Clip_B, Clip_V, the autopilot, or the paper's Figure 1 sign rule on ``S*``);
-loss ``sum_t keep_t * (-A_t log p_t) / N`` (``apply_keep_mask``), one optimiser step; the realised ``dH`` of the same
-tokens next to Corollary 4's ``-Cov_B(A * keep, S_c)`` per unit step size (compared by correlation and sign).
+One GRPO step on ``P`` prompts x ``G`` samples (``N`` valid response tokens): sample at ``temperature``; reward ``R``
+(exact match), ``A_i = (R_i - mean_g R) / (std_g R + 1e-6)``; a keep-mask (none, Clip_B, Clip_V, the autopilot, or the
+paper's Figure 1 sign rule on ``S*``); loss ``sum_t keep_t * (-A_t log p_t) / N``, one optimiser step; the realised
+``dH`` of the same tokens next to Corollary 4's ``-Cov_B(A * keep, S_c)`` per unit step size.
 """
 
 from __future__ import annotations
@@ -83,11 +81,9 @@ class LoopConfig(ABC):
     lr: float = 1e-3
 
     def __post_init__(self) -> None:
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        for name in ("warmup_batch", "prompts_per_step"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name, low in (("warmup_steps", 0), ("warmup_batch", 1), ("prompts_per_step", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
         if self.group_size < 2:
             raise ValueError(f"group_size must be >= 2 (GRPO needs a group), got {self.group_size}")
 
@@ -118,11 +114,9 @@ class TrainConfig(LoopConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("grpo_steps", "eval_k"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.eval_prompts < 1:
-            raise ValueError(f"eval_prompts must be >= 1, got {self.eval_prompts}")
+        for name, low in (("grpo_steps", 0), ("eval_k", 0), ("eval_prompts", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
         if not (self.temperature > 0 and self.eval_temperature >= 0):
             raise ValueError("temperature must be > 0 and eval_temperature >= 0")
 
@@ -212,15 +206,6 @@ class ArmResult:
     final: dict[str, float] = field(default_factory=dict)
 
 
-def _mean_entropy_grad(model: TinyGPT, seq: torch.Tensor, valid: torch.Tensor, cfg: TrainConfig, prompt_len: int) -> list[torch.Tensor]:
-    """Gradient of the batch-mean token entropy with respect to every parameter (for the linearised prediction)."""
-    logits = model.response_logits(seq, prompt_len).float() / cfg.temperature
-    logq = torch.log_softmax(logits, -1)
-    h = -(logq.exp() * logq).sum(-1)
-    hbar = (h * valid).sum() / valid.sum().clamp_min(1)
-    return list(torch.autograd.grad(hbar, list(model.parameters())))
-
-
 def _law_terms(model: TinyGPT, opt: torch.optim.Optimizer, seq: torch.Tensor, resp: torch.Tensor, adv: torch.Tensor,
                valid: torch.Tensor, cfg: TrainConfig, prompt_len: int) -> dict[str, object]:
     """The autopilot's inputs from the law for Adam (:func:`entropy_discriminator.law.token_terms`): the per-token
@@ -239,6 +224,12 @@ def _law_terms(model: TinyGPT, opt: torch.optim.Optimizer, seq: torch.Tensor, re
     res = law.token_terms(opt, named, fn, resp, weights, valid, temperature=cfg.temperature, grads=grads,
                           entropy_grads=grads_h)
     return {"terms": res.terms, "carry": res.carry}
+
+
+#: The per-step record's columns read from the monitor's metrics (without its prefix), in record order.
+_MONITOR_COLUMNS = {"entropy": "entropy/mean", "entropy_p10": "entropy/p10", "entropy_p50": "entropy/p50",
+                    "entropy_p90": "entropy/p90", "s_star_mean": "s_star/mean", "s_star_std": "s_star/std",
+                    "s_c_mean": "s_centered/mean", "s_c_std": "s_centered/std"}
 
 
 def run_arm(state: dict[str, torch.Tensor], cfg: TrainConfig, arm: ArmSpec, *, seed: int, device: torch.device,
@@ -269,19 +260,15 @@ def run_arm(state: dict[str, torch.Tensor], cfg: TrainConfig, arm: ArmSpec, *, s
         stats = token_stats(logits.detach(), resp, temperature=cfg.temperature)
         valid = stats.valid
         mask = None
-        if arm.method == "clip_b":
-            mask = clip_b_mask(stats.s_star, adv, valid, mu_low=arm.mu_low, sides=arm.sides, max_frac=arm.max_frac)
-            keep = mask.keep
-        elif arm.method == "clip_v":
-            mask = clip_v_mask(stats.s_centered, adv, valid, mu_low=arm.mu_low, sides=arm.sides, max_frac=arm.max_frac)
-            keep = mask.keep
+        if arm.method in ("clip_b", "clip_v"):
+            clip, score = (clip_b_mask, stats.s_star) if arm.method == "clip_b" else (clip_v_mask, stats.s_centered)
+            mask = clip(score, adv, valid, mu_low=arm.mu_low, sides=arm.sides, max_frac=arm.max_frac)
         elif pilot is not None:
             mask = pilot.from_stats(stats, adv, **_law_terms(model, opt, seq, resp, adv, valid, cfg, p_len)).mask
+        if mask is not None:
             keep = mask.keep
-        elif arm.method == "sign":
-            keep = _sign_keep(arm, stats.s_star, adv)
         else:
-            keep = torch.ones_like(valid)
+            keep = _sign_keep(arm, stats.s_star, adv) if arm.method == "sign" else torch.ones_like(valid)
 
         metrics = monitor.from_stats(stats, advantages=adv, mask=mask, lr=1.0)
         adv_tok = adv[:, None].expand_as(keep).double() * keep
@@ -289,8 +276,10 @@ def run_arm(state: dict[str, torch.Tensor], cfg: TrainConfig, arm: ArmSpec, *, s
         a_sc = adv[:, None].double() * stats.s_centered.double() * valid
         n_valid = float(valid.sum())
 
-        grads = _mean_entropy_grad(model, seq, valid, cfg, p_len) if cfg.linearised else None
-        before = [p_.detach().clone() for p_ in model.parameters()] if cfg.linearised else None
+        if cfg.linearised:  # the gradient of the batch-mean entropy, for the linearised prediction
+            h_bar = law.batch_mean_entropy(model.response_logits(seq, p_len), valid, temperature=cfg.temperature)
+            grads = torch.autograd.grad(h_bar, list(model.parameters()))
+            before = [p_.detach().clone() for p_ in model.parameters()]
 
         logp = torch.log_softmax(logits.float() / cfg.temperature, -1).gather(-1, resp[..., None])[..., 0]
         pg_losses = -adv[:, None] * logp
@@ -304,20 +293,16 @@ def run_arm(state: dict[str, torch.Tensor], cfg: TrainConfig, arm: ArmSpec, *, s
             after = token_stats(model.response_logits(seq, p_len), resp, temperature=cfg.temperature)
         realised = monitor.realised(stats.entropy, after.entropy, valid)[pre + "delta_entropy/realised"]
 
-        rec = {"step": step, "reward": float(rewards.mean()), "entropy": metrics[pre + "entropy/mean"],
-               "entropy_p10": metrics[pre + "entropy/p10"], "entropy_p50": metrics[pre + "entropy/p50"],
-               "entropy_p90": metrics[pre + "entropy/p90"], "s_star_mean": metrics[pre + "s_star/mean"],
-               "s_star_std": metrics[pre + "s_star/std"], "s_c_mean": metrics[pre + "s_centered/mean"],
-               "s_c_std": metrics[pre + "s_centered/std"],
+        rec = {"step": step, "reward": float(rewards.mean()),
+               **{key: metrics[pre + name] for key, name in _MONITOR_COLUMNS.items()},
                "clip_frac": 1.0 - float((keep & valid).sum()) / max(n_valid, 1.0),
                "cov_adv_sc": metrics.get(pre + "cov/adv_s_centered", 0.0),
                "neg_cov_pos_part": -float(a_sc[adv > 0].sum()) / max(n_valid, 1.0),
                "neg_cov_neg_part": -float(a_sc[adv < 0].sum()) / max(n_valid, 1.0), "pred_dH": pred,
                "real_dH": realised, "loss": float(loss.detach())}
-        if grads is not None and before is not None:
-            rec["pred_lin_dH"] = float(
-                sum((gr * (p_.detach() - b_)).sum() for gr, p_, b_ in zip(grads, model.parameters(), before))
-            )
+        if cfg.linearised:
+            moves = zip(grads, model.parameters(), before)
+            rec["pred_lin_dH"] = float(sum((gr * (p_.detach() - b_)).sum() for gr, p_, b_ in moves))
         out.records.append(rec)
         if progress is not None:
             progress(step + 1, cfg.grpo_steps, f"H {rec['entropy']:.3f} R {rec['reward']:.2f} clip {rec['clip_frac']:.3f}")
