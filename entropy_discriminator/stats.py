@@ -101,7 +101,13 @@ def token_stats(logits: torch.Tensor, labels: torch.Tensor, *, temperature: floa
                 ignore_index: int | None = -100, chunk_size: int | None = None, impl: str = "auto",
                 check: bool | str = True, vocab_parallel_group: dist.ProcessGroup | None = None,
                 vocab_start_index: int = 0) -> TokenStats:
-    """Exact per-token ``logp, H, S*, E_p[S], S_c`` of ``softmax(logits / temperature)`` (module docstring).
+    """Exact per-token ``logp, H, S*, E_p[S], S_c`` of ``softmax(logits / temperature)``.
+
+    Equivalent (memory-hungry) torch, with ``k = labels`` (``E_p[S]`` centred as in the module docstring)::
+
+        logq = torch.log_softmax(logits.double() / temperature, -1); p = logq.exp()
+        H = -(p * logq).sum(-1); lpk = logq.gather(-1, k[..., None])[..., 0]
+        s_star = lpk.exp() * (H + lpk); s_expected = (p**2 * (H[..., None] + logq)).sum(-1)
 
     Args:
         logits: ``[..., V]`` bf16/fp16/fp32/fp64, any strides; ``-inf`` entries are legal.
