@@ -96,7 +96,7 @@ def autopilot_mask(s_centered: torch.Tensor, advantages: torch.Tensor, valid: to
     docstring; :class:`EntropyAutopilot` sets the target by feedback).
 
     Args:
-        s_centered, advantages, valid, ratio: as in :func:`~entropy_discriminator.batch_entropy_change` (a tensor).
+        s_centered (a tensor here), advantages, valid, ratio: as in :func:`~entropy_discriminator.batch_entropy_change`.
         lr: ``eta`` of the cheap score (a finite real > 0; required without ``terms``, ignored with them).
         target_dh: the desired predicted change (nats/token), a finite real.
         max_frac: cap on the dropped share (``floor(max_frac * N)`` tokens, :func:`~.masks.cap_limit`; None: none).
@@ -143,10 +143,7 @@ def _select(s_centered: torch.Tensor, advantages: torch.Tensor, valid: torch.Ten
             lr: float | None, ratio: torch.Tensor | None, max_frac: float | None, sides: str, form: str,
             terms: torch.Tensor | None, carry: float, scale: float, process_group: Group,
             law: Callable[[float], tuple[float, float, float]], cap_name: str = "max_frac") -> AutopilotResult:
-    """The selection of the module docstring; ``law(H_t)`` gives ``(Ĥ_t, H*_t, target_dh)`` once ``H_t`` is reduced;
-    ``cap_name`` names ``max_frac`` in its errors.  Collectives: one all-reduce of the checks and sums; when something
-    must be dropped, one all-gather of the per-rank counts and one of the candidates (``[L, 3]`` float64 per rank).
-    """
+    """The selection of the module docstring; ``law(H_t) -> (Ĥ_t, H*_t, target_dh)``; ``cap_name`` names ``max_frac``."""
     n_checks = 3 + (ratio is not None) * 2 + (entropy is not None) + (terms is not None)
 
     def local() -> tuple[torch.Tensor, tuple]:
@@ -392,11 +389,8 @@ class EntropyAutopilot:
                 raise ValueError(f"state['settings']['{name}'] is {settings[name]!r} but this autopilot has "
                                  f"{getattr(self, name)!r}: the state was saved by a controller with other settings")
         step = integer("state['step']", state["step"], minimum=0)
-        h_start, h_smooth = state["h_start"], state["h_smooth"]
-        if h_start is not None:
-            h_start = real_number("state['h_start']", h_start, minimum=0)
-        if h_smooth is not None:
-            h_smooth = real_number("state['h_smooth']", h_smooth)
+        h_start = None if state["h_start"] is None else real_number("state['h_start']", state["h_start"], minimum=0)
+        h_smooth = None if state["h_smooth"] is None else real_number("state['h_smooth']", state["h_smooth"])
         if (step == 0) != (h_start is None) or (h_start is None) != (h_smooth is None):
             raise ValueError(f"state['h_start'] and state['h_smooth'] must be None exactly when state['step'] is 0, got {state!r}")
         last = real_number("state['last_predicted']", state["last_predicted"])

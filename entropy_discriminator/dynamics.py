@@ -81,8 +81,7 @@ def batch_entropy_change(advantages: torch.Tensor, s_centered: torch.Tensor | To
 
 def _weighted_terms(advantages: torch.Tensor, s_centered: torch.Tensor, valid: torch.Tensor,
                    ratio: torch.Tensor | None, checks: DataChecks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Float64 ``(a, y, covariance_terms(a, y, valid))`` with ``a = A`` and ``y = r * S_c``; the checks of ``ratio``
-    (finite, >= 0), ``s_centered`` and ``advantages`` (finite at valid positions) are added to ``checks``."""
+    """Float64 ``(A, r * S_c, their covariance_terms)``, adding the checks of ``ratio``, ``s_centered``, ``A``."""
     a = broadcast_advantages(advantages, s_centered.shape).to(s_centered.device)
     y = s_centered.to(torch.float64)
     if ratio is not None:

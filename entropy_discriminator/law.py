@@ -257,8 +257,7 @@ def batch_mean_entropy(logits: torch.Tensor, valid: torch.Tensor, *, temperature
 
 def _primals_and_tangents(primals: Mapping[str, torch.Tensor], tangents: Mapping[str, torch.Tensor],
                           names: tuple[str, str]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """``primals`` detached and ``tangents`` cast to each primal's dtype, after checking that both map the same
-    names to tensors of equal shapes (``names``: the two arguments' names, for the error)."""
+    """``primals`` detached and ``tangents`` cast to their dtypes, checked to match (``names``: for the errors)."""
     prim_name, tang_name = names
     if set(primals) != set(tangents):
         raise ValueError(f"{tang_name} must have {prim_name}' keys, got {sorted(set(tangents) ^ set(primals))} differing")
@@ -382,10 +381,10 @@ def token_terms(optimizer: torch.optim.Optimizer, named_params: Mapping[str, tor
 
     ``z = fn(named_params)`` ``[B, T, V]``: one backward of ``H_B`` (:func:`batch_mean_entropy` over ``valid`` at
     ``temperature``; skipped when ``entropy_grads``, aligned with ``named_params``' values, are given),
-    :func:`linearise_step` (``preconditioner`` default: ``"step"`` with ``grads``, else ``"state"``), one
-    :func:`logit_tangents` of ``w = P ⊙ ∇θH_B`` and :func:`token_contributions` with ``weights``.  A parameter whose
-    preconditioner is not formed (Adam's first step) puts its whole change in the carry.  ``carry + Σ c_t`` equals
-    :func:`step_entropy_change` to rounding.
+    :func:`linearise_step` (``grads``, ``grad_scale`` as there; ``preconditioner``: ``"step"`` with ``grads``, else
+    ``"state"``), one :func:`logit_tangents` of ``w = P ⊙ ∇θH_B`` and :func:`token_contributions` with ``weights``.
+    A parameter whose preconditioner is not formed (Adam's first step) puts its whole change in the carry.
+    ``carry + Σ c_t`` equals :func:`step_entropy_change` to rounding.
     """
     names = list(named_params)
     ps = [named_params[k] for k in names]

@@ -68,9 +68,8 @@ class LawScale:
         if not (math.isfinite(cheap) and math.isfinite(realised)):
             return False
         calibration = self.calibration
-        if self._pilot is not None:
-            if copy.copy(calibration).update(cheap, realised) <= 0:  # the fit with the pair, on a copy
-                return False
+        if self._pilot is not None and copy.copy(calibration).update(cheap, realised) <= 0:  # tried on a copy
+            return False
         calibration.update(cheap, realised)
         return True
 
