@@ -12,6 +12,7 @@ Dropping a set ``D`` (``apply_keep_mask(mode="zero_pg")``) predicts ``P(D) = P_0
 ``P_0 = carry + sum_t c_t``: of the tokens whose ``c_t`` moves ``P`` toward the target (and whose advantage sign
 ``sides`` allows), by ``|c_t|`` descending, the shortest prefix that crosses the target is dropped, at most
 ``cap_limit(max_frac, N)``.  Across ranks the selection equals the one-process one on the concatenated batch.
+Under ``mode="drop_token"`` the kept tokens' steps grow by ``N / (N - |D|)``, a gain error the feedback absorbs.
 """
 
 from __future__ import annotations
