@@ -163,24 +163,19 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     demo.add_argument("--device", type=_device, help="cpu, cuda, cuda:N or auto (default: cuda when available)")
     demo.add_argument("--out", type=_folder, help="output folder (default: demo_out, or demo_out/paper)")
     demo.add_argument("--seed", type=_int_in(0, 2**32 - 1), help="random seed shared by every arm, 0 to 2^32-1 (default 0)")
-    demo.add_argument(
-        "--steps", type=_int_in(3),
-        help=f"GRPO steps per arm, minimum 3 (default {full.grpo_steps}; --quick {quick.grpo_steps}; --paper: its size's)",
-    )
+    demo.add_argument("--steps", type=_int_in(3), help=f"GRPO steps per arm, minimum 3 (default {full.grpo_steps}; "
+                      f"--quick {quick.grpo_steps}; --paper: its size's)")
     demo.add_argument("--threads", type=_int_in(1), help="torch CPU threads, >= 1 (default 1 on CPU: fastest for tiny models)")
     demo.add_argument("--mu-b", type=_config_checked("mu_low", "clip_b"),
                       help=f"Clip_B lower bound in batch stds (default {DemoOptions.mu_b})")
     demo.add_argument("--mu-v", type=_config_checked("mu_low", "clip_v"),
                       help=f"Clip_V lower bound in batch stds (default {DemoOptions.mu_v})")
-    demo.add_argument(
-        "--max-frac-v", type=_config_checked("max_frac", "clip_v"),
-        help="cap on Clip_V's clipped share, in [0, 1] (default none; 1e-4 clips nothing in a demo batch of under 10,000 tokens)",
-    )
-    demo.add_argument(
-        "--autopilot", type=_autopilot_target, metavar="TARGET",
-        help="add a fourth arm, + Autopilot (docs/autopilot.md): 'hold' keeps the starting entropy, a number is a "
-        "target entropy in nats/token (default: no autopilot arm)",
-    )
+    demo.add_argument("--max-frac-v", type=_config_checked("max_frac", "clip_v"),
+                      help="cap on Clip_V's clipped share, in [0, 1] (default none; 1e-4 clips nothing in a demo batch "
+                           "of under 10,000 tokens)")
+    demo.add_argument("--autopilot", type=_autopilot_target, metavar="TARGET",
+                      help="add a fourth arm, + Autopilot (docs/autopilot.md): 'hold' keeps the starting entropy, a "
+                           "number is a target entropy in nats/token (default: no autopilot arm)")
     demo.add_argument("--seeds", type=_int_in(2), help="--paper: seeds per arm for Table 1, >= 2 (default: its size's)")
     demo.add_argument("--jobs", type=_int_in(1), help="--paper: parallel worker processes, >= 1 (default: its size's)")
     demo.add_argument("--size", choices=("gpu", "cpu-small"), help="--paper: sizes (default gpu; cpu-small for a smoke run)")

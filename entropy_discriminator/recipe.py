@@ -1,10 +1,5 @@
-"""Choosing mu: the mu that makes Clip_B or Clip_V clip a target share of a logged batch's tokens.
-
-The masks clip token t when its advantage has the sign ``sides`` names and its score ``x_t`` (``S*`` for Clip_B,
-``S_c`` for Clip_V) lies below ``lower = center - mu_low * sigma``.  On one batch the number clipped falls in steps
-as mu grows; :func:`mu_for_share` finds the step nearest a target share and the shortest decimal mu inside it, then
-confirms it with the mask function itself.  docs/choosing-mu.md is the procedure around it.
-"""
+"""Choosing mu: the mu that makes Clip_B or Clip_V clip a target share of a logged batch's tokens
+(:func:`mu_for_share`; docs/choosing-mu.md is the procedure around it), and the saved batch it reads."""
 
 from __future__ import annotations
 

@@ -40,8 +40,7 @@ def _existing_file(text: str) -> Path:
 def add_suggest_mu(commands: argparse._SubParsersAction) -> None:
     """``suggest-mu``: the mu that clips a target share of a saved batch, or how much a run's mu clipped."""
     parser = commands.add_parser(
-        "suggest-mu",
-        allow_abbrev=False,
+        "suggest-mu", allow_abbrev=False,
         help="the Clip_B / Clip_V mu that clips a target share of a saved batch's tokens (docs/choosing-mu.md)",
         description=(
             "With --batch (a file written by entropy_discriminator.recipe.save_batch, e.g. examples/custom_loop.py "
@@ -107,8 +106,7 @@ def _suggest_from_run(args: argparse.Namespace, parser: argparse.ArgumentParser)
 def add_plot(commands: argparse._SubParsersAction) -> None:
     """``plot``: a run's logged entropy, clipped share and predicted vs realised entropy change."""
     parser = commands.add_parser(
-        "plot",
-        allow_abbrev=False,
+        "plot", allow_abbrev=False,
         help="plot a run's logged entropy_disc/* metrics (TRL trainer_state.json, verl log, JSON lines)",
         description=(
             "Read a run's entropy_disc/* metrics (a TRL trainer_state.json or --summary_json, verl's file logger "

@@ -16,8 +16,8 @@ import torch
 
 from .model import TinyGPT
 from .report import PLOT_HINT, TextProgress, format_table, have_matplotlib, plot_demo, prepare_output_folder, write_csv
-from .theory import tabular_check, tabular_start
-from .train import ArmResult, ArmSpec, TrainConfig, evaluate, pearson, run_arm, sign_agreement, warm_up
+from .theory import Agreement, tabular_check, tabular_start
+from .train import ArmResult, ArmSpec, TrainConfig, evaluate, run_arm, warm_up
 
 #: The demo's sizes: ``full`` fits 5 minutes on a 2-core CPU, ``quick`` one minute (CI).
 PRESETS = {
@@ -104,12 +104,11 @@ def summarise(result: ArmResult) -> dict[str, object]:
     and the agreement of the Corollary 4 prediction with the realised per-batch ``dH``."""
     recs = result.records
     tail = recs[-max(1, len(recs) // 10) :]
-    pred = [r["pred_dH"] for r in recs]
-    real = [r["real_dH"] for r in recs]
+    dh = Agreement([r["pred_dH"] for r in recs], [r["real_dH"] for r in recs])
     return {"arm": result.arm, "seed": result.seed, "entropy_final": sum(r["entropy"] for r in tail) / len(tail),
             "reward_final": sum(r["reward"] for r in tail) / len(tail), "avg_at_k": result.final["avg_at_k"],
             "pass_at_k": result.final["pass_at_k"], "clip_frac": sum(r["clip_frac"] for r in recs) / len(recs),
-            "dH_corr": pearson(pred, real), "dH_sign": sign_agreement(pred, real), "seconds": result.final["seconds"]}
+            "dH_corr": dh.corr, "dH_sign": dh.sign, "seconds": result.final["seconds"]}
 
 
 def run_demo(opts: DemoOptions, *, stream: TextIO | None = None) -> dict[str, object]:
@@ -147,12 +146,11 @@ def run_demo(opts: DemoOptions, *, stream: TextIO | None = None) -> dict[str, ob
         tab = tabular_check(task, init_logits=init, a=a, b=b, group_size=cfg.group_size, steps=30, step_size=0.02,
                             seed=opts.seed)
 
-    rows = [summarise(r) for r in results]
     first = results[0].records[0]
     warm_row = {"arm": "warm-up (no RL)", "seed": opts.seed, "entropy_final": first["entropy"],
                 "reward_final": first["reward"], "avg_at_k": base_eval["avg_at_k"], "pass_at_k": base_eval["pass_at_k"],
                 "clip_frac": math.nan, "dH_corr": math.nan, "dH_sign": math.nan}
-    table_rows = [warm_row, *rows]
+    table_rows = [warm_row, *(summarise(r) for r in results)]
     table = format_table(table_rows, summary_columns(cfg.eval_k))
     notes = (
         f"Warm-up: {warm['steps']:.0f} supervised steps. "
