@@ -52,6 +52,7 @@ TARGET_CUBLAS = 1 / 0.97
 SWEEP: dict[str, dict | None] = {
     "current": None,
     "unbranched": {"branch": 0},
+    "branched": {"branch": 1},
     "chunks 4": {"chunks": 4, "stream": 1},
     "chunks 8": {"chunks": 8, "stream": 1},
     "chunks 12": {"chunks": 12, "stream": 1},

@@ -55,14 +55,14 @@ __all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG", "stream_plan", "stream_
 DEFAULT_CONFIG = {"bm": 128, "bn": 256, "bk": 64, "num_warps": 8, "stages": 3, "moments": 4, "branch": 1,
                   "maxnreg": 0, "stream": 1, "persistent": 0, "flatten": 1, "chunks": 0, "group_rows": 0, "group_mib": 16,
                   "group_m": 8}  # fmt: skip
-# The streaming kernel forms the label logit in every tile (branch 0) from this hidden size on: there the
-# block-uniform branches cost the flattened loop more than the compare and select they save (H200, H 5120:
-# 1.02-1.00x cuBLAS unbranched against 1.05-1.11x; H <= 3584 mixed or the other way; benchmarks/RESULTS.md).
-UNBRANCHED_FROM_H = 4096
 # Hidden sizes [lo, hi) whose 16-bit heads run the persistent per-tile kernel (unbranched) by default: at H 3584 it
 # took 1.02-1.07x cuBLAS against the streaming kernel's 1.04-1.15x on an H200; at H 2048 it was slower at N <= 16384
 # (benchmarks/RESULTS.md); the streaming kernel runs below and above.
 PERSISTENT_H = (3072, 4096)
+# The streaming kernel forms the label logit in every tile (branch 0) from this hidden size on: there the
+# block-uniform branches cost the flattened loop more than the compare and select they save (H200, H 1536 and 2048:
+# 2-5 % faster unbranched; H 896 within 0.1 %; benchmarks/RESULTS.md).
+UNBRANCHED_FROM_H = 1536
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # logits_dtype -> the epilogue's ROUND code (fp32 logits need no rounding)
 _ROUND_CODES = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
