@@ -53,6 +53,9 @@ SWEEP: dict[str, dict | None] = {
     "current": None,
     "unbranched": {"branch": 0},
     "branched": {"branch": 1},
+    "s3 g44": {"chunks": 3, "group_rows": 44, "stream": 1},  # a group of programs that fills 132 SMs exactly
+    "s4 g33": {"chunks": 4, "group_rows": 33, "stream": 1},
+    "s6 g22": {"chunks": 6, "group_rows": 22, "stream": 1},
     "chunks 4": {"chunks": 4, "stream": 1},
     "chunks 8": {"chunks": 8, "stream": 1},
     "chunks 12": {"chunks": 12, "stream": 1},

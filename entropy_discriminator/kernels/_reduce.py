@@ -187,6 +187,7 @@ def merge_kernel(part_ptr, yk_ptr, lab_ptr, out_ptr, valid_ptr, err_ptr, N, n_ou
         m = m_new
     mu = tl.where(m > float("-inf"), m, 0.0)
     yk = tl.load(yk_ptr + row)
+    yk = tl.where(yk > m, m, yk)  # a label logit formed apart from the tiles may round above their max
     in_range = (label >= 0) & (label < V)
     store_row(row.to(tl.int64), n_out, valid, in_range, mu, s0, s1, s2, s3, yk, mx, mx, out_ptr, valid_ptr, err_ptr)
 

@@ -42,9 +42,8 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 __all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG", "stream_plan", "stream_spec"]
 
 # Tiles: bm x bn logits, bk deep K steps, num_warps, stages (both kernels); moments (4: every statistic; 2: logp and
-# H alone, sum p^2 and E_p[S] read 0; 0: the matmul and the row max alone, a timing floor); branch: form the label
-# logit only in the tiles that hold some row's label (and, per tile, mask the columns past V only in the last
-# tile): block-uniform branches (0: in every tile); maxnreg: register cap per thread (0: none; benchmarks only).
+# H alone, sum p^2 and E_p[S] read 0; 0: the matmul and the row max alone, a timing floor); branch: the per-tile
+# kernels mask the columns past V only in the last column tile (a block-uniform branch; 0: in every tile); maxnreg: register cap per thread (0: none; benchmarks only).
 # stream: 1 runs the streaming TMA kernel where the inputs allow it (0: a per-tile kernel); persistent: with stream 0,
 # 1 runs the persistent per-tile TMA kernel where the inputs allow it (0: the pointer kernel); a call's config that
 # sets neither takes them from the hidden size (:data:`PERSISTENT_H`);
@@ -59,10 +58,6 @@ DEFAULT_CONFIG = {"bm": 128, "bn": 256, "bk": 64, "num_warps": 8, "stages": 3, "
 # took 1.02-1.07x cuBLAS against the streaming kernel's 1.04-1.15x on an H200; at H 2048 it was slower at N <= 16384
 # (benchmarks/RESULTS.md); the streaming kernel runs below and above.
 PERSISTENT_H = (3072, 4096)
-# The streaming kernel forms the label logit in every tile (branch 0) from this hidden size on: there the
-# block-uniform branches cost the flattened loop more than the compare and select they save (H200, H 1536 and 2048:
-# 2-5 % faster unbranched; H 896 within 0.1 %; benchmarks/RESULTS.md).
-UNBRANCHED_FROM_H = 1536
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # logits_dtype -> the epilogue's ROUND code (fp32 logits need no rounding)
 _ROUND_CODES = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -114,19 +109,27 @@ def _base2(x, c, c_lo):
 
 
 @triton.jit
-def _label_logit(acc, col0, labels, row_ok, rm, yk_ptr, c, c_lo, BN: tl.constexpr, BRANCH: tl.constexpr):
-    """Store y_k = :func:`_base2` (acc[r, labels[r] - col0]) at ``yk_ptr + rm`` for the rows whose label lies in this
-    tile's columns [col0, col0 + BN) (acc: the tile's final fp32 logits, rounding and -inf mask applied).
+def _label_rows(h_ptr, w_ptr, b_ptr, lab_ptr, yk_ptr, rm, N, V, H, stride_h, stride_w, c, c_lo, inv_t,
+                HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, T_ROUND: tl.constexpr, BM: tl.constexpr,
+                BK: tl.constexpr):
+    """Store y_k = :func:`_base2` (round(hidden[r] . weight[k] + bias[k])) at ``yk_ptr + r`` for the BM rows ``rm``
+    whose r < N and label k lies in [0, V) (products and sums in fp32; rounding as :func:`_round_logits`).
 
-    BRANCH: only in tiles where some row's label falls (a block-uniform branch; about one tile in five at V = 152k
-    and BM = 128); otherwise in every tile.  The column is compared in int32 (an [BM, BN] int64 compare costs twice
-    the registers); rows whose label is not in the tile are masked at the store."""
-    in_tile = row_ok & (labels >= col0) & (labels < col0 + BN)
-    lab = tl.where(in_tile, labels, -1).to(tl.int32)
-    rn = col0 + tl.arange(0, BN)
-    if (tl.max(in_tile.to(tl.int32), axis=0) > 0) if BRANCH else True:
-        yk = _base2(tl.sum(tl.where(rn[None, :] == lab[:, None], acc, 0.0), axis=1), c, c_lo)
-        tl.store(yk_ptr + rm, yk, mask=in_tile)
+    The label logit is formed apart from the logits tiles (a compare and select over every tile costs the matmul
+    loop 2-8 %), so it may differ from the tiles' value in the last bits: the merge caps y_k at the row max."""
+    labels = tl.load(lab_ptr + rm, mask=rm < N, other=-1)
+    ok = (rm < N) & (labels >= 0) & (labels < V)
+    h_rows = h_ptr + tl.where(ok, rm, 0).to(tl.int64)[:, None] * stride_h
+    w_rows = w_ptr + tl.where(ok, labels, 0).to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros([BM], dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        rk = k0 + tl.arange(0, BK)
+        msk = ok[:, None] & (rk[None, :] < H)
+        a = tl.load(h_rows + rk[None, :], mask=msk, other=0.0).to(tl.float32)
+        acc += tl.sum(a * tl.load(w_rows + rk[None, :], mask=msk, other=0.0).to(tl.float32), axis=1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + tl.where(ok, labels, 0), mask=ok, other=0.0).to(tl.float32)
+    tl.store(yk_ptr + rm, _base2(_round_logits(acc, inv_t, ROUND=ROUND, T_ROUND=T_ROUND), c, c_lo), mask=ok)
 
 
 @triton.jit
@@ -144,14 +147,14 @@ def _store_partials(part_ptr, rm, row_ok, N, n_cols, col, m, s0, s1, s2, s3):
 
 
 @triton.jit
-def _tile_epilogue(acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, c_lo, inv_t, num_pid_n,
-                   HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MOMENTS: tl.constexpr,
-                   ROUND: tl.constexpr, T_ROUND: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr):
-    """Reduce one [BM, BN] fp32 logits tile to the six partials per row (and the label logit).
+def _tile_epilogue(acc, pid_m, pid_n, b_ptr, part_ptr, N, V, c, c_lo, inv_t, num_pid_n, HAS_BIAS: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, MOMENTS: tl.constexpr, ROUND: tl.constexpr,
+                   T_ROUND: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr):
+    """Reduce one [BM, BN] fp32 logits tile to the six partials per row.
 
     The partials go to part_ptr, fp32 [6, N, num_pid_n] at this tile's column pid_n: m (the
     NaN-propagating row max of y), the sums s0..s3 against it, and m again as the max the merge
-    validates; y_k is stored for the rows whose label lies in the tile (:func:`_label_logit`).
+    validates.
 
     ROUND / T_ROUND: :func:`_round_logits`; with T_ROUND ``c`` is ``log2(e)`` alone, otherwise
     ``c = log2(e) / T``.  FTZ: the exponential flushes results below 2^-126 to 0
@@ -184,10 +187,7 @@ def _tile_epilogue(acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c,
     else:  # benchmarks only: what logp and H alone cost (E_p[S] then reads 0)
         s2 = tl.zeros_like(s0)
         s3 = tl.zeros_like(s0)
-    row_ok = rm < N
-    labels = tl.load(lab_ptr + rm % N)
-    _label_logit(acc, pid_n * BN, labels, row_ok, rm, yk_ptr, c, c_lo, BN=BN, BRANCH=BRANCH)
-    _store_partials(part_ptr, rm, row_ok, N, num_pid_n, pid_n, m, s0, s1, s2, s3)
+    _store_partials(part_ptr, rm, rm < N, N, num_pid_n, pid_n, m, s0, s1, s2, s3)
 
 
 @triton.jit
@@ -201,6 +201,9 @@ def _fused_tile_kernel(h_ptr, w_ptr, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, 
     pid_m, pid_n = _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
+    if pid_n == 0:  # one program per row block forms its rows' label logits
+        _label_rows(h_ptr, w_ptr, b_ptr, lab_ptr, yk_ptr, rm, N, V, H, stride_h, stride_w, c, c_lo, inv_t,
+                    HAS_BIAS=HAS_BIAS, ROUND=ROUND, T_ROUND=T_ROUND, BM=BM, BK=BK)  # fmt: skip
     rk = tl.arange(0, BK)
     a_ptrs = h_ptr + (rm % N).to(tl.int64)[:, None] * stride_h + rk[None, :]
     b_ptrs = w_ptr + (rn % V).to(tl.int64)[:, None] * stride_w + rk[None, :]
@@ -219,24 +222,27 @@ def _fused_tile_kernel(h_ptr, w_ptr, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, 
             acc = tl.dot(a, tl.trans(b), acc)
         a_ptrs += BK
         b_ptrs += BK
-    _tile_epilogue(acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, c_lo, inv_t, num_pid_n,
-                   HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ,
-                   BRANCH=BRANCH)  # fmt: skip
+    _tile_epilogue(acc, pid_m, pid_n, b_ptr, part_ptr, N, V, c, c_lo, inv_t, num_pid_n, HAS_BIAS=HAS_BIAS, BM=BM,
+                   BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ, BRANCH=BRANCH)  # fmt: skip
 
 
 @triton.jit
-def _fused_persistent_kernel(a_desc, w_desc, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, c, c_lo, inv_t,
-                             HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, T_ROUND: tl.constexpr, BM: tl.constexpr,
-                             BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
-                             MOMENTS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
-                             FTZ: tl.constexpr, BRANCH: tl.constexpr):
+def _fused_persistent_kernel(a_desc, w_desc, h_ptr, w_ptr, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, stride_h,
+                             stride_w, c, c_lo, inv_t, HAS_BIAS: tl.constexpr, ROUND: tl.constexpr,
+                             T_ROUND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                             GROUP_M: tl.constexpr, STAGES: tl.constexpr, MOMENTS: tl.constexpr,
+                             NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr, FTZ: tl.constexpr,
+                             BRANCH: tl.constexpr):
     """NUM_PROGRAMS programs walk the [BM, BN] tiles in grouped order, operands by TMA (rows, columns and K past the
     tensors' ends zero-filled; columns >= V masked to -inf by the epilogue); with FLATTEN the tile and K loops are
     pipelined as one, so the next tile's loads run during this tile's epilogue.  Partials as
-    :func:`_fused_tile_kernel`'s."""
+    :func:`_fused_tile_kernel`'s; first, program p forms the label logits of row blocks p, p + NUM_PROGRAMS, ..."""
     num_pid_m = tl.cdiv(N, BM)
     num_pid_n = tl.cdiv(V, BN)
     k_tiles = tl.cdiv(H, BK)
+    for rb in range(tl.program_id(0), num_pid_m, NUM_PROGRAMS):
+        _label_rows(h_ptr, w_ptr, b_ptr, lab_ptr, yk_ptr, rb * BM + tl.arange(0, BM), N, V, H, stride_h, stride_w, c,
+                    c_lo, inv_t, HAS_BIAS=HAS_BIAS, ROUND=ROUND, T_ROUND=T_ROUND, BM=BM, BK=BK)  # fmt: skip
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=FLATTEN, num_stages=STAGES):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -244,8 +250,8 @@ def _fused_persistent_kernel(a_desc, w_desc, b_ptr, lab_ptr, part_ptr, yk_ptr, N
             a = a_desc.load([pid_m * BM, ki * BK])
             b = w_desc.load([pid_n * BN, ki * BK])
             acc = tl.dot(a, b.T, acc)
-        _tile_epilogue(acc, pid_m, pid_n, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, c, c_lo, inv_t, num_pid_n,
-                       HAS_BIAS=HAS_BIAS, BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ,
+        _tile_epilogue(acc, pid_m, pid_n, b_ptr, part_ptr, N, V, c, c_lo, inv_t, num_pid_n, HAS_BIAS=HAS_BIAS,
+                       BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ,
                        BRANCH=BRANCH)  # fmt: skip
 
 
@@ -287,10 +293,11 @@ def _fold_tile(x, c, c_lo, m, s0, s1, s2, s3, MOMENTS: tl.constexpr, FTZ: tl.con
 
 
 @triton.jit(do_not_specialize=["tiles_per_chunk", "group_rows"])
-def _fused_stream_kernel(a_desc, w_desc, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, tiles_per_chunk, group_rows, c,
-                         c_lo, inv_t, HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, T_ROUND: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                         MOMENTS: tl.constexpr, FLATTEN: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr):
+def _fused_stream_kernel(a_desc, w_desc, h_ptr, w_ptr, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, stride_h,
+                         stride_w, tiles_per_chunk, group_rows, c, c_lo, inv_t, HAS_BIAS: tl.constexpr,
+                         ROUND: tl.constexpr, T_ROUND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                         BK: tl.constexpr, STAGES: tl.constexpr, MOMENTS: tl.constexpr, FLATTEN: tl.constexpr,
+                         FTZ: tl.constexpr):
     """Row-stationary streaming schedule: one program, BM rows x one chunk of the vocabulary.
 
     The grid is ceil(N / BM) row blocks x S chunks of ``tiles_per_chunk`` [BM, BN] tiles (the last chunk may be
@@ -299,8 +306,8 @@ def _fused_stream_kernel(a_desc, w_desc, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V,
     blocks and each W tile in L2 (``group_rows`` >= the row blocks: plain row order).  Each program walks its
     chunk's tiles (with FLATTEN the V and K loops pipelined as one: the next tile's loads in flight during this
     tile's epilogue), forms each tile's final logits (bias, rounding: as :func:`_tile_epilogue`), folds them into
-    running statistics (:func:`_fold_tile`) and picks the label logit (:func:`_label_logit`); the last, partial
-    vocabulary tile is peeled off the loop (columns >= V set to -inf there only).  It writes its chunk's partials
+    running statistics (:func:`_fold_tile`); the programs of chunk 0 first form their rows' label logits
+    (:func:`_label_rows`).  The last, partial vocabulary tile is peeled off the loop (columns >= V set to -inf there only).  It writes its chunk's partials
     to part_ptr, fp32 [6, N, S] at column ``chunk``: m, s0..s3 against m (0 when m is -inf), and m again as the
     max the merge validates: the per-tile partials of :func:`_tile_epilogue`, over a chunk of tiles.
     """
@@ -319,8 +326,9 @@ def _fused_stream_kernel(a_desc, w_desc, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V,
     t1 = tl.minimum(t0 + tiles_per_chunk, tl.cdiv(V, BN))
     t1f = tl.minimum(t1, n_full)
     rm = rb * BM + tl.arange(0, BM)
-    row_ok = rm < N
-    labels = tl.load(lab_ptr + rm % N)
+    if chunk == 0:
+        _label_rows(h_ptr, w_ptr, b_ptr, lab_ptr, yk_ptr, rm, N, V, H, stride_h, stride_w, c, c_lo, inv_t,
+                    HAS_BIAS=HAS_BIAS, ROUND=ROUND, T_ROUND=T_ROUND, BM=BM, BK=BK)  # fmt: skip
     m = tl.full([BM], float("-inf"), dtype=tl.float32)
     s0 = tl.zeros([BM], dtype=tl.float32)
     s1 = tl.zeros([BM], dtype=tl.float32)
@@ -328,20 +336,17 @@ def _fused_stream_kernel(a_desc, w_desc, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V,
     s3 = tl.zeros([BM], dtype=tl.float32)
     for t in tl.range(t0, t1f, flatten=FLATTEN):
         acc = _stream_tile(a_desc, w_desc, rb, t, H, BM=BM, BN=BN, BK=BK, STAGES=STAGES)
-        # the logits x in registers of their own, + bias (a full tile: every column < V) or + 0.0: a branch that reads
-        # the wgmma accumulator makes ptxas serialise the wgmmas.  The label is picked before the fold, where x dies.
-        x = acc + (tl.load(b_ptr + t * BN + tl.arange(0, BN)).to(tl.float32)[None, :] if HAS_BIAS else 0.0)
-        x = _round_logits(x, inv_t, ROUND=ROUND, T_ROUND=T_ROUND)
-        _label_logit(x, t * BN, labels, row_ok, rm, yk_ptr, c, c_lo, BN=BN, BRANCH=BRANCH)
+        if HAS_BIAS:  # a full tile: every column < V
+            acc += tl.load(b_ptr + t * BN + tl.arange(0, BN)).to(tl.float32)[None, :]
+        x = _round_logits(acc, inv_t, ROUND=ROUND, T_ROUND=T_ROUND)
         m, s0, s1, s2, s3 = _fold_tile(x, c, c_lo, m, s0, s1, s2, s3, MOMENTS=MOMENTS, FTZ=FTZ)
     if t1 > n_full:  # this chunk holds the last, partial tile: peeled so that the loop has no column mask
         acc = _stream_tile(a_desc, w_desc, rb, n_full, H, BM=BM, BN=BN, BK=BK, STAGES=STAGES)
         rn = n_full * BN + tl.arange(0, BN)
         x = acc + (tl.load(b_ptr + rn, mask=rn < V, other=0.0).to(tl.float32)[None, :] if HAS_BIAS else 0.0)
         x = tl.where(rn[None, :] < V, _round_logits(x, inv_t, ROUND=ROUND, T_ROUND=T_ROUND), float("-inf"))
-        _label_logit(x, n_full * BN, labels, row_ok, rm, yk_ptr, c, c_lo, BN=BN, BRANCH=BRANCH)
         m, s0, s1, s2, s3 = _fold_tile(x, c, c_lo, m, s0, s1, s2, s3, MOMENTS=MOMENTS, FTZ=FTZ)
-    _store_partials(part_ptr, rm, row_ok, N, n_chunks, chunk, m, s0, s1, s2, s3)
+    _store_partials(part_ptr, rm, rm < N, N, n_chunks, chunk, m, s0, s1, s2, s3)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -352,19 +357,18 @@ def stream_spec(cfg: dict, has_bias: bool, round_code: int, t_round: bool, ftz: 
     """The streaming TMA kernel (:func:`_fused_stream_kernel`) and a configuration's compile-time arguments."""
     return _fused_stream_kernel, {"HAS_BIAS": has_bias, "ROUND": round_code, "T_ROUND": t_round, "BM": cfg["bm"],
                                   "BN": cfg["bn"], "BK": cfg["bk"], "STAGES": cfg["stages"],
-                                  "MOMENTS": cfg["moments"], "FLATTEN": bool(cfg["flatten"]), "FTZ": ftz,
-                                  "BRANCH": bool(cfg["branch"])}  # fmt: skip
+                                  "MOMENTS": cfg["moments"], "FLATTEN": bool(cfg["flatten"]), "FTZ": ftz}  # fmt: skip
 
 
 def _schedule(cfg: dict, config: dict | None, hidden: torch.Tensor, weight: torch.Tensor) -> str:
     """``"stream"``, ``"persistent"`` or ``"tile"``: which kernel runs (and, by the hidden size, ``cfg``'s
-    ``stream`` / ``persistent`` / ``branch`` when the caller's ``config`` leaves them unset)."""
+    ``stream`` / ``persistent`` (and ``branch`` 0 for the per-tile kernels) when the caller's ``config`` leaves them unset)."""
     if not _tma_ok(hidden, weight):
         return "tile"
     hdim = hidden.shape[1]
     if not {"stream", "persistent"} & set(config or {}) and PERSISTENT_H[0] <= hdim < PERSISTENT_H[1]:
         cfg.update(stream=0, persistent=1)
-    if "branch" not in (config or {}) and (hdim >= UNBRANCHED_FROM_H or not cfg["stream"]):
+    if "branch" not in (config or {}) and not cfg["stream"]:
         cfg["branch"] = 0
     return "stream" if cfg["stream"] else "persistent" if cfg["persistent"] else "tile"
 
@@ -522,8 +526,9 @@ def token_stats_fused_triton(
             kernel, consts = stream_spec(cfg, bias is not None, round_code, t_round, ftz)
 
             def args(r0: int, r1: int, part, yk, tpc: int, g: int) -> tuple:
-                return (TensorDescriptor.from_tensor(hidden[r0:r1], [bm, bk]), w_desc, bias_arg, labels[r0:r1],
-                        part, yk, r1 - r0, vocab, hdim, tpc, g, c, c_lo, inv_t)  # fmt: skip
+                return (TensorDescriptor.from_tensor(hidden[r0:r1], [bm, bk]), w_desc, hidden[r0:r1], weight, bias_arg,
+                        labels[r0:r1], part, yk, r1 - r0, vocab, hdim, hidden.stride(0), weight.stride(0), tpc, g, c,
+                        c_lo, inv_t)  # fmt: skip
 
             # the compiled kernel's occupancy: the argument types and specialisations of a one-slice launch
             wave = _programs_per_wave(kernel, lambda: args(0, n_rows, out, out, 1, 1), consts, launch_opts,
@@ -557,9 +562,9 @@ def token_stats_fused_triton(
             elif schedule == "persistent":
                 n_prog = min(triton.cdiv(rows, bm) * n_tiles, _num_sms(dev))
                 _fused_persistent_kernel[(n_prog,)](
-                    TensorDescriptor.from_tensor(hidden[r0:r1], [bm, bk]), w_desc, bias_arg, lab, part, yk, rows,
-                    vocab, hdim, c, c_lo, inv_t, HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, BM=bm,
-                    BN=bn, BK=bk, GROUP_M=cfg["group_m"], STAGES=cfg["stages"], MOMENTS=cfg["moments"],
+                    TensorDescriptor.from_tensor(hidden[r0:r1], [bm, bk]), w_desc, hidden[r0:r1], weight, bias_arg, lab,
+                    part, yk, rows, vocab, hdim, hidden.stride(0), weight.stride(0), c, c_lo, inv_t,
+                    HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, BM=bm, BN=bn, BK=bk, GROUP_M=cfg["group_m"], STAGES=cfg["stages"], MOMENTS=cfg["moments"],
                     NUM_PROGRAMS=n_prog, FLATTEN=bool(cfg["flatten"]), FTZ=ftz, BRANCH=bool(cfg["branch"]),
                     **launch_opts,
                 )  # fmt: skip

@@ -270,7 +270,7 @@ def _sm_count(index: int) -> int:
 
 
 # (block, num_warps, stages) by logits dtype: the loops that stay at the read floor as bandwidth per SM grows, chosen
-# on an H100 on 132 and 88 SMs (benchmarks/RESULTS.md; results/h100/sweep_proxy.csv, sweep_fp16.csv,
+# on an H100 on 132 and 88 SMs (benchmarks/RESULTS.md; results/h100/sweep_proxy.csv.xz, sweep_fp16.csv,
 # results/h200/sweep_issue11.csv).
 _LOOP_DEFAULTS = {torch.bfloat16: (1024, 1, 4), torch.float16: (512, 1, 8), torch.float32: (2048, 4, 3)}
 
