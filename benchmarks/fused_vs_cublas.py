@@ -110,11 +110,13 @@ def _timed_row(hidden, weight, labels) -> dict[str, float]:
         "unfused_ms": lambda: token_stats_triton(hidden @ weight.T, labels, 1.0, -100),
         "fused_wait_ms": lambda: token_stats_from_hidden(hidden, weight, labels),
     }
+    # each median over 100 ms, or over about 8 calls where a call takes longer than 12 ms (N = 65536: 50-150 ms)
+    rep_ms = max(100, int(8 * bench_ms(fns["cublas_ms"], 25, 5)))
     times: dict[str, list[float]] = {k: [] for k in fns}
     for order in (("cublas_ms", "fused_ms", "unfused_ms", "fused_wait_ms"),
                   ("fused_wait_ms", "unfused_ms", "fused_ms", "cublas_ms")):
         for k in order:
-            times[k].append(bench_ms(fns[k], 100, 25))
+            times[k].append(bench_ms(fns[k], rep_ms, 25))
             raise_deferred()  # the deferred checks of the timing (the inputs hold no fault)
     return {k: sum(t) / len(t) for k, t in times.items()}
 

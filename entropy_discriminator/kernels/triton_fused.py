@@ -58,6 +58,9 @@ DEFAULT_CONFIG = {"bm": 128, "bn": 256, "bk": 64, "num_warps": 8, "stages": 3, "
 # took 1.02-1.07x cuBLAS against the streaming kernel's 1.04-1.15x on an H200; at H 2048 it was slower at N <= 16384
 # (benchmarks/RESULTS.md); the streaming kernel runs below and above.
 PERSISTENT_H = (3072, 4096)
+# From this hidden size on, with 8 or more groups of row blocks, :func:`stream_plan` widens a group to fill the wave
+# (H200, N 65536: 3-5 % faster at H 1536 and 2048; H 896 1-2 % slower; 4 groups: neutral or slower).
+FILL_WAVE_FROM_H = 1536
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # logits_dtype -> the epilogue's ROUND code (fp32 logits need no rounding)
 _ROUND_CODES = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -400,10 +403,12 @@ def stream_plan(rows: int, vocab: int, hdim: int, elt: int, bm: int, bn: int, wa
       a program's pipeline fill and partials) is within 2 % of the least.
     - S is clipped to [1, T] and evened: tiles per chunk ceil(T / S), S = ceil(T / that) (no empty chunk); one
       chunk makes every order the row order (G = rb).
+    - With neither given, hdim >= :data:`FILL_WAVE_FROM_H` and rb >= 8 G (grouped order), G widens to
+      min(rb, floor(wave / S)): one group fills the wave, so that a wave's programs do not span two groups.
 
     On an H200 (132 SMs, occupancy 1; bm 128, bn 256, bf16; V 151936 / 152064) this gives, (H, N): S, G:
     (896, 4096) 4, row order; (896, 16384 and 65536) 2, 64; (1536 and 2048, 4096) 4, row order;
-    (1536, 16384) 4, 32; (1536, 65536) 3, 40; (2048, 16384 and 65536) 4, 32; (3584, 4096 and 16384) 8, 16;
+    (1536, 16384) 4, 32; (1536, 65536) 3, 44; (2048, 16384) 4, 32; (2048, 65536) 4, 33; (3584, 4096 and 16384) 8, 16;
     (3584, 65536) 7, 18; (5120, 4096) 12, 11; (5120, 16384 and 65536) 11, 12.
     """
     rb = -(-rows // bm)
@@ -426,6 +431,8 @@ def stream_plan(rows: int, vocab: int, hdim: int, elt: int, bm: int, bn: int, wa
     s = max(1, min(s, nvt))
     tpc = -(-nvt // s)
     s = -(-nvt // tpc)
+    if chunks <= 0 and group_rows <= 0 and hdim >= FILL_WAVE_FROM_H and rb >= 8 * g:
+        g = min(rb, max(g, wave // s))
     return tpc, s, (rb if s == 1 else g)
 
 
