@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from fused_guard import only_fused_kernel
 from reference import reference_token_stats
 
 from entropy_discriminator import kernels
@@ -239,33 +240,6 @@ def test_choose_config_splits_only_small_batches(dtype):
     assert small["split"] > 1 and 151936 // small["split"] >= 2 * small["block"]
 
 
-def _only(monkeypatch, kernel: str) -> dict[str, int]:
-    """Let only ``kernel`` ("stream", "persistent" or "tile") of the fused module run: the others raise when
-    launched.  Returns the count of launches of ``kernel``, filled as the call runs."""
-    from entropy_discriminator.kernels import triton_fused
-
-    names = {"stream": "_fused_stream_kernel", "tile": "_fused_tile_kernel", "persistent": "_fused_persistent_kernel"}
-    runs = {"launches": 0}
-    real = getattr(triton_fused, names[kernel])
-
-    class Counted:
-        def __getitem__(self, grid):
-            runs["launches"] += 1
-            return real[grid]
-
-        def __getattr__(self, name):  # e.g. ``warmup``: on CUDA the plan compiles the kernel to read its occupancy
-            return getattr(real, name)
-
-    class Forbidden:
-        def __getitem__(self, grid):
-            raise AssertionError(f"{kernel} was expected, but the other fused kernel was launched")
-
-    monkeypatch.setattr(triton_fused, names[kernel], Counted())
-    for other in set(names) - {kernel}:
-        monkeypatch.setattr(triton_fused, names[other], Forbidden())
-    return runs
-
-
 def _fused_problem(seed: int, n: int, h: int, v: int, dtype: torch.dtype, bias: bool):
     g = torch.Generator().manual_seed(seed)
     hid = torch.randn(n, h, generator=g).to(dtype).to(DEV)
@@ -302,7 +276,7 @@ def _float64_logits(hid, w, b) -> torch.Tensor:
 )
 def test_fused_kernel_matches_float64(monkeypatch, n, h, v, dtype, bias, temperature, rows_per_launch, cfg, kernel):
     hid, w, b, labels = _fused_problem(n, n, h, v, dtype, bias)
-    runs = _only(monkeypatch, kernel)
+    runs = only_fused_kernel(monkeypatch, kernel)
     config = {"bm": 16, "bn": 32 if v < 200 else 64, "bk": 16, "group_m": 3, **cfg}
     out = token_stats_fused_triton(hid, w, labels, b, temperature, -100, config=config, rows_per_launch=rows_per_launch)
     _check(out, _float64_logits(hid, w, b), labels, temperature)
@@ -319,7 +293,7 @@ def test_fused_kernel_picks_the_persistent_kernel_by_hidden_size(monkeypatch):
     for h, cfg, kernel in ((40, {}, "persistent"), (48, {}, "stream"), (32, {}, "stream"),
                            (40, {"stream": 1}, "stream"), (40, {"persistent": 0}, "stream")):
         with monkeypatch.context() as m:
-            runs = _only(m, kernel)
+            runs = only_fused_kernel(m, kernel)
             hid, w, b, labels = _fused_problem(h, 19, h, 200, torch.float16, True)
             out = token_stats_fused_triton(hid, w, labels, b, 1.1, -100, config={**tiles, **cfg})
             assert runs["launches"] == 1, (h, cfg)
@@ -329,7 +303,7 @@ def test_fused_kernel_picks_the_persistent_kernel_by_hidden_size(monkeypatch):
 def test_fused_stream_kernel_masked_vocabulary(monkeypatch):
     # -inf bias entries: the whole first tile (a chunk's reference stays -inf through its first tile, or through
     # the whole chunk when a chunk is one tile) and 30 % of the rest, never at a label
-    _only(monkeypatch, "stream")
+    only_fused_kernel(monkeypatch, "stream")
     hid, w, b, labels = _fused_problem(3, 24, 32, 300, torch.float16, True)
     g = torch.Generator().manual_seed(4)
     drop = torch.rand(300, generator=g) < 0.3
@@ -374,7 +348,7 @@ def test_fused_stream_kernel_moments_and_determinism(monkeypatch):
     # kernel agrees to fp32 rounding
     hid, w, b, labels = _fused_problem(12, 35, 48, 300, torch.float16, True)
     cfg = {"bm": 16, "bn": 64, "bk": 16, "chunks": 2}
-    runs = _only(monkeypatch, "stream")
+    runs = only_fused_kernel(monkeypatch, "stream")
     full = token_stats_fused_triton(hid, w, labels, b, 0.9, -100, config=cfg)
     again = token_stats_fused_triton(hid, w, labels, b, 0.9, -100, config=cfg)
     two = token_stats_fused_triton(hid, w, labels, b, 0.9, -100, config={**cfg, "moments": 2})
@@ -396,7 +370,7 @@ def test_fused_stream_kernel_slices_rows_to_bound_its_partials(monkeypatch):
     from entropy_discriminator.kernels import triton_fused
 
     monkeypatch.setattr(triton_fused, "_WORKSPACE_BYTES", 24 * 16 * 2)
-    runs = _only(monkeypatch, "stream")
+    runs = only_fused_kernel(monkeypatch, "stream")
     hid, w, b, labels = _fused_problem(13, 37, 48, 300, torch.float16, False)
     out = token_stats_fused_triton(hid, w, labels, None, 1.0, -100, config={"bm": 16, "bn": 64, "bk": 16, "chunks": 2})
     assert runs["launches"] == 3

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 import torch
+from fused_guard import only_fused_kernel
 from reference import reference_token_stats
 
 import entropy_discriminator as ed
@@ -377,21 +378,6 @@ def test_fused_from_hidden_matches_float64(n, h, v, dtype, bias, temperature):
     check(stats, logits, labels, temperature, scale=5.0)
     again = token_stats_from_hidden(hidden, weight, labels, bias=b, temperature=temperature, impl="triton")
     assert torch.equal(again.s_centered, stats.s_centered)
-
-
-def only_fused_kernel(monkeypatch, kernel: str) -> None:
-    """Make the other fused kernels raise if launched: the call under test runs ``kernel`` ("stream",
-    "persistent" or "tile")."""
-    from entropy_discriminator.kernels import triton_fused
-
-    names = {"stream": "_fused_stream_kernel", "tile": "_fused_tile_kernel", "persistent": "_fused_persistent_kernel"}
-
-    class Forbidden:
-        def __getitem__(self, grid):
-            raise AssertionError(f"{kernel} was expected, but the other fused kernel was launched")
-
-    for other in set(names) - {kernel}:
-        monkeypatch.setattr(triton_fused, names[other], Forbidden())
 
 
 def check_rows(stats, idx: torch.Tensor, ref: dict, labels: torch.Tensor, scale: float) -> None:
