@@ -4,9 +4,9 @@ z = (hidden @ weight.T + bias) / T in base-2 units y = z log2(e) (:mod:`._reduce
 [V, H] in bf16/fp16/fp32, fp32 accumulation.  Two schedules write the same partials, fp32 [6, N, P]: per row and
 partial j, the reference m_j (the NaN-propagating max of y over the partial's columns), the sums s0..s3 against it
 (against 0 when m_j is -inf: the sums are then 0), and m_j again as the max the merge validates; the label's y_k
-(rounding included) goes to fp32 [N].  :func:`._reduce.merge_kernel` then merges the P partials of every row in a
-fixed order and writes the statistics, ``valid`` and the error counters.  Forward only (the statistics are used
-under no_grad).
+(rounding included; formed apart from the tiles, :func:`_label_rows`) goes to fp32 [N].
+:func:`._reduce.merge_kernel` then merges the P partials of every row in a fixed order and writes the statistics,
+``valid`` and the error counters.  Forward only (the statistics are used under no_grad).
 
 - Streaming (:func:`_fused_stream_kernel`; 16-bit inputs with TMA-addressable strides on Hopper or newer): each
   program owns BM rows and one chunk of the vocabulary (P = S chunks) and walks the chunk's [BM, BN] logits tiles
@@ -43,7 +43,8 @@ __all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG", "stream_plan", "stream_
 
 # Tiles: bm x bn logits, bk deep K steps, num_warps, stages (both kernels); moments (4: every statistic; 2: logp and
 # H alone, sum p^2 and E_p[S] read 0; 0: the matmul and the row max alone, a timing floor); branch: the per-tile
-# kernels mask the columns past V only in the last column tile (a block-uniform branch; 0: in every tile); maxnreg: register cap per thread (0: none; benchmarks only).
+# kernels mask the columns past V only in the last column tile (a block-uniform branch; 0: in every tile); maxnreg:
+# register cap per thread (0: none; benchmarks only).
 # stream: 1 runs the streaming TMA kernel where the inputs allow it (0: a per-tile kernel); persistent: with stream 0,
 # 1 runs the persistent per-tile TMA kernel where the inputs allow it (0: the pointer kernel); a call's config that
 # sets neither takes them from the hidden size (:data:`PERSISTENT_H`);
@@ -52,11 +53,11 @@ __all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG", "stream_plan", "stream_
 # the per-tile kernel's row blocks per group.  128 x 256 x 64 tiles, 8 warps, 3 stages, flattened: the streaming
 # schedule's best tiles on an H200 (benchmarks/fused_ws_probe.py, benchmarks/RESULTS.md).
 DEFAULT_CONFIG = {"bm": 128, "bn": 256, "bk": 64, "num_warps": 8, "stages": 3, "moments": 4, "branch": 1,
-                  "maxnreg": 0, "stream": 1, "persistent": 0, "flatten": 1, "chunks": 0, "group_rows": 0, "group_mib": 16,
-                  "group_m": 8}  # fmt: skip
+                  "maxnreg": 0, "stream": 1, "persistent": 0, "flatten": 1, "chunks": 0, "group_rows": 0,
+                  "group_mib": 16, "group_m": 8}  # fmt: skip
 # Hidden sizes [lo, hi) whose 16-bit heads run the persistent per-tile kernel (unbranched) by default: at H 3584 it
-# took 1.02-1.07x cuBLAS against the streaming kernel's 1.04-1.15x on an H200; at H 2048 it was slower at N <= 16384
-# (benchmarks/RESULTS.md); the streaming kernel runs below and above.
+# took 1.02-1.04x cuBLAS against the streaming kernel's 0.99-1.07x on an H200, faster at N >= 16384; at H 2048 it
+# was slower at N <= 16384 (benchmarks/RESULTS.md); the streaming kernel runs below and above.
 PERSISTENT_H = (3072, 4096)
 # From this hidden size on, with 8 or more groups of row blocks, :func:`stream_plan` widens a group to fill the wave
 # (H200, N 65536: 3-5 % faster at H 1536 and 2048; H 896 1-2 % slower; 4 groups: neutral or slower).
@@ -310,9 +311,10 @@ def _fused_stream_kernel(a_desc, w_desc, h_ptr, w_ptr, b_ptr, lab_ptr, part_ptr,
     chunk's tiles (with FLATTEN the V and K loops pipelined as one: the next tile's loads in flight during this
     tile's epilogue), forms each tile's final logits (bias, rounding: as :func:`_tile_epilogue`), folds them into
     running statistics (:func:`_fold_tile`); the programs of chunk 0 first form their rows' label logits
-    (:func:`_label_rows`).  The last, partial vocabulary tile is peeled off the loop (columns >= V set to -inf there only).  It writes its chunk's partials
-    to part_ptr, fp32 [6, N, S] at column ``chunk``: m, s0..s3 against m (0 when m is -inf), and m again as the
-    max the merge validates: the per-tile partials of :func:`_tile_epilogue`, over a chunk of tiles.
+    (:func:`_label_rows`).  The last, partial vocabulary tile is peeled off the loop (columns >= V set to -inf
+    there only).  It writes its chunk's partials to part_ptr, fp32 [6, N, S] at column ``chunk``: m, s0..s3
+    against m (0 when m is -inf), and m again as the max the merge validates: the per-tile partials of
+    :func:`_tile_epilogue`, over a chunk of tiles.
     """
     pid = tl.program_id(0)
     num_rb = tl.cdiv(N, BM)
@@ -365,7 +367,8 @@ def stream_spec(cfg: dict, has_bias: bool, round_code: int, t_round: bool, ftz: 
 
 def _schedule(cfg: dict, config: dict | None, hidden: torch.Tensor, weight: torch.Tensor) -> str:
     """``"stream"``, ``"persistent"`` or ``"tile"``: which kernel runs (and, by the hidden size, ``cfg``'s
-    ``stream`` / ``persistent`` (and ``branch`` 0 for the per-tile kernels) when the caller's ``config`` leaves them unset)."""
+    ``stream`` / ``persistent``, and ``branch`` 0 for the per-tile kernels, when the caller's ``config`` leaves them
+    unset)."""
     if not _tma_ok(hidden, weight):
         return "tile"
     hdim = hidden.shape[1]
@@ -571,15 +574,16 @@ def token_stats_fused_triton(
                 _fused_persistent_kernel[(n_prog,)](
                     TensorDescriptor.from_tensor(hidden[r0:r1], [bm, bk]), w_desc, hidden[r0:r1], weight, bias_arg, lab,
                     part, yk, rows, vocab, hdim, hidden.stride(0), weight.stride(0), c, c_lo, inv_t,
-                    HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, BM=bm, BN=bn, BK=bk, GROUP_M=cfg["group_m"], STAGES=cfg["stages"], MOMENTS=cfg["moments"],
-                    NUM_PROGRAMS=n_prog, FLATTEN=bool(cfg["flatten"]), FTZ=ftz, BRANCH=bool(cfg["branch"]),
-                    **launch_opts,
+                    HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, BM=bm, BN=bn, BK=bk,
+                    GROUP_M=cfg["group_m"], STAGES=cfg["stages"], MOMENTS=cfg["moments"], NUM_PROGRAMS=n_prog,
+                    FLATTEN=bool(cfg["flatten"]), FTZ=ftz, BRANCH=bool(cfg["branch"]), **launch_opts,
                 )  # fmt: skip
             else:
                 _fused_tile_kernel[(triton.cdiv(rows, bm) * n_tiles,)](
                     hidden[r0:r1], weight, bias_arg, lab, part, yk, rows, vocab, hdim,
                     hidden.stride(0), weight.stride(0), c, c_lo, inv_t,
-                    HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, EVEN_K=hdim % bk == 0, IEEE=hidden.dtype == torch.float32,
+                    HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, EVEN_K=hdim % bk == 0,
+                    IEEE=hidden.dtype == torch.float32,
                     BM=bm, BN=bn, BK=bk, GROUP_M=cfg["group_m"], STAGES=cfg["stages"], MOMENTS=cfg["moments"],
                     FTZ=ftz, BRANCH=bool(cfg["branch"]), **launch_opts,
                 )  # fmt: skip
