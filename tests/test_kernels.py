@@ -514,6 +514,24 @@ _INTS = st.one_of(
 )
 
 
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), stream=st.sampled_from([0, 1]), bias=st.booleans())
+def test_fused_label_logit_at_the_row_max_keeps_log_p_at_most_zero(seed, stream, bias):
+    """Peaked rows whose label is the argmax: the label's logit, formed apart from the tiles, may round above the
+    tiles' max; the merge caps it, so log p <= 0 and S* stays at its float64 value."""
+    g = torch.Generator().manual_seed(seed)
+    hid = torch.randn(24, 48, generator=g).to(torch.float16)
+    w = (torch.randn(300, 48, generator=g) * 3.0).to(torch.float16)
+    b = torch.randn(300, generator=g).to(torch.float16) if bias else None
+    logits = _float64_logits(hid, w, b)
+    labels = logits.argmax(dim=1)
+    cfg = {"bm": 16, "bn": 64, "bk": 16, "group_m": 3, "stream": stream, "chunks": 2}
+    out = token_stats_fused_triton(hid.to(DEV), w.to(DEV), labels.to(DEV), None if b is None else b.to(DEV), 0.7, -100,
+                                   config=cfg)
+    assert bool((out.logp.cpu() <= 0).all()), float(out.logp.max())
+    _check(out, logits, labels, 0.7)
+
+
 def _triton_spec(v, specialize=True, align=True):
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
