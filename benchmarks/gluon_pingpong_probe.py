@@ -1,0 +1,512 @@
+"""Probe: warp-specialised fused heads written in Gluon (Hopper), against the public kernel and cuBLAS.
+
+Why: the public fused kernel (``kernels/triton_fused._fused_stream_kernel``) runs each tile's epilogue (an exp2 and
+four sums per logit) in the warps that issue the tensor-core loop, so the tensor cores idle during it.  Two kernels
+here, each behind a one-warp TMA producer:
+
+- ping-pong (``_pingpong_kernel``, the default): two consumer warp groups take alternate [BM, BN] tiles of one
+  program's rows and vocabulary chunk from one ring of shared-memory slots, taking turns (CUTLASS's ping-pong):
+  while one runs its tensor-core loop, the other folds its finished tile.  Each consumer writes its own partial
+  column (P = 2 S).
+- cooperative (``coop=1``, ``_coop_kernel``): two consumer warp groups of BM rows share each [BN, BK] weight slice
+  (a [2 BM, BN] tile, the public kernel's 128 x 256 with BM 64) with a deeper ring; one partial column per chunk.
+
+``kernels/_reduce.merge_kernel`` merges the partials as it merges the streaming kernel's.  Scope: no bias, T = 1,
+no rounding of the logits, labels' logits formed on the host; what it measures is the matmul with the full
+epilogue, against the public call (``token_stats_fused_triton``) and cuBLAS's matmul alone on the same inputs.
+Results: benchmarks/RESULTS.md, results/h200/gluon_2026-11-29/.
+
+    python -m benchmarks.gluon_pingpong_probe --compile-only --cfg coop:coop=1   # sm_90a compile anywhere: ptxas's
+                                                                                 # registers, spills
+    python -m benchmarks.gluon_pingpong_probe --out probe.csv        # on a Hopper GPU: float64 check, then times
+    python -m benchmarks.gluon_pingpong_probe --cublas-kernels       # the kernels cuBLAS picks for these shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import time
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+D_FLOOR: gl.constexpr = gl.constexpr(256.0)
+LOG2E = 1.4426950408889634
+
+
+@gluon.jit
+def _max_nan(a, b):
+    return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@gluon.jit
+def _ex2_ftz(d):
+    return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=gl.float32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _producer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, t0, n_tiles, k_tiles, BN: gl.constexpr,
+              BK: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: the K steps of the chunk's tiles in order (step j = i k_tiles + kk into slot j % STAGES of the one
+    ring both consumers read), each slot refilled once the consumer that read it has released it."""
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
+    for i in range(n_tiles):
+        for kk in range(k_tiles):
+            j = i * k_tiles + kk
+            slot = j % STAGES
+            mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(slot), nbytes)
+            tma.async_copy_global_to_shared(a_desc, [row0, kk * BK], ready.index(slot), a_bufs.index(slot))
+            tma.async_copy_global_to_shared(w_desc, [(t0 + i) * BN, kk * BK], ready.index(slot), b_bufs.index(slot))
+
+
+@gluon.constexpr_function
+def _instr_n(bn):
+    return min(bn, 256)
+
+
+@gluon.jit
+def _consumer(c, a_bufs, b_bufs, ready, empty, turn, part_ptr, row0, t0, n_tiles, k_tiles, N, V, n_cols, col, cst, clo,
+              BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, MOMENTS: gl.constexpr):
+    """One warp group: tiles c, c + 2, ... of the chunk; per tile the K loop on the ring (one wgmma in flight, the
+    slot before it released), then the fold of the fp32 [BM, BN] tile into running base-2 statistics (as
+    ``_fold_tile``); at the end its partials at column ``col`` of part_ptr, fp32 [6, N, n_cols]."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, _instr_n(BN), 16])
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    cols_l: gl.constexpr = gl.SliceLayout(0, mma)
+    m = gl.full([BM], float("-inf"), gl.float32, rows_l)
+    s0 = gl.zeros([BM], gl.float32, rows_l)
+    s1 = gl.zeros([BM], gl.float32, rows_l)
+    s2 = gl.zeros([BM], gl.float32, rows_l)
+    s3 = gl.zeros([BM], gl.float32, rows_l)
+    for i in range(c, n_tiles, 2):
+        # The consumers take turns: this one waits on the ring only once the other has issued the tile before
+        # (waits on a slot then come in the order of its fills, so a parity names one fill).
+        n = i // 2
+        mbarrier.wait(turn.index(c), (n - 1 + c) & 1, pred=i > 0)
+        base = i * k_tiles
+        acc = gl.zeros([BM, BN], gl.float32, mma)
+        for kk in range(k_tiles):
+            j = base + kk
+            slot = j % STAGES
+            mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), pred=kk > 0)
+        mbarrier.arrive(turn.index(1 - c))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index((base + k_tiles - 1) % STAGES))
+        m, s0, s1, s2, s3 = _fold(acc, (t0 + i) * BN, V, m, s0, s1, s2, s3, cst, clo, BN, MOMENTS, cols_l)
+    _store(part_ptr, row0 + gl.arange(0, BM, layout=rows_l), N, n_cols, col, m, s0, s1, s2, s3)
+
+
+@gluon.jit
+def _fold(x, col0, V, m, s0, s1, s2, s3, cst, clo, BN: gl.constexpr, MOMENTS: gl.constexpr, cols_l: gl.constexpr):
+    """Fold one fp32 [rows, BN] logits tile (columns col0 ...) into running base-2 statistics, as ``_fold_tile``."""
+    if col0 + BN > V:  # the last, partial vocabulary tile: columns >= V are -inf
+        rn = col0 + gl.arange(0, BN, layout=cols_l)
+        x = gl.where(gl.expand_dims(rn < V, 0), x, float("-inf"))
+    xm = gl.reduce(x, 1, _max_nan)
+    m_new = _max_nan(m, gl.fma(xm, cst, gl.where(gl.abs(xm) < float("inf"), xm * clo, 0.0)))
+    if MOMENTS != 0:
+        m_ref = gl.where(m_new > float("-inf"), m_new, 0.0)
+        dl = m - m_ref
+        a = gl.where(m == float("-inf"), 0.0, gl.exp2(dl))
+        ad = gl.where(a > 0, a * dl, 0.0)
+        s1 = a * s1 + ad * s0
+        s0 = a * s0
+        s3 = a * a * s3 + a * ad * s2
+        s2 = a * a * s2
+        d = gl.maximum(gl.fma(x, cst, -gl.expand_dims(m_ref, 1)), -D_FLOOR)
+        e = _ex2_ftz(d)
+        s0 += gl.sum(e, axis=1)
+        s1 += gl.sum(e * d, axis=1)
+        e2 = e * e
+        s2 += gl.sum(e2, axis=1)
+        s3 += gl.sum(e2 * d, axis=1)
+    return m_new, s0, s1, s2, s3
+
+
+@gluon.jit
+def _store(part_ptr, rm, N, n_cols, col, m, s0, s1, s2, s3):
+    """Rows rm's partials at column ``col`` of part_ptr, fp32 [6, N, n_cols] (m, s0..s3, m)."""
+    ok = rm < N
+    stride_f = N.to(gl.int64) * n_cols
+    q = part_ptr + rm.to(gl.int64) * n_cols + col
+    gl.store(q, m, mask=ok)
+    gl.store(q + stride_f, s0, mask=ok)
+    gl.store(q + 2 * stride_f, s1, mask=ok)
+    gl.store(q + 3 * stride_f, s2, mask=ok)
+    gl.store(q + 4 * stride_f, s3, mask=ok)
+    gl.store(q + 5 * stride_f, m, mask=ok)
+
+
+@gluon.jit
+def _pingpong_kernel(a_desc, w_desc, part_ptr, N, V, H, tiles_per_chunk, group_rows, cst, clo, BM: gl.constexpr,
+                     BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, MOMENTS: gl.constexpr,
+                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """Program order as ``_fused_stream_kernel`` (groups of ``group_rows`` row blocks, row block fastest, then
+    chunk); consumer c of chunk ``chunk`` writes partial column 2 chunk + c."""
+    pid = gl.program_id(0)
+    num_rb = gl.cdiv(N, BM)
+    n_chunks = gl.num_programs(0) // num_rb
+    per_group = group_rows * n_chunks
+    gid = pid // per_group
+    first = gid * group_rows
+    gsize = gl.minimum(num_rb - first, group_rows)
+    local = pid - gid * per_group
+    rb = first + local % gsize
+    chunk = local // gsize
+    t0 = chunk * tiles_per_chunk
+    n_tiles = gl.minimum(tiles_per_chunk, gl.cdiv(V, BN) - t0)
+    k_tiles = gl.cdiv(H, BK)
+    row0 = rb * BM
+    n_cols = 2 * n_chunks
+
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    for s in gl.static_range(2):
+        mbarrier.init(turn.index(s), count=1)
+    gl.warp_specialize([
+        (_consumer, (0, a_bufs, b_bufs, ready, empty, turn, part_ptr, row0, t0, n_tiles, k_tiles, N, V, n_cols,
+                     2 * chunk, cst, clo, BM, BN, STAGES, MOMENTS)),
+        (_consumer, (1, a_bufs, b_bufs, ready, empty, turn, part_ptr, row0, t0, n_tiles, k_tiles, N, V, n_cols,
+                     2 * chunk + 1, cst, clo, BM, BN, STAGES, MOMENTS)),
+        (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, t0, n_tiles, k_tiles, BN, BK, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+@gluon.jit
+def _coop_producer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, t0, n_tiles, k_tiles, BMW: gl.constexpr,
+                   BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, NCONS: gl.constexpr):
+    """One warp: per K step of each tile, the W tile's [BN, BK] slice and NCONS hidden slices [BMW, BK] (one per
+    consumer) into slot j % STAGES, refilled once all NCONS consumers have released it."""
+    nbytes: gl.constexpr = NCONS * a_desc.block_type.nbytes + w_desc.block_type.nbytes
+    for i in range(n_tiles):
+        for kk in range(k_tiles):
+            j = i * k_tiles + kk
+            slot = j % STAGES
+            mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(slot), nbytes)
+            for w in gl.static_range(NCONS):
+                tma.async_copy_global_to_shared(a_desc, [row0 + w * BMW, kk * BK], ready.index(slot),
+                                                a_bufs.index(slot * NCONS + w))
+            tma.async_copy_global_to_shared(w_desc, [(t0 + i) * BN, kk * BK], ready.index(slot), b_bufs.index(slot))
+
+
+@gluon.jit
+def _coop_consumer(w, a_bufs, b_bufs, ready, empty, part_ptr, row0, t0, n_tiles, k_tiles, N, V, n_cols, col, cst,
+                   clo, BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, NCONS: gl.constexpr,
+                   MOMENTS: gl.constexpr):
+    """One warp group: rows row0 + w BMW ... of every tile of the chunk (the W slice shared with the other
+    consumers), the K loop with one wgmma in flight, then the fold; its rows' partials at column ``col``."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, _instr_n(BN), 16])
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    cols_l: gl.constexpr = gl.SliceLayout(0, mma)
+    m = gl.full([BMW], float("-inf"), gl.float32, rows_l)
+    s0 = gl.zeros([BMW], gl.float32, rows_l)
+    s1 = gl.zeros([BMW], gl.float32, rows_l)
+    s2 = gl.zeros([BMW], gl.float32, rows_l)
+    s3 = gl.zeros([BMW], gl.float32, rows_l)
+    for i in range(n_tiles):
+        base = i * k_tiles
+        acc = gl.zeros([BMW, BN], gl.float32, mma)
+        for kk in range(k_tiles):
+            j = base + kk
+            slot = j % STAGES
+            mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(slot * NCONS + w), b_bufs.index(slot).permute((1, 0)), acc,
+                                is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), pred=kk > 0)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index((base + k_tiles - 1) % STAGES))
+        m, s0, s1, s2, s3 = _fold(acc, (t0 + i) * BN, V, m, s0, s1, s2, s3, cst, clo, BN, MOMENTS, cols_l)
+    _store(part_ptr, row0 + w * BMW + gl.arange(0, BMW, layout=rows_l), N, n_cols, col, m, s0, s1, s2, s3)
+
+
+@gluon.jit
+def _coop_kernel(a_desc, w_desc, part_ptr, N, V, H, tiles_per_chunk, group_rows, cst, clo, BMW: gl.constexpr,
+                 BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, MOMENTS: gl.constexpr,
+                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """Two consumer warp groups share each W slice (the public kernel's 128 x 256 tile with BMW 64) behind a one-warp
+    TMA producer and a deeper ring; program order as ``_fused_stream_kernel``, one partial column per chunk.  (Three
+    consumers, a 192 x 256 tile, do not compile: 16 warps leave ptxas 128 registers a thread, and a 64 x 256 wgmma
+    accumulator needs at least 154; ptxas allocates to the kernel's limit, not to a partition's setmaxnreg.)"""
+    NCONS: gl.constexpr = 2
+    BM: gl.constexpr = NCONS * BMW
+    pid = gl.program_id(0)
+    num_rb = gl.cdiv(N, BM)
+    n_chunks = gl.num_programs(0) // num_rb
+    per_group = group_rows * n_chunks
+    gid = pid // per_group
+    first = gid * group_rows
+    gsize = gl.minimum(num_rb - first, group_rows)
+    local = pid - gid * per_group
+    rb = first + local % gsize
+    chunk = local // gsize
+    t0 = chunk * tiles_per_chunk
+    n_tiles = gl.minimum(tiles_per_chunk, gl.cdiv(V, BN) - t0)
+    k_tiles = gl.cdiv(H, BK)
+    row0 = rb * BM
+
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES * NCONS] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=NCONS)
+    gl.warp_specialize([
+        (_coop_consumer, (0, a_bufs, b_bufs, ready, empty, part_ptr, row0, t0, n_tiles, k_tiles, N, V, n_chunks, chunk,
+                          cst, clo, BMW, BN, STAGES, NCONS, MOMENTS)),
+        (_coop_consumer, (1, a_bufs, b_bufs, ready, empty, part_ptr, row0, t0, n_tiles, k_tiles, N, V, n_chunks, chunk,
+                          cst, clo, BMW, BN, STAGES, NCONS, MOMENTS)),
+        (_coop_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, t0, n_tiles, k_tiles, BMW, BN, BK,
+                          STAGES, NCONS)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+DEFAULTS = {"bm": 128, "bn": 128, "bk": 64, "stages": 6, "moments": 4, "consumer_regs": 232, "producer_regs": 24,
+            "maxnreg": 168, "coop": 0}
+# coop 1: the two-consumer kernel sharing W slices, bm rows per consumer (2 bm per program)
+COOP = {"coop": 1, "bm": 64, "bn": 256, "bk": 64, "stages": 4, "consumer_regs": 232, "producer_regs": 24,
+        "maxnreg": 168}
+
+
+def _descriptors(hidden: torch.Tensor, weight: torch.Tensor, cfg: dict):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    dt = gl.bfloat16 if hidden.dtype == torch.bfloat16 else gl.float16
+    a_lay = gl.NVMMASharedLayout.get_default_for([cfg["bm"], cfg["bk"]], dt)
+    w_lay = gl.NVMMASharedLayout.get_default_for([cfg["bn"], cfg["bk"]], dt)
+    return (TensorDescriptor.from_tensor(hidden, [cfg["bm"], cfg["bk"]], a_lay),
+            TensorDescriptor.from_tensor(weight, [cfg["bn"], cfg["bk"]], w_lay))
+
+
+def plan(n: int, vocab: int, hdim: int, elt: int, cfg: dict, wave: int) -> tuple[int, int, int]:
+    """(tiles per chunk, chunks, row blocks per group): the streaming kernel's rule for these tiles."""
+    from entropy_discriminator.kernels.triton_fused import stream_plan
+
+    return stream_plan(n, vocab, hdim, elt, cfg["bm"] * (2 if cfg["coop"] else 1), cfg["bn"], wave)
+
+
+def _kernel_and_consts(cfg: dict):
+    common = {"BN": cfg["bn"], "BK": cfg["bk"], "STAGES": cfg["stages"], "MOMENTS": cfg["moments"],
+              "CONSUMER_REGS": cfg["consumer_regs"], "PRODUCER_REGS": cfg["producer_regs"]}
+    if cfg["coop"]:
+        return _coop_kernel, {"BMW": cfg["bm"], **common}
+    return _pingpong_kernel, {"BM": cfg["bm"], **common}
+
+
+def pingpong_stats(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, yk: torch.Tensor,
+                   cfg: dict | None = None):
+    """KernelStats of z = hidden @ weight.T through the ping-pong kernel and the public merge; ``yk`` fp32 [N] is the
+    labels' base-2 logits (formed by the caller)."""
+    from entropy_discriminator.kernels._reduce import ERR_WORDS, merge_block, merge_kernel
+    from entropy_discriminator.kernels.triton_stats import KernelStats
+
+    cfg = {**DEFAULTS, **(cfg or {})}
+    n, hdim = hidden.shape
+    vocab = weight.shape[0]
+    tpc, s, g = plan(n, vocab, hdim, hidden.element_size(), cfg,
+                     torch.cuda.get_device_properties(hidden.device).multi_processor_count)
+    a_desc, w_desc = _descriptors(hidden, weight, cfg)
+    n_cols = s if cfg["coop"] else 2 * s
+    part = torch.empty((6, n, n_cols), device=hidden.device, dtype=torch.float32)
+    cst = LOG2E
+    clo = cst - float(torch.tensor(cst, dtype=torch.float32))
+    kernel, consts = _kernel_and_consts(cfg)
+    kernel[(triton.cdiv(n, cfg["bm"] * (2 if cfg["coop"] else 1)) * s,)](
+        a_desc, w_desc, part, n, vocab, hdim, tpc, g, cst, clo, **consts, num_warps=4, maxnreg=cfg["maxnreg"])
+    out = torch.empty((5, n), device=hidden.device, dtype=torch.float32)
+    valid = torch.empty(n, device=hidden.device, dtype=torch.bool)
+    errors = torch.zeros(ERR_WORDS, device=hidden.device, dtype=torch.int32)
+    merge_kernel[(n,)](part, yk, labels, out, valid, errors, n, n, n_cols, vocab, -100, PB=merge_block(n_cols),
+                       num_warps=4 if n_cols >= 128 else 1)
+    return KernelStats(*out.unbind(0), valid, errors)
+
+
+def compile_only(cfg: dict, hdim: int = 896) -> None:
+    """Compile for sm_90 without a GPU and print registers, spills and shared memory (ptxas's report)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    h = torch.empty(256, hdim, dtype=torch.bfloat16)
+    w = torch.empty(512, hdim, dtype=torch.bfloat16)
+    a_desc, w_desc = _descriptors(h, w, cfg)
+    del TensorDescriptor
+    sig = {"a_desc": mangle_type(a_desc), "w_desc": mangle_type(w_desc), "part_ptr": "*fp32", "N": "i32", "V": "i32",
+           "H": "i32", "tiles_per_chunk": "i32", "group_rows": "i32", "cst": "fp32", "clo": "fp32"}
+    kernel, consts = _kernel_and_consts(cfg)
+    for k in consts:
+        sig[k] = "constexpr"
+    src = GluonASTSource(kernel, sig, constexprs={(list(sig).index(k),): v for k, v in consts.items()})
+    t = time.time()
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "maxnreg": cfg["maxnreg"]})
+    print(f"compiled in {time.time() - t:.1f} s; shared {k.metadata.shared} B; cfg {cfg}")
+    ptx = k.asm["ptx"]
+    print("setmaxnreg:", sorted(set(l.strip() for l in ptx.splitlines() if "setmaxnreg" in l)))
+    print("wgmma:", sum("wgmma.mma_async" in l for l in ptx.splitlines()), "ex2:", ptx.count("ex2.approx"))
+    import os
+    import subprocess
+    import tempfile
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        info = subprocess.run([ptxas, "-v", "-arch=sm_90a", path, "-o", os.path.join(tmp, "k.cubin")],
+                              capture_output=True, text=True)
+    print("\n".join(line for line in info.stderr.splitlines() if "Used" in line or "spill" in line))
+
+
+def _reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor):
+    z = hidden[rows].double() @ weight.double().T
+    logp_all = torch.log_softmax(z, dim=-1)
+    p = logp_all.exp()
+    ent = -(p * logp_all).sum(-1)
+    lk = logp_all.gather(1, labels[rows, None])[:, 0]
+    s_star = lk.exp() * (ent + lk)
+    s_exp = (p * p * (ent[:, None] + logp_all)).sum(-1)
+    return torch.stack([lk, ent, s_star, s_exp])
+
+
+def run(shapes, dtypes, cfgs, out_csv: str | None, min_ms: float, rounds: int = 2) -> None:
+    from entropy_discriminator.kernels.triton_fused import token_stats_fused_triton
+
+    rows_out = []
+    dev = torch.device("cuda")
+    card = torch.cuda.get_device_name(dev)
+    for dtype in dtypes:
+        for hdim, vocab, n in shapes:
+            g = torch.Generator(device=dev).manual_seed(hdim * 7 + n)
+            hidden = (torch.randn(n, hdim, device=dev, generator=g) / math.sqrt(hdim) * 4).to(dtype)
+            weight = torch.randn(vocab, hdim, device=dev, generator=g).to(dtype)
+            labels = torch.randint(0, vocab, (n,), device=dev, generator=g)
+            yk = ((hidden.float() * weight[labels].float()).sum(-1) * LOG2E).contiguous()
+            rows = torch.linspace(0, n - 1, 8, device=dev).long()
+            ref = _reference(hidden, weight, labels, rows)
+
+            def public():
+                return token_stats_fused_triton(hidden, weight, labels, None, 1.0, -100)
+
+            def cublas():
+                return hidden @ weight.T
+
+            fns = {"cublas": cublas, "public": public}
+            for name, cfg in cfgs.items():
+                fns[name] = (lambda cfg=cfg: pingpong_stats(hidden, weight, labels, yk, cfg))
+            errs = {}
+            for name, fn in fns.items():
+                if name == "cublas":
+                    continue
+                try:
+                    o = fn()
+                    got = torch.stack([o.logp[rows], o.entropy[rows], o.s_star[rows], o.s_expected[rows]]).double()
+                    errs[name] = float((got - ref).abs().max())
+                except Exception as exc:  # a config that fails to compile or launch is reported, not fatal
+                    errs[name] = f"error: {type(exc).__name__}: {str(exc)[:200]}"
+            torch.cuda.synchronize()
+            base = triton.testing.do_bench(cublas, rep=min_ms)
+            rep = max(min_ms, 8 * base)
+            times = {}
+            for _ in range(rounds):  # alternating rounds: each method's median, then their mean
+                for name, fn in fns.items():
+                    if isinstance(errs.get(name), str):
+                        continue
+                    times.setdefault(name, []).append(triton.testing.do_bench(fn, rep=rep))
+            t = {k: sum(v) / len(v) for k, v in times.items()}
+            line = f"{card} H {hdim} N {n} {str(dtype)[6:]}: cublas {t['cublas']:.3f} ms"
+            for name in fns:
+                if name == "cublas":
+                    continue
+                if name in t:
+                    line += f" | {name} {t[name] / t['cublas']:.3f}x err {errs[name]:.1e}"
+                else:
+                    line += f" | {name} {errs[name]}"
+                rows_out.append({"card": card, "H": hdim, "V": vocab, "N": n, "dtype": str(dtype)[6:], "method": name,
+                                 "ms": t.get(name, float("nan")), "cublas_ms": t["cublas"],
+                                 "max_err": errs[name] if not isinstance(errs[name], str) else errs[name][:80]})
+            print(line, flush=True)
+    if out_csv:
+        with open(out_csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows_out[0]))
+            w.writeheader()
+            w.writerows(rows_out)
+
+
+def cublas_kernels(shapes, dtypes) -> None:
+    """Print the kernels cuBLAS launches for ``hidden @ weight.T`` on each shape (torch's profiler): their names give
+    the tile, the pipeline depth and the cluster shape cuBLAS chose."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for dtype in dtypes:
+        for hdim, vocab, n in shapes:
+            a = torch.randn(n, hdim, device="cuda", dtype=dtype)
+            w = torch.randn(vocab, hdim, device="cuda", dtype=dtype)
+            a @ w.T
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                a @ w.T
+                torch.cuda.synchronize()
+            names = sorted({e.name for e in prof.events() if e.device_type.name == "CUDA"} - {"Memset (Device)"})
+            print(f"H {hdim} N {n} {str(dtype)[6:]}: {names}", flush=True)
+
+
+def _parse_cfg(text: str) -> dict:
+    return {k: int(v) for k, v in (kv.split("=") for kv in text.split(",") if kv)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--cublas-kernels", action="store_true", help="list the kernels cuBLAS runs, then exit")
+    ap.add_argument("--cfg", action="append", default=[], help="name:key=v,key=v (over DEFAULTS); repeatable")
+    ap.add_argument("--h", type=int, nargs="+", default=[896, 1536, 2048, 3584, 5120])
+    ap.add_argument("--n", type=int, nargs="+", default=[16384])
+    ap.add_argument("--dtypes", nargs="+", default=["bf16"])
+    ap.add_argument("--min-ms", type=float, default=100.0)
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of medians per method")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    cfgs = {"pingpong": dict(DEFAULTS)}
+    for spec in args.cfg:
+        name, _, kv = spec.partition(":")
+        kv = _parse_cfg(kv)
+        cfgs[name] = {**DEFAULTS, **(COOP if kv.get("coop") else {}), **kv}
+    if args.compile_only:
+        for h in args.h:
+            for cfg in cfgs.values():
+                compile_only(cfg, h)
+        return
+    vocab = {896: 151936, 1536: 151936, 2048: 151936, 3584: 152064, 5120: 152064}
+    shapes = [(h, vocab.get(h, 151936), n) for h in args.h for n in args.n]
+    dtypes = [{"bf16": torch.bfloat16, "fp16": torch.float16}[d] for d in args.dtypes]
+    if args.cublas_kernels:
+        cublas_kernels(shapes, dtypes)
+        return
+    run(shapes, dtypes, cfgs, args.out, args.min_ms, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
