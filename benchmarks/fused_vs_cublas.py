@@ -43,11 +43,10 @@ COLUMNS = ("card", "H", "V", "N", "dtype", "fused_ms", "cublas_ms", "unfused_ms"
 TARGET_CUBLAS = 1 / 0.97
 
 # Candidate kernel variants timed by --sweep: name -> overrides of triton_fused.DEFAULT_CONFIG, or
-# None for the configuration the public call runs (its kernel chosen by hidden size; the streaming
-# kernel's plan from triton_fused.stream_plan).  "chunks k" forces k vocabulary chunks (the plan's program order
+# None for the configuration the public call runs (the streaming kernel, its plan from
+# triton_fused.stream_plan).  "chunks k" forces k vocabulary chunks (the plan's program order
 # kept), "row order" one group of every row block, "L2 x MiB" the plan's budget for a group's
-# hidden blocks; "stream" and "persistent per-tile" force those kernels (the public call picks by hidden size,
-# triton_fused.PERSISTENT_H); "per-tile" is the pointer kernel.  A
+# hidden blocks; "per-tile" is the pointer kernel.  A
 # name starting with "floor" is a timing floor (statistics meaningless), never picked as best.
 SWEEP: dict[str, dict | None] = {
     "current": None,
@@ -65,8 +64,6 @@ SWEEP: dict[str, dict | None] = {
     "s4": {"stages": 4},
     "noflat": {"flatten": 0},
     "128x128 w4": {"bn": 128, "num_warps": 4},
-    "stream": {"stream": 1},
-    "persistent per-tile": {"stream": 0, "persistent": 1},
     "per-tile": {"stream": 0},
     "floor": {"moments": 0},
 }

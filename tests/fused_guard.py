@@ -1,13 +1,13 @@
 """A guard for the fused-head tests (``tests/test_kernels.py``, ``tests/gpu/test_gpu_kernels.py``): only the
-expected one of the fused module's three kernels may launch."""
+expected one of the fused module's two kernels may launch."""
 
 from __future__ import annotations
 
-_KERNELS = {"stream": "_fused_stream_kernel", "tile": "_fused_tile_kernel", "persistent": "_fused_persistent_kernel"}
+_KERNELS = {"stream": "_fused_stream_kernel", "tile": "_fused_tile_kernel"}
 
 
 def only_fused_kernel(monkeypatch, kernel: str) -> dict[str, int]:
-    """Let only ``kernel`` ("stream", "persistent" or "tile") of ``kernels/triton_fused`` run: the others raise when
+    """Let only ``kernel`` ("stream" or "tile") of ``kernels/triton_fused`` run: the others raise when
     launched.  Returns the count of launches of ``kernel``, filled as the call runs."""
     from entropy_discriminator.kernels import triton_fused
 

@@ -65,12 +65,16 @@ def rescale(s0, s1, s2, s3, m_old, m_new):
 
 @triton.jit
 def finalize(mu, s0, s1, s2, s3, yk, valid):
-    """(logp, entropy, s_star, s_expected) from the sums against the finite reference mu; 0 where not ``valid``."""
+    """(logp, entropy, s_star, s_expected) from the sums against the finite reference mu; 0 where not ``valid``.
+
+    log p is capped at 0: for a row whose label holds nearly all the mass, rounding (the base-2 max is rounded once
+    from log2(e) / T, each d = y - m with one FMA, ex2.approx) can leave s0 a few ulp under 2^(y_k - mu), which
+    read log p = +3e-6 on an H200."""
     log_s0 = tl.log(s0)
     dbar = s1 / s0
     ent = log_s0 - LN2 * dbar
     s_exp = LN2 * (s3 - s2 * dbar) / (s0 * s0)
-    logp = LN2 * (yk - mu) - log_s0
+    logp = tl.minimum(LN2 * (yk - mu) - log_s0, 0.0, propagate_nan=tl.PropagateNan.ALL)
     s_star = tl.where(logp == float("-inf"), 0.0, tl.exp(logp) * (ent + logp))
     logp = tl.where(valid, logp, 0.0)
     ent = tl.where(valid, ent, 0.0)

@@ -13,9 +13,6 @@ partial j, the reference m_j (the NaN-propagating max of y over the partial's co
   with TMA-loaded operands, the V and K loops pipelined as one, keeping running statistics per row; the chunk
   count and a grouped program order come from :func:`stream_plan` (fill one wave at the compiled occupancy; keep
   the hidden blocks in flight within L2).
-- Persistent per tile (:func:`_fused_persistent_kernel`; the same inputs, by default for
-  :data:`PERSISTENT_H` hidden sizes): one program per SM walks the [BM, BN] tiles (in groups of GROUP_M row
-  blocks) with TMA-loaded operands, the tile and K loops pipelined as one, P = ceil(V / BN) partials.
 - Per tile (:func:`_fused_tile_kernel`; fp32, unaligned strides, pre-Hopper GPUs): one program per [BM, BN] tile
   (in groups of GROUP_M row blocks), operands through pointers, P = ceil(V / BN) partials.
 """
@@ -43,25 +40,23 @@ __all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG", "stream_plan", "stream_
 
 # Tiles: bm x bn logits, bk deep K steps, num_warps, stages (both kernels); moments (4: every statistic; 2: logp and
 # H alone, sum p^2 and E_p[S] read 0; 0: the matmul and the row max alone, a timing floor); branch: the per-tile
-# kernels mask the columns past V only in the last column tile (a block-uniform branch; 0: in every tile); maxnreg:
+# kernel masks the columns past V only in the last column tile (a block-uniform branch; 0: in every tile); maxnreg:
 # register cap per thread (0: none; benchmarks only).
-# stream: 1 runs the streaming TMA kernel where the inputs allow it (0: a per-tile kernel); persistent: with stream 0,
-# 1 runs the persistent per-tile TMA kernel where the inputs allow it (0: the pointer kernel); a call's config that
-# sets neither takes them from the hidden size (:data:`PERSISTENT_H`);
+# stream: 1 runs the streaming TMA kernel where the inputs allow it (0: the per-tile pointer kernel);
 # flatten: its V and K loops pipelined as one; chunks / group_rows: its vocabulary chunks and row blocks per group
 # (0: :func:`stream_plan`'s rule); group_mib: the rule's L2 budget for a group's hidden blocks (MiB).  group_m:
 # the per-tile kernel's row blocks per group.  128 x 256 x 64 tiles, 8 warps, 3 stages, flattened: the streaming
 # schedule's best tiles on an H200 (benchmarks/fused_ws_probe.py, benchmarks/RESULTS.md).
 DEFAULT_CONFIG = {"bm": 128, "bn": 256, "bk": 64, "num_warps": 8, "stages": 3, "moments": 4, "branch": 1,
-                  "maxnreg": 0, "stream": 1, "persistent": 0, "flatten": 1, "chunks": 0, "group_rows": 0,
+                  "maxnreg": 0, "stream": 1, "flatten": 1, "chunks": 0, "group_rows": 0,
                   "group_mib": 16, "group_m": 8}  # fmt: skip
-# Hidden sizes [lo, hi) whose 16-bit heads run the persistent per-tile kernel (unbranched) by default: at H 3584 it
-# took 1.02-1.04x cuBLAS against the streaming kernel's 0.99-1.07x on an H200, faster at N >= 16384; at H 2048 it
-# was slower at N <= 16384 (benchmarks/RESULTS.md); the streaming kernel runs below and above.
-PERSISTENT_H = (3072, 4096)
 # From this hidden size on, with 8 or more groups of row blocks, :func:`stream_plan` widens a group to fill the wave
 # (H200, N 65536: 3-5 % faster at H 1536 and 2048; H 896 1-2 % slower; 4 groups: neutral or slower).
 FILL_WAVE_FROM_H = 1536
+# From this hidden size on, under the same condition, :func:`stream_plan` takes the group (within the L2 budget)
+# whose chunks fill the wave most exactly (H200, H 3584: 11 x 12 programs ran 1.019-1.020x cuBLAS at N 65536
+# against 1.065-1.080x for 7 x 18, and 1.047-1.048x for the per-tile persistent kernel this replaced).
+EXACT_WAVE_FROM_H = 3072
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # logits_dtype -> the epilogue's ROUND code (fp32 logits need no rounding)
 _ROUND_CODES = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -231,35 +226,6 @@ def _fused_tile_kernel(h_ptr, w_ptr, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, 
 
 
 @triton.jit
-def _fused_persistent_kernel(a_desc, w_desc, h_ptr, w_ptr, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, stride_h,
-                             stride_w, c, c_lo, inv_t, HAS_BIAS: tl.constexpr, ROUND: tl.constexpr,
-                             T_ROUND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                             GROUP_M: tl.constexpr, STAGES: tl.constexpr, MOMENTS: tl.constexpr,
-                             NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr, FTZ: tl.constexpr,
-                             BRANCH: tl.constexpr):
-    """NUM_PROGRAMS programs walk the [BM, BN] tiles in grouped order, operands by TMA (rows, columns and K past the
-    tensors' ends zero-filled; columns >= V masked to -inf by the epilogue); with FLATTEN the tile and K loops are
-    pipelined as one, so the next tile's loads run during this tile's epilogue.  Partials as
-    :func:`_fused_tile_kernel`'s; first, program p forms the label logits of row blocks p, p + NUM_PROGRAMS, ..."""
-    num_pid_m = tl.cdiv(N, BM)
-    num_pid_n = tl.cdiv(V, BN)
-    k_tiles = tl.cdiv(H, BK)
-    for rb in range(tl.program_id(0), num_pid_m, NUM_PROGRAMS):
-        _label_rows(h_ptr, w_ptr, b_ptr, lab_ptr, yk_ptr, rb * BM + tl.arange(0, BM), N, V, H, stride_h, stride_w, c,
-                    c_lo, inv_t, HAS_BIAS=HAS_BIAS, ROUND=ROUND, T_ROUND=T_ROUND, BM=BM, BK=BK)  # fmt: skip
-    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=FLATTEN, num_stages=STAGES):
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for ki in range(k_tiles):
-            a = a_desc.load([pid_m * BM, ki * BK])
-            b = w_desc.load([pid_n * BN, ki * BK])
-            acc = tl.dot(a, b.T, acc)
-        _tile_epilogue(acc, pid_m, pid_n, b_ptr, part_ptr, N, V, c, c_lo, inv_t, num_pid_n, HAS_BIAS=HAS_BIAS,
-                       BM=BM, BN=BN, MOMENTS=MOMENTS, ROUND=ROUND, T_ROUND=T_ROUND, FTZ=FTZ,
-                       BRANCH=BRANCH)  # fmt: skip
-
-
-@triton.jit
 def _stream_tile(a_desc, w_desc, rb, t, H, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  STAGES: tl.constexpr):
     """fp32 [BM, BN] = hidden[rb*BM : +BM] @ weight[t*BN : +BN].T over K = H in BK steps, operands by TMA (rows,
@@ -366,17 +332,13 @@ def stream_spec(cfg: dict, has_bias: bool, round_code: int, t_round: bool, ftz: 
 
 
 def _schedule(cfg: dict, config: dict | None, hidden: torch.Tensor, weight: torch.Tensor) -> str:
-    """``"stream"``, ``"persistent"`` or ``"tile"``: which kernel runs (and, by the hidden size, ``cfg``'s
-    ``stream`` / ``persistent``, and ``branch`` 0 for the per-tile kernels, when the caller's ``config`` leaves them
-    unset)."""
+    """``"stream"`` or ``"tile"``: which kernel runs (``cfg``'s ``branch`` set to 0 when the caller's ``config``
+    chooses the per-tile kernel for inputs the streaming kernel takes and leaves ``branch`` unset)."""
     if not _tma_ok(hidden, weight):
         return "tile"
-    hdim = hidden.shape[1]
-    if not {"stream", "persistent"} & set(config or {}) and PERSISTENT_H[0] <= hdim < PERSISTENT_H[1]:
-        cfg.update(stream=0, persistent=1)
     if "branch" not in (config or {}) and not cfg["stream"]:
         cfg["branch"] = 0
-    return "stream" if cfg["stream"] else "persistent" if cfg["persistent"] else "tile"
+    return "stream" if cfg["stream"] else "tile"
 
 
 def _tma_ok(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -406,13 +368,15 @@ def stream_plan(rows: int, vocab: int, hdim: int, elt: int, bm: int, bn: int, wa
       a program's pipeline fill and partials) is within 2 % of the least.
     - S is clipped to [1, T] and evened: tiles per chunk ceil(T / S), S = ceil(T / that) (no empty chunk); one
       chunk makes every order the row order (G = rb).
-    - With neither given, hdim >= :data:`FILL_WAVE_FROM_H` and rb >= 8 G (grouped order), G widens to
-      min(rb, floor(wave / S)): one group fills the wave, so that a wave's programs do not span two groups.
+    - With neither given and rb >= 8 G (grouped order): from hdim = :data:`EXACT_WAVE_FROM_H`, G becomes the
+      k in [1, gmax] whose evened S = floor(wave / k) fills the wave most (S k the largest, then k the largest);
+      else from hdim = :data:`FILL_WAVE_FROM_H`, G widens to min(rb, floor(wave / S)): one group fills the wave,
+      so that a wave's programs do not span two groups.
 
     On an H200 (132 SMs, occupancy 1; bm 128, bn 256, bf16; V 151936 / 152064) this gives, (H, N): S, G:
     (896, 4096) 4, row order; (896, 16384 and 65536) 2, 64; (1536 and 2048, 4096) 4, row order;
-    (1536, 16384) 4, 32; (1536, 65536) 3, 44; (2048, 16384) 4, 32; (2048, 65536) 4, 33; (3584, 4096 and 16384) 8, 16;
-    (3584, 65536) 7, 18; (5120, 4096) 12, 11; (5120, 16384 and 65536) 11, 12.
+    (1536, 16384) 4, 32; (1536, 65536) 3, 44; (2048, 16384) 4, 32; (2048, 65536) 4, 33; (3584, 4096) 8, 16;
+    (3584, 16384 and 65536) 11, 12; (5120, 4096) 12, 11; (5120, 16384 and 65536) 11, 12.
     """
     rb = -(-rows // bm)
     nvt = -(-vocab // bn)
@@ -431,12 +395,21 @@ def stream_plan(rows: int, vocab: int, hdim: int, elt: int, bm: int, bn: int, wa
         cost = {k: -(-rb * k // wave) * (-(-nvt // k) + 1) for k in range(1, nvt + 1)}
         best = min(cost.values())
         s = min(k for k, v in cost.items() if v <= 1.02 * best)
-    s = max(1, min(s, nvt))
-    tpc = -(-nvt // s)
-    s = -(-nvt // tpc)
-    if chunks <= 0 and group_rows <= 0 and hdim >= FILL_WAVE_FROM_H and rb >= 8 * g:
-        g = min(rb, max(g, wave // s))
+    tpc, s = _evened(s, nvt)
+    if chunks <= 0 and group_rows <= 0 and rb >= 8 * g:
+        if hdim >= EXACT_WAVE_FROM_H:
+            g = max(range(1, min(gmax, rb) + 1), key=lambda k: (_evened(wave // k, nvt)[1] * k, k))
+            tpc, s = _evened(wave // g, nvt)
+        elif hdim >= FILL_WAVE_FROM_H:
+            g = min(rb, max(g, wave // s))
     return tpc, s, (rb if s == 1 else g)
+
+
+def _evened(s: int, nvt: int) -> tuple[int, int]:
+    """(tiles per chunk, chunks) for about ``s`` chunks of ``nvt`` tiles: s clipped to [1, nvt], then
+    ceil(nvt / s) tiles per chunk and as many chunks as that needs (no empty chunk)."""
+    tpc = -(-nvt // max(1, min(s, nvt)))
+    return tpc, -(-nvt // tpc)
 
 
 # programs per SM of the compiled streaming kernel, by (device, compile-time arguments, launch options, dtype)
@@ -478,9 +451,8 @@ def token_stats_fused_triton(
     [N] int64.  Returns :class:`.triton_stats.KernelStats` (fp32 [N] statistics, bool ``valid``, int32 error
     counters).  Matmul in the input dtype on tensor cores with fp32 accumulation (fp32 inputs: the slow "ieee" dot).
     16-bit inputs with TMA-addressable strides on Hopper or newer run the streaming kernel
-    (:func:`_fused_stream_kernel`, launch plan :func:`stream_plan`), partials fp32 [6, rows, S], or for hidden sizes
-    in :data:`PERSISTENT_H` the persistent per-tile kernel; otherwise the per-tile pointer kernel; per-tile
-    partials are fp32 [6, rows, ceil(V / bn)]; then :func:`._reduce.merge_kernel`.  Rows go in
+    (:func:`_fused_stream_kernel`, launch plan :func:`stream_plan`), partials fp32 [6, rows, S]; others the
+    per-tile pointer kernel, partials fp32 [6, rows, ceil(V / bn)]; then :func:`._reduce.merge_kernel`.  Rows go in
     slices of ``rows_per_launch`` (default: partials <= 256 MiB).  ``config`` overrides :data:`DEFAULT_CONFIG`
     (benchmarks and tests; ``moments=2`` skips sum p^2 and E_p[S], which read 0; ``moments=0`` every exponential, a
     timing floor).  ``logits_dtype`` rounds L = hidden @ W.T + b in the epilogue, z = fp32(round(L)) / T; with
@@ -558,7 +530,6 @@ def token_stats_fused_triton(
             tpc, n_cols, g = plan(min(n_rows, rows_per_launch))
         else:
             n_cols = n_tiles
-            w_desc = TensorDescriptor.from_tensor(weight, [bn, bk]) if schedule == "persistent" else None
             if rows_per_launch is None:
                 rows_per_launch = max(bm, (_WORKSPACE_BYTES // (24 * n_tiles)) // bm * bm)
         for r0 in range(0, n_rows, rows_per_launch):
@@ -569,15 +540,6 @@ def token_stats_fused_triton(
             lab = labels[r0:r1]
             if stream:
                 kernel[(triton.cdiv(rows, bm) * n_cols,)](*args(r0, r1, part, yk, tpc, g), **consts, **launch_opts)
-            elif schedule == "persistent":
-                n_prog = min(triton.cdiv(rows, bm) * n_tiles, _num_sms(dev))
-                _fused_persistent_kernel[(n_prog,)](
-                    TensorDescriptor.from_tensor(hidden[r0:r1], [bm, bk]), w_desc, hidden[r0:r1], weight, bias_arg, lab,
-                    part, yk, rows, vocab, hdim, hidden.stride(0), weight.stride(0), c, c_lo, inv_t,
-                    HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, BM=bm, BN=bn, BK=bk,
-                    GROUP_M=cfg["group_m"], STAGES=cfg["stages"], MOMENTS=cfg["moments"], NUM_PROGRAMS=n_prog,
-                    FLATTEN=bool(cfg["flatten"]), FTZ=ftz, BRANCH=bool(cfg["branch"]), **launch_opts,
-                )  # fmt: skip
             else:
                 _fused_tile_kernel[(triton.cdiv(rows, bm) * n_tiles,)](
                     hidden[r0:r1], weight, bias_arg, lab, part, yk, rows, vocab, hdim,

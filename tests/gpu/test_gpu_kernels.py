@@ -448,16 +448,13 @@ def exact_head(seed: int, n: int, h: int, v: int, dtype: torch.dtype, neg_inf: b
 )
 def test_fused_stream_kernel_at_head_shapes_matches_float64(monkeypatch, n, h, v, dtype, bias, logits_dtype, t_low,
                                                             temperature):
-    """The public call on Qwen2.5 head shapes runs the kernel its hidden size picks (the streaming kernel with its
-    default plan, or the persistent per-tile kernel for H in PERSISTENT_H) and matches float64 on
+    """The public call on Qwen2.5 head shapes runs the streaming kernel with its default plan and matches float64 on
     64 rows spread over the batch: with rounding, the float64 statistics of the rounded exact logits (the label
     logit as the tile rounds it); without, those of the unrounded logits of random inputs (fp32 accumulation over
     H: the tolerance of test_fused_from_hidden_matches_float64)."""
     from rounding_reference import rounded_reference
 
-    from entropy_discriminator.kernels.triton_fused import PERSISTENT_H
-
-    only_fused_kernel(monkeypatch, "persistent" if PERSISTENT_H[0] <= h < PERSISTENT_H[1] else "stream")
+    only_fused_kernel(monkeypatch, "stream")
     if logits_dtype is not None:
         hidden, weight, b, labels = exact_head(n + h, n, h, v, dtype, neg_inf=bias)
     else:
@@ -488,8 +485,8 @@ def test_fused_stream_kernel_at_head_shapes_matches_float64(monkeypatch, n, h, v
     ],
 )
 def test_fused_stream_and_per_tile_kernels_agree(n, h, v, dtype, bias, logits_dtype, rows_per_launch):
-    """The streaming kernel (its plan, row slices), the persistent per-tile kernel and the per-tile pointer kernel
-    give the same statistics to fp32 rounding, the same ``valid`` and error counters."""
+    """The streaming kernel (its plan, row slices) and the per-tile pointer kernel give the same statistics to fp32
+    rounding, the same ``valid`` and error counters."""
     from entropy_discriminator.kernels.triton_fused import token_stats_fused_triton
 
     g = torch.Generator(device="cuda").manual_seed(11 + h)
@@ -499,11 +496,10 @@ def test_fused_stream_and_per_tile_kernels_agree(n, h, v, dtype, bias, logits_dt
     labels = make_labels(n, n, v)
     kw = dict(logits_dtype=logits_dtype, rows_per_launch=rows_per_launch)
     per = token_stats_fused_triton(hidden, weight, labels, b, 0.8, -100, config={"stream": 0}, **kw)
-    for cfg in ({"stream": 1}, {"stream": 0, "persistent": 1}):  # the streaming and the persistent per-tile kernel
-        other = token_stats_fused_triton(hidden, weight, labels, b, 0.8, -100, config=cfg, **kw)
-        for a, c in zip(per[:5], other[:5]):
-            torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
-        assert torch.equal(per.valid, other.valid) and torch.equal(per.errors, other.errors)
+    other = token_stats_fused_triton(hidden, weight, labels, b, 0.8, -100, config={"stream": 1}, **kw)
+    for a, c in zip(per[:5], other[:5]):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+    assert torch.equal(per.valid, other.valid) and torch.equal(per.errors, other.errors)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
