@@ -31,24 +31,17 @@ import time
 
 import torch
 import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-D_FLOOR: gl.constexpr = gl.constexpr(256.0)
+from entropy_discriminator.kernels import triton_fused
+
+# The public kernels' Triton-language helpers, compiled as Gluon (their builtins take either language's semantics).
+_fold_tile = gluon.jit(triton_fused._fold_tile.fn)
+_store_partials = gluon.jit(triton_fused._store_partials.fn)
+
 LOG2E = 1.4426950408889634
-
-
-@gluon.jit
-def _max_nan(a, b):
-    return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@gluon.jit
-def _ex2_ftz(d):
-    return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=gl.float32, is_pure=True,
-                                     pack=1)
 
 
 @gluon.jit
@@ -73,6 +66,30 @@ def _instr_n(bn):
 
 
 @gluon.jit
+def _zero_stats(ROWS: gl.constexpr, rows_l: gl.constexpr):
+    """Running statistics of ROWS rows before any tile: m = -inf, s0..s3 = 0."""
+    zero = gl.zeros([ROWS], gl.float32, rows_l)
+    return gl.full([ROWS], float("-inf"), gl.float32, rows_l), zero, zero, zero, zero
+
+
+@gluon.jit
+def _k_loop(a_bufs, b_bufs, ready, empty, base, k_tiles, acc, a_off, A_PER_SLOT: gl.constexpr,
+            STAGES: gl.constexpr):
+    """acc plus one tile's K steps j = base ... base + k_tiles - 1 from the ring (slot j % STAGES; hidden slice
+    A_PER_SLOT slot + a_off), one wgmma in flight: each slot is released once the next wgmma is issued, the last
+    one's by the caller."""
+    for kk in range(k_tiles):
+        j = base + kk
+        slot = j % STAGES
+        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+        acc = warpgroup_mma(a_bufs.index(slot * A_PER_SLOT + a_off), b_bufs.index(slot).permute((1, 0)), acc,
+                            is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), pred=kk > 0)
+    return acc
+
+
+@gluon.jit
 def _consumer(c, a_bufs, b_bufs, ready, empty, turn, part_ptr, row0, t0, n_tiles, k_tiles, N, V, n_cols, col, cst, clo,
               BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, MOMENTS: gl.constexpr):
     """One warp group: tiles c, c + 2, ... of the chunk; per tile the K loop on the ring (one wgmma in flight, the
@@ -82,79 +99,36 @@ def _consumer(c, a_bufs, b_bufs, ready, empty, turn, part_ptr, row0, t0, n_tiles
                                                   instr_shape=[16, _instr_n(BN), 16])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
-    m = gl.full([BM], float("-inf"), gl.float32, rows_l)
-    s0 = gl.zeros([BM], gl.float32, rows_l)
-    s1 = gl.zeros([BM], gl.float32, rows_l)
-    s2 = gl.zeros([BM], gl.float32, rows_l)
-    s3 = gl.zeros([BM], gl.float32, rows_l)
+    m, s0, s1, s2, s3 = _zero_stats(BM, rows_l)
     for i in range(c, n_tiles, 2):
         # The consumers take turns: this one waits on the ring only once the other has issued the tile before
         # (waits on a slot then come in the order of its fills, so a parity names one fill).
         n = i // 2
         mbarrier.wait(turn.index(c), (n - 1 + c) & 1, pred=i > 0)
         base = i * k_tiles
-        acc = gl.zeros([BM, BN], gl.float32, mma)
-        for kk in range(k_tiles):
-            j = base + kk
-            slot = j % STAGES
-            mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), pred=kk > 0)
+        acc = _k_loop(a_bufs, b_bufs, ready, empty, base, k_tiles, gl.zeros([BM, BN], gl.float32, mma), 0, 1, STAGES)
         mbarrier.arrive(turn.index(1 - c))
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty.index((base + k_tiles - 1) % STAGES))
         m, s0, s1, s2, s3 = _fold(acc, (t0 + i) * BN, V, m, s0, s1, s2, s3, cst, clo, BN, MOMENTS, cols_l)
-    _store(part_ptr, row0 + gl.arange(0, BM, layout=rows_l), N, n_cols, col, m, s0, s1, s2, s3)
+    rm = row0 + gl.arange(0, BM, layout=rows_l)
+    _store_partials(part_ptr, rm, rm < N, N, n_cols, col, m, s0, s1, s2, s3)
 
 
 @gluon.jit
 def _fold(x, col0, V, m, s0, s1, s2, s3, cst, clo, BN: gl.constexpr, MOMENTS: gl.constexpr, cols_l: gl.constexpr):
-    """Fold one fp32 [rows, BN] logits tile (columns col0 ...) into running base-2 statistics, as ``_fold_tile``."""
-    if col0 + BN > V:  # the last, partial vocabulary tile: columns >= V are -inf
+    """Fold one fp32 [rows, BN] logits tile (columns col0 ...; those >= V set to -inf) into running base-2
+    statistics: the streaming kernel's ``_fold_tile``."""
+    if col0 + BN > V:  # the last, partial vocabulary tile
         rn = col0 + gl.arange(0, BN, layout=cols_l)
         x = gl.where(gl.expand_dims(rn < V, 0), x, float("-inf"))
-    xm = gl.reduce(x, 1, _max_nan)
-    m_new = _max_nan(m, gl.fma(xm, cst, gl.where(gl.abs(xm) < float("inf"), xm * clo, 0.0)))
-    if MOMENTS != 0:
-        m_ref = gl.where(m_new > float("-inf"), m_new, 0.0)
-        dl = m - m_ref
-        a = gl.where(m == float("-inf"), 0.0, gl.exp2(dl))
-        ad = gl.where(a > 0, a * dl, 0.0)
-        s1 = a * s1 + ad * s0
-        s0 = a * s0
-        s3 = a * a * s3 + a * ad * s2
-        s2 = a * a * s2
-        d = gl.maximum(gl.fma(x, cst, -gl.expand_dims(m_ref, 1)), -D_FLOOR)
-        e = _ex2_ftz(d)
-        s0 += gl.sum(e, axis=1)
-        s1 += gl.sum(e * d, axis=1)
-        e2 = e * e
-        s2 += gl.sum(e2, axis=1)
-        s3 += gl.sum(e2 * d, axis=1)
-    return m_new, s0, s1, s2, s3
+    return _fold_tile(x, cst, clo, m, s0, s1, s2, s3, MOMENTS, True)
 
 
 @gluon.jit
-def _store(part_ptr, rm, N, n_cols, col, m, s0, s1, s2, s3):
-    """Rows rm's partials at column ``col`` of part_ptr, fp32 [6, N, n_cols] (m, s0..s3, m)."""
-    ok = rm < N
-    stride_f = N.to(gl.int64) * n_cols
-    q = part_ptr + rm.to(gl.int64) * n_cols + col
-    gl.store(q, m, mask=ok)
-    gl.store(q + stride_f, s0, mask=ok)
-    gl.store(q + 2 * stride_f, s1, mask=ok)
-    gl.store(q + 3 * stride_f, s2, mask=ok)
-    gl.store(q + 4 * stride_f, s3, mask=ok)
-    gl.store(q + 5 * stride_f, m, mask=ok)
-
-
-@gluon.jit
-def _pingpong_kernel(a_desc, w_desc, part_ptr, N, V, H, tiles_per_chunk, group_rows, cst, clo, BM: gl.constexpr,
-                     BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, MOMENTS: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """Program order as ``_fused_stream_kernel`` (groups of ``group_rows`` row blocks, row block fastest, then
-    chunk); consumer c of chunk ``chunk`` writes partial column 2 chunk + c."""
+def _program(N, V, H, tiles_per_chunk, group_rows, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
+    """(first row, chunk, chunks, first tile, tiles, K steps) of this program, in ``_fused_stream_kernel``'s order:
+    groups of ``group_rows`` row blocks, row block fastest, then chunk."""
     pid = gl.program_id(0)
     num_rb = gl.cdiv(N, BM)
     n_chunks = gl.num_programs(0) // num_rb
@@ -163,12 +137,19 @@ def _pingpong_kernel(a_desc, w_desc, part_ptr, N, V, H, tiles_per_chunk, group_r
     first = gid * group_rows
     gsize = gl.minimum(num_rb - first, group_rows)
     local = pid - gid * per_group
-    rb = first + local % gsize
     chunk = local // gsize
     t0 = chunk * tiles_per_chunk
     n_tiles = gl.minimum(tiles_per_chunk, gl.cdiv(V, BN) - t0)
-    k_tiles = gl.cdiv(H, BK)
-    row0 = rb * BM
+    return (first + local % gsize) * BM, chunk, n_chunks, t0, n_tiles, gl.cdiv(H, BK)
+
+
+@gluon.jit
+def _pingpong_kernel(a_desc, w_desc, part_ptr, N, V, H, tiles_per_chunk, group_rows, cst, clo, BM: gl.constexpr,
+                     BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, MOMENTS: gl.constexpr,
+                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """Program order as ``_fused_stream_kernel`` (:func:`_program`); consumer c of chunk ``chunk`` writes partial
+    column 2 chunk + c."""
+    row0, chunk, n_chunks, t0, n_tiles, k_tiles = _program(N, V, H, tiles_per_chunk, group_rows, BM, BN, BK)
     n_cols = 2 * n_chunks
 
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -218,26 +199,16 @@ def _coop_consumer(w, a_bufs, b_bufs, ready, empty, part_ptr, row0, t0, n_tiles,
                                                   instr_shape=[16, _instr_n(BN), 16])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
-    m = gl.full([BMW], float("-inf"), gl.float32, rows_l)
-    s0 = gl.zeros([BMW], gl.float32, rows_l)
-    s1 = gl.zeros([BMW], gl.float32, rows_l)
-    s2 = gl.zeros([BMW], gl.float32, rows_l)
-    s3 = gl.zeros([BMW], gl.float32, rows_l)
+    m, s0, s1, s2, s3 = _zero_stats(BMW, rows_l)
     for i in range(n_tiles):
         base = i * k_tiles
-        acc = gl.zeros([BMW, BN], gl.float32, mma)
-        for kk in range(k_tiles):
-            j = base + kk
-            slot = j % STAGES
-            mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(slot * NCONS + w), b_bufs.index(slot).permute((1, 0)), acc,
-                                is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), pred=kk > 0)
+        acc = _k_loop(a_bufs, b_bufs, ready, empty, base, k_tiles, gl.zeros([BMW, BN], gl.float32, mma), w, NCONS,
+                      STAGES)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty.index((base + k_tiles - 1) % STAGES))
         m, s0, s1, s2, s3 = _fold(acc, (t0 + i) * BN, V, m, s0, s1, s2, s3, cst, clo, BN, MOMENTS, cols_l)
-    _store(part_ptr, row0 + w * BMW + gl.arange(0, BMW, layout=rows_l), N, n_cols, col, m, s0, s1, s2, s3)
+    rm = row0 + w * BMW + gl.arange(0, BMW, layout=rows_l)
+    _store_partials(part_ptr, rm, rm < N, N, n_cols, col, m, s0, s1, s2, s3)
 
 
 @gluon.jit
@@ -250,20 +221,7 @@ def _coop_kernel(a_desc, w_desc, part_ptr, N, V, H, tiles_per_chunk, group_rows,
     accumulator needs at least 154; ptxas allocates to the kernel's limit, not to a partition's setmaxnreg.)"""
     NCONS: gl.constexpr = 2
     BM: gl.constexpr = NCONS * BMW
-    pid = gl.program_id(0)
-    num_rb = gl.cdiv(N, BM)
-    n_chunks = gl.num_programs(0) // num_rb
-    per_group = group_rows * n_chunks
-    gid = pid // per_group
-    first = gid * group_rows
-    gsize = gl.minimum(num_rb - first, group_rows)
-    local = pid - gid * per_group
-    rb = first + local % gsize
-    chunk = local // gsize
-    t0 = chunk * tiles_per_chunk
-    n_tiles = gl.minimum(tiles_per_chunk, gl.cdiv(V, BN) - t0)
-    k_tiles = gl.cdiv(H, BK)
-    row0 = rb * BM
+    row0, chunk, n_chunks, t0, n_tiles, k_tiles = _program(N, V, H, tiles_per_chunk, group_rows, BM, BN, BK)
 
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES * NCONS] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
