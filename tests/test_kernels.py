@@ -392,6 +392,7 @@ def test_stream_plan_on_an_h200():
     assert plan(16384, 5120, 152064) == (54, 11, 12)  # already exact
     assert plan(65536, 8192, 152064) == (27, 22, 6)  # gmax 8: 22 x 6 = 132 against 16 x 8 = 128
     assert stream_plan(65536, 152064, 3584, 2, 128, 256, 132, group_mib=4) == (18, 33, 4)  # gmax 4: 33 x 4
+    assert stream_plan(65536, 152064, 3584, 2, 16, 256, 132) == (594, 1, 4096)  # gmax 146 > wave: k <= 132, S 1
     assert plan(128, 896) == (5, 119, 1)  # one row block: the vocabulary split over the SMs
     assert stream_plan(4096, 151936, 896, 2, 128, 256, 132, chunks=8, group_rows=4) == (75, 8, 4)
     assert stream_plan(4096, 151936, 896, 2, 128, 256, 132, chunks=10**6) == (1, 594, 32)

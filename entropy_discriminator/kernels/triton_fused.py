@@ -369,7 +369,8 @@ def stream_plan(rows: int, vocab: int, hdim: int, elt: int, bm: int, bn: int, wa
     - S is clipped to [1, T] and evened: tiles per chunk ceil(T / S), S = ceil(T / that) (no empty chunk); one
       chunk makes every order the row order (G = rb).
     - With neither given and rb >= 8 G (grouped order): from hdim = :data:`EXACT_WAVE_FROM_H`, G becomes the
-      k in [1, gmax] whose evened S = floor(wave / k) fills the wave most (S k the largest, then k the largest);
+      k in [1, min(gmax, wave)] whose evened S = floor(wave / k) fills the wave most (S k the largest, then k the
+      largest);
       else from hdim = :data:`FILL_WAVE_FROM_H`, G widens to min(rb, floor(wave / S)): one group fills the wave,
       so that a wave's programs do not span two groups.
 
@@ -398,7 +399,7 @@ def stream_plan(rows: int, vocab: int, hdim: int, elt: int, bm: int, bn: int, wa
     tpc, s = _evened(s, nvt)
     if chunks <= 0 and group_rows <= 0 and rb >= 8 * g:
         if hdim >= EXACT_WAVE_FROM_H:
-            g = max(range(1, min(gmax, rb) + 1), key=lambda k: (_evened(wave // k, nvt)[1] * k, k))
+            g = max(range(1, min(gmax, rb, wave) + 1), key=lambda k: (_evened(wave // k, nvt)[1] * k, k))
             tpc, s = _evened(wave // g, nvt)
         elif hdim >= FILL_WAVE_FROM_H:
             g = min(rb, max(g, wave // s))
