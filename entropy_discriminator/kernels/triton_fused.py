@@ -370,9 +370,8 @@ def stream_plan(rows: int, vocab: int, hdim: int, elt: int, bm: int, bn: int, wa
       chunk makes every order the row order (G = rb).
     - With neither given and rb >= 8 G (grouped order): from hdim = :data:`EXACT_WAVE_FROM_H`, G becomes the
       k in [1, min(gmax, wave)] whose evened S = floor(wave / k) fills the wave most (S k the largest, then k the
-      largest);
-      else from hdim = :data:`FILL_WAVE_FROM_H`, G widens to min(rb, floor(wave / S)): one group fills the wave,
-      so that a wave's programs do not span two groups.
+      largest); below it, from hdim = :data:`FILL_WAVE_FROM_H`, G widens to min(rb, floor(wave / S)): one group
+      fills the wave, so that a wave's programs do not span two groups.
 
     On an H200 (132 SMs, occupancy 1; bm 128, bn 256, bf16; V 151936 / 152064) this gives, (H, N): S, G:
     (896, 4096) 4, row order; (896, 16384 and 65536) 2, 64; (1536 and 2048, 4096) 4, row order;
