@@ -40,24 +40,9 @@ from entropy_discriminator.kernels import triton_fused
 # The public kernels' Triton-language helpers, compiled as Gluon (their builtins take either language's semantics).
 _fold_tile = gluon.jit(triton_fused._fold_tile.fn)
 _store_partials = gluon.jit(triton_fused._store_partials.fn)
+_stream_coords = gluon.jit(triton_fused._stream_coords.fn)
 
 LOG2E = 1.4426950408889634
-
-
-@gluon.jit
-def _producer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, t0, n_tiles, k_tiles, BN: gl.constexpr,
-              BK: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: the K steps of the chunk's tiles in order (step j = i k_tiles + kk into slot j % STAGES of the one
-    ring both consumers read), each slot refilled once the consumer that read it has released it."""
-    nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
-    for i in range(n_tiles):
-        for kk in range(k_tiles):
-            j = i * k_tiles + kk
-            slot = j % STAGES
-            mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(slot), nbytes)
-            tma.async_copy_global_to_shared(a_desc, [row0, kk * BK], ready.index(slot), a_bufs.index(slot))
-            tma.async_copy_global_to_shared(w_desc, [(t0 + i) * BN, kk * BK], ready.index(slot), b_bufs.index(slot))
 
 
 @gluon.constexpr_function
@@ -127,20 +112,11 @@ def _fold(x, col0, V, m, s0, s1, s2, s3, cst, clo, BN: gl.constexpr, MOMENTS: gl
 
 @gluon.jit
 def _program(N, V, H, tiles_per_chunk, group_rows, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
-    """(first row, chunk, chunks, first tile, tiles, K steps) of this program, in ``_fused_stream_kernel``'s order:
-    groups of ``group_rows`` row blocks, row block fastest, then chunk."""
-    pid = gl.program_id(0)
-    num_rb = gl.cdiv(N, BM)
-    n_chunks = gl.num_programs(0) // num_rb
-    per_group = group_rows * n_chunks
-    gid = pid // per_group
-    first = gid * group_rows
-    gsize = gl.minimum(num_rb - first, group_rows)
-    local = pid - gid * per_group
-    chunk = local // gsize
+    """(first row, chunk, chunks, first tile, tiles, K steps) of this program, in ``_fused_stream_kernel``'s order
+    (its ``_stream_coords``)."""
+    rb, chunk, n_chunks = _stream_coords(N, group_rows, BM)
     t0 = chunk * tiles_per_chunk
-    n_tiles = gl.minimum(tiles_per_chunk, gl.cdiv(V, BN) - t0)
-    return (first + local % gsize) * BM, chunk, n_chunks, t0, n_tiles, gl.cdiv(H, BK)
+    return rb * BM, chunk, n_chunks, t0, gl.minimum(tiles_per_chunk, gl.cdiv(V, BN) - t0), gl.cdiv(H, BK)
 
 
 @gluon.jit
@@ -167,15 +143,16 @@ def _pingpong_kernel(a_desc, w_desc, part_ptr, N, V, H, tiles_per_chunk, group_r
                      2 * chunk, cst, clo, BM, BN, STAGES, MOMENTS)),
         (_consumer, (1, a_bufs, b_bufs, ready, empty, turn, part_ptr, row0, t0, n_tiles, k_tiles, N, V, n_cols,
                      2 * chunk + 1, cst, clo, BM, BN, STAGES, MOMENTS)),
-        (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, t0, n_tiles, k_tiles, BN, BK, STAGES)),
+        (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, t0, n_tiles, k_tiles, BM, BN, BK, STAGES, 1)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 @gluon.jit
-def _coop_producer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, t0, n_tiles, k_tiles, BMW: gl.constexpr,
-                   BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, NCONS: gl.constexpr):
-    """One warp: per K step of each tile, the W tile's [BN, BK] slice and NCONS hidden slices [BMW, BK] (one per
-    consumer) into slot j % STAGES, refilled once all NCONS consumers have released it."""
+def _producer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, t0, n_tiles, k_tiles, BMW: gl.constexpr,
+              BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, NCONS: gl.constexpr):
+    """One warp: the K steps of the chunk's tiles in order (step j = i k_tiles + kk into slot j % STAGES of the one
+    ring the consumers read): the W tile's [BN, BK] slice and NCONS hidden slices [BMW, BK] (rows row0 + c BMW), the
+    slot refilled once its readers have released it (ping-pong: NCONS 1, the consumer of that tile)."""
     nbytes: gl.constexpr = NCONS * a_desc.block_type.nbytes + w_desc.block_type.nbytes
     for i in range(n_tiles):
         for kk in range(k_tiles):
@@ -235,8 +212,8 @@ def _coop_kernel(a_desc, w_desc, part_ptr, N, V, H, tiles_per_chunk, group_rows,
                           cst, clo, BMW, BN, STAGES, NCONS, MOMENTS)),
         (_coop_consumer, (1, a_bufs, b_bufs, ready, empty, part_ptr, row0, t0, n_tiles, k_tiles, N, V, n_chunks, chunk,
                           cst, clo, BMW, BN, STAGES, NCONS, MOMENTS)),
-        (_coop_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, t0, n_tiles, k_tiles, BMW, BN, BK,
-                          STAGES, NCONS)),
+        (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, t0, n_tiles, k_tiles, BMW, BN, BK, STAGES,
+                     NCONS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -304,13 +281,11 @@ def compile_only(cfg: dict, hdim: int = 896) -> None:
     """Compile for sm_90 without a GPU and print registers, spills and shared memory (ptxas's report)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 
     h = torch.empty(256, hdim, dtype=torch.bfloat16)
     w = torch.empty(512, hdim, dtype=torch.bfloat16)
     a_desc, w_desc = _descriptors(h, w, cfg)
-    del TensorDescriptor
     sig = {"a_desc": mangle_type(a_desc), "w_desc": mangle_type(w_desc), "part_ptr": "*fp32", "N": "i32", "V": "i32",
            "H": "i32", "tiles_per_chunk": "i32", "group_rows": "i32", "cst": "fp32", "clo": "fp32"}
     kernel, consts = _kernel_and_consts(cfg)

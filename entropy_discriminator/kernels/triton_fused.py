@@ -262,6 +262,22 @@ def _fold_tile(x, c, c_lo, m, s0, s1, s2, s3, MOMENTS: tl.constexpr, FTZ: tl.con
     return m_new, s0, s1, s2, s3
 
 
+@triton.jit
+def _stream_coords(N, group_rows, BM: tl.constexpr):
+    """(row block, chunk, chunks) of this program in the streaming order: the grid is ceil(N / BM) row blocks x
+    the chunks; the row blocks form groups of ``group_rows`` (the last may be smaller), and within a group the row
+    block runs fastest, then the chunk."""
+    pid = tl.program_id(0)
+    num_rb = tl.cdiv(N, BM)
+    n_chunks = tl.num_programs(0) // num_rb
+    per_group = group_rows * n_chunks
+    gid = pid // per_group
+    first = gid * group_rows
+    gsize = tl.minimum(num_rb - first, group_rows)
+    local = pid - gid * per_group
+    return first + local % gsize, local // gsize, n_chunks
+
+
 @triton.jit(do_not_specialize=["tiles_per_chunk", "group_rows"])
 def _fused_stream_kernel(a_desc, w_desc, h_ptr, w_ptr, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, stride_h,
                          stride_w, tiles_per_chunk, group_rows, c, c_lo, inv_t, HAS_BIAS: tl.constexpr,
@@ -282,16 +298,7 @@ def _fused_stream_kernel(a_desc, w_desc, h_ptr, w_ptr, b_ptr, lab_ptr, part_ptr,
     against m (0 when m is -inf), and m again as the max the merge validates: the per-tile partials of
     :func:`_tile_epilogue`, over a chunk of tiles.
     """
-    pid = tl.program_id(0)
-    num_rb = tl.cdiv(N, BM)
-    n_chunks = tl.num_programs(0) // num_rb
-    per_group = group_rows * n_chunks
-    gid = pid // per_group
-    first = gid * group_rows
-    gsize = tl.minimum(num_rb - first, group_rows)
-    local = pid - gid * per_group
-    rb = first + local % gsize
-    chunk = local // gsize
+    rb, chunk, n_chunks = _stream_coords(N, group_rows, BM)
     n_full = V // BN  # tiles with no column past V
     t0 = chunk * tiles_per_chunk
     t1 = tl.minimum(t0 + tiles_per_chunk, tl.cdiv(V, BN))
