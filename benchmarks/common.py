@@ -214,15 +214,17 @@ def bench_ms(fn: Callable[[], object], rep_ms: int = 200, warmup_ms: int = 50) -
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
-def paired_rounds(fns: dict[str, Callable[[], object]], rounds: int = 3, rep_ms: int = 200,
-                  warmup_ms: int = 25) -> dict[str, list[float]]:
+def paired_rounds(fns: dict[str, Callable[[], object]], rounds: int = 3, rep_ms: int = 200, warmup_ms: int = 25,
+                  after: Callable[[], object] | None = None) -> dict[str, list[float]]:
     """Each function's :func:`bench_ms` median once per round, the rounds in alternating order (forward, then
     reversed): the card's clock drifts under long GEMM runs, and the alternation keeps the drift out of the ratios.
-    Returns name -> the rounds' medians (ms)."""
+    ``after`` (if given) runs after each median.  Returns name -> the rounds' medians (ms)."""
     times: dict[str, list[float]] = {k: [] for k in fns}
     for r in range(rounds):
         for k in list(fns) if r % 2 == 0 else list(fns)[::-1]:
             times[k].append(bench_ms(fns[k], rep_ms, warmup_ms))
+            if after is not None:
+                after()
     return times
 
 

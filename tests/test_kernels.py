@@ -384,15 +384,18 @@ def test_stream_plan_on_an_h200():
     assert plan(16384, 2048) == (149, 4, 32)
     assert plan(16384, 896) == (297, 2, 64)
     assert plan(4096, 5120, 152064) == (50, 12, 11)
-    assert plan(65536, 5120, 152064) == (54, 11, 12)
-    # from H 3072 (8 or more groups): the group whose chunks fill the wave most exactly, 11 x 12 = 132
+    assert plan(65536, 5120, 152064) == (18, 33, 12)
+    # from H 3072 (8 or more groups): the group whose chunks fill the wave most exactly, 11 x 12 = 132; then the
+    # chunks split 3-fold, so that the last group (128 mod 12 = 512 mod 12 = 8 row blocks) fills 2 whole waves
     assert plan(4096, 3584, 152064) == (75, 8, 16)  # 2 groups: the rule stays off
-    assert plan(16384, 3584, 152064) == (54, 11, 12)
-    assert plan(65536, 3584, 152064) == (54, 11, 12)
-    assert plan(16384, 5120, 152064) == (54, 11, 12)  # already exact
-    assert plan(65536, 8192, 152064) == (27, 22, 6)  # gmax 8: 22 x 6 = 132 against 16 x 8 = 128
+    assert plan(16384, 3584, 152064) == (18, 33, 12)  # 33 x 128 = 32 waves of 18 tiles; 11 x 128: 11 of 54
+    assert plan(65536, 3584, 152064) == (18, 33, 12)
+    assert plan(16384, 5120, 152064) == (18, 33, 12)
+    assert plan(49152, 3584, 152064) == (54, 11, 12)  # 384 row blocks = 32 groups of 12: 11 x 12 already fills
+    assert plan(65536, 8192, 152064) == (27, 22, 6)  # gmax 8: 22 x 6 = 132 against 16 x 8 = 128; 44: 14 tiles
     assert stream_plan(65536, 152064, 3584, 2, 128, 256, 132, group_mib=4) == (18, 33, 4)  # gmax 4: 33 x 4
-    assert stream_plan(65536, 152064, 3584, 2, 16, 256, 132) == (594, 1, 4096)  # gmax 146 > wave: k <= 132, S 1
+    # gmax 146 > wave: k <= 132, S 1; then 33 chunks fill 1024 waves (1024 x 18 tiles against 32 x 594)
+    assert stream_plan(65536, 152064, 3584, 2, 16, 256, 132) == (18, 33, 132)
     assert plan(128, 896) == (5, 119, 1)  # one row block: the vocabulary split over the SMs
     assert stream_plan(4096, 151936, 896, 2, 128, 256, 132, chunks=8, group_rows=4) == (75, 8, 4)
     assert stream_plan(4096, 151936, 896, 2, 128, 256, 132, chunks=10**6) == (1, 594, 32)
@@ -516,6 +519,7 @@ _INTS = st.one_of(
 
 @settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), stream=st.sampled_from([0, 1]), bias=st.booleans())
+@example(seed=777, stream=0, bias=False)  # log p off by 3.2e-5 at |z| ~ 140 (within 4 ulp of the largest logit)
 def test_fused_label_logit_at_the_row_max_keeps_log_p_at_most_zero(seed, stream, bias):
     """Peaked rows whose label is the argmax: the label's logit, formed apart from the tiles, may round above the
     tiles' max, and s0 may round under 1; the merge caps y_k at the max and log p at 0, so log p <= 0 and S* stays
@@ -530,7 +534,10 @@ def test_fused_label_logit_at_the_row_max_keeps_log_p_at_most_zero(seed, stream,
     out = token_stats_fused_triton(hid.to(DEV), w.to(DEV), labels.to(DEV), None if b is None else b.to(DEV), 0.7, -100,
                                    config=cfg)
     assert bool((out.logp.cpu() <= 0).all()), float(out.logp.max())
-    _check(out, logits, labels, 0.7)
+    # logits reach |z| ~ 140 here: the fp32 epilogue's few roundings of z log2(e) are a few ulp of that (seed 777
+    # read log p off by 3.2e-5 with the per-tile kernel; the fp32 matmul's rounding alone moves it 9.4e-6)
+    ulp = torch.finfo(torch.float32).eps * float(logits.abs().max()) / 0.7
+    _check(out, logits, labels, 0.7, tol=max(3e-5, 4 * ulp))
 
 
 def _triton_spec(v, specialize=True, align=True):
@@ -740,7 +747,7 @@ def test_fused_kernel_rounds_logits_as_the_reference(seed, n, v, logits_dtype, s
        elt=st.sampled_from([2, 4]), bm=st.sampled_from([16, 64, 128]), bn=st.sampled_from([32, 128, 256]),
        wave=st.integers(1, 300), chunks=st.integers(0, 40), group_rows=st.integers(0, 50))  # fmt: skip
 def test_stream_plan_covers_every_tile_once(rows, vocab, hdim, elt, bm, bn, wave, chunks, group_rows):
-    from entropy_discriminator.kernels.triton_fused import stream_plan
+    from entropy_discriminator.kernels.triton_fused import EXACT_WAVE_FROM_H, SPLIT_MIN_TILES, stream_plan
 
     tpc, s, g = stream_plan(rows, vocab, hdim, elt, bm, bn, wave, chunks, group_rows)
     tiles, rb = -(-vocab // bn), -(-rows // bm)
@@ -750,8 +757,10 @@ def test_stream_plan_covers_every_tile_once(rows, vocab, hdim, elt, bm, bn, wave
         assert s <= chunks
     if group_rows and s > 1:
         assert g == min(group_rows, rb)
-    if not chunks and not group_rows and g < rb:
-        assert g * s <= max(wave, g)  # a group's programs fit one wave
+    if not chunks and not group_rows and g < rb and g * s > max(wave, g):  # a group's programs fit one wave, or
+        # (the exact-wave rule's split) k waves: S a multiple of a chunk count whose group fits one wave
+        assert hdim >= EXACT_WAVE_FROM_H and tpc >= SPLIT_MIN_TILES
+        assert any(s % s1 == 0 and g * s1 <= wave for s1 in range(1, s))
 
 
 def test_fused_kernel_bad_rounding_arguments():

@@ -57,6 +57,10 @@ FILL_WAVE_FROM_H = 1536
 # whose chunks fill the wave most exactly (H200, H 3584: 11 x 12 programs ran 1.019-1.020x cuBLAS at N 65536
 # against 1.065-1.080x for 7 x 18, and 1.047-1.048x for the per-tile persistent kernel this replaced).
 EXACT_WAVE_FROM_H = 3072
+# Under that rule the chunks are then split k-fold (k S chunks, each at least this many tiles) where the launch
+# fills its last wave more fully, so that a smaller last group leaves no SM idle (H200, H 3584 and 5120, N 16384:
+# 33 x 12 programs of 18 tiles ran 0.991-1.002x cuBLAS against 1.011-1.030x for 11 x 12 of 54 tiles).
+SPLIT_MIN_TILES = 16
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # logits_dtype -> the epilogue's ROUND code (fp32 logits need no rounding)
 _ROUND_CODES = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -377,13 +381,16 @@ def stream_plan(rows: int, vocab: int, hdim: int, elt: int, bm: int, bn: int, wa
       chunk makes every order the row order (G = rb).
     - With neither given and rb >= 8 G (grouped order): from hdim = :data:`EXACT_WAVE_FROM_H`, G becomes the
       k in [1, min(gmax, wave)] whose evened S = floor(wave / k) fills the wave most (S k the largest, then k the
-      largest); below it, from hdim = :data:`FILL_WAVE_FROM_H`, G widens to min(rb, floor(wave / S)): one group
-      fills the wave, so that a wave's programs do not span two groups.
+      largest); then S becomes the multiple k S (evened, still a multiple of S, at least :data:`SPLIT_MIN_TILES` tiles
+      per chunk) with the least estimate ceil(rb k S / wave) ceil(T / (k S)), the fewest chunks among equals: a
+      group's programs fill k waves, and a last, smaller group no longer leaves SMs idle.  Below it, from hdim =
+      :data:`FILL_WAVE_FROM_H`, G widens to min(rb, floor(wave / S)): one group fills the wave, so that a wave's
+      programs do not span two groups.
 
     On an H200 (132 SMs, occupancy 1; bm 128, bn 256, bf16; V 151936 / 152064) this gives, (H, N): S, G:
     (896, 4096) 4, row order; (896, 16384 and 65536) 2, 64; (1536 and 2048, 4096) 4, row order;
     (1536, 16384) 4, 32; (1536, 65536) 3, 44; (2048, 16384) 4, 32; (2048, 65536) 4, 33; (3584, 4096) 8, 16;
-    (3584, 16384 and 65536) 11, 12; (5120, 4096) 12, 11; (5120, 16384 and 65536) 11, 12.
+    (3584, 16384 and 65536) 33, 12; (5120, 4096) 12, 11; (5120, 16384 and 65536) 33, 12.
     """
     rb = -(-rows // bm)
     nvt = -(-vocab // bn)
@@ -407,6 +414,9 @@ def stream_plan(rows: int, vocab: int, hdim: int, elt: int, bm: int, bn: int, wa
         if hdim >= EXACT_WAVE_FROM_H:
             g = max(range(1, min(gmax, rb, wave) + 1), key=lambda k: (_evened(wave // k, nvt)[1] * k, k))
             tpc, s = _evened(wave // g, nvt)
+            splits = [_evened(k * s, nvt) for k in range(2, nvt // s + 1)]
+            splits = [(tk, sk) for tk, sk in splits if sk % s == 0 and tk >= SPLIT_MIN_TILES]
+            tpc, s = min([(tpc, s), *splits], key=lambda o: -(-rb * o[1] // wave) * o[0])  # ties: the fewest chunks
         elif hdim >= FILL_WAVE_FROM_H:
             g = min(rb, max(g, wave // s))
     return tpc, s, (rb if s == 1 else g)
