@@ -13,12 +13,11 @@ over ``process_group``.  An empty batch is a no-op.  Losses are per token: the c
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from ._checks import as_valid_mask, broadcast_advantages, require_finite, require_float, require_shape
+from ._checks import as_valid_mask, broadcast_advantages, real_number, require_finite, require_float, require_shape
 from .distributed import Group, all_reduce, global_top_k, kth_smallest, rank_offset, top_k_mask
 from .dynamics import covariance_terms
 
@@ -57,19 +56,13 @@ def ppo_clip_losses(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantag
     """
     require_float("log_prob", log_prob)
     require_shape("old_log_prob", old_log_prob, log_prob.shape, "log_prob")
-    _number("clip_ratio_low", clip_ratio_low, lambda x: x >= 0, "a number >= 0")
-    _number("clip_ratio_high", clip_ratio_high, lambda x: x >= 0, "a number >= 0")
+    real_number("clip_ratio_low", clip_ratio_low, finite=False, minimum=0)  # inf: no clip
+    real_number("clip_ratio_high", clip_ratio_high, finite=False, minimum=0)
     adv = broadcast_advantages(advantages, log_prob.shape).to(log_prob.device, log_prob.dtype)
     ratio = torch.exp(log_prob - old_log_prob)
     pg1 = -adv * ratio
     pg2 = -adv * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
     return torch.maximum(pg1, pg2), pg2 > pg1
-
-
-def _number(name: str, value: object, ok: Callable[[float], bool], wanted: str) -> None:
-    """``ValueError`` naming ``name`` unless ``value`` is an int or float for which ``ok`` holds."""
-    if not (isinstance(value, (int, float)) and ok(value)):
-        raise ValueError(f"{name} must be {wanted}, got {value!r}")
 
 
 def _token_covariance(adv: torch.Tensor, log_prob: torch.Tensor, valid: torch.Tensor, group: Group) -> tuple[torch.Tensor, int]:
@@ -106,7 +99,7 @@ def clip_cov_losses(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantag
     ``[B, T]``.
     """
     adv, valid = _checked(log_prob, old_log_prob, advantages, valid)
-    _number("clip_cov_ratio", clip_cov_ratio, lambda x: 0 < x <= 1, "a number in (0, 1]")
+    real_number("clip_cov_ratio", clip_cov_ratio, above=0, maximum=1)
     if not clip_cov_lb < clip_cov_ub:
         raise ValueError(f"clip_cov_lb ({clip_cov_lb}) must be < clip_cov_ub ({clip_cov_ub})")
     pg, clipped = ppo_clip_losses(log_prob, old_log_prob, adv, clip_ratio_low=clip_ratio_low,
@@ -140,8 +133,8 @@ def kl_cov_losses(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages
     as :func:`clip_cov_losses`; the losses have ``log_prob``'s dtype and carry the gradient.
     """
     adv, valid = _checked(log_prob, old_log_prob, advantages, valid)
-    _number("kl_cov_ratio", kl_cov_ratio, lambda x: 0 < x <= 1, "a number in (0, 1]")
-    _number("ppo_kl_coef", ppo_kl_coef, lambda x: x >= 0, "a number >= 0")
+    real_number("kl_cov_ratio", kl_cov_ratio, above=0, maximum=1)
+    real_number("ppo_kl_coef", ppo_kl_coef, minimum=0)
     diff = log_prob - old_log_prob
     a = adv.to(log_prob.dtype)
     pg = -a * torch.exp(diff)
@@ -164,7 +157,7 @@ def high_entropy_mask(entropy: torch.Tensor, valid: torch.Tensor, *, rho: float 
     """
     require_float("entropy", entropy)
     valid = as_valid_mask(valid, entropy.shape)
-    _number("rho", rho, lambda x: 0 < x <= 1, "a number in (0, 1]")
+    real_number("rho", rho, above=0, maximum=1)
     require_finite("entropy", entropy, valid)
     n = int(all_reduce(valid.sum().to(torch.float64), process_group))
     if n == 0:
@@ -195,7 +188,7 @@ def unlikeliness_scores(scores: torch.Tensor, seq_log_prob: torch.Tensor, group_
         raise ValueError(f"scores and seq_log_prob must be 1-D of equal shape, got {tuple(scores.shape)} and {tuple(seq_log_prob.shape)}")
     if group_size < 1 or len(scores) % group_size:
         raise ValueError(f"group_size must be >= 1 and divide the batch ({len(scores)}), got {group_size}")
-    _number("rank_penalty", rank_penalty, lambda x: 0 <= x <= 1, "a number in [0, 1]")
+    real_number("rank_penalty", rank_penalty, minimum=0, maximum=1)
     require_finite("seq_log_prob", seq_log_prob)
     lp = seq_log_prob.detach().view(-1, group_size)
     order = torch.argsort(lp, dim=1, stable=True)
@@ -211,7 +204,7 @@ def entropy_bonus(entropy: torch.Tensor, valid: torch.Tensor, *, coef: float, pr
     """
     require_float("entropy", entropy)
     valid = as_valid_mask(valid, entropy.shape)
-    _number("coef", coef, math.isfinite, "a finite number")
+    real_number("coef", coef)
     n = float(all_reduce(valid.sum().to(torch.float64), process_group))
     total = torch.where(valid, entropy, torch.zeros((), dtype=entropy.dtype, device=entropy.device)).sum()
     return -coef * total / max(n, 1.0)
