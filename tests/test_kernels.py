@@ -401,6 +401,40 @@ def test_stream_plan_on_an_h200():
     assert stream_plan(4096, 151936, 896, 2, 128, 256, 132, chunks=10**6) == (1, 594, 32)
 
 
+def test_stream_slices_on_an_h200():
+    """Where the one-launch plan leaves 4 of 132 SMs idle in its last wave, a body of whole-wave groups, then the
+    remaining row blocks planned alone; the plans from H 3072 that already fill whole waves stay one launch."""
+    from entropy_discriminator.kernels.triton_fused import stream_slices
+
+    def slices(n, h, v=151936):
+        return [(rows // 128, *rest) for rows, *rest in stream_slices(n, v, h, 2, 128, 256, 132)]
+
+    assert slices(4096, 896) == [(22, 99, 6, 22), (10, 46, 13, 10)]  # row order: 6 chunks x 22 = 132 programs
+    assert slices(16384, 896) == [(66, 297, 2, 66), (62, 35, 17, 62)]  # the plan's 2 chunks, groups of 66 not 64
+    assert slices(65536, 896) == [(462, 297, 2, 66), (50, 46, 13, 50)]
+    assert slices(16384, 2048) == [(99, 149, 4, 33), (29, 66, 9, 29)]
+    assert slices(65536, 1536) == [(484, 198, 3, 44), (28, 66, 9, 28)]  # 44 x 3 filled each wave; 28 left over
+    assert slices(4096, 5120, 152064) == [(22, 50, 12, 11), (10, 46, 13, 10)]
+    assert slices(4096, 3584, 152064) == [(32, 75, 8, 16)]  # 8 chunks do not divide 132
+    assert slices(16384, 3584, 152064) == [(128, 18, 33, 12)]  # 33 x 128 programs: 32 whole waves already
+    assert slices(65536, 5120, 152064) == [(512, 18, 33, 12)]
+    assert slices(128, 896) == [(1, 5, 119, 1)]  # one row block: nothing to split
+
+
+def test_fused_stream_kernel_body_and_tail(monkeypatch):
+    """The default launches follow :func:`stream_slices`: 41 rows in 16-row blocks on a wave of 4 programs run as
+    2 row blocks in 2 chunks (one whole wave), then the last 9 rows in 4 chunks; both match float64."""
+    from entropy_discriminator.kernels import triton_fused
+
+    monkeypatch.setattr(triton_fused, "_num_sms", lambda device: 4)
+    runs = only_fused_kernel(monkeypatch, "stream")
+    assert triton_fused.stream_slices(41, 500, 48, 2, 16, 64, 4) == ((32, 4, 2, 2), (9, 2, 4, 1))
+    hid, w, b, labels = _fused_problem(5, 41, 48, 500, torch.float16, True)
+    out = token_stats_fused_triton(hid, w, labels, b, 0.9, -100, config={"bm": 16, "bn": 64, "bk": 16})
+    assert runs["launches"] == 2
+    _check(out, _float64_logits(hid, w, b), labels, 0.9)
+
+
 def test_programs_per_wave_reads_the_compiled_kernel_once(monkeypatch):
     """One wave = SMs x programs per SM, limited by the compiled kernel's registers (allocated per warp in units of
     256), its shared memory (+1 KiB per block) and the SM's threads; compiled once per configuration (H200-like
@@ -761,6 +795,25 @@ def test_stream_plan_covers_every_tile_once(rows, vocab, hdim, elt, bm, bn, wave
         # (the exact-wave rule's split) k waves: S a multiple of a chunk count whose group fits one wave
         assert hdim >= EXACT_WAVE_FROM_H and tpc >= SPLIT_MIN_TILES
         assert any(s % s1 == 0 and g * s1 <= wave for s1 in range(1, s))
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 200_000), vocab=st.integers(1, 300_000), hdim=st.integers(8, 9000),
+       bm=st.sampled_from([16, 64, 128]), bn=st.sampled_from([32, 128, 256]), wave=st.integers(1, 300))
+def test_stream_slices_cover_the_rows_with_fewer_waves(rows, vocab, hdim, bm, bn, wave):
+    from entropy_discriminator.kernels.triton_fused import _waves_estimate, stream_plan, stream_slices
+
+    parts = stream_slices(rows, vocab, hdim, 2, bm, bn, wave)
+    assert sum(n for n, *_ in parts) == rows and len(parts) <= 2
+    one = stream_plan(rows, vocab, hdim, 2, bm, bn, wave)
+    if parts == ((rows, *one),):
+        return
+    (body, tpc, s, g), *tail = parts  # else groups of exactly one wave (then the rest planned alone)
+    tiles = -(-vocab // bn)
+    assert -(-body // bm) % g == 0 and g * s == wave and (s - 1) * tpc < tiles <= s * tpc  # every tile once
+    assert all(tuple(plan) == stream_plan(n, vocab, hdim, 2, bm, bn, wave) for n, *plan in tail)
+    cost = sum(_waves_estimate(n, bm, wave, t, c) for n, t, c, _ in parts)
+    assert cost < _waves_estimate(rows, bm, wave, *one[:2])
 
 
 def test_fused_kernel_bad_rounding_arguments():

@@ -12,7 +12,8 @@ partial j, the reference m_j (the NaN-propagating max of y over the partial's co
   program owns BM rows and one chunk of the vocabulary (P = S chunks) and walks the chunk's [BM, BN] logits tiles
   with TMA-loaded operands, the V and K loops pipelined as one, keeping running statistics per row; the chunk
   count and a grouped program order come from :func:`stream_plan` (fill one wave at the compiled occupancy; keep
-  the hidden blocks in flight within L2).
+  the hidden blocks in flight within L2), and :func:`stream_slices` may split the rows into a body of whole waves
+  and a tail, each its own launch.
 - Per tile (:func:`_fused_tile_kernel`; fp32, unaligned strides, pre-Hopper GPUs): one program per [BM, BN] tile
   (in groups of GROUP_M row blocks), operands through pointers, P = ceil(V / BN) partials.
 """
@@ -36,7 +37,7 @@ try:  # host-side TMA descriptors (Triton >= 3.2); without them the pointer kern
 except ImportError:  # pragma: no cover - depends on the installed Triton
     TensorDescriptor = None
 
-__all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG", "stream_plan", "stream_spec"]
+__all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG", "stream_plan", "stream_slices", "stream_spec"]
 
 # Tiles: bm x bn logits, bk deep K steps, num_warps, stages (both kernels); moments (4: every statistic; 2: logp and
 # H alone, sum p^2 and E_p[S] read 0; 0: the matmul and the row max alone, a timing floor); branch: the per-tile
@@ -422,6 +423,49 @@ def stream_plan(rows: int, vocab: int, hdim: int, elt: int, bm: int, bn: int, wa
     return tpc, s, (rb if s == 1 else g)
 
 
+@functools.lru_cache(maxsize=512)
+def stream_slices(rows: int, vocab: int, hdim: int, elt: int, bm: int, bn: int, wave: int,
+                  group_mib: float = 16.0) -> tuple[tuple[int, int, int, int], ...]:
+    """The streaming kernel's launches for ``rows`` rows under the default rule: a tuple of (rows, tiles per chunk,
+    chunks S, row blocks per group G), one per launch, in row order, the rows summing to ``rows``.
+
+    One launch of :func:`stream_plan`'s (tpc, S, G), unless that leaves part of the last wave idle where whole
+    groups could fill it.  A chunk count d that divides ``wave`` (S itself in the grouped order, G < rb =
+    ceil(rows / bm); any such d > 1 that evens exactly in row order) makes groups of W = wave / d row blocks,
+    each exactly one wave: a body of the largest multiple of W row blocks runs (ceil(T / d), d, W), and the rest
+    (the tail, if any) runs next, planned alone by :func:`stream_plan`.  The body and tail with the least
+    estimate, waves x (tiles per chunk + 1) summed over the launches as in :func:`stream_plan`, are taken when
+    below the one launch's.
+
+    On an H200 (wave 132; bm 128, bn 256, bf16; T = 594 tiles), (H, N): body + tail row blocks, chunks: (896,
+    4096) 22 + 10, 6 and 13; (896, 16384) 66 + 62, 2 and 17; (896, 65536) 462 + 50, 2 and 13; (1536 and 2048,
+    4096) as 896; (1536 and 2048, 16384) 99 + 29, 4 and 9; (1536, 65536) 484 + 28, 3 and 9; (2048, 65536)
+    495 + 17, 4 and 15; (5120, 4096) 22 + 10, 12 and 13.  The one-launch plans left out fill 128 of 132 SMs in
+    their last wave (N a power of two); the plans from H 3072 at N >= 16384 already fill whole waves.
+    """
+    tpc, s, g = stream_plan(rows, vocab, hdim, elt, bm, bn, wave, group_mib=group_mib)
+    rb, nvt = -(-rows // bm), -(-vocab // bn)
+    best, least = ((rows, tpc, s, g),), _waves_estimate(rows, bm, wave, tpc, s)
+    for d in [s] if g < rb else range(2, min(wave, nvt) + 1):
+        d_tpc, d_s = _evened(d, nvt)
+        if wave % d or d_s != d or wave // d > rb:
+            continue
+        body = rb // (wave // d) * (wave // d) * bm
+        parts = ((min(body, rows), d_tpc, d, wave // d),)
+        if rows > body:
+            parts += ((rows - body, *stream_plan(rows - body, vocab, hdim, elt, bm, bn, wave, group_mib=group_mib)),)
+        cost = sum(_waves_estimate(n, bm, wave, t, c) for n, t, c, _ in parts)
+        if cost < least:
+            best, least = parts, cost
+    return best
+
+
+def _waves_estimate(rows: int, bm: int, wave: int, tpc: int, chunks: int) -> int:
+    """ceil(ceil(rows / bm) chunks / wave) (tpc + 1): waves x the tiles of a chunk, plus about one tile's worth for
+    a program's pipeline fill and partials."""
+    return -(-(-(-rows // bm)) * chunks // wave) * (tpc + 1)
+
+
 def _evened(s: int, nvt: int) -> tuple[int, int]:
     """(tiles per chunk, chunks) for about ``s`` chunks of ``nvt`` tiles: s clipped to [1, nvt], then
     ceil(nvt / s) tiles per chunk and as many chunks as that needs (no empty chunk)."""
@@ -470,7 +514,8 @@ def token_stats_fused_triton(
     16-bit inputs with TMA-addressable strides on Hopper or newer run the streaming kernel
     (:func:`_fused_stream_kernel`, launch plan :func:`stream_plan`), partials fp32 [6, rows, S]; others the
     per-tile pointer kernel, partials fp32 [6, rows, ceil(V / bn)]; then :func:`._reduce.merge_kernel`.  Rows go in
-    slices of ``rows_per_launch`` (default: partials <= 256 MiB).  ``config`` overrides :data:`DEFAULT_CONFIG`
+    slices of ``rows_per_launch``, one plan for all (default: the launches of :func:`stream_slices` for the whole
+    batch, or slices whose partials stay <= 256 MiB).  ``config`` overrides :data:`DEFAULT_CONFIG`
     (benchmarks and tests; ``moments=2`` skips sum p^2 and E_p[S], which read 0; ``moments=0`` every exponential, a
     timing floor).  ``logits_dtype`` rounds L = hidden @ W.T + b in the epilogue, z = fp32(round(L)) / T; with
     ``temperature_in_logits_dtype`` z = fp32(round(round(L) * fp32(1/T))), as torch's ``low_logits / T``
@@ -537,6 +582,7 @@ def token_stats_fused_triton(
                 return stream_plan(rows, vocab, hdim, hidden.element_size(), bm, bn, wave, int(cfg["chunks"]),
                                    int(cfg["group_rows"]), float(cfg["group_mib"]))  # fmt: skip
 
+            fixed = rows_per_launch is not None or cfg["chunks"] or cfg["group_rows"]
             if rows_per_launch is None:  # the largest slice whose partials fit, re-planned for that slice
                 rows_per_launch = n_rows
                 for _ in range(4):
@@ -544,13 +590,21 @@ def token_stats_fused_triton(
                     if 24 * rows_per_launch * s <= _WORKSPACE_BYTES or rows_per_launch <= bm:
                         break
                     rows_per_launch = max(bm, (_WORKSPACE_BYTES // (24 * s)) // bm * bm)
-            tpc, n_cols, g = plan(min(n_rows, rows_per_launch))
+            if fixed or rows_per_launch < n_rows:  # slices of rows_per_launch rows, one plan
+                launches = [(r0, min(n_rows, r0 + rows_per_launch), *plan(min(n_rows, rows_per_launch)))
+                            for r0 in range(0, n_rows, rows_per_launch)]  # fmt: skip
+            else:  # the whole batch: one launch, or a body of whole waves and its tail (stream_slices)
+                launches, r0 = [], 0
+                for rows, tpc, s, g in stream_slices(n_rows, vocab, hdim, hidden.element_size(), bm, bn, wave,
+                                                     float(cfg["group_mib"])):  # fmt: skip
+                    launches.append((r0, r0 + rows, tpc, s, g))
+                    r0 += rows
         else:
-            n_cols = n_tiles
             if rows_per_launch is None:
                 rows_per_launch = max(bm, (_WORKSPACE_BYTES // (24 * n_tiles)) // bm * bm)
-        for r0 in range(0, n_rows, rows_per_launch):
-            r1 = min(n_rows, r0 + rows_per_launch)
+            launches = [(r0, min(n_rows, r0 + rows_per_launch), 0, n_tiles, 0)
+                        for r0 in range(0, n_rows, rows_per_launch)]  # fmt: skip
+        for r0, r1, tpc, n_cols, g in launches:
             rows = r1 - r0
             part = torch.empty((6, rows, n_cols), device=dev, dtype=torch.float32)
             yk = torch.full((rows,), float("nan"), device=dev, dtype=torch.float32)
