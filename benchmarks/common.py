@@ -228,6 +228,14 @@ def paired_rounds(fns: dict[str, Callable[[], object]], rounds: int = 3, rep_ms:
     return times
 
 
+def round_ratios(times: dict[str, list[float]], base: str) -> str:
+    """``name mean (min-max)`` of each function's rounds (:func:`paired_rounds`) over the mean of ``base``'s, for
+    every name but ``base``, comma-separated."""
+    ref = sum(times[base]) / len(times[base])
+    return ", ".join(f"{k} {sum(x) / len(x) / ref:.3f} ({min(x) / ref:.3f}-{max(x) / ref:.3f})"
+                     for k, x in times.items() if k != base)  # fmt: skip
+
+
 def extra_peak_mib(fn: Callable[[], object]) -> tuple[float, object]:
     """Peak device memory allocated by one call of ``fn`` above what was live before it, in MiB."""
     free_memory()

@@ -402,35 +402,37 @@ def test_stream_plan_on_an_h200():
 
 
 def test_stream_slices_on_an_h200():
-    """Where the one-launch plan leaves 4 of 132 SMs idle in its last wave, a body of whole-wave groups, then the
-    remaining row blocks planned alone; the plans from H 3072 that already fill whole waves stay one launch."""
+    """Below H 3072, where the grouped one-launch plan leaves 4 of 132 SMs idle in its last wave: a body of
+    whole-wave groups, then the remaining row blocks planned alone; row order and the exact-wave plans from H 3072
+    stay one launch."""
     from entropy_discriminator.kernels.triton_fused import stream_slices
 
     def slices(n, h, v=151936):
         return [(rows // 128, *rest) for rows, *rest in stream_slices(n, v, h, 2, 128, 256, 132)]
 
-    assert slices(4096, 896) == [(22, 99, 6, 22), (10, 46, 13, 10)]  # row order: 6 chunks x 22 = 132 programs
     assert slices(16384, 896) == [(66, 297, 2, 66), (62, 35, 17, 62)]  # the plan's 2 chunks, groups of 66 not 64
     assert slices(65536, 896) == [(462, 297, 2, 66), (50, 46, 13, 50)]
     assert slices(16384, 2048) == [(99, 149, 4, 33), (29, 66, 9, 29)]
     assert slices(65536, 1536) == [(484, 198, 3, 44), (28, 66, 9, 28)]  # 44 x 3 filled each wave; 28 left over
-    assert slices(4096, 5120, 152064) == [(22, 50, 12, 11), (10, 46, 13, 10)]
-    assert slices(4096, 3584, 152064) == [(32, 75, 8, 16)]  # 8 chunks do not divide 132
-    assert slices(16384, 3584, 152064) == [(128, 18, 33, 12)]  # 33 x 128 programs: 32 whole waves already
-    assert slices(65536, 5120, 152064) == [(512, 18, 33, 12)]
+    assert slices(65536, 2048) == [(495, 149, 4, 33), (17, 40, 15, 17)]
+    assert slices(4096, 896) == [(32, 149, 4, 32)]  # row order: one group
+    assert slices(4096, 5120, 152064) == [(32, 50, 12, 11)]  # from H 3072: the exact-wave rule's plans
+    assert slices(16384, 3584, 152064) == [(128, 18, 33, 12)]
     assert slices(128, 896) == [(1, 5, 119, 1)]  # one row block: nothing to split
 
 
 def test_fused_stream_kernel_body_and_tail(monkeypatch):
-    """The default launches follow :func:`stream_slices`: 41 rows in 16-row blocks on a wave of 4 programs run as
-    2 row blocks in 2 chunks (one whole wave), then the last 9 rows in 4 chunks; both match float64."""
+    """The default launches follow :func:`stream_slices`: 41 rows in 16-row blocks, groups of at most 2 row blocks
+    (the L2 budget), on a wave of 4 programs run as 2 row blocks in 2 chunks (one whole wave), then the last 9 rows
+    in 4 chunks, both with the loops not flattened; they match float64."""
     from entropy_discriminator.kernels import triton_fused
 
-    monkeypatch.setattr(triton_fused, "_num_sms", lambda device: 4)
+    monkeypatch.setattr(triton_fused, "_programs_per_wave", lambda *args: 4)
     runs = only_fused_kernel(monkeypatch, "stream")
-    assert triton_fused.stream_slices(41, 500, 48, 2, 16, 64, 4) == ((32, 4, 2, 2), (9, 2, 4, 1))
+    assert triton_fused.stream_slices(41, 500, 48, 2, 16, 64, 4, 0.003) == ((32, 4, 2, 2), (9, 2, 4, 1))
     hid, w, b, labels = _fused_problem(5, 41, 48, 500, torch.float16, True)
-    out = token_stats_fused_triton(hid, w, labels, b, 0.9, -100, config={"bm": 16, "bn": 64, "bk": 16})
+    config = {"bm": 16, "bn": 64, "bk": 16, "group_mib": 0.003}
+    out = token_stats_fused_triton(hid, w, labels, b, 0.9, -100, config=config)
     assert runs["launches"] == 2
     _check(out, _float64_logits(hid, w, b), labels, 0.9)
 

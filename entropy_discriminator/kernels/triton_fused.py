@@ -44,12 +44,13 @@ __all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG", "stream_plan", "stream_
 # kernel masks the columns past V only in the last column tile (a block-uniform branch; 0: in every tile); maxnreg:
 # register cap per thread (0: none; benchmarks only).
 # stream: 1 runs the streaming TMA kernel where the inputs allow it (0: the per-tile pointer kernel);
-# flatten: its V and K loops pipelined as one; chunks / group_rows: its vocabulary chunks and row blocks per group
+# flatten: its V and K loops pipelined as one (1), or not (0; -1: not where :func:`stream_slices` splits the rows
+# into a body and a tail, else as one); chunks / group_rows: its vocabulary chunks and row blocks per group
 # (0: :func:`stream_plan`'s rule); group_mib: the rule's L2 budget for a group's hidden blocks (MiB).  group_m:
 # the per-tile kernel's row blocks per group.  128 x 256 x 64 tiles, 8 warps, 3 stages, flattened: the streaming
 # schedule's best tiles on an H200 (benchmarks/fused_ws_probe.py, benchmarks/RESULTS.md).
 DEFAULT_CONFIG = {"bm": 128, "bn": 256, "bk": 64, "num_warps": 8, "stages": 3, "moments": 4, "branch": 1,
-                  "maxnreg": 0, "stream": 1, "flatten": 1, "chunks": 0, "group_rows": 0,
+                  "maxnreg": 0, "stream": 1, "flatten": -1, "chunks": 0, "group_rows": 0,
                   "group_mib": 16, "group_m": 8}  # fmt: skip
 # From this hidden size on, with 8 or more groups of row blocks, :func:`stream_plan` widens a group to fill the wave
 # (H200, N 65536: 3-5 % faster at H 1536 and 2048; H 896 1-2 % slower; 4 groups: neutral or slower).
@@ -429,35 +430,31 @@ def stream_slices(rows: int, vocab: int, hdim: int, elt: int, bm: int, bn: int, 
     """The streaming kernel's launches for ``rows`` rows under the default rule: a tuple of (rows, tiles per chunk,
     chunks S, row blocks per group G), one per launch, in row order, the rows summing to ``rows``.
 
-    One launch of :func:`stream_plan`'s (tpc, S, G), unless that leaves part of the last wave idle where whole
-    groups could fill it.  A chunk count d that divides ``wave`` (S itself in the grouped order, G < rb =
-    ceil(rows / bm); any such d > 1 that evens exactly in row order) makes groups of W = wave / d row blocks,
-    each exactly one wave: a body of the largest multiple of W row blocks runs (ceil(T / d), d, W), and the rest
-    (the tail, if any) runs next, planned alone by :func:`stream_plan`.  The body and tail with the least
-    estimate, waves x (tiles per chunk + 1) summed over the launches as in :func:`stream_plan`, are taken when
-    below the one launch's.
+    One launch of :func:`stream_plan`'s (tpc, S, G), unless, below H = :data:`EXACT_WAVE_FROM_H`, its grouped order
+    (G < rb = ceil(rows / bm)) leaves part of the last wave idle where whole groups could fill it: with S dividing
+    ``wave``, W = wave / S row blocks make a group of exactly one wave.  Then a body of the largest multiple of W
+    row blocks runs (tpc, S, W), and the remaining row blocks (the tail) run next, planned alone by
+    :func:`stream_plan`; taken when the estimate waves x (tiles per chunk + 1), summed over the launches as in
+    :func:`stream_plan`, is below the one launch's.  Such a body and tail run their V and K loops unflattened
+    (:data:`DEFAULT_CONFIG`'s ``flatten`` -1).
 
-    On an H200 (wave 132; bm 128, bn 256, bf16; T = 594 tiles), (H, N): body + tail row blocks, chunks: (896,
-    4096) 22 + 10, 6 and 13; (896, 16384) 66 + 62, 2 and 17; (896, 65536) 462 + 50, 2 and 13; (1536 and 2048,
-    4096) as 896; (1536 and 2048, 16384) 99 + 29, 4 and 9; (1536, 65536) 484 + 28, 3 and 9; (2048, 65536)
-    495 + 17, 4 and 15; (5120, 4096) 22 + 10, 12 and 13.  The one-launch plans left out fill 128 of 132 SMs in
-    their last wave (N a power of two); the plans from H 3072 at N >= 16384 already fill whole waves.
+    On an H200 (wave 132; bm 128, bn 256, bf16), (H, N): body + tail row blocks, their chunks: (896, 16384)
+    66 + 62, 2 and 17; (896, 65536) 462 + 50, 2 and 13; (1536 and 2048, 16384) 99 + 29, 4 and 9; (1536, 65536)
+    484 + 28, 3 and 9; (2048, 65536) 495 + 17, 4 and 15.  Their one-launch plans fill 128 of 132 SMs in the last
+    wave (N a power of two); a probe ran the split unflattened 1-7 % faster than the one launch at all twelve
+    (benchmarks/results/h200/slices_2026-11-30/).
     """
     tpc, s, g = stream_plan(rows, vocab, hdim, elt, bm, bn, wave, group_mib=group_mib)
-    rb, nvt = -(-rows // bm), -(-vocab // bn)
-    best, least = ((rows, tpc, s, g),), _waves_estimate(rows, bm, wave, tpc, s)
-    for d in [s] if g < rb else range(2, min(wave, nvt) + 1):
-        d_tpc, d_s = _evened(d, nvt)
-        if wave % d or d_s != d or wave // d > rb:
-            continue
-        body = rb // (wave // d) * (wave // d) * bm
-        parts = ((min(body, rows), d_tpc, d, wave // d),)
-        if rows > body:
-            parts += ((rows - body, *stream_plan(rows - body, vocab, hdim, elt, bm, bn, wave, group_mib=group_mib)),)
-        cost = sum(_waves_estimate(n, bm, wave, t, c) for n, t, c, _ in parts)
-        if cost < least:
-            best, least = parts, cost
-    return best
+    rb, whole = -(-rows // bm), wave // s
+    one = ((rows, tpc, s, g),)
+    if hdim >= EXACT_WAVE_FROM_H or not g < rb or s == 1 or wave % s or whole > rb:
+        return one
+    body = rb // whole * whole * bm
+    parts = ((min(body, rows), tpc, s, whole),)
+    if rows > body:
+        parts += ((rows - body, *stream_plan(rows - body, vocab, hdim, elt, bm, bn, wave, group_mib=group_mib)),)
+    cost = sum(_waves_estimate(n, bm, wave, t, c) for n, t, c, _ in parts)
+    return parts if cost < _waves_estimate(rows, bm, wave, tpc, s) else one
 
 
 def _waves_estimate(rows: int, bm: int, wave: int, tpc: int, chunks: int) -> int:
@@ -599,6 +596,8 @@ def token_stats_fused_triton(
                                                      float(cfg["group_mib"])):  # fmt: skip
                     launches.append((r0, r0 + rows, tpc, s, g))
                     r0 += rows
+                if cfg["flatten"] < 0 and len(launches) > 1:  # a body and its tail: loops not flattened
+                    consts["FLATTEN"] = False
         else:
             if rows_per_launch is None:
                 rows_per_launch = max(bm, (_WORKSPACE_BYTES // (24 * n_tiles)) // bm * bm)
