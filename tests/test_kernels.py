@@ -402,24 +402,23 @@ def test_stream_plan_on_an_h200():
 
 
 def test_stream_slices_on_an_h200():
-    """Below H 3072, where the one-launch plan leaves 4 of 132 SMs idle in its last wave: in row order a short last
-    chunk on those SMs; in grouped order a body of whole-wave groups, then the remaining row blocks planned alone;
-    the exact-wave plans from H 3072 stay one launch.  (rows / 128, tiles per chunk, chunks, group, E)"""
+    """Below H 3072, where the grouped one-launch plan leaves 4 of 132 SMs idle in its last wave: a body of
+    whole-wave groups, then the remaining row blocks planned alone; row order and the exact-wave plans from H 3072
+    stay one launch."""
     from entropy_discriminator.kernels.triton_fused import stream_slices
 
     def slices(n, h, v=151936):
         return [(rows // 128, *rest) for rows, *rest in stream_slices(n, v, h, 2, 128, 256, 132)]
 
-    # 4 chunks of 145 tiles x 32 row blocks on 128 SMs; the last 14 tiles of every row block on the 4 others
-    assert slices(4096, 896) == [(32, 145, 5, 32, 4)]
-    assert slices(4096, 2048) == [(32, 145, 5, 32, 4)]
-    assert slices(16384, 896) == [(66, 297, 2, 66, 66), (62, 35, 17, 62, 62)]  # 2 chunks, groups of 66 not 64
-    assert slices(65536, 896) == [(462, 297, 2, 66, 462), (50, 46, 13, 50, 50)]
-    assert slices(16384, 2048) == [(99, 149, 4, 33, 99), (29, 66, 9, 29, 29)]
-    assert slices(65536, 1536) == [(484, 198, 3, 44, 484), (28, 66, 9, 28, 28)]  # 44 x 3 filled each wave
-    assert slices(65536, 2048) == [(495, 149, 4, 33, 495), (17, 40, 15, 17, 17)]
-    assert slices(4096, 5120, 152064) == [(32, 50, 12, 11, 32)]  # from H 3072: the exact-wave rule's plans
-    assert slices(16384, 3584, 152064) == [(128, 18, 33, 12, 128)]
+    assert slices(16384, 896) == [(66, 297, 2, 66), (62, 35, 17, 62)]  # the plan's 2 chunks, groups of 66 not 64
+    assert slices(65536, 896) == [(462, 297, 2, 66), (50, 46, 13, 50)]
+    assert slices(16384, 2048) == [(99, 149, 4, 33), (29, 66, 9, 29)]
+    assert slices(65536, 1536) == [(484, 198, 3, 44), (28, 66, 9, 28)]  # 44 x 3 filled each wave; 28 left over
+    assert slices(65536, 2048) == [(495, 149, 4, 33), (17, 40, 15, 17)]
+    assert slices(4096, 896) == [(32, 149, 4, 32)]  # row order: one group
+    assert slices(4096, 5120, 152064) == [(32, 50, 12, 11)]  # from H 3072: the exact-wave rule's plans
+    assert slices(16384, 3584, 152064) == [(128, 18, 33, 12)]
+    assert slices(128, 896) == [(1, 5, 119, 1)]  # one row block: nothing to split
 
 
 def test_fused_stream_kernel_body_and_tail(monkeypatch):
@@ -430,27 +429,12 @@ def test_fused_stream_kernel_body_and_tail(monkeypatch):
 
     monkeypatch.setattr(triton_fused, "_programs_per_wave", lambda *args: 4)
     runs = only_fused_kernel(monkeypatch, "stream")
-    assert triton_fused.stream_slices(41, 500, 48, 2, 16, 64, 4, 0.003) == ((32, 4, 2, 2, 2), (9, 2, 4, 1, 1))
+    assert triton_fused.stream_slices(41, 500, 48, 2, 16, 64, 4, 0.003) == ((32, 4, 2, 2), (9, 2, 4, 1))
     hid, w, b, labels = _fused_problem(5, 41, 48, 500, torch.float16, True)
     config = {"bm": 16, "bn": 64, "bk": 16, "group_mib": 0.003}
     out = token_stats_fused_triton(hid, w, labels, b, 0.9, -100, config=config)
     assert runs["launches"] == 2
     _check(out, _float64_logits(hid, w, b), labels, 0.9)
-
-
-def test_fused_stream_kernel_last_chunk_taken_in_turn(monkeypatch):
-    """Row order on a wave of 5 programs: 3 row blocks (the last partial) x a first chunk of 6 tiles on 3
-    programs, and the last chunk (tiles 6-7, the partial tile peeled) of all three on the other 2: one takes row
-    blocks 0 and 2, one row block 1, and the last chunk's third program does nothing; it matches float64."""
-    from entropy_discriminator.kernels import triton_fused
-
-    monkeypatch.setattr(triton_fused, "_programs_per_wave", lambda *args: 5)
-    runs = only_fused_kernel(monkeypatch, "stream")
-    assert triton_fused.stream_slices(41, 500, 48, 2, 16, 64, 5) == ((41, 6, 2, 3, 2),)
-    hid, w, b, labels = _fused_problem(6, 41, 48, 500, torch.float16, True)
-    out = token_stats_fused_triton(hid, w, labels, b, 1.1, -100, config={"bm": 16, "bn": 64, "bk": 16})
-    assert runs["launches"] == 1
-    _check(out, _float64_logits(hid, w, b), labels, 1.1)
 
 
 def test_programs_per_wave_reads_the_compiled_kernel_once(monkeypatch):
@@ -822,22 +806,16 @@ def test_stream_slices_cover_the_rows_with_fewer_waves(rows, vocab, hdim, bm, bn
     from entropy_discriminator.kernels.triton_fused import _waves_estimate, stream_plan, stream_slices
 
     parts = stream_slices(rows, vocab, hdim, 2, bm, bn, wave)
-    rb, tiles = -(-rows // bm), -(-vocab // bn)
     assert sum(n for n, *_ in parts) == rows and len(parts) <= 2
     one = stream_plan(rows, vocab, hdim, 2, bm, bn, wave)
-    if parts == ((rows, *one, rb),):
+    if parts == ((rows, *one),):
         return
-    least = _waves_estimate(rows, bm, wave, *one[:2])
-    (body, tpc, s, g, e), *tail = parts
-    assert (s - 1) * tpc < tiles <= s * tpc  # every tile once
-    if e < -(-body // bm):  # row order: the last chunk's row blocks taken in turn by the e programs left free
-        assert not tail and g == rb and (s - 1) * rb + e <= wave
-        assert max(tpc + 1, -(-rb // e) * (tiles - (s - 1) * tpc + 1)) < least
-        return
-    # groups of exactly one wave, then the rest planned alone
-    assert -(-body // bm) % g == 0 and g * s == wave and e == -(-body // bm)
-    assert all(tuple(plan) == (*stream_plan(n, vocab, hdim, 2, bm, bn, wave), -(-n // bm)) for n, *plan in tail)
-    assert sum(_waves_estimate(n, bm, wave, t, c) for n, t, c, *_ in parts) < least
+    (body, tpc, s, g), *tail = parts  # else groups of exactly one wave (then the rest planned alone)
+    tiles = -(-vocab // bn)
+    assert -(-body // bm) % g == 0 and g * s == wave and (s - 1) * tpc < tiles <= s * tpc  # every tile once
+    assert all(tuple(plan) == stream_plan(n, vocab, hdim, 2, bm, bn, wave) for n, *plan in tail)
+    cost = sum(_waves_estimate(n, bm, wave, t, c) for n, t, c, _ in parts)
+    assert cost < _waves_estimate(rows, bm, wave, *one[:2])
 
 
 def test_fused_kernel_bad_rounding_arguments():

@@ -284,14 +284,30 @@ def _stream_coords(N, group_rows, BM: tl.constexpr):
     return first + local % gsize, local // gsize, n_chunks
 
 
-@triton.jit
-def _stream_rows(a_desc, w_desc, h_ptr, w_ptr, b_ptr, lab_ptr, part_ptr, yk_ptr, rb, chunk, n_chunks, t0, t1, N, V, H,
-                 stride_h, stride_w, c, c_lo, inv_t, HAS_BIAS: tl.constexpr, ROUND: tl.constexpr,
-                 T_ROUND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                 MOMENTS: tl.constexpr, FLATTEN: tl.constexpr, FTZ: tl.constexpr):
-    """Row block ``rb`` x tiles [t0, t1) of the vocabulary (chunk ``chunk`` of ``n_chunks``): fold the tiles into
-    the rows' running statistics and store them as the chunk's partials (:func:`_fused_stream_kernel`)."""
+@triton.jit(do_not_specialize=["tiles_per_chunk", "group_rows"])
+def _fused_stream_kernel(a_desc, w_desc, h_ptr, w_ptr, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, stride_h,
+                         stride_w, tiles_per_chunk, group_rows, c, c_lo, inv_t, HAS_BIAS: tl.constexpr,
+                         ROUND: tl.constexpr, T_ROUND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                         BK: tl.constexpr, STAGES: tl.constexpr, MOMENTS: tl.constexpr, FLATTEN: tl.constexpr,
+                         FTZ: tl.constexpr):
+    """Row-stationary streaming schedule: one program, BM rows x one chunk of the vocabulary.
+
+    The grid is ceil(N / BM) row blocks x S chunks of ``tiles_per_chunk`` [BM, BN] tiles (the last chunk may be
+    shorter).  Program order: the row blocks form groups of ``group_rows`` (the last may be smaller); a group's
+    programs run together, row block fastest, then chunk, so the programs in flight share the group's hidden
+    blocks and each W tile in L2 (``group_rows`` >= the row blocks: plain row order).  Each program walks its
+    chunk's tiles (with FLATTEN the V and K loops pipelined as one: the next tile's loads in flight during this
+    tile's epilogue), forms each tile's final logits (bias, rounding: as :func:`_tile_epilogue`), folds them into
+    running statistics (:func:`_fold_tile`); the programs of chunk 0 first form their rows' label logits
+    (:func:`_label_rows`).  The last, partial vocabulary tile is peeled off the loop (columns >= V set to -inf
+    there only).  It writes its chunk's partials to part_ptr, fp32 [6, N, S] at column ``chunk``: m, s0..s3
+    against m (0 when m is -inf), and m again as the max the merge validates: the per-tile partials of
+    :func:`_tile_epilogue`, over a chunk of tiles.
+    """
+    rb, chunk, n_chunks = _stream_coords(N, group_rows, BM)
     n_full = V // BN  # tiles with no column past V
+    t0 = chunk * tiles_per_chunk
+    t1 = tl.minimum(t0 + tiles_per_chunk, tl.cdiv(V, BN))
     t1f = tl.minimum(t1, n_full)
     rm = rb * BM + tl.arange(0, BM)
     if chunk == 0:
@@ -317,48 +333,6 @@ def _stream_rows(a_desc, w_desc, h_ptr, w_ptr, b_ptr, lab_ptr, part_ptr, yk_ptr,
     _store_partials(part_ptr, rm, rm < N, N, n_chunks, chunk, m, s0, s1, s2, s3)
 
 
-@triton.jit(do_not_specialize=["tiles_per_chunk", "group_rows", "last_programs"])
-def _fused_stream_kernel(a_desc, w_desc, h_ptr, w_ptr, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, stride_h,
-                         stride_w, tiles_per_chunk, group_rows, last_programs, c, c_lo, inv_t, HAS_BIAS: tl.constexpr,
-                         ROUND: tl.constexpr, T_ROUND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                         BK: tl.constexpr, STAGES: tl.constexpr, MOMENTS: tl.constexpr, FLATTEN: tl.constexpr,
-                         FTZ: tl.constexpr, LAST_LOOP: tl.constexpr):
-    """Row-stationary streaming schedule: one program, BM rows x one chunk of the vocabulary.
-
-    The grid is ceil(N / BM) row blocks x S chunks of ``tiles_per_chunk`` [BM, BN] tiles (the last chunk may be
-    shorter).  Program order: the row blocks form groups of ``group_rows`` (the last may be smaller); a group's
-    programs run together, row block fastest, then chunk, so the programs in flight share the group's hidden
-    blocks and each W tile in L2 (``group_rows`` >= the row blocks: plain row order).  Each program walks its
-    chunk's tiles (with FLATTEN the V and K loops pipelined as one: the next tile's loads in flight during this
-    tile's epilogue), forms each tile's final logits (bias, rounding: as :func:`_tile_epilogue`), folds them into
-    running statistics (:func:`_fold_tile`); the programs of chunk 0 first form their rows' label logits
-    (:func:`_label_rows`).  The last, partial vocabulary tile is peeled off the loop (columns >= V set to -inf
-    there only).  It writes its chunk's partials to part_ptr, fp32 [6, N, S] at column ``chunk``: m, s0..s3
-    against m (0 when m is -inf), and m again as the max the merge validates: the per-tile partials of
-    :func:`_tile_epilogue`, over a chunk of tiles (:func:`_stream_rows`).
-
-    LAST_LOOP (row order only): the last chunk's first ``last_programs`` programs take its row blocks in turn
-    (row block r, r + last_programs, ...) and the rest of its programs do nothing, so that the short last chunk
-    of every row block runs on the SMs that the other chunks leave free.
-    """
-    rb, chunk, n_chunks = _stream_coords(N, group_rows, BM)
-    t0 = chunk * tiles_per_chunk
-    t1 = tl.minimum(t0 + tiles_per_chunk, tl.cdiv(V, BN))
-    if LAST_LOOP:
-        num_rb = tl.cdiv(N, BM)
-        last = chunk == n_chunks - 1
-        stop = tl.where(last & (rb >= last_programs), rb, num_rb)  # past last_programs: no row block
-        for r in range(rb, stop, tl.where(last, last_programs, num_rb)):  # other chunks: row block rb alone
-            _stream_rows(a_desc, w_desc, h_ptr, w_ptr, b_ptr, lab_ptr, part_ptr, yk_ptr, r, chunk, n_chunks, t0, t1,
-                         N, V, H, stride_h, stride_w, c, c_lo, inv_t, HAS_BIAS=HAS_BIAS, ROUND=ROUND,
-                         T_ROUND=T_ROUND, BM=BM, BN=BN, BK=BK, STAGES=STAGES, MOMENTS=MOMENTS, FLATTEN=FLATTEN,
-                         FTZ=FTZ)  # fmt: skip
-    else:
-        _stream_rows(a_desc, w_desc, h_ptr, w_ptr, b_ptr, lab_ptr, part_ptr, yk_ptr, rb, chunk, n_chunks, t0, t1, N,
-                     V, H, stride_h, stride_w, c, c_lo, inv_t, HAS_BIAS=HAS_BIAS, ROUND=ROUND, T_ROUND=T_ROUND,
-                     BM=BM, BN=BN, BK=BK, STAGES=STAGES, MOMENTS=MOMENTS, FLATTEN=FLATTEN, FTZ=FTZ)  # fmt: skip
-
-
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
@@ -367,8 +341,7 @@ def stream_spec(cfg: dict, has_bias: bool, round_code: int, t_round: bool, ftz: 
     """The streaming TMA kernel (:func:`_fused_stream_kernel`) and a configuration's compile-time arguments."""
     return _fused_stream_kernel, {"HAS_BIAS": has_bias, "ROUND": round_code, "T_ROUND": t_round, "BM": cfg["bm"],
                                   "BN": cfg["bn"], "BK": cfg["bk"], "STAGES": cfg["stages"],
-                                  "MOMENTS": cfg["moments"], "FLATTEN": bool(cfg["flatten"]), "FTZ": ftz,
-                                  "LAST_LOOP": False}  # fmt: skip
+                                  "MOMENTS": cfg["moments"], "FLATTEN": bool(cfg["flatten"]), "FTZ": ftz}  # fmt: skip
 
 
 def _schedule(cfg: dict, config: dict | None, hidden: torch.Tensor, weight: torch.Tensor) -> str:
@@ -453,53 +426,36 @@ def stream_plan(rows: int, vocab: int, hdim: int, elt: int, bm: int, bn: int, wa
 
 @functools.lru_cache(maxsize=512)
 def stream_slices(rows: int, vocab: int, hdim: int, elt: int, bm: int, bn: int, wave: int,
-                  group_mib: float = 16.0) -> tuple[tuple[int, int, int, int, int], ...]:
+                  group_mib: float = 16.0) -> tuple[tuple[int, int, int, int], ...]:
     """The streaming kernel's launches for ``rows`` rows under the default rule: a tuple of (rows, tiles per chunk,
-    chunks S, row blocks per group G, programs E of the last chunk), one per launch, in row order, the rows summing
-    to ``rows``; E is the launch's row blocks unless the last chunk's programs loop (``LAST_LOOP``).
+    chunks S, row blocks per group G), one per launch, in row order, the rows summing to ``rows``.
 
-    One launch of :func:`stream_plan`'s (tpc, S, G), unless, below H = :data:`EXACT_WAVE_FROM_H`, its last wave is
-    part-filled where another launch plan fills it (rb = ceil(rows / bm) row blocks, T tiles; each estimate is
-    waves x (tiles per chunk + 1), summed over the launches, as in :func:`stream_plan`; the least is taken):
+    One launch of :func:`stream_plan`'s (tpc, S, G), unless, below H = :data:`EXACT_WAVE_FROM_H`, its grouped order
+    (G < rb = ceil(rows / bm)) leaves part of the last wave idle where whole groups could fill it: with S dividing
+    ``wave``, W = wave / S row blocks make a group of exactly one wave.  Then a body of the largest multiple of W
+    row blocks runs (tpc, S, W), and the remaining row blocks (the tail) run next, planned alone by
+    :func:`stream_plan`; taken when the estimate waves x (tiles per chunk + 1), summed over the launches as in
+    :func:`stream_plan`, is below the one launch's.  Such a body and tail run their V and K loops unflattened
+    (:data:`DEFAULT_CONFIG`'s ``flatten`` -1).
 
-    - grouped order (G < rb), S dividing ``wave``: W = wave / S row blocks make a group of exactly one wave.  A
-      body of the largest multiple of W row blocks runs (tpc, S, W), then the remaining row blocks (the tail) run
-      planned alone by :func:`stream_plan`, their V and K loops unflattened (:data:`DEFAULT_CONFIG`'s ``flatten``
-      -1);
-    - row order (G = rb < wave): m = floor((wave - 1) / rb) chunks of c tiles per row block, and a short last chunk
-      of the remaining T - m c tiles whose rb items run on the E = wave - m rb programs left, each taking every
-      E-th row block: one wave, estimated max(c + 1, ceil(rb / E) (T - m c + 1)), the least over c.
-
-    On an H200 (wave 132; bm 128, bn 256, bf16), (H, N): (896, 1536 and 2048; 4096) 4 chunks of 145 tiles and 14
-    left for 4 programs of 8 row blocks each; body + tail row blocks and their chunks: (896, 16384) 66 + 62, 2 and
-    17; (896, 65536) 462 + 50, 2 and 13; (1536 and 2048, 16384) 99 + 29, 4 and 9; (1536, 65536) 484 + 28, 3 and 9;
-    (2048, 65536) 495 + 17, 4 and 15.  Their one-launch plans leave 4 of 132 SMs idle in the last wave (N a
-    power of two); on an H200 the split ran unflattened 1-7 % faster than the one launch at all twelve of its
-    shapes (benchmarks/results/h200/slices_2026-11-30/).
+    On an H200 (wave 132; bm 128, bn 256, bf16), (H, N): body + tail row blocks, their chunks: (896, 16384)
+    66 + 62, 2 and 17; (896, 65536) 462 + 50, 2 and 13; (1536 and 2048, 16384) 99 + 29, 4 and 9; (1536, 65536)
+    484 + 28, 3 and 9; (2048, 65536) 495 + 17, 4 and 15.  Their one-launch plans fill 128 of 132 SMs in the last
+    wave (N a power of two); a probe ran the split unflattened 1-7 % faster than the one launch at all twelve
+    (benchmarks/results/h200/slices_2026-11-30/).  Row order (N 4096 there) stays one launch: a body and tail,
+    or a short last chunk whose row blocks the 4 free SMs took in turn, ran up to 2.6 and 3.7 % slower.
     """
     tpc, s, g = stream_plan(rows, vocab, hdim, elt, bm, bn, wave, group_mib=group_mib)
-    rb, nvt = -(-rows // bm), -(-vocab // bn)
-    best, least = ((rows, tpc, s, g, rb),), _waves_estimate(rows, bm, wave, tpc, s)
-    if hdim >= EXACT_WAVE_FROM_H:
-        return best
-    if g == rb:  # row order: a short last chunk on the programs the others leave free
-        m = (wave - 1) // rb
-        e = min(rb, wave - m * rb)
-        for c in range(-(-nvt // (m + 1)), -(-nvt // m) + 1) if m else ():
-            cost = max(c + 1, -(-rb // e) * (nvt - m * c + 1))
-            if 1 <= nvt - m * c <= c and cost < least:
-                best, least = ((rows, c, m + 1, rb, e),), cost
-        return best
-    whole = wave // s
-    if s == 1 or wave % s or whole > rb:
-        return best
+    rb, whole = -(-rows // bm), wave // s
+    one = ((rows, tpc, s, g),)
+    if hdim >= EXACT_WAVE_FROM_H or not g < rb or s == 1 or wave % s or whole > rb:
+        return one
     body = rb // whole * whole * bm
-    parts = ((min(body, rows), tpc, s, whole, -(-min(body, rows) // bm)),)
+    parts = ((min(body, rows), tpc, s, whole),)
     if rows > body:
-        t_tpc, t_s, t_g = stream_plan(rows - body, vocab, hdim, elt, bm, bn, wave, group_mib=group_mib)
-        parts += ((rows - body, t_tpc, t_s, t_g, -(-(rows - body) // bm)),)
-    cost = sum(_waves_estimate(n, bm, wave, t, c) for n, t, c, _, _ in parts)
-    return parts if cost < least else best
+        parts += ((rows - body, *stream_plan(rows - body, vocab, hdim, elt, bm, bn, wave, group_mib=group_mib)),)
+    cost = sum(_waves_estimate(n, bm, wave, t, c) for n, t, c, _ in parts)
+    return parts if cost < _waves_estimate(rows, bm, wave, tpc, s) else one
 
 
 def _waves_estimate(rows: int, bm: int, wave: int, tpc: int, chunks: int) -> int:
@@ -611,13 +567,13 @@ def token_stats_fused_triton(
             w_desc = TensorDescriptor.from_tensor(weight, [bn, bk])
             kernel, consts = stream_spec(cfg, bias is not None, round_code, t_round, ftz)
 
-            def args(r0: int, r1: int, part, yk, tpc: int, g: int, last: int) -> tuple:
+            def args(r0: int, r1: int, part, yk, tpc: int, g: int) -> tuple:
                 return (TensorDescriptor.from_tensor(hidden[r0:r1], [bm, bk]), w_desc, hidden[r0:r1], weight, bias_arg,
-                        labels[r0:r1], part, yk, r1 - r0, vocab, hdim, hidden.stride(0), weight.stride(0), tpc, g,
-                        last, c, c_lo, inv_t)  # fmt: skip
+                        labels[r0:r1], part, yk, r1 - r0, vocab, hdim, hidden.stride(0), weight.stride(0), tpc, g, c,
+                        c_lo, inv_t)  # fmt: skip
 
             # the compiled kernel's occupancy: the argument types and specialisations of a one-slice launch
-            wave = _programs_per_wave(kernel, lambda: args(0, n_rows, out, out, 1, 1, 1), consts, launch_opts,
+            wave = _programs_per_wave(kernel, lambda: args(0, n_rows, out, out, 1, 1), consts, launch_opts,
                                       hidden.dtype, dev)  # fmt: skip
 
             def plan(rows: int) -> tuple[int, int, int]:
@@ -633,30 +589,28 @@ def token_stats_fused_triton(
                         break
                     rows_per_launch = max(bm, (_WORKSPACE_BYTES // (24 * s)) // bm * bm)
             if fixed or rows_per_launch < n_rows:  # slices of rows_per_launch rows, one plan
-                launches = [(r0, min(n_rows, r0 + rows_per_launch), *plan(min(n_rows, rows_per_launch)), 0)
+                launches = [(r0, min(n_rows, r0 + rows_per_launch), *plan(min(n_rows, rows_per_launch)))
                             for r0 in range(0, n_rows, rows_per_launch)]  # fmt: skip
-            else:  # the whole batch: the launches of stream_slices
+            else:  # the whole batch: one launch, or a body of whole waves and its tail (stream_slices)
                 launches, r0 = [], 0
-                for rows, tpc, s, g, last in stream_slices(n_rows, vocab, hdim, hidden.element_size(), bm, bn, wave,
-                                                           float(cfg["group_mib"])):  # fmt: skip
-                    launches.append((r0, r0 + rows, tpc, s, g, last))
+                for rows, tpc, s, g in stream_slices(n_rows, vocab, hdim, hidden.element_size(), bm, bn, wave,
+                                                     float(cfg["group_mib"])):  # fmt: skip
+                    launches.append((r0, r0 + rows, tpc, s, g))
                     r0 += rows
                 if cfg["flatten"] < 0 and len(launches) > 1:  # a body and its tail: loops not flattened
                     consts["FLATTEN"] = False
         else:
             if rows_per_launch is None:
                 rows_per_launch = max(bm, (_WORKSPACE_BYTES // (24 * n_tiles)) // bm * bm)
-            launches = [(r0, min(n_rows, r0 + rows_per_launch), 0, n_tiles, 0, 0)
+            launches = [(r0, min(n_rows, r0 + rows_per_launch), 0, n_tiles, 0)
                         for r0 in range(0, n_rows, rows_per_launch)]  # fmt: skip
-        for r0, r1, tpc, n_cols, g, last in launches:
+        for r0, r1, tpc, n_cols, g in launches:
             rows = r1 - r0
             part = torch.empty((6, rows, n_cols), device=dev, dtype=torch.float32)
             yk = torch.full((rows,), float("nan"), device=dev, dtype=torch.float32)
             lab = labels[r0:r1]
             if stream:
-                loop = 0 < last < triton.cdiv(rows, bm)  # the last chunk's programs take its row blocks in turn
-                kernel[(triton.cdiv(rows, bm) * n_cols,)](*args(r0, r1, part, yk, tpc, g, last),
-                                                          **{**consts, "LAST_LOOP": loop}, **launch_opts)  # fmt: skip
+                kernel[(triton.cdiv(rows, bm) * n_cols,)](*args(r0, r1, part, yk, tpc, g), **consts, **launch_opts)
             else:
                 _fused_tile_kernel[(triton.cdiv(rows, bm) * n_tiles,)](
                     hidden[r0:r1], weight, bias_arg, lab, part, yk, rows, vocab, hdim,

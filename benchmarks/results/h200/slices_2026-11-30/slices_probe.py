@@ -4,7 +4,8 @@ launches (:func:`entropy_discriminator.kernels.triton_fused.stream_slices`) agai
 ``stream_plan`` they replace (``rows_per_launch=N``, loops flattened), beside cuBLAS's matmul alone, on every head
 shape (of the given N, default all three) where the two differ.  Each variant's log p is checked against the one
 launch's; 3 alternating rounds (:func:`benchmarks.common.paired_rounds`); ratios are time / cuBLAS, the rounds'
-mean and "(min-max)".  Calls 1 and 2 ran the versions of this script committed with their records."""
+mean and "(min-max)".  Calls 1-3 ran the versions of this script (and of the kernel) committed with their
+records (README.md)."""
 import sys
 
 import torch
@@ -20,7 +21,7 @@ for dname in ("bf16", "fp16"):
     for h, v in HEADS:
         for n in NS:
             slices = triton_fused.stream_slices(n, v, h, 2, 128, 256, 132)
-            if slices == ((n, *triton_fused.stream_plan(n, v, h, 2, 128, 256, 132), -(-n // 128)),):
+            if slices == ((n, *triton_fused.stream_plan(n, v, h, 2, 128, 256, 132)),):
                 continue
             free_memory()
             hid, w, lab = _inputs(n, h, v, DTYPES[dname])
