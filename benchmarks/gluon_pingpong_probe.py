@@ -363,7 +363,7 @@ def run(shapes, dtypes, cfgs, out_csv: str | None, min_ms: float, rounds: int = 
             base = triton.testing.do_bench(cublas, rep=min_ms)
             rep = max(min_ms, 8 * base)
             times = {}
-            for _ in range(rounds):  # alternating rounds: each method's median, then their mean
+            for _ in range(rounds):  # interleaved rounds, same order each: each method's median, then their mean
                 for name, fn in fns.items():
                     if isinstance(errs.get(name), str):
                         continue
@@ -419,7 +419,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, nargs="+", default=[16384])
     ap.add_argument("--dtypes", nargs="+", default=["bf16"])
     ap.add_argument("--min-ms", type=float, default=100.0)
-    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of medians per method")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of medians per method (same order)")
     ap.add_argument("--out")
     args = ap.parse_args()
     cfgs = {"pingpong": dict(DEFAULTS)}
