@@ -441,9 +441,9 @@ def stream_slices(rows: int, vocab: int, hdim: int, elt: int, bm: int, bn: int, 
     On an H200 (wave 132; bm 128, bn 256, bf16), (H, N): body + tail row blocks, their chunks: (896, 16384)
     66 + 62, 2 and 17; (896, 65536) 462 + 50, 2 and 13; (1536 and 2048, 16384) 99 + 29, 4 and 9; (1536, 65536)
     484 + 28, 3 and 9; (2048, 65536) 495 + 17, 4 and 15.  Their one-launch plans fill 128 of 132 SMs in the last
-    wave (N a power of two); a probe ran the split unflattened 1-7 % faster than the one launch at all twelve
+    wave (N a power of two); a probe ran the split unflattened 1-6 % faster than the one launch at all twelve
     (benchmarks/results/h200/slices_2026-11-30/).  Row order (N 4096 there) stays one launch: a body and tail,
-    or a short last chunk whose row blocks the 4 free SMs took in turn, ran up to 2.6 and 3.7 % slower.
+    or a short last chunk whose row blocks the 4 free SMs took in turn, ran up to 2.5 and 3.6 % slower.
     """
     tpc, s, g = stream_plan(rows, vocab, hdim, elt, bm, bn, wave, group_mib=group_mib)
     rb, whole = -(-rows // bm), wave // s
