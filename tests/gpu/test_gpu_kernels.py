@@ -444,17 +444,26 @@ def exact_head(seed: int, n: int, h: int, v: int, dtype: torch.dtype, neg_inf: b
         (4096, 3584, 152064, torch.bfloat16, False, None, False, 1.0),
         (4096, 5120, 152064, torch.bfloat16, True, torch.bfloat16, True, 0.9),
         (4096, 2048, 151936, torch.float16, False, None, False, 1.0),
+        # on a 132-SM H200: a body of 66 row blocks in groups of one wave, then the 62 left (stream_slices)
+        (16384, 896, 151936, torch.bfloat16, True, torch.bfloat16, False, 1.0),
+        (16384, 2048, 151936, torch.float16, False, None, False, 1.0),  # 99 + 29 row blocks there
     ],
 )
 def test_fused_stream_kernel_at_head_shapes_matches_float64(monkeypatch, n, h, v, dtype, bias, logits_dtype, t_low,
                                                             temperature):
-    """The public call on Qwen2.5 head shapes runs the streaming kernel with its default plan and matches float64 on
-    64 rows spread over the batch: with rounding, the float64 statistics of the rounded exact logits (the label
-    logit as the tile rounds it); without, those of the unrounded logits of random inputs (fp32 accumulation over
-    H: the tolerance of test_fused_from_hidden_matches_float64)."""
+    """The public call on Qwen2.5 head shapes runs the streaming kernel with its default launches
+    (:func:`stream_slices`: one, or a body and a tail) and matches float64 on 64 rows spread over the batch: with
+    rounding, the float64 statistics of the rounded exact logits (the label logit as the tile rounds it); without,
+    those of the unrounded logits of random inputs (fp32 accumulation over H: the tolerance of
+    test_fused_from_hidden_matches_float64)."""
     from rounding_reference import rounded_reference
 
-    only_fused_kernel(monkeypatch, "stream")
+    from entropy_discriminator.kernels import triton_fused
+
+    runs = only_fused_kernel(monkeypatch, "stream")
+    planned = []
+    real_slices = triton_fused.stream_slices
+    monkeypatch.setattr(triton_fused, "stream_slices", lambda *a: planned.append(real_slices(*a)) or planned[-1])
     if logits_dtype is not None:
         hidden, weight, b, labels = exact_head(n + h, n, h, v, dtype, neg_inf=bias)
     else:
@@ -474,6 +483,9 @@ def test_fused_stream_kernel_at_head_shapes_matches_float64(monkeypatch, n, h, v
         check_rows(stats, idx, ref, labels, scale=5.0)
     again = ed.token_stats_from_hidden(hidden, weight, labels, impl="triton", **kw)
     assert torch.equal(again.s_centered, stats.s_centered)
+    assert len(planned) == 2 and runs["launches"] == 2 * len(planned[0])
+    if n == 16384 and torch.cuda.get_device_properties(0).multi_processor_count == 132:
+        assert len(planned[0]) == 2, planned[0]  # the split ran: both launches are in the rows checked
 
 
 @pytest.mark.parametrize(
