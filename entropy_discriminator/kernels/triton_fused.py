@@ -408,7 +408,7 @@ def stream_plan(rows: int, vocab: int, hdim: int, elt: int, bm: int, bn: int, wa
     elif g < rb:
         s = max(1, wave // g)
     else:
-        cost = {k: -(-rb * k // wave) * (-(-nvt // k) + 1) for k in range(1, nvt + 1)}
+        cost = {k: _waves_estimate(rows, bm, wave, -(-nvt // k), k) for k in range(1, nvt + 1)}
         best = min(cost.values())
         s = min(k for k, v in cost.items() if v <= 1.02 * best)
     tpc, s = _evened(s, nvt)
