@@ -58,11 +58,11 @@ def _zero_stats(ROWS: gl.constexpr, rows_l: gl.constexpr):
 
 
 @gluon.jit
-def _k_loop(a_bufs, b_bufs, ready, empty, base, k_tiles, acc, a_off, A_PER_SLOT: gl.constexpr,
+def _k_loop(a_bufs, b_bufs, ready, empty, base, k_tiles, acc, a_off, go, go_at, A_PER_SLOT: gl.constexpr,
             STAGES: gl.constexpr):
     """acc plus one tile's K steps j = base ... base + k_tiles - 1 from the ring (slot j % STAGES; hidden slice
     A_PER_SLOT slot + a_off), one wgmma in flight: each slot is released once the next wgmma is issued, the last
-    one's by the caller."""
+    one's by the caller; after issuing step ``go_at`` (-1: none) it arrives on the barrier ``go``."""
     for kk in range(k_tiles):
         j = base + kk
         slot = j % STAGES
@@ -71,6 +71,7 @@ def _k_loop(a_bufs, b_bufs, ready, empty, base, k_tiles, acc, a_off, A_PER_SLOT:
                             is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
         mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), pred=kk > 0)
+        mbarrier.arrive(go, pred=kk == go_at)
     return acc
 
 
@@ -91,7 +92,8 @@ def _consumer(c, a_bufs, b_bufs, ready, empty, turn, part_ptr, row0, t0, n_tiles
         n = i // 2
         mbarrier.wait(turn.index(c), (n - 1 + c) & 1, pred=i > 0)
         base = i * k_tiles
-        acc = _k_loop(a_bufs, b_bufs, ready, empty, base, k_tiles, gl.zeros([BM, BN], gl.float32, mma), 0, 1, STAGES)
+        acc = _k_loop(a_bufs, b_bufs, ready, empty, base, k_tiles, gl.zeros([BM, BN], gl.float32, mma), 0,
+                      turn.index(c), -1, 1, STAGES)
         mbarrier.arrive(turn.index(1 - c))
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty.index((base + k_tiles - 1) % STAGES))
@@ -167,20 +169,30 @@ def _producer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, t0, n_tiles, k
 
 
 @gluon.jit
-def _coop_consumer(w, a_bufs, b_bufs, ready, empty, part_ptr, row0, t0, n_tiles, k_tiles, N, V, n_cols, col, cst,
-                   clo, BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, NCONS: gl.constexpr,
-                   MOMENTS: gl.constexpr):
+def _coop_consumer(w, a_bufs, b_bufs, ready, empty, go, part_ptr, row0, t0, n_tiles, k_tiles, N, V, n_cols, col,
+                   cst, clo, BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, NCONS: gl.constexpr,
+                   MOMENTS: gl.constexpr, LAG: gl.constexpr):
     """One warp group: rows row0 + w BMW ... of every tile of the chunk (the W slice shared with the other
-    consumers), the K loop with one wgmma in flight, then the fold; its rows' partials at column ``col``."""
+    consumers), the K loop with one wgmma in flight, then the fold; its rows' partials at column ``col``.
+
+    LAG > 0 (two consumers): consumer 1 starts each tile's K loop only once consumer 0 has issued LAG of its steps
+    (barrier ``go``), so that consumer 0's fold runs while consumer 1 still has LAG steps of tensor-core work, and
+    consumer 1's fold while consumer 0 begins the next tile (LAG <= STAGES: the ring holds the lag)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, _instr_n(BN), 16])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
     m, s0, s1, s2, s3 = _zero_stats(BMW, rows_l)
+    go_at = -1
+    if LAG > 0:
+        if w == 0:
+            go_at = gl.minimum(k_tiles, LAG) - 1
     for i in range(n_tiles):
         base = i * k_tiles
-        acc = _k_loop(a_bufs, b_bufs, ready, empty, base, k_tiles, gl.zeros([BMW, BN], gl.float32, mma), w, NCONS,
-                      STAGES)
+        if LAG > 0:
+            mbarrier.wait(go, i & 1, pred=w == 1)
+        acc = _k_loop(a_bufs, b_bufs, ready, empty, base, k_tiles, gl.zeros([BMW, BN], gl.float32, mma), w, go,
+                      go_at, NCONS, STAGES)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty.index((base + k_tiles - 1) % STAGES))
         m, s0, s1, s2, s3 = _fold(acc, (t0 + i) * BN, V, m, s0, s1, s2, s3, cst, clo, BN, MOMENTS, cols_l)
@@ -191,7 +203,7 @@ def _coop_consumer(w, a_bufs, b_bufs, ready, empty, part_ptr, row0, t0, n_tiles,
 @gluon.jit
 def _coop_kernel(a_desc, w_desc, part_ptr, N, V, H, tiles_per_chunk, group_rows, cst, clo, BMW: gl.constexpr,
                  BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, MOMENTS: gl.constexpr,
-                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LAG: gl.constexpr):
     """Two consumer warp groups share each W slice (the public kernel's 128 x 256 tile with BMW 64) behind a one-warp
     TMA producer and a deeper ring; program order as ``_fused_stream_kernel``, one partial column per chunk.  (Three
     consumers, a 192 x 256 tile, do not compile: 16 warps leave ptxas 128 registers a thread, and a 64 x 256 wgmma
@@ -204,14 +216,16 @@ def _coop_kernel(a_desc, w_desc, part_ptr, N, V, H, tiles_per_chunk, group_rows,
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    go = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=NCONS)
+    mbarrier.init(go.index(0), count=1)
     gl.warp_specialize([
-        (_coop_consumer, (0, a_bufs, b_bufs, ready, empty, part_ptr, row0, t0, n_tiles, k_tiles, N, V, n_chunks, chunk,
-                          cst, clo, BMW, BN, STAGES, NCONS, MOMENTS)),
-        (_coop_consumer, (1, a_bufs, b_bufs, ready, empty, part_ptr, row0, t0, n_tiles, k_tiles, N, V, n_chunks, chunk,
-                          cst, clo, BMW, BN, STAGES, NCONS, MOMENTS)),
+        (_coop_consumer, (0, a_bufs, b_bufs, ready, empty, go.index(0), part_ptr, row0, t0, n_tiles, k_tiles, N, V,
+                          n_chunks, chunk, cst, clo, BMW, BN, STAGES, NCONS, MOMENTS, LAG)),
+        (_coop_consumer, (1, a_bufs, b_bufs, ready, empty, go.index(0), part_ptr, row0, t0, n_tiles, k_tiles, N, V,
+                          n_chunks, chunk, cst, clo, BMW, BN, STAGES, NCONS, MOMENTS, LAG)),
         (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, t0, n_tiles, k_tiles, BMW, BN, BK, STAGES,
                      NCONS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -221,7 +235,7 @@ DEFAULTS = {"bm": 128, "bn": 128, "bk": 64, "stages": 6, "moments": 4, "consumer
             "maxnreg": 168, "coop": 0}
 # coop 1: the two-consumer kernel sharing W slices, bm rows per consumer (2 bm per program)
 COOP = {"coop": 1, "bm": 64, "bn": 256, "bk": 64, "stages": 4, "consumer_regs": 232, "producer_regs": 24,
-        "maxnreg": 168}
+        "maxnreg": 168, "lag": 0}
 
 
 def _descriptors(hidden: torch.Tensor, weight: torch.Tensor, cfg: dict):
@@ -245,7 +259,7 @@ def _kernel_and_consts(cfg: dict):
     common = {"BN": cfg["bn"], "BK": cfg["bk"], "STAGES": cfg["stages"], "MOMENTS": cfg["moments"],
               "CONSUMER_REGS": cfg["consumer_regs"], "PRODUCER_REGS": cfg["producer_regs"]}
     if cfg["coop"]:
-        return _coop_kernel, {"BMW": cfg["bm"], **common}
+        return _coop_kernel, {"BMW": cfg["bm"], **common, "LAG": cfg["lag"]}
     return _pingpong_kernel, {"BM": cfg["bm"], **common}
 
 

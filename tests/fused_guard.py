@@ -1,18 +1,28 @@
 """A guard for the fused-head tests (``tests/test_kernels.py``, ``tests/gpu/test_gpu_kernels.py``): only the
-expected one of the fused module's two kernels may launch."""
+expected one of the fused head's three kernels may launch."""
 
 from __future__ import annotations
 
-_KERNELS = {"stream": "_fused_stream_kernel", "tile": "_fused_tile_kernel"}
+import importlib
+
+# kernel -> (module under entropy_discriminator.kernels, attribute)
+_KERNELS = {"stream": ("triton_fused", "_fused_stream_kernel"), "tile": ("triton_fused", "_fused_tile_kernel"),
+            "gluon": ("gluon_fused", "ws_kernel")}
+
+
+def _module(kernel: str):
+    """The module holding ``kernel``, or None where it cannot import (a Triton without Gluon: never launched)."""
+    try:
+        return importlib.import_module(f"entropy_discriminator.kernels.{_KERNELS[kernel][0]}")
+    except ImportError:
+        return None
 
 
 def only_fused_kernel(monkeypatch, kernel: str) -> dict[str, int]:
-    """Let only ``kernel`` ("stream" or "tile") of ``kernels/triton_fused`` run: the others raise when
-    launched.  Returns the count of launches of ``kernel``, filled as the call runs."""
-    from entropy_discriminator.kernels import triton_fused
-
+    """Let only ``kernel`` ("stream", "tile" or "gluon") of the fused head run: the others raise when launched.
+    Returns the count of launches of ``kernel``, filled as the call runs."""
     runs = {"launches": 0}
-    real = getattr(triton_fused, _KERNELS[kernel])
+    real = getattr(_module(kernel), _KERNELS[kernel][1])
 
     class Counted:
         def __getitem__(self, grid):
@@ -24,9 +34,10 @@ def only_fused_kernel(monkeypatch, kernel: str) -> dict[str, int]:
 
     class Forbidden:
         def __getitem__(self, grid):
-            raise AssertionError(f"{kernel} was expected, but the other fused kernel was launched")
+            raise AssertionError(f"{kernel} was expected, but another fused kernel was launched")
 
-    monkeypatch.setattr(triton_fused, _KERNELS[kernel], Counted())
+    monkeypatch.setattr(_module(kernel), _KERNELS[kernel][1], Counted())
     for other in set(_KERNELS) - {kernel}:
-        monkeypatch.setattr(triton_fused, _KERNELS[other], Forbidden())
+        if _module(other) is not None:
+            monkeypatch.setattr(_module(other), _KERNELS[other][1], Forbidden())
     return runs

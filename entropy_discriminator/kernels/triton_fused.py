@@ -49,9 +49,12 @@ __all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG", "stream_plan", "stream_
 # (0: :func:`stream_plan`'s rule); group_mib: the rule's L2 budget for a group's hidden blocks (MiB).  group_m:
 # the per-tile kernel's row blocks per group.  128 x 256 x 64 tiles, 8 warps, 3 stages, flattened: the streaming
 # schedule's best tiles on an H200 (benchmarks/fused_ws_probe.py, benchmarks/RESULTS.md).
+# gluon: 1 runs the warp-specialised Gluon kernel (:mod:`.gluon_fused`) where it applies (:func:`_gluon_ok`), 0 never.
 DEFAULT_CONFIG = {"bm": 128, "bn": 256, "bk": 64, "num_warps": 8, "stages": 3, "moments": 4, "branch": 1,
                   "maxnreg": 0, "stream": 1, "flatten": -1, "chunks": 0, "group_rows": 0,
-                  "group_mib": 16, "group_m": 8}  # fmt: skip
+                  "group_mib": 16, "group_m": 8, "gluon": 1}  # fmt: skip
+# The streaming Triton kernel's own keys: a caller's config that sets one of them asks for that kernel.
+_STREAM_KEYS = ("bm", "bn", "bk", "num_warps", "stages", "moments", "branch", "maxnreg", "flatten")
 # From this hidden size on, with 8 or more groups of row blocks, :func:`stream_plan` widens a group to fill the wave
 # (H200, N 65536: 3-5 % faster at H 1536 and 2048; H 896 1-2 % slower; 4 groups: neutral or slower).
 FILL_WAVE_FROM_H = 1536
@@ -135,6 +138,16 @@ def _label_rows(h_ptr, w_ptr, b_ptr, lab_ptr, yk_ptr, rm, N, V, H, stride_h, str
     if HAS_BIAS:
         acc += tl.load(b_ptr + tl.where(ok, labels, 0), mask=ok, other=0.0).to(tl.float32)
     tl.store(yk_ptr + rm, _base2(_round_logits(acc, inv_t, ROUND=ROUND, T_ROUND=T_ROUND), c, c_lo), mask=ok)
+
+
+@triton.jit
+def _label_kernel(h_ptr, w_ptr, b_ptr, lab_ptr, yk_ptr, N, V, H, stride_h, stride_w, c, c_lo, inv_t,
+                  HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, T_ROUND: tl.constexpr, BM: tl.constexpr,
+                  BK: tl.constexpr):
+    """:func:`_label_rows` for rows program_id * BM ... (the Gluon kernel's label logits, launched before it)."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    _label_rows(h_ptr, w_ptr, b_ptr, lab_ptr, yk_ptr, rm, N, V, H, stride_h, stride_w, c, c_lo, inv_t,
+                HAS_BIAS=HAS_BIAS, ROUND=ROUND, T_ROUND=T_ROUND, BM=BM, BK=BK)  # fmt: skip
 
 
 @triton.jit
@@ -345,13 +358,30 @@ def stream_spec(cfg: dict, has_bias: bool, round_code: int, t_round: bool, ftz: 
 
 
 def _schedule(cfg: dict, config: dict | None, hidden: torch.Tensor, weight: torch.Tensor) -> str:
-    """``"stream"`` or ``"tile"``: which kernel runs (``cfg``'s ``branch`` set to 0 when the caller's ``config``
-    chooses the per-tile kernel for inputs the streaming kernel takes and leaves ``branch`` unset)."""
+    """``"gluon"``, ``"stream"`` or ``"tile"``: which kernel runs (``cfg``'s ``branch`` set to 0 when the caller's
+    ``config`` chooses the per-tile kernel for inputs the streaming kernel takes and leaves ``branch`` unset)."""
     if not _tma_ok(hidden, weight):
         return "tile"
     if "branch" not in (config or {}) and not cfg["stream"]:
         cfg["branch"] = 0
+    if cfg["stream"] and cfg["gluon"] and _gluon_ok(hidden, config):
+        return "gluon"
     return "stream" if cfg["stream"] else "tile"
+
+
+def _gluon_ok(hidden: torch.Tensor, config: dict | None) -> bool:
+    """Whether the warp-specialised Gluon kernel takes these (TMA-addressable, 16-bit) inputs: a Hopper GPU (sm_90:
+    its wgmma), H below :data:`EXACT_WAVE_FROM_H` (above it the streaming kernel ran as fast, H200), Triton's Gluon
+    importable, and a ``config`` that sets none of the streaming kernel's own keys (:data:`_STREAM_KEYS`)."""
+    if hidden.device.type != "cuda" or torch.cuda.get_device_capability(hidden.device) != (9, 0):
+        return False
+    if hidden.shape[1] >= EXACT_WAVE_FROM_H or set(config or {}) & set(_STREAM_KEYS):
+        return False
+    try:
+        from . import gluon_fused  # noqa: F401
+    except ImportError:  # a Triton without Gluon's Hopper API
+        return False
+    return True
 
 
 def _tma_ok(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -549,7 +579,7 @@ def token_stats_fused_triton(
     ftz = not interpreting()
     bm, bn, bk = cfg["bm"], cfg["bn"], cfg["bk"]
     schedule = _schedule(cfg, config, hidden, weight)
-    stream = schedule == "stream"
+    stream = schedule in ("stream", "gluon")
     n_tiles = triton.cdiv(vocab, bn)
     if logits_dtype not in _ROUND_CODES:
         raise ValueError(f"logits_dtype must be None or one of {_DTYPES}, got {logits_dtype!r}")
@@ -563,7 +593,13 @@ def token_stats_fused_triton(
     c_lo = c - float(np.float32(c))  # the kernels take fp32 c and c_lo: c + c_lo is c to about 2^-48
     bias_arg = bias.contiguous() if bias is not None else hidden
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-        if stream:
+        if schedule == "gluon":
+            from . import gluon_fused
+
+            ws = gluon_fused.WS_CONFIG
+            bm, bn, bk = 2 * ws["bmw"], ws["bn"], ws["bk"]
+            wave = _num_sms(dev)  # one program per SM: its ring takes 197 KB of shared memory
+        elif stream:
             w_desc = TensorDescriptor.from_tensor(weight, [bn, bk])
             kernel, consts = stream_spec(cfg, bias is not None, round_code, t_round, ftz)
 
@@ -575,6 +611,7 @@ def token_stats_fused_triton(
             # the compiled kernel's occupancy: the argument types and specialisations of a one-slice launch
             wave = _programs_per_wave(kernel, lambda: args(0, n_rows, out, out, 1, 1), consts, launch_opts,
                                       hidden.dtype, dev)  # fmt: skip
+        if stream:
 
             def plan(rows: int) -> tuple[int, int, int]:
                 return stream_plan(rows, vocab, hdim, hidden.element_size(), bm, bn, wave, int(cfg["chunks"]),
@@ -597,7 +634,7 @@ def token_stats_fused_triton(
                                                      float(cfg["group_mib"])):  # fmt: skip
                     launches.append((r0, r0 + rows, tpc, s, g))
                     r0 += rows
-                if cfg["flatten"] < 0 and len(launches) > 1:  # a body and its tail: loops not flattened
+                if schedule == "stream" and cfg["flatten"] < 0 and len(launches) > 1:  # body and tail: unflattened
                     consts["FLATTEN"] = False
         else:
             if rows_per_launch is None:
@@ -609,7 +646,18 @@ def token_stats_fused_triton(
             part = torch.empty((6, rows, n_cols), device=dev, dtype=torch.float32)
             yk = torch.full((rows,), float("nan"), device=dev, dtype=torch.float32)
             lab = labels[r0:r1]
-            if stream:
+            if schedule == "gluon":
+                _label_kernel[(triton.cdiv(rows, bm),)](
+                    hidden[r0:r1], weight, bias_arg, lab, yk, rows, vocab, hdim, hidden.stride(0), weight.stride(0),
+                    c, c_lo, inv_t, HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, BM=bm, BK=bk,
+                )  # fmt: skip
+                gluon_fused.ws_kernel[(triton.cdiv(rows, bm) * n_cols,)](
+                    *gluon_fused.ws_descriptors(hidden[r0:r1], weight), bias_arg, part, rows, vocab, hdim, tpc, g, c,
+                    c_lo, inv_t, HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, BMW=ws["bmw"],
+                    BN=bn, BK=bk, STAGES=ws["stages"], LAG=ws["lag"], CONSUMER_REGS=ws["consumer_regs"],
+                    PRODUCER_REGS=ws["producer_regs"], num_warps=4, maxnreg=ws["maxnreg"],
+                )  # fmt: skip
+            elif stream:
                 kernel[(triton.cdiv(rows, bm) * n_cols,)](*args(r0, r1, part, yk, tpc, g), **consts, **launch_opts)
             else:
                 _fused_tile_kernel[(triton.cdiv(rows, bm) * n_tiles,)](

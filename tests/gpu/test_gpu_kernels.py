@@ -413,8 +413,53 @@ def test_fused_stream_kernel_plans_match_float64(monkeypatch, n, h, v, dtype, bi
     b = torch.randn(v, device="cuda", generator=g).to(dtype) if bias else None
     labels = make_labels(n, n, v)
     poison(n)
-    stats = token_stats_fused_triton(hidden, weight, labels, b, 0.9, -100, config=cfg, rows_per_launch=rows_per_launch)
+    stats = token_stats_fused_triton(hidden, weight, labels, b, 0.9, -100, config={"gluon": 0, **cfg},
+                                     rows_per_launch=rows_per_launch)  # fmt: skip
     check(stats, hidden.double() @ weight.double().T + (b.double() if bias else 0.0), labels, 0.9, scale=5.0)
+
+
+def gluon_runs() -> bool:
+    """Whether the public call runs the warp-specialised Gluon kernel below H 3072 on this GPU (an sm_90 card and a
+    Triton with Gluon's Hopper API)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        return False
+    try:
+        from entropy_discriminator.kernels import gluon_fused  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    ("n", "h", "v", "dtype", "bias", "temperature", "cfg", "rows_per_launch"),
+    [
+        (1000, 896, 20000, torch.bfloat16, False, 0.9, {"chunks": 7}, None),
+        (777, 200, 3001, torch.bfloat16, True, 1.3, {"chunks": 3, "group_rows": 2}, 256),  # ragged N, V and H
+        (600, 512, 9001, torch.float16, True, 0.7, {}, None),
+        (300, 136, 5000, torch.bfloat16, True, 1.0, {"group_rows": 1}, None),
+        (129, 64, 2000, torch.float16, False, 1.0, {}, None),  # one K step: consumer 1 waits for the first
+        (40, 128, 70000, torch.bfloat16, True, 0.9, {}, None),  # one row block: the plan splits V over the SMs
+        (3000, 2048, 151936, torch.float16, True, 1.0, {}, None),
+    ],
+)
+def test_gluon_kernel_plans_match_float64(monkeypatch, n, h, v, dtype, bias, temperature, cfg, rows_per_launch):
+    """The warp-specialised Gluon kernel (two consumer warp groups, the second a K step behind) under the streaming
+    kernel's plans (chunks, groups, row slices; ragged N, V and H; one row block; one K step) matches float64."""
+    from entropy_discriminator.kernels.triton_fused import token_stats_fused_triton
+
+    if not gluon_runs():
+        pytest.skip("the Gluon kernel runs on sm_90 GPUs with Triton's Gluon")
+    runs = only_fused_kernel(monkeypatch, "gluon")
+    g = torch.Generator(device="cuda").manual_seed(n + h + 1)
+    hidden = torch.randn(n, h, device="cuda", generator=g).to(dtype)
+    weight = (torch.randn(v, h, device="cuda", generator=g) * (4 / h**0.5)).to(dtype)
+    b = torch.randn(v, device="cuda", generator=g).to(dtype) if bias else None
+    labels = make_labels(n, n, v)
+    poison(n)
+    stats = token_stats_fused_triton(hidden, weight, labels, b, temperature, -100, config=cfg,
+                                     rows_per_launch=rows_per_launch)  # fmt: skip
+    check(stats, hidden.double() @ weight.double().T + (b.double() if bias else 0.0), labels, temperature, scale=5.0)
+    assert runs["launches"] >= 1
 
 
 def exact_head(seed: int, n: int, h: int, v: int, dtype: torch.dtype, neg_inf: bool):
@@ -451,7 +496,8 @@ def exact_head(seed: int, n: int, h: int, v: int, dtype: torch.dtype, neg_inf: b
 )
 def test_fused_stream_kernel_at_head_shapes_matches_float64(monkeypatch, n, h, v, dtype, bias, logits_dtype, t_low,
                                                             temperature):
-    """The public call on Qwen2.5 head shapes runs the streaming kernel with its default launches
+    """The public call on Qwen2.5 head shapes runs the streaming kernel (below H 3072 on an sm_90 card the Gluon
+    kernel) with its default launches
     (:func:`stream_slices`: one, or a body and a tail) and matches float64 on 64 rows spread over the batch: with
     rounding, the float64 statistics of the rounded exact logits (the label logit as the tile rounds it); without,
     those of the unrounded logits of random inputs (fp32 accumulation over H: the tolerance of
@@ -460,7 +506,7 @@ def test_fused_stream_kernel_at_head_shapes_matches_float64(monkeypatch, n, h, v
 
     from entropy_discriminator.kernels import triton_fused
 
-    runs = only_fused_kernel(monkeypatch, "stream")
+    runs = only_fused_kernel(monkeypatch, "gluon" if h < triton_fused.EXACT_WAVE_FROM_H and gluon_runs() else "stream")
     planned = []
     real_slices = triton_fused.stream_slices
     monkeypatch.setattr(triton_fused, "stream_slices", lambda *a: planned.append(real_slices(*a)) or planned[-1])
@@ -497,8 +543,8 @@ def test_fused_stream_kernel_at_head_shapes_matches_float64(monkeypatch, n, h, v
     ],
 )
 def test_fused_stream_and_per_tile_kernels_agree(n, h, v, dtype, bias, logits_dtype, rows_per_launch):
-    """The streaming kernel (its plan, row slices) and the per-tile pointer kernel give the same statistics to fp32
-    rounding, the same ``valid`` and error counters."""
+    """The streaming kernel (its plan, row slices), the Gluon kernel where it runs, and the per-tile pointer kernel
+    give the same statistics to fp32 rounding, the same ``valid`` and error counters."""
     from entropy_discriminator.kernels.triton_fused import token_stats_fused_triton
 
     g = torch.Generator(device="cuda").manual_seed(11 + h)
@@ -508,16 +554,17 @@ def test_fused_stream_and_per_tile_kernels_agree(n, h, v, dtype, bias, logits_dt
     labels = make_labels(n, n, v)
     kw = dict(logits_dtype=logits_dtype, rows_per_launch=rows_per_launch)
     per = token_stats_fused_triton(hidden, weight, labels, b, 0.8, -100, config={"stream": 0}, **kw)
-    other = token_stats_fused_triton(hidden, weight, labels, b, 0.8, -100, config={"stream": 1}, **kw)
-    for a, c in zip(per[:5], other[:5]):
-        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
-    assert torch.equal(per.valid, other.valid) and torch.equal(per.errors, other.errors)
+    for cfg in ({"stream": 1, "gluon": 0}, {}):  # the streaming kernel; the default (the Gluon kernel below H 3072)
+        other = token_stats_fused_triton(hidden, weight, labels, b, 0.8, -100, config=cfg, **kw)
+        for a, c in zip(per[:5], other[:5]):
+            torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+        assert torch.equal(per.valid, other.valid) and torch.equal(per.errors, other.errors)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("stream", [0, 1])
-def test_fused_kernels_count_bad_rows_on_gpu(stream, dtype):
-    """Compiled, both kernels count all -inf rows, NaN / +inf rows (a NaN logit in one tile of a chunk among finite
+@pytest.mark.parametrize("kernel", [{"stream": 0}, {"stream": 1, "gluon": 0}, {"stream": 1}])
+def test_fused_kernels_count_bad_rows_on_gpu(kernel, dtype):
+    """Compiled, the kernels (per-tile, streaming, and the default: the Gluon kernel on sm_90) count all -inf rows, NaN / +inf rows (a NaN logit in one tile of a chunk among finite
     ones too: the running max propagates NaN) and labels outside [0, V); ignored rows stay 0."""
     from entropy_discriminator.kernels.triton_fused import token_stats_fused_triton
 
@@ -532,7 +579,7 @@ def test_fused_kernels_count_bad_rows_on_gpu(stream, dtype):
     hidden[3, 5] = math.nan  # ignored below
     labels = make_labels(4, n, v, ignore_frac=0.0)
     labels[3], labels[4], labels[5] = -100, v, -3
-    cfg = {"stream": stream, "chunks": 5}
+    cfg = {**kernel, "chunks": 5}
     stats = token_stats_fused_triton(hidden, weight, labels, None, 1.0, -100, config=cfg)
     assert stats.errors.tolist() == [2, 2, 1, 0]
     for name in FIELDS:
@@ -555,7 +602,7 @@ def test_streaming_kernel_occupancy_on_hopper():
     weight = torch.randn(5000, 512, device="cuda").to(torch.bfloat16)
     labels = make_labels(1, 256, 5000)
     triton_fused._OCCUPANCY.clear()
-    triton_fused.token_stats_fused_triton(hidden, weight, labels, None, 1.0, -100)
+    triton_fused.token_stats_fused_triton(hidden, weight, labels, None, 1.0, -100, config={"gluon": 0})
     assert list(triton_fused._OCCUPANCY.values()) == [1]
     triton_fused.token_stats_fused_triton(hidden, weight, labels, None, 1.0, -100, config={"bn": 128, "num_warps": 4})
     assert sorted(triton_fused._OCCUPANCY.values()) == [1, 2]

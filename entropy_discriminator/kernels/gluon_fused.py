@@ -1,0 +1,143 @@
+"""The fused LM-head statistics as a warp-specialised Gluon kernel (Hopper, sm_90): the streaming kernel's schedule
+with the tile's epilogue taken off the tensor cores' critical path.
+
+:func:`ws_kernel` writes what :func:`.triton_fused._fused_stream_kernel` writes (partials fp32 [6, N, S], merged
+by :func:`._reduce.merge_kernel`) for the same launch plan (:func:`.triton_fused.stream_plan`, one program per
+SM), from the same per-tile operations (:func:`.triton_fused._round_logits`, :func:`.triton_fused._fold_tile`).
+Each program has three partitions: a one-warp TMA producer filling a ring of STAGES slots (the hidden rows' and
+the W tile's [*, BK] slices), and two consumer warp groups of BMW rows each, sharing every W slice (a
+[2 BMW, BN] tile).  Consumer 1 starts each tile's K loop only once consumer 0 has issued LAG of its K steps, so
+that while one folds its finished tile (an exp2 and four sums per logit) the other still has tensor-core work in
+flight.  The label logits are formed apart (:func:`.triton_fused._label_kernel`), as in the other kernels.
+
+Probe and measurements: ``benchmarks/gluon_pingpong_probe.py`` (``lag``), ``benchmarks/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from . import triton_fused
+
+__all__ = ["ws_kernel", "ws_descriptors", "WS_CONFIG"]
+
+# The Triton-language helpers of the streaming kernel, compiled as Gluon (same operations, same rounding).
+_round_logits = gluon.jit(triton_fused._round_logits.fn)
+_fold_tile = gluon.jit(triton_fused._fold_tile.fn)
+_store_partials = gluon.jit(triton_fused._store_partials.fn)
+_stream_coords = gluon.jit(triton_fused._stream_coords.fn)
+
+# 2 x 64 rows x 256 columns per tile, 64-deep K slices, a ring of 4 slots (197 KB of shared memory: one program
+# per SM), consumer 1 one K step behind (H200: LAG 1 ran 0.98-1.01x cuBLAS at H 896, LAG 0 1.01-1.03x);
+# registers: 168 a thread for the kernel, 232 for the consumers, 24 for the producer.
+WS_CONFIG = {"bmw": 64, "bn": 256, "bk": 64, "stages": 4, "lag": 1, "maxnreg": 168, "consumer_regs": 232,
+             "producer_regs": 24}  # fmt: skip
+
+
+@gluon.jit
+def _producer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, t0, n_tiles, k_tiles, BMW: gl.constexpr,
+              BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: K step j = i k_tiles + kk of the chunk's tile i into slot j % STAGES once both consumers released
+    it: the two hidden slices [BMW, BK] (rows row0, row0 + BMW) and the W tile's [BN, BK] slice (rows, columns
+    and K past the tensors' ends are zero-filled by the copy engine)."""
+    nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + w_desc.block_type.nbytes
+    for i in range(n_tiles):
+        for kk in range(k_tiles):
+            j = i * k_tiles + kk
+            slot = j % STAGES
+            mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(slot), nbytes)
+            for w in gl.static_range(2):
+                tma.async_copy_global_to_shared(a_desc, [row0 + w * BMW, kk * BK], ready.index(slot),
+                                                a_bufs.index(slot * 2 + w))
+            tma.async_copy_global_to_shared(w_desc, [(t0 + i) * BN, kk * BK], ready.index(slot), b_bufs.index(slot))
+
+
+@gluon.jit
+def _consumer(w, a_bufs, b_bufs, ready, empty, go, b_ptr, part_ptr, row0, t0, n_tiles, k_tiles, N, V, n_cols, col,
+              c, c_lo, inv_t, HAS_BIAS: gl.constexpr, ROUND: gl.constexpr, T_ROUND: gl.constexpr,
+              BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr):
+    """Consumer warp group ``w``: rows row0 + w BMW ... of each tile, the K loop with one wgmma in flight (a slot
+    released once the next wgmma is issued, the last after the tile), then the tile's logits (bias, rounding,
+    columns >= V set to -inf) folded into running statistics; its rows' partials at column ``col``.  With LAG > 0
+    consumer 0 arrives on ``go`` after issuing K step min(LAG, k_tiles) - 1 of each tile, and consumer 1 waits for
+    that before the tile's K loop (LAG 0: the two run in step)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    cols_l: gl.constexpr = gl.SliceLayout(0, mma)
+    m = gl.full([BMW], float("-inf"), gl.float32, rows_l)
+    s0 = gl.zeros([BMW], gl.float32, rows_l)
+    s1 = s0
+    s2 = s0
+    s3 = s0
+    go_at = -1
+    if w == 0:
+        go_at = gl.minimum(k_tiles, LAG) - 1
+    for i in range(n_tiles):
+        base = i * k_tiles
+        if LAG > 0:
+            mbarrier.wait(go, i & 1, pred=w == 1)
+        acc = gl.zeros([BMW, BN], gl.float32, mma)
+        for kk in range(k_tiles):
+            j = base + kk
+            slot = j % STAGES
+            mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(slot * 2 + w), b_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), pred=kk > 0)
+            mbarrier.arrive(go, pred=kk == go_at)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index((base + k_tiles - 1) % STAGES))
+        rn = (t0 + i) * BN + gl.arange(0, BN, layout=cols_l)
+        if HAS_BIAS:
+            acc += gl.expand_dims(gl.load(b_ptr + rn, mask=rn < V, other=0.0).to(gl.float32), 0)
+        x = _round_logits(acc, inv_t, ROUND, T_ROUND)
+        if (t0 + i) * BN + BN > V:  # the last, partial vocabulary tile
+            x = gl.where(gl.expand_dims(rn < V, 0), x, float("-inf"))
+        m, s0, s1, s2, s3 = _fold_tile(x, c, c_lo, m, s0, s1, s2, s3, 4, True)
+    rm = row0 + w * BMW + gl.arange(0, BMW, layout=rows_l)
+    _store_partials(part_ptr, rm, rm < N, N, n_cols, col, m, s0, s1, s2, s3)
+
+
+@gluon.jit(do_not_specialize=["tiles_per_chunk", "group_rows"])
+def ws_kernel(a_desc, w_desc, b_ptr, part_ptr, N, V, H, tiles_per_chunk, group_rows, c, c_lo, inv_t,
+              HAS_BIAS: gl.constexpr, ROUND: gl.constexpr, T_ROUND: gl.constexpr, BMW: gl.constexpr,
+              BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
+              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """One program: 2 BMW rows x one chunk of ``tiles_per_chunk`` [2 BMW, BN] tiles, in the streaming kernel's
+    program order (:func:`.triton_fused._stream_coords`, ``group_rows`` row blocks per group); partials to
+    part_ptr, fp32 [6, N, S] at column ``chunk``, as :func:`.triton_fused._fused_stream_kernel`.  Launch with
+    ``num_warps=4`` (the first consumer's warps) and ``maxnreg`` = :data:`WS_CONFIG`'s."""
+    rb, chunk, n_chunks = _stream_coords(N, group_rows, 2 * BMW)
+    row0 = rb * 2 * BMW
+    t0 = chunk * tiles_per_chunk
+    n_tiles = gl.minimum(tiles_per_chunk, gl.cdiv(V, BN) - t0)
+    k_tiles = gl.cdiv(H, BK)
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    go = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)
+    mbarrier.init(go.index(0), count=1)
+    gl.warp_specialize([
+        (_consumer, (0, a_bufs, b_bufs, ready, empty, go.index(0), b_ptr, part_ptr, row0, t0, n_tiles, k_tiles, N, V,
+                     n_chunks, chunk, c, c_lo, inv_t, HAS_BIAS, ROUND, T_ROUND, BMW, BN, STAGES, LAG)),
+        (_consumer, (1, a_bufs, b_bufs, ready, empty, go.index(0), b_ptr, part_ptr, row0, t0, n_tiles, k_tiles, N, V,
+                     n_chunks, chunk, c, c_lo, inv_t, HAS_BIAS, ROUND, T_ROUND, BMW, BN, STAGES, LAG)),
+        (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, t0, n_tiles, k_tiles, BMW, BN, BK, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
+
+
+def ws_descriptors(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """TMA descriptors of hidden [N, H] ([BMW, BK] blocks) and weight [V, H] ([BN, BK] blocks), 16-bit."""
+    dt = gl.bfloat16 if hidden.dtype == torch.bfloat16 else gl.float16
+    bmw, bn, bk = WS_CONFIG["bmw"], WS_CONFIG["bn"], WS_CONFIG["bk"]
+    return (TensorDescriptor.from_tensor(hidden, [bmw, bk], gl.NVMMASharedLayout.get_default_for([bmw, bk], dt)),
+            TensorDescriptor.from_tensor(weight, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], dt)))
