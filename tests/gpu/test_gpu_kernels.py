@@ -554,18 +554,36 @@ def test_fused_stream_and_per_tile_kernels_agree(n, h, v, dtype, bias, logits_dt
     labels = make_labels(n, n, v)
     kw = dict(logits_dtype=logits_dtype, rows_per_launch=rows_per_launch)
     per = token_stats_fused_triton(hidden, weight, labels, b, 0.8, -100, config={"stream": 0}, **kw)
-    for cfg in ({"stream": 1, "gluon": 0}, {}):  # the streaming kernel; the default (the Gluon kernel below H 3072)
-        other = token_stats_fused_triton(hidden, weight, labels, b, 0.8, -100, config=cfg, **kw)
-        for a, c in zip(per[:5], other[:5]):
-            torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
-        assert torch.equal(per.valid, other.valid) and torch.equal(per.errors, other.errors)
+    stream = token_stats_fused_triton(hidden, weight, labels, b, 0.8, -100, config={"stream": 1, "gluon": 0}, **kw)
+    for a, c in zip(per[:5], stream[:5]):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+    assert torch.equal(per.valid, stream.valid) and torch.equal(per.errors, stream.errors)
+    default = token_stats_fused_triton(hidden, weight, labels, b, 0.8, -100, **kw)  # the Gluon kernel below H 3072
+    assert torch.equal(per.valid, default.valid) and torch.equal(per.errors, default.errors)
+    for name in ("entropy", "s_expected"):  # no label in them
+        torch.testing.assert_close(getattr(default, name), getattr(per, name), rtol=1e-5, atol=1e-5)
+    # The Gluon path forms the label logit L_k in its own kernel, whose fp32 sum over H runs in another order than
+    # the other kernels' (which share theirs): rounded to the logits dtype, a last-bit difference can move L_k by
+    # one ulp of that dtype.  Such rows must be rare (the case above: 1 of 2048, H200), and differ in log p by at
+    # most that one ulp / T.
+    off = (default.logp - per.logp).abs() > 1e-5 + 1e-5 * per.logp.abs()
+    assert int(off.sum()) <= max(1, n // 200), int(off.sum())
+    assert logits_dtype is not None or not off.any()
+    if off.any():
+        lab = labels[off]
+        lab_logit = (hidden[off].double() * weight[lab].double()).sum(-1) + (b[lab].double() if bias else 0.0)
+        ulp = torch.finfo(logits_dtype).eps * 2.0 ** torch.floor(torch.log2(lab_logit.abs()))
+        assert ((default.logp - per.logp)[off].abs().double() <= 1.01 * ulp / 0.8 + 1e-5).all()
+    for name in ("logp", "s_star", "s_centered"):
+        torch.testing.assert_close(getattr(default, name)[~off], getattr(per, name)[~off], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kernel", [{"stream": 0}, {"stream": 1, "gluon": 0}, {"stream": 1}])
 def test_fused_kernels_count_bad_rows_on_gpu(kernel, dtype):
-    """Compiled, the kernels (per-tile, streaming, and the default: the Gluon kernel on sm_90) count all -inf rows, NaN / +inf rows (a NaN logit in one tile of a chunk among finite
-    ones too: the running max propagates NaN) and labels outside [0, V); ignored rows stay 0."""
+    """Compiled, the kernels (per-tile, streaming, and the default: the Gluon kernel on sm_90) count all -inf rows,
+    NaN / +inf rows (a NaN logit in one tile of a chunk among finite ones too: the running max propagates NaN) and
+    labels outside [0, V); ignored rows stay 0."""
     from entropy_discriminator.kernels.triton_fused import token_stats_fused_triton
 
     g = torch.Generator(device="cuda").manual_seed(3)
