@@ -868,3 +868,84 @@ def test_fold_kernel_matches_float64_reference(n, v, cols, masked, dtype, peaked
         tol = (2e-5 * (1 + r.abs()) if name in ("logp", "entropy") else
                2e-4 * (r.abs() + ref["s_star"].abs().max() + 1e-6) + ref["logp"].exp() * 2.0**-21 * (1 + y_max))
         assert ((value.double() - r).abs() <= tol).all(), (name, float((value.double() - r).abs().max()))
+
+
+@pytest.mark.parametrize(("h", "round_code", "t_round", "bias"), [(600, 2, True, True), (700, 1, False, True),
+                                                                   (40, 0, False, False)])
+def test_label_kernel_matches_float64(h, round_code, t_round, bias):
+    """The label logits' own kernel (the Gluon path's, in its blocks: 8 rows, 512-deep K steps, so H 600 and 700
+    take two steps, one partial) stores y_k = round(L_k) log2(e) / T for rows whose label lies in [0, V) and
+    leaves the others; exact inputs (multiples of 2^-11 whose sums stay exact in fp32), so the float64 reference
+    rounds the very L_k the kernel rounds."""
+    import numpy as np
+
+    from entropy_discriminator.kernels import triton_fused
+
+    n, v, temperature = 21, 50, 0.7
+    g = torch.Generator().manual_seed(h)
+    hid = (torch.randint(-16, 17, (n, h), generator=g) / 8).to(torch.float16)
+    w = (torch.randint(-16, 17, (v, h), generator=g) / 256).to(torch.float16)
+    b = (torch.randint(-8, 9, (v,), generator=g) / 8).to(torch.float16)
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[[2, 5, 9]] = torch.tensor([-100, v, -1])
+    yk = torch.full((n,), float("nan"))
+    inv_t = float(np.float32(1.0) / np.float32(temperature))
+    c = 1.4426950408889634 if t_round else 1.4426950408889634 / temperature
+    bm, bk = triton_fused._LABEL_BM, triton_fused._LABEL_BK
+    triton_fused._label_kernel[(-(-n // bm),)](
+        hid.to(DEV), w.to(DEV), b.to(DEV), labels.to(DEV), yk_dev := yk.to(DEV), n, v, h, hid.stride(0), w.stride(0),
+        c, c - float(np.float32(c)), inv_t, HAS_BIAS=bias, ROUND=round_code, T_ROUND=t_round, BM=bm, BK=bk)
+    ok = (labels >= 0) & (labels < v)
+    logit = (hid.double() * w[labels.clamp(0, v - 1)].double()).sum(-1) + (b[labels.clamp(0, v - 1)].double() if bias
+                                                                             else 0.0)  # fmt: skip
+    low = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16}[round_code]
+    want = logit.to(low).double()
+    if t_round:
+        want = (want.float() * inv_t).to(low).double()
+    want = want * c
+    got = yk_dev.cpu().double()
+    assert torch.isnan(got[~ok]).all()
+    torch.testing.assert_close(got[ok], want[ok], rtol=1e-6, atol=1e-6)
+
+
+def test_gluon_kernel_choice(monkeypatch):
+    """The public call takes the Gluon kernel for TMA-addressable 16-bit inputs on an sm_90 GPU below H 3072 when the
+    caller's config sets none of the streaming kernel's own keys; elsewhere the streaming kernel."""
+    from types import SimpleNamespace
+
+    from entropy_discriminator.kernels import triton_fused
+
+    def hidden(h: int) -> SimpleNamespace:  # the attributes _gluon_ok reads of a CUDA tensor
+        return SimpleNamespace(device=SimpleNamespace(type="cuda"), shape=(4, h))
+
+    for capability, h, config, want in (((9, 0), 896, None, True), ((9, 0), 2048, {"chunks": 3}, True),
+                                        ((9, 0), 3072, None, False), ((9, 0), 896, {"bm": 64}, False),
+                                        ((9, 0), 896, {"flatten": 0}, False), ((10, 0), 896, None, False),
+                                        ((8, 0), 896, None, False)):  # fmt: skip
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, cap=capability: cap)
+        assert triton_fused._gluon_ok(hidden(h), config) is want, (capability, h, config)
+    assert triton_fused._gluon_ok(SimpleNamespace(device=SimpleNamespace(type="cpu"), shape=(4, 896)), None) is False
+
+
+@pytest.mark.parametrize(("has_bias", "round_code", "t_round", "lag"), [(0, 0, 0, 1), (1, 1, 1, 1), (1, 2, 0, 0)])
+def test_gluon_kernel_compiles_for_hopper(has_bias, round_code, t_round, lag):
+    """The warp-specialised Gluon kernel compiles for sm_90a on any machine (Triton's own ptxas, in a process without
+    the interpreter: tests/gluon_compile.py): 8 wgmma, within the kernel's 168 registers a thread with nothing
+    spilled, and its ring within an SM's shared memory (one program per SM), for each rounding mode, with and
+    without bias, and with the consumers in step (LAG 0)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from entropy_discriminator.kernels.gluon_fused import WS_CONFIG
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(__file__), "gluon_compile.py")
+    out = subprocess.run([sys.executable, script, *map(str, (has_bias, round_code, t_round, lag))], env=env,
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    got = json.loads(out.splitlines()[-1])
+    assert got["wgmma"] == 8 and got["setmaxnreg"], got
+    assert got["registers"] <= WS_CONFIG["maxnreg"] and got["spill_stores"] == 0, got
+    assert got["shared"] <= 227 * 1024, got
