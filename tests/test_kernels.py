@@ -909,8 +909,9 @@ def test_label_kernel_matches_float64(h, round_code, t_round, bias):
 
 
 def test_gluon_kernel_choice(monkeypatch):
-    """The public call takes the Gluon kernel for TMA-addressable 16-bit inputs on an sm_90 GPU below H 3072 when the
-    caller's config sets none of the streaming kernel's own keys; elsewhere the streaming kernel."""
+    """The public call takes the Gluon kernel for TMA-addressable 16-bit inputs on an sm_90 GPU below H 3072 with
+    Triton 3.6 when the caller's config sets none of the streaming kernel's own keys; elsewhere the streaming
+    kernel."""
     from types import SimpleNamespace
 
     from entropy_discriminator.kernels import triton_fused
@@ -925,6 +926,9 @@ def test_gluon_kernel_choice(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, cap=capability: cap)
         assert triton_fused._gluon_ok(hidden(h), config) is want, (capability, h, config)
     assert triton_fused._gluon_ok(SimpleNamespace(device=SimpleNamespace(type="cpu"), shape=(4, 896)), None) is False
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(triton_fused.triton, "__version__", "3.7.0")  # a Gluon API it was not tested against
+    assert triton_fused._gluon_ok(hidden(896), None) is False
 
 
 @pytest.mark.parametrize(("has_bias", "round_code", "t_round", "lag"), [(0, 0, 0, 1), (1, 1, 1, 1), (1, 2, 0, 0)])

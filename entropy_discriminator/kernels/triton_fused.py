@@ -14,6 +14,10 @@ partial j, the reference m_j (the NaN-propagating max of y over the partial's co
   count and a grouped program order come from :func:`stream_plan` (fill one wave at the compiled occupancy; keep
   the hidden blocks in flight within L2), and :func:`stream_slices` may split the rows into a body of whole waves
   and a tail, each its own launch.
+- Warp-specialised (:mod:`.gluon_fused`; the streaming kernel's inputs on sm_90 below H = :data:`EXACT_WAVE_FROM_H`,
+  :func:`_gluon_ok`): the same plan, tiles and per-tile operations, with a TMA producer warp and two consumer warp
+  groups taking turns so that each tile's statistics run while the other's matmul does; the label logits come
+  from :func:`_label_kernel` before it.
 - Per tile (:func:`_fused_tile_kernel`; fp32, unaligned strides, pre-Hopper GPUs): one program per [BM, BN] tile
   (in groups of GROUP_M row blocks), operands through pointers, P = ceil(V / BN) partials.
 """
@@ -374,9 +378,12 @@ def _schedule(cfg: dict, config: dict | None, hidden: torch.Tensor, weight: torc
 
 def _gluon_ok(hidden: torch.Tensor, config: dict | None) -> bool:
     """Whether the warp-specialised Gluon kernel takes these (TMA-addressable, 16-bit) inputs: a Hopper GPU (sm_90:
-    its wgmma), H below :data:`EXACT_WAVE_FROM_H` (above it the streaming kernel ran as fast, H200), Triton's Gluon
-    importable, and a ``config`` that sets none of the streaming kernel's own keys (:data:`_STREAM_KEYS`)."""
-    if hidden.device.type != "cuda" or torch.cuda.get_device_capability(hidden.device) != (9, 0):
+    its wgmma), H below :data:`EXACT_WAVE_FROM_H` (the sizes it was measured at, H200), Triton 3.6 (the Gluon API
+    it was written and tested against), and a ``config`` that sets none of the streaming kernel's own keys
+    (:data:`_STREAM_KEYS`)."""
+    if hidden.device.type != "cuda" or not triton.__version__.startswith("3.6."):
+        return False
+    if torch.cuda.get_device_capability(hidden.device) != (9, 0):
         return False
     if hidden.shape[1] >= EXACT_WAVE_FROM_H or set(config or {}) & set(_STREAM_KEYS):
         return False
@@ -543,7 +550,9 @@ def token_stats_fused_triton(
     [N] int64.  Returns :class:`.triton_stats.KernelStats` (fp32 [N] statistics, bool ``valid``, int32 error
     counters).  Matmul in the input dtype on tensor cores with fp32 accumulation (fp32 inputs: the slow "ieee" dot).
     16-bit inputs with TMA-addressable strides on Hopper or newer run the streaming kernel
-    (:func:`_fused_stream_kernel`, launch plan :func:`stream_plan`), partials fp32 [6, rows, S]; others the
+    (:func:`_fused_stream_kernel`, launch plan :func:`stream_plan`), partials fp32 [6, rows, S], or below H 3072 on
+    sm_90 its warp-specialised Gluon form (:mod:`.gluon_fused`, the same plan; ``config={"gluon": 0}``, or any key
+    of the streaming kernel's own, keeps the Triton kernel); others the
     per-tile pointer kernel, partials fp32 [6, rows, ceil(V / bn)]; then :func:`._reduce.merge_kernel`.  Rows go in
     slices of ``rows_per_launch``, one plan for all (default: the launches of :func:`stream_slices` for the whole
     batch, or slices whose partials stay <= 256 MiB).  ``config`` overrides :data:`DEFAULT_CONFIG`
