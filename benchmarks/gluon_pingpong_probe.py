@@ -8,8 +8,11 @@ here, each behind a one-warp TMA producer:
   program's rows and vocabulary chunk from one ring of shared-memory slots, taking turns (CUTLASS's ping-pong):
   while one runs its tensor-core loop, the other folds its finished tile.  Each consumer writes its own partial
   column (P = 2 S).
-- cooperative (``coop=1``, ``_coop_kernel``): two consumer warp groups of BM rows share each [BN, BK] weight slice
-  (a [2 BM, BN] tile, the public kernel's 128 x 256 with BM 64) with a deeper ring; one partial column per chunk.
+- cooperative (``coop=1``): the library's ``kernels/gluon_fused.ws_kernel``, whose two consumer warp groups of BM
+  rows share each [BN, BK] weight slice (a [2 BM, BN] tile, the public kernel's 128 x 256 with BM 64) with a deeper
+  ring, the second ``lag`` K steps behind (0: in step); one partial column per chunk; every moment (no floor).
+
+The ring, its producer warp and the K loop are the library kernel's (``_ring``, ``_producer``, ``_k_steps``).
 
 ``kernels/_reduce.merge_kernel`` merges the partials as it merges the streaming kernel's.  Scope: no bias, T = 1,
 no rounding of the logits, labels' logits formed on the host; what it measures is the matmul with the full
@@ -33,9 +36,10 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
 
-from entropy_discriminator.kernels import triton_fused
+from entropy_discriminator.kernels import gluon_fused, triton_fused
+from entropy_discriminator.kernels.gluon_fused import _k_steps, _producer, _ring
 
 # The public kernels' Triton-language helpers, compiled as Gluon (their builtins take either language's semantics).
 _fold_tile = gluon.jit(triton_fused._fold_tile.fn)
@@ -58,24 +62,6 @@ def _zero_stats(ROWS: gl.constexpr, rows_l: gl.constexpr):
 
 
 @gluon.jit
-def _k_loop(a_bufs, b_bufs, ready, empty, base, k_tiles, acc, a_off, go, go_at, A_PER_SLOT: gl.constexpr,
-            STAGES: gl.constexpr):
-    """acc plus one tile's K steps j = base ... base + k_tiles - 1 from the ring (slot j % STAGES; hidden slice
-    A_PER_SLOT slot + a_off), one wgmma in flight: each slot is released once the next wgmma is issued, the last
-    one's by the caller; after issuing step ``go_at`` (-1: none) it arrives on the barrier ``go``."""
-    for kk in range(k_tiles):
-        j = base + kk
-        slot = j % STAGES
-        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
-        acc = warpgroup_mma(a_bufs.index(slot * A_PER_SLOT + a_off), b_bufs.index(slot).permute((1, 0)), acc,
-                            is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-        mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), pred=kk > 0)
-        mbarrier.arrive(go, pred=kk == go_at)
-    return acc
-
-
-@gluon.jit
 def _consumer(c, a_bufs, b_bufs, ready, empty, turn, part_ptr, row0, t0, n_tiles, k_tiles, N, V, n_cols, col, cst, clo,
               BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, MOMENTS: gl.constexpr):
     """One warp group: tiles c, c + 2, ... of the chunk; per tile the K loop on the ring (one wgmma in flight, the
@@ -92,8 +78,8 @@ def _consumer(c, a_bufs, b_bufs, ready, empty, turn, part_ptr, row0, t0, n_tiles
         n = i // 2
         mbarrier.wait(turn.index(c), (n - 1 + c) & 1, pred=i > 0)
         base = i * k_tiles
-        acc = _k_loop(a_bufs, b_bufs, ready, empty, base, k_tiles, gl.zeros([BM, BN], gl.float32, mma), 0,
-                      turn.index(c), -1, 1, STAGES)
+        acc = _k_steps(a_bufs, b_bufs, ready, empty, base, k_tiles, gl.zeros([BM, BN], gl.float32, mma), 0,
+                       turn.index(c), -1, 1, STAGES)
         mbarrier.arrive(turn.index(1 - c))
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty.index((base + k_tiles - 1) % STAGES))
@@ -130,14 +116,8 @@ def _pingpong_kernel(a_desc, w_desc, part_ptr, N, V, H, tiles_per_chunk, group_r
     row0, chunk, n_chunks, t0, n_tiles, k_tiles = _program(N, V, H, tiles_per_chunk, group_rows, BM, BN, BK)
     n_cols = 2 * n_chunks
 
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    a_bufs, b_bufs, ready, empty = _ring(a_desc, w_desc, STAGES, 1, 1)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
     for s in gl.static_range(2):
         mbarrier.init(turn.index(s), count=1)
     gl.warp_specialize([
@@ -146,88 +126,6 @@ def _pingpong_kernel(a_desc, w_desc, part_ptr, N, V, H, tiles_per_chunk, group_r
         (_consumer, (1, a_bufs, b_bufs, ready, empty, turn, part_ptr, row0, t0, n_tiles, k_tiles, N, V, n_cols,
                      2 * chunk + 1, cst, clo, BM, BN, STAGES, MOMENTS)),
         (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, t0, n_tiles, k_tiles, BM, BN, BK, STAGES, 1)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-
-
-@gluon.jit
-def _producer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, t0, n_tiles, k_tiles, BMW: gl.constexpr,
-              BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, NCONS: gl.constexpr):
-    """One warp: the K steps of the chunk's tiles in order (step j = i k_tiles + kk into slot j % STAGES of the one
-    ring the consumers read): the W tile's [BN, BK] slice and NCONS hidden slices [BMW, BK] (rows row0 + c BMW), the
-    slot refilled once its readers have released it (ping-pong: NCONS 1, the consumer of that tile)."""
-    nbytes: gl.constexpr = NCONS * a_desc.block_type.nbytes + w_desc.block_type.nbytes
-    for i in range(n_tiles):
-        for kk in range(k_tiles):
-            j = i * k_tiles + kk
-            slot = j % STAGES
-            mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(slot), nbytes)
-            for w in gl.static_range(NCONS):
-                tma.async_copy_global_to_shared(a_desc, [row0 + w * BMW, kk * BK], ready.index(slot),
-                                                a_bufs.index(slot * NCONS + w))
-            tma.async_copy_global_to_shared(w_desc, [(t0 + i) * BN, kk * BK], ready.index(slot), b_bufs.index(slot))
-
-
-@gluon.jit
-def _coop_consumer(w, a_bufs, b_bufs, ready, empty, go, part_ptr, row0, t0, n_tiles, k_tiles, N, V, n_cols, col,
-                   cst, clo, BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, NCONS: gl.constexpr,
-                   MOMENTS: gl.constexpr, LAG: gl.constexpr):
-    """One warp group: rows row0 + w BMW ... of every tile of the chunk (the W slice shared with the other
-    consumers), the K loop with one wgmma in flight, then the fold; its rows' partials at column ``col``.
-
-    LAG > 0 (two consumers): consumer 1 starts each tile's K loop only once consumer 0 has issued LAG of its steps
-    (barrier ``go``), so that consumer 0's fold runs while consumer 1 still has LAG steps of tensor-core work, and
-    consumer 1's fold while consumer 0 begins the next tile (LAG <= STAGES: the ring holds the lag)."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, _instr_n(BN), 16])
-    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
-    cols_l: gl.constexpr = gl.SliceLayout(0, mma)
-    m, s0, s1, s2, s3 = _zero_stats(BMW, rows_l)
-    go_at = -1
-    if LAG > 0:
-        if w == 0:
-            go_at = gl.minimum(k_tiles, LAG) - 1
-    for i in range(n_tiles):
-        base = i * k_tiles
-        if LAG > 0:
-            mbarrier.wait(go, i & 1, pred=w == 1)
-        acc = _k_loop(a_bufs, b_bufs, ready, empty, base, k_tiles, gl.zeros([BMW, BN], gl.float32, mma), w, go,
-                      go_at, NCONS, STAGES)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(empty.index((base + k_tiles - 1) % STAGES))
-        m, s0, s1, s2, s3 = _fold(acc, (t0 + i) * BN, V, m, s0, s1, s2, s3, cst, clo, BN, MOMENTS, cols_l)
-    rm = row0 + w * BMW + gl.arange(0, BMW, layout=rows_l)
-    _store_partials(part_ptr, rm, rm < N, N, n_cols, col, m, s0, s1, s2, s3)
-
-
-@gluon.jit
-def _coop_kernel(a_desc, w_desc, part_ptr, N, V, H, tiles_per_chunk, group_rows, cst, clo, BMW: gl.constexpr,
-                 BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, MOMENTS: gl.constexpr,
-                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LAG: gl.constexpr):
-    """Two consumer warp groups share each W slice (the public kernel's 128 x 256 tile with BMW 64) behind a one-warp
-    TMA producer and a deeper ring; program order as ``_fused_stream_kernel``, one partial column per chunk.  (Three
-    consumers, a 192 x 256 tile, do not compile: 16 warps leave ptxas 128 registers a thread, and a 64 x 256 wgmma
-    accumulator needs at least 154; ptxas allocates to the kernel's limit, not to a partition's setmaxnreg.)"""
-    NCONS: gl.constexpr = 2
-    BM: gl.constexpr = NCONS * BMW
-    row0, chunk, n_chunks, t0, n_tiles, k_tiles = _program(N, V, H, tiles_per_chunk, group_rows, BM, BN, BK)
-
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES * NCONS] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    go = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=NCONS)
-    mbarrier.init(go.index(0), count=1)
-    gl.warp_specialize([
-        (_coop_consumer, (0, a_bufs, b_bufs, ready, empty, go.index(0), part_ptr, row0, t0, n_tiles, k_tiles, N, V,
-                          n_chunks, chunk, cst, clo, BMW, BN, STAGES, NCONS, MOMENTS, LAG)),
-        (_coop_consumer, (1, a_bufs, b_bufs, ready, empty, go.index(0), part_ptr, row0, t0, n_tiles, k_tiles, N, V,
-                          n_chunks, chunk, cst, clo, BMW, BN, STAGES, NCONS, MOMENTS, LAG)),
-        (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, t0, n_tiles, k_tiles, BMW, BN, BK, STAGES,
-                     NCONS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -256,11 +154,14 @@ def plan(n: int, vocab: int, hdim: int, elt: int, cfg: dict, wave: int) -> tuple
 
 
 def _kernel_and_consts(cfg: dict):
-    common = {"BN": cfg["bn"], "BK": cfg["bk"], "STAGES": cfg["stages"], "MOMENTS": cfg["moments"],
-              "CONSUMER_REGS": cfg["consumer_regs"], "PRODUCER_REGS": cfg["producer_regs"]}
+    common = {"BN": cfg["bn"], "BK": cfg["bk"], "STAGES": cfg["stages"], "CONSUMER_REGS": cfg["consumer_regs"],
+              "PRODUCER_REGS": cfg["producer_regs"]}
     if cfg["coop"]:
-        return _coop_kernel, {"BMW": cfg["bm"], **common, "LAG": cfg["lag"]}
-    return _pingpong_kernel, {"BM": cfg["bm"], **common}
+        if cfg["moments"] != 4:
+            raise ValueError("the cooperative kernel is the library's, which computes every moment (moments=4)")
+        return gluon_fused.ws_kernel, {"HAS_BIAS": False, "ROUND": 0, "T_ROUND": False, "BMW": cfg["bm"], **common,
+                                       "LAG": cfg["lag"]}
+    return _pingpong_kernel, {"BM": cfg["bm"], **common, "MOMENTS": cfg["moments"]}
 
 
 def pingpong_stats(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, yk: torch.Tensor,
@@ -281,8 +182,10 @@ def pingpong_stats(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     cst = LOG2E
     clo = cst - float(torch.tensor(cst, dtype=torch.float32))
     kernel, consts = _kernel_and_consts(cfg)
-    kernel[(triton.cdiv(n, cfg["bm"] * (2 if cfg["coop"] else 1)) * s,)](
-        a_desc, w_desc, part, n, vocab, hdim, tpc, g, cst, clo, **consts, num_warps=4, maxnreg=cfg["maxnreg"])
+    args = (a_desc, w_desc, hidden, part, n, vocab, hdim, tpc, g, cst, clo, 1.0) if cfg["coop"] else (
+        a_desc, w_desc, part, n, vocab, hdim, tpc, g, cst, clo)
+    kernel[(triton.cdiv(n, cfg["bm"] * (2 if cfg["coop"] else 1)) * s,)](*args, **consts, num_warps=4,
+                                                                        maxnreg=cfg["maxnreg"])  # fmt: skip
     out = torch.empty((5, n), device=hidden.device, dtype=torch.float32)
     valid = torch.empty(n, device=hidden.device, dtype=torch.bool)
     errors = torch.zeros(ERR_WORDS, device=hidden.device, dtype=torch.int32)
@@ -300,12 +203,12 @@ def compile_only(cfg: dict, hdim: int = 896) -> None:
     h = torch.empty(256, hdim, dtype=torch.bfloat16)
     w = torch.empty(512, hdim, dtype=torch.bfloat16)
     a_desc, w_desc = _descriptors(h, w, cfg)
-    sig = {"a_desc": mangle_type(a_desc), "w_desc": mangle_type(w_desc), "part_ptr": "*fp32", "N": "i32", "V": "i32",
-           "H": "i32", "tiles_per_chunk": "i32", "group_rows": "i32", "cst": "fp32", "clo": "fp32"}
     kernel, consts = _kernel_and_consts(cfg)
-    for k in consts:
-        sig[k] = "constexpr"
-    src = GluonASTSource(kernel, sig, constexprs={(list(sig).index(k),): v for k, v in consts.items()})
+    types = {"a_desc": mangle_type(a_desc), "w_desc": mangle_type(w_desc), "b_ptr": "*bf16", "part_ptr": "*fp32"}
+    names = kernel.arg_names  # in the kernel's order: the constexprs are named by position
+    sig = {k: "constexpr" if k in consts else types.get(k, "fp32" if k in ("cst", "clo", "c", "c_lo", "inv_t")
+                                                          else "i32") for k in names}  # fmt: skip
+    src = GluonASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
     t = time.time()
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": 4, "maxnreg": cfg["maxnreg"]})

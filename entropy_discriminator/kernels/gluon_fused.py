@@ -39,33 +39,65 @@ WS_CONFIG = {"bmw": 64, "bn": 256, "bk": 64, "stages": 4, "lag": 1, "maxnreg": 1
 
 
 @gluon.jit
+def _ring(a_desc, w_desc, STAGES: gl.constexpr, A_SLOTS: gl.constexpr, READERS: gl.constexpr):
+    """A ring of STAGES slots in shared memory, each A_SLOTS hidden slices and one W slice, with its barriers:
+    ``ready`` (a slot's copies landed) and ``empty`` (released by READERS consumers)."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES * A_SLOTS] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=READERS)
+    return a_bufs, b_bufs, ready, empty
+
+
+@gluon.jit
 def _producer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, t0, n_tiles, k_tiles, BMW: gl.constexpr,
-              BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: K step j = i k_tiles + kk of the chunk's tile i into slot j % STAGES once both consumers released
-    it: the two hidden slices [BMW, BK] (rows row0, row0 + BMW) and the W tile's [BN, BK] slice (rows, columns
-    and K past the tensors' ends are zero-filled by the copy engine)."""
-    nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + w_desc.block_type.nbytes
+              BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, NCONS: gl.constexpr):
+    """One warp: K step j = i k_tiles + kk of the chunk's tile i into slot j % STAGES of the ring (:func:`_ring`)
+    once its readers released it: NCONS hidden slices [BMW, BK] (rows row0 + c BMW) and the W tile's [BN, BK]
+    slice (rows, columns and K past the tensors' ends are zero-filled by the copy engine)."""
+    nbytes: gl.constexpr = NCONS * a_desc.block_type.nbytes + w_desc.block_type.nbytes
     for i in range(n_tiles):
         for kk in range(k_tiles):
             j = i * k_tiles + kk
             slot = j % STAGES
             mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(slot), nbytes)
-            for w in gl.static_range(2):
+            for w in gl.static_range(NCONS):
                 tma.async_copy_global_to_shared(a_desc, [row0 + w * BMW, kk * BK], ready.index(slot),
-                                                a_bufs.index(slot * 2 + w))
+                                                a_bufs.index(slot * NCONS + w))
             tma.async_copy_global_to_shared(w_desc, [(t0 + i) * BN, kk * BK], ready.index(slot), b_bufs.index(slot))
+
+
+@gluon.jit
+def _k_steps(a_bufs, b_bufs, ready, empty, base, k_tiles, acc, a_off, go, go_at, A_SLOTS: gl.constexpr,
+             STAGES: gl.constexpr):
+    """acc plus one tile's K steps j = base ... base + k_tiles - 1 from the ring (slot j % STAGES; hidden slice
+    A_SLOTS slot + a_off), one wgmma in flight: each slot is released once the next wgmma is issued, the last
+    one's by the caller; after issuing step ``go_at`` (-1: none) it arrives on the barrier ``go``."""
+    for kk in range(k_tiles):
+        j = base + kk
+        slot = j % STAGES
+        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+        acc = warpgroup_mma(a_bufs.index(slot * A_SLOTS + a_off), b_bufs.index(slot).permute((1, 0)), acc,
+                            is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), pred=kk > 0)
+        mbarrier.arrive(go, pred=kk == go_at)
+    return acc
 
 
 @gluon.jit
 def _consumer(w, a_bufs, b_bufs, ready, empty, go, b_ptr, part_ptr, row0, t0, n_tiles, k_tiles, N, V, n_cols, col,
               c, c_lo, inv_t, HAS_BIAS: gl.constexpr, ROUND: gl.constexpr, T_ROUND: gl.constexpr,
               BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr):
-    """Consumer warp group ``w``: rows row0 + w BMW ... of each tile, the K loop with one wgmma in flight (a slot
-    released once the next wgmma is issued, the last after the tile), then the tile's logits (bias, rounding,
-    columns >= V set to -inf) folded into running statistics; its rows' partials at column ``col``.  With LAG > 0
-    consumer 0 arrives on ``go`` after issuing K step min(LAG, k_tiles) - 1 of each tile, and consumer 1 waits for
-    that before the tile's K loop (LAG 0: the two run in step)."""
+    """Consumer warp group ``w``: rows row0 + w BMW ... of each tile, the K loop (:func:`_k_steps`), then the tile's
+    logits (bias, rounding, columns >= V set to -inf) folded into running statistics
+    (:func:`.triton_fused._fold_tile`); its rows' partials at column ``col``.  With LAG > 0 consumer 0 arrives on
+    ``go`` after issuing K step min(LAG, k_tiles) - 1 of each tile, and consumer 1 waits for that before the tile's
+    K loop (LAG 0: the two run in step)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -81,15 +113,8 @@ def _consumer(w, a_bufs, b_bufs, ready, empty, go, b_ptr, part_ptr, row0, t0, n_
         base = i * k_tiles
         if LAG > 0:
             mbarrier.wait(go, i & 1, pred=w == 1)
-        acc = gl.zeros([BMW, BN], gl.float32, mma)
-        for kk in range(k_tiles):
-            j = base + kk
-            slot = j % STAGES
-            mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(slot * 2 + w), b_bufs.index(slot).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), pred=kk > 0)
-            mbarrier.arrive(go, pred=kk == go_at)
+        acc = _k_steps(a_bufs, b_bufs, ready, empty, base, k_tiles, gl.zeros([BMW, BN], gl.float32, mma), w, go,
+                       go_at, 2, STAGES)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty.index((base + k_tiles - 1) % STAGES))
         rn = (t0 + i) * BN + gl.arange(0, BN, layout=cols_l)
@@ -117,21 +142,16 @@ def ws_kernel(a_desc, w_desc, b_ptr, part_ptr, N, V, H, tiles_per_chunk, group_r
     t0 = chunk * tiles_per_chunk
     n_tiles = gl.minimum(tiles_per_chunk, gl.cdiv(V, BN) - t0)
     k_tiles = gl.cdiv(H, BK)
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    a_bufs, b_bufs, ready, empty = _ring(a_desc, w_desc, STAGES, 2, 2)
     go = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)
     mbarrier.init(go.index(0), count=1)
     gl.warp_specialize([
         (_consumer, (0, a_bufs, b_bufs, ready, empty, go.index(0), b_ptr, part_ptr, row0, t0, n_tiles, k_tiles, N, V,
                      n_chunks, chunk, c, c_lo, inv_t, HAS_BIAS, ROUND, T_ROUND, BMW, BN, STAGES, LAG)),
         (_consumer, (1, a_bufs, b_bufs, ready, empty, go.index(0), b_ptr, part_ptr, row0, t0, n_tiles, k_tiles, N, V,
                      n_chunks, chunk, c, c_lo, inv_t, HAS_BIAS, ROUND, T_ROUND, BMW, BN, STAGES, LAG)),
-        (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, t0, n_tiles, k_tiles, BMW, BN, BK, STAGES)),
+        (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, t0, n_tiles, k_tiles, BMW, BN, BK, STAGES,
+                     2)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
 
 
