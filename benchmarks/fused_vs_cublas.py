@@ -43,8 +43,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 COLUMNS = ("card", "H", "V", "N", "dtype", "fused_ms", "cublas_ms", "unfused_ms", "fused_wait_ms")
 TARGET_CUBLAS = 1 / 0.97
 
-# Candidate kernel variants timed by --sweep: name -> overrides of triton_fused.DEFAULT_CONFIG, or
-# None for the configuration the public call runs (the streaming kernel, its plan from
+# Candidate kernel variants timed by --sweep: name -> overrides of triton_fused.DEFAULT_CONFIG (the
+# streaming Triton kernel: a full config sets its keys), or None for the configuration the public
+# call runs (below H 3072 on sm_90 the Gluon kernel, else the streaming kernel; plan from
 # triton_fused.stream_plan).  "chunks k" forces k vocabulary chunks (the plan's program order
 # kept), "row order" one group of every row block, "L2 x MiB" the plan's budget for a group's
 # hidden blocks; "per-tile" is the pointer kernel.  A
@@ -203,7 +204,9 @@ def sweep(heads, ns: list[int], dtypes: list[str], out_dir: Path, names: list[st
                     unfused = bench_ms(lambda: token_stats_triton(hidden @ weight.T, labels, 1.0, -100), rep_ms, warmup_ms)
                     times: dict[str, tuple[float, tuple, dict]] = {}
                     for name, over in variants.items():
-                        cfg = {**DEFAULT_CONFIG, **(over or {})}
+                        # the public call's own choice for "current" (the Gluon kernel below H 3072 on sm_90); a
+                        # variant's full config asks for the streaming Triton kernel (its keys set)
+                        cfg = {**DEFAULT_CONFIG, **over} if over is not None else {}
                         call = lambda cfg=cfg: token_stats_fused_triton(hidden, weight, labels, None, 1.0, -100, config=cfg)  # noqa: E731
                         try:
                             errs = _max_errors(call(), ref)
