@@ -12,49 +12,31 @@ device run.  Runs on any machine with Triton 3.6.
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import subprocess
 import sys
-import tempfile
+from pathlib import Path
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
 
 
 def compile_variant(cfg: dict) -> dict:
     """Compile the streaming kernel of ``cfg`` (a full configuration) for sm_90; returns registers,
-    spill stores (bytes), shared memory (bytes), wgmma instructions in the PTX and wait depths."""
-    import triton
-    from triton.backends.compiler import GPUTarget
+    spill stores (bytes), shared memory (bytes), wgmma instructions in the PTX and wait depths
+    (the tests' ``gluon_compile.ptxas_report``)."""
     from triton.compiler import ASTSource
 
     from entropy_discriminator.kernels.triton_fused import stream_spec
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from gluon_compile import ptxas_report
+
     kernel, consts = stream_spec(cfg, False, 0, False, True)
-    sig = {
-        "a_desc": f"tensordesc<bf16[{cfg['bm']},{cfg['bk']}]>", "w_desc": f"tensordesc<bf16[{cfg['bn']},{cfg['bk']}]>",
-        "b_ptr": "*bf16", "lab_ptr": "*i64", "part_ptr": "*fp32", "yk_ptr": "*fp32", "N": "i32", "V": "i32",
-        "H": "i32", "tiles_per_chunk": "i32", "group_rows": "i32", "c": "fp32", "inv_t": "fp32",
-        **{k: "constexpr" for k in consts},
-    }  # fmt: skip
+    types = {"a_desc": f"tensordesc<bf16[{cfg['bm']},{cfg['bk']}]>",
+             "w_desc": f"tensordesc<bf16[{cfg['bn']},{cfg['bk']}]>", "h_ptr": "*bf16", "w_ptr": "*bf16",
+             "b_ptr": "*bf16", "lab_ptr": "*i64", "part_ptr": "*fp32", "yk_ptr": "*fp32"}  # fmt: skip
     opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["stages"], **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {})}
-    compiled = triton.compile(ASTSource(kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32), options=opts)
-    ptx = compiled.asm["ptx"]
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.ptx")
-        with open(path, "w") as fh:
-            fh.write(ptx)
-        report = subprocess.run(
-            [ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")], capture_output=True, text=True, check=True
-        ).stderr  # fmt: skip
-    return {
-        "regs": int(re.search(r"Used (\d+) registers", report).group(1)),
-        "spill": int(re.search(r"(\d+) bytes spill stores", report).group(1)),
-        "smem": int(compiled.metadata.shared),
-        "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
-        "waits": sorted({int(w) for w in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)}),
-    }
+    r = ptxas_report(kernel, consts, types, opts, source=ASTSource)
+    return {"regs": r["registers"], "spill": r["spill_stores"], "smem": int(r["shared"]), "wgmma": r["wgmma"],
+            "waits": r["waits"]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,9 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import sys
 import time
+from pathlib import Path
 
 import torch
 import triton
@@ -195,39 +197,20 @@ def pingpong_stats(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
 
 
 def compile_only(cfg: dict, hdim: int = 896) -> None:
-    """Compile for sm_90 without a GPU and print registers, spills and shared memory (ptxas's report)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
+    """Compile for sm_90 without a GPU and print registers, spills and shared memory (ptxas's report, through the
+    tests' ``gluon_compile.ptxas_report``)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from gluon_compile import descriptor_types, ptxas_report
 
-    h = torch.empty(256, hdim, dtype=torch.bfloat16)
-    w = torch.empty(512, hdim, dtype=torch.bfloat16)
-    a_desc, w_desc = _descriptors(h, w, cfg)
+    a_desc, w_desc = _descriptors(torch.empty(256, hdim, dtype=torch.bfloat16),
+                                  torch.empty(512, hdim, dtype=torch.bfloat16), cfg)  # fmt: skip
     kernel, consts = _kernel_and_consts(cfg)
-    types = {"a_desc": mangle_type(a_desc), "w_desc": mangle_type(w_desc), "b_ptr": "*bf16", "part_ptr": "*fp32"}
-    names = kernel.arg_names  # in the kernel's order: the constexprs are named by position
-    sig = {k: "constexpr" if k in consts else types.get(k, "fp32" if k in ("cst", "clo", "c", "c_lo", "inv_t")
-                                                          else "i32") for k in names}  # fmt: skip
-    src = GluonASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
     t = time.time()
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": 4, "maxnreg": cfg["maxnreg"]})
-    print(f"compiled in {time.time() - t:.1f} s; shared {k.metadata.shared} B; cfg {cfg}")
-    ptx = k.asm["ptx"]
-    print("setmaxnreg:", sorted(set(l.strip() for l in ptx.splitlines() if "setmaxnreg" in l)))
-    print("wgmma:", sum("wgmma.mma_async" in l for l in ptx.splitlines()), "ex2:", ptx.count("ex2.approx"))
-    import os
-    import subprocess
-    import tempfile
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        info = subprocess.run([ptxas, "-v", "-arch=sm_90a", path, "-o", os.path.join(tmp, "k.cubin")],
-                              capture_output=True, text=True)
-    print("\n".join(line for line in info.stderr.splitlines() if "Used" in line or "spill" in line))
+    r = ptxas_report(kernel, consts, descriptor_types(a_desc, w_desc), {"num_warps": 4, "maxnreg": cfg["maxnreg"]})
+    print(f"compiled in {time.time() - t:.1f} s; shared {r['shared']} B; cfg {cfg}")
+    print("setmaxnreg:", r["setmaxnreg"])
+    print("wgmma:", r["wgmma"], "ex2:", r["ex2"])
+    print(f"registers {r['registers']}, spill stores {r['spill_stores']} B")
 
 
 def _reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor):

@@ -1,8 +1,11 @@
-"""Compile the warp-specialised Gluon kernel (``entropy_discriminator.kernels.gluon_fused.ws_kernel``) for sm_90a on
-any machine and print, as JSON, what ptxas reports: ``python tests/gluon_compile.py HAS_BIAS ROUND T_ROUND LAG``.
+"""Compile a fused head's Gluon (or Triton) kernel for sm_90a on any machine and report what its PTX and ptxas say
+(:func:`ptxas_report`); as a script, the library's ``entropy_discriminator.kernels.gluon_fused.ws_kernel``,
+printed as JSON: ``python tests/gluon_compile.py HAS_BIAS ROUND T_ROUND LAG``.
 
-Run in a process of its own by tests/test_kernels.py: with ``TRITON_INTERPRET=1`` (the kernels session) Triton's
-functions are interpreted objects that the Gluon compiler cannot take."""
+The script is run in a process of its own by tests/test_kernels.py: with ``TRITON_INTERPRET=1`` (the kernels
+session) Triton's functions are interpreted objects that the Gluon compiler cannot take.
+``benchmarks/gluon_pingpong_probe.py --compile-only`` and ``benchmarks/fused_compile.py`` report their kernels through
+:func:`ptxas_report` too."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import torch
 import triton
@@ -18,37 +22,52 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 
-from entropy_discriminator.kernels import gluon_fused
+# the fp32 scalar arguments of the fused heads' kernels (the others are i32 unless ``types`` names them)
+_FLOAT_ARGS = ("cst", "clo", "c", "c_lo", "inv_t")
+
+
+def ptxas_report(kernel, consts: dict, types: dict[str, str], options: dict, source=GluonASTSource) -> dict:
+    """``kernel`` (a fused head's Gluon kernel, or with ``source=triton.compiler.ASTSource`` a Triton one) compiled
+    for sm_90a with the constexprs ``consts``, the argument types ``types`` (descriptors, pointers; the fp32 scalars
+    of :data:`_FLOAT_ARGS` and i32 otherwise) and the compile ``options``: its wgmma and ex2 counts, the
+    ``wgmma.wait_group`` depths, the setmaxnreg instructions, shared bytes, and ptxas's registers a thread and
+    spill-store bytes."""
+    names = kernel.arg_names  # in the kernel's order: the constexprs are named by position
+    sig = {k: "constexpr" if k in consts else types.get(k, "fp32" if k in _FLOAT_ARGS else "i32") for k in names}
+    src = source(kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    ptx = compiled.asm["ptx"]
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        text = subprocess.run([ptxas, "-v", "-arch=sm_90a", path, "-o", os.path.join(tmp, "k.cubin")],
+                              capture_output=True, text=True, check=True).stderr  # fmt: skip
+    return {"wgmma": ptx.count("wgmma.mma_async"), "ex2": ptx.count("ex2.approx"),
+            "waits": sorted({int(w) for w in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)}),
+            "setmaxnreg": sorted({line.strip() for line in ptx.splitlines() if "setmaxnreg" in line}),
+            "shared": compiled.metadata.shared, "registers": int(re.search(r"Used (\d+) registers", text).group(1)),
+            "spill_stores": int(re.search(r"(\d+) bytes spill stores", text).group(1))}  # fmt: skip
+
+
+def descriptor_types(a_desc, w_desc) -> dict[str, str]:
+    """:func:`ptxas_report`'s ``types`` of a fused head's Gluon kernel: its two descriptors, bias and partials."""
+    return {"a_desc": mangle_type(a_desc), "w_desc": mangle_type(w_desc), "b_ptr": "*bf16", "part_ptr": "*fp32"}
 
 
 def report(has_bias: bool, round_code: int, t_round: bool, lag: int) -> dict:
-    """wgmma count, setmaxnreg present, shared bytes, registers a thread and spill-store bytes of one variant."""
+    """:func:`ptxas_report` of the library's ``ws_kernel`` (H 896 bf16 descriptors) for one variant."""
+    from entropy_discriminator.kernels import gluon_fused
+
     ws = gluon_fused.WS_CONFIG
     a_desc, w_desc = gluon_fused.ws_descriptors(torch.empty(256, 896, dtype=torch.bfloat16),
                                                 torch.empty(512, 896, dtype=torch.bfloat16))  # fmt: skip
-    sig = {"a_desc": mangle_type(a_desc), "w_desc": mangle_type(w_desc), "b_ptr": "*bf16", "part_ptr": "*fp32",
-           "N": "i32", "V": "i32", "H": "i32", "tiles_per_chunk": "i32", "group_rows": "i32", "c": "fp32",
-           "c_lo": "fp32", "inv_t": "fp32"}  # fmt: skip
     consts = {"HAS_BIAS": has_bias, "ROUND": round_code, "T_ROUND": t_round, "BMW": ws["bmw"], "BN": ws["bn"],
               "BK": ws["bk"], "STAGES": ws["stages"], "LAG": lag, "CONSUMER_REGS": ws["consumer_regs"],
               "PRODUCER_REGS": ws["producer_regs"]}  # fmt: skip
-    sig.update(dict.fromkeys(consts, "constexpr"))
-    src = GluonASTSource(gluon_fused.ws_kernel, sig, constexprs={(list(sig).index(k),): v for k, v in consts.items()})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4, "maxnreg": ws["maxnreg"]})  # fmt: skip
-    ptx = compiled.asm["ptx"]
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    path = os.path.join(triton.knobs.cache.dir or "/tmp", f"ws_{os.getpid()}.ptx")
-    with open(path, "w") as f:
-        f.write(ptx)
-    try:
-        text = subprocess.run([ptxas, "-v", "-arch=sm_90a", path, "-o", os.devnull], capture_output=True, text=True,
-                              check=True).stderr  # fmt: skip
-    finally:
-        os.remove(path)
-    return {"wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": "setmaxnreg" in ptx,
-            "shared": compiled.metadata.shared, "registers": int(re.search(r"Used (\d+) registers", text).group(1)),
-            "spill_stores": int(re.search(r"(\d+) bytes spill stores", text).group(1))}  # fmt: skip
+    return ptxas_report(gluon_fused.ws_kernel, consts, descriptor_types(a_desc, w_desc),
+                        {"num_warps": 4, "maxnreg": ws["maxnreg"]})
 
 
 if __name__ == "__main__":
