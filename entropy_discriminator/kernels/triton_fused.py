@@ -624,7 +624,6 @@ def token_stats_fused_triton(
             wave = _programs_per_wave(kernel, lambda: args(0, n_rows, out, out, 1, 1), consts, launch_opts,
                                       hidden.dtype, dev)  # fmt: skip
         if stream:
-
             def plan(rows: int) -> tuple[int, int, int]:
                 return stream_plan(rows, vocab, hdim, hidden.element_size(), bm, bn, wave, int(cfg["chunks"]),
                                    int(cfg["group_rows"]), float(cfg["group_mib"]))  # fmt: skip
