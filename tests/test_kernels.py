@@ -874,8 +874,8 @@ def test_fold_kernel_matches_float64_reference(n, v, cols, masked, dtype, peaked
                                                                    (40, 0, False, False)])
 def test_label_kernel_matches_float64(h, round_code, t_round, bias):
     """The label logits' own kernel (the Gluon path's, in its blocks: 8 rows, 512-deep K steps, so H 600 and 700
-    take two steps, one partial) stores y_k = round(L_k) log2(e) / T for rows whose label lies in [0, V) and
-    leaves the others; exact inputs (multiples of 2^-11 whose sums stay exact in fp32), so the float64 reference
+    take two steps, one partial) stores y_k = round(L_k) log2(e) / T for rows whose label lies in [0, V), NaN for
+    the others, and nothing past N; exact inputs (multiples of 2^-11 whose sums stay exact in fp32), so the float64 reference
     rounds the very L_k the kernel rounds."""
     import numpy as np
 
@@ -888,7 +888,7 @@ def test_label_kernel_matches_float64(h, round_code, t_round, bias):
     b = (torch.randint(-8, 9, (v,), generator=g) / 8).to(torch.float16)
     labels = torch.randint(0, v, (n,), generator=g)
     labels[[2, 5, 9]] = torch.tensor([-100, v, -1])
-    yk = torch.full((n,), float("nan"))
+    yk = torch.full((n + 3,), 7.0)  # 3 rows past N: never written
     inv_t = float(np.float32(1.0) / np.float32(temperature))
     c = 1.4426950408889634 if t_round else 1.4426950408889634 / temperature
     bm, bk = triton_fused._LABEL_BM, triton_fused._LABEL_BK
@@ -904,6 +904,8 @@ def test_label_kernel_matches_float64(h, round_code, t_round, bias):
         want = (want.float() * inv_t).to(low).double()
     want = want * c
     got = yk_dev.cpu().double()
+    assert (got[n:] == 7.0).all()
+    got = got[:n]
     assert torch.isnan(got[~ok]).all()
     torch.testing.assert_close(got[ok], want[ok], rtol=1e-6, atol=1e-6)
 

@@ -4,7 +4,7 @@ z = (hidden @ weight.T + bias) / T in base-2 units y = z log2(e) (:mod:`._reduce
 [V, H] in bf16/fp16/fp32, fp32 accumulation.  Two schedules write the same partials, fp32 [6, N, P]: per row and
 partial j, the reference m_j (the NaN-propagating max of y over the partial's columns), the sums s0..s3 against it
 (against 0 when m_j is -inf: the sums are then 0), and m_j again as the max the merge validates; the label's y_k
-(rounding included; formed apart from the tiles, :func:`_label_rows`) goes to fp32 [N].
+(rounding included) comes from its own kernel, :func:`_label_kernel`, launched first, into fp32 [N].
 :func:`._reduce.merge_kernel` then merges the P partials of every row in a fixed order and writes the statistics,
 ``valid`` and the error counters.  Forward only (the statistics are used under no_grad).
 
@@ -16,8 +16,7 @@ partial j, the reference m_j (the NaN-propagating max of y over the partial's co
   and a tail, each its own launch.
 - Warp-specialised (:mod:`.gluon_fused`; the streaming kernel's inputs on sm_90 below H = :data:`EXACT_WAVE_FROM_H`,
   :func:`_gluon_ok`): the same plan, tiles and per-tile operations, with a TMA producer warp and two consumer warp
-  groups taking turns so that each tile's statistics run while the other's matmul does; the label logits come
-  from :func:`_label_kernel` before it.
+  groups taking turns so that each tile's statistics run while the other's matmul does.
 - Per tile (:func:`_fused_tile_kernel`; fp32, unaligned strides, pre-Hopper GPUs): one program per [BM, BN] tile
   (in groups of GROUP_M row blocks), operands through pointers, P = ceil(V / BN) partials.
 """
@@ -73,8 +72,8 @@ SPLIT_MIN_TILES = 16
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # logits_dtype -> the epilogue's ROUND code (fp32 logits need no rounding)
 _ROUND_CODES = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# Rows and K step of the label logits' own kernel (:func:`_label_kernel`, before the Gluon kernel): H200, fp16,
-# N 4096: 11 us at H 896 and 21 us at H 2048, against 59 and 128 us for the streaming kernel's 128 x 64.
+# Rows and K step of the label logits' own kernel (:func:`_label_kernel`): H200, fp16, N 4096: 11 us at H 896 and
+# 21 us at H 2048, against 59 and 128 us in the 128 x 64 blocks the streaming kernel's programs used to form.
 _LABEL_BM, _LABEL_BK = 8, 512
 # Row slices are sized so that the partials ([6, rows, P] fp32) stay under this.
 _WORKSPACE_BYTES = 256 * 2**20
@@ -124,14 +123,17 @@ def _base2(x, c, c_lo):
 
 
 @triton.jit
-def _label_rows(h_ptr, w_ptr, b_ptr, lab_ptr, yk_ptr, rm, N, V, H, stride_h, stride_w, c, c_lo, inv_t,
-                HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, T_ROUND: tl.constexpr, BM: tl.constexpr,
-                BK: tl.constexpr):
-    """Store y_k = :func:`_base2` (round(hidden[r] . weight[k] + bias[k])) at ``yk_ptr + r`` for the BM rows ``rm``
-    whose r < N and label k lies in [0, V) (products and sums in fp32; rounding as :func:`_round_logits`).
+def _label_kernel(h_ptr, w_ptr, b_ptr, lab_ptr, yk_ptr, N, V, H, stride_h, stride_w, c, c_lo, inv_t,
+                  HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, T_ROUND: tl.constexpr, BM: tl.constexpr,
+                  BK: tl.constexpr):
+    """Store y_k = :func:`_base2` (round(hidden[r] . weight[k] + bias[k])) at ``yk_ptr + r`` for the BM rows
+    r = program_id * BM ... below N: NaN where the label k lies outside [0, V) (products and sums in fp32; rounding
+    as :func:`_round_logits`).  Launched before every fused kernel, ceil(N / BM) programs.
 
     The label logit is formed apart from the logits tiles (a compare and select over every tile costs the matmul
-    loop 2-8 %), so it may differ from the tiles' value in the last bits: the merge caps y_k at the row max."""
+    loop 2-8 %; label rows inside the kernels' programs delayed them), so it may differ from the tiles' value in the
+    last bits: the merge caps y_k at the row max."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
     labels = tl.load(lab_ptr + rm, mask=rm < N, other=-1)
     ok = (rm < N) & (labels >= 0) & (labels < V)
     h_rows = h_ptr + tl.where(ok, rm, 0).to(tl.int64)[:, None] * stride_h
@@ -144,17 +146,8 @@ def _label_rows(h_ptr, w_ptr, b_ptr, lab_ptr, yk_ptr, rm, N, V, H, stride_h, str
         acc += tl.sum(a * tl.load(w_rows + rk[None, :], mask=msk, other=0.0).to(tl.float32), axis=1)
     if HAS_BIAS:
         acc += tl.load(b_ptr + tl.where(ok, labels, 0), mask=ok, other=0.0).to(tl.float32)
-    tl.store(yk_ptr + rm, _base2(_round_logits(acc, inv_t, ROUND=ROUND, T_ROUND=T_ROUND), c, c_lo), mask=ok)
-
-
-@triton.jit
-def _label_kernel(h_ptr, w_ptr, b_ptr, lab_ptr, yk_ptr, N, V, H, stride_h, stride_w, c, c_lo, inv_t,
-                  HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, T_ROUND: tl.constexpr, BM: tl.constexpr,
-                  BK: tl.constexpr):
-    """:func:`_label_rows` for rows program_id * BM ... (the Gluon kernel's label logits, launched before it)."""
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
-    _label_rows(h_ptr, w_ptr, b_ptr, lab_ptr, yk_ptr, rm, N, V, H, stride_h, stride_w, c, c_lo, inv_t,
-                HAS_BIAS=HAS_BIAS, ROUND=ROUND, T_ROUND=T_ROUND, BM=BM, BK=BK)  # fmt: skip
+    yk = _base2(_round_logits(acc, inv_t, ROUND=ROUND, T_ROUND=T_ROUND), c, c_lo)
+    tl.store(yk_ptr + rm, tl.where(ok, yk, float("nan")), mask=rm < N)
 
 
 @triton.jit
@@ -216,7 +209,7 @@ def _tile_epilogue(acc, pid_m, pid_n, b_ptr, part_ptr, N, V, c, c_lo, inv_t, num
 
 
 @triton.jit
-def _fused_tile_kernel(h_ptr, w_ptr, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, stride_h, stride_w, c, c_lo, inv_t,
+def _fused_tile_kernel(h_ptr, w_ptr, b_ptr, part_ptr, N, V, H, stride_h, stride_w, c, c_lo, inv_t,
                        HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, T_ROUND: tl.constexpr, EVEN_K: tl.constexpr,
                        IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                        STAGES: tl.constexpr, MOMENTS: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr):
@@ -226,9 +219,6 @@ def _fused_tile_kernel(h_ptr, w_ptr, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, 
     pid_m, pid_n = _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
-    if pid_n == 0:  # one program per row block forms its rows' label logits
-        _label_rows(h_ptr, w_ptr, b_ptr, lab_ptr, yk_ptr, rm, N, V, H, stride_h, stride_w, c, c_lo, inv_t,
-                    HAS_BIAS=HAS_BIAS, ROUND=ROUND, T_ROUND=T_ROUND, BM=BM, BK=BK)  # fmt: skip
     rk = tl.arange(0, BK)
     a_ptrs = h_ptr + (rm % N).to(tl.int64)[:, None] * stride_h + rk[None, :]
     b_ptrs = w_ptr + (rn % V).to(tl.int64)[:, None] * stride_w + rk[None, :]
@@ -305,8 +295,8 @@ def _stream_coords(N, group_rows, BM: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["tiles_per_chunk", "group_rows"])
-def _fused_stream_kernel(a_desc, w_desc, h_ptr, w_ptr, b_ptr, lab_ptr, part_ptr, yk_ptr, N, V, H, stride_h,
-                         stride_w, tiles_per_chunk, group_rows, c, c_lo, inv_t, HAS_BIAS: tl.constexpr,
+def _fused_stream_kernel(a_desc, w_desc, b_ptr, part_ptr, N, V, H, tiles_per_chunk, group_rows, c, c_lo, inv_t,
+                         HAS_BIAS: tl.constexpr,
                          ROUND: tl.constexpr, T_ROUND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                          BK: tl.constexpr, STAGES: tl.constexpr, MOMENTS: tl.constexpr, FLATTEN: tl.constexpr,
                          FTZ: tl.constexpr):
@@ -318,8 +308,7 @@ def _fused_stream_kernel(a_desc, w_desc, h_ptr, w_ptr, b_ptr, lab_ptr, part_ptr,
     blocks and each W tile in L2 (``group_rows`` >= the row blocks: plain row order).  Each program walks its
     chunk's tiles (with FLATTEN the V and K loops pipelined as one: the next tile's loads in flight during this
     tile's epilogue), forms each tile's final logits (bias, rounding: as :func:`_tile_epilogue`), folds them into
-    running statistics (:func:`_fold_tile`); the programs of chunk 0 first form their rows' label logits
-    (:func:`_label_rows`).  The last, partial vocabulary tile is peeled off the loop (columns >= V set to -inf
+    running statistics (:func:`_fold_tile`).  The last, partial vocabulary tile is peeled off the loop (columns >= V set to -inf
     there only).  It writes its chunk's partials to part_ptr, fp32 [6, N, S] at column ``chunk``: m, s0..s3
     against m (0 when m is -inf), and m again as the max the merge validates: the per-tile partials of
     :func:`_tile_epilogue`, over a chunk of tiles.
@@ -330,9 +319,6 @@ def _fused_stream_kernel(a_desc, w_desc, h_ptr, w_ptr, b_ptr, lab_ptr, part_ptr,
     t1 = tl.minimum(t0 + tiles_per_chunk, tl.cdiv(V, BN))
     t1f = tl.minimum(t1, n_full)
     rm = rb * BM + tl.arange(0, BM)
-    if chunk == 0:
-        _label_rows(h_ptr, w_ptr, b_ptr, lab_ptr, yk_ptr, rm, N, V, H, stride_h, stride_w, c, c_lo, inv_t,
-                    HAS_BIAS=HAS_BIAS, ROUND=ROUND, T_ROUND=T_ROUND, BM=BM, BK=BK)  # fmt: skip
     m = tl.full([BM], float("-inf"), dtype=tl.float32)
     s0 = tl.zeros([BM], dtype=tl.float32)
     s1 = tl.zeros([BM], dtype=tl.float32)
@@ -615,13 +601,12 @@ def token_stats_fused_triton(
             w_desc = TensorDescriptor.from_tensor(weight, [bn, bk])
             kernel, consts = stream_spec(cfg, bias is not None, round_code, t_round, ftz)
 
-            def args(r0: int, r1: int, part, yk, tpc: int, g: int) -> tuple:
-                return (TensorDescriptor.from_tensor(hidden[r0:r1], [bm, bk]), w_desc, hidden[r0:r1], weight, bias_arg,
-                        labels[r0:r1], part, yk, r1 - r0, vocab, hdim, hidden.stride(0), weight.stride(0), tpc, g, c,
-                        c_lo, inv_t)  # fmt: skip
+            def args(r0: int, r1: int, part, tpc: int, g: int) -> tuple:
+                return (TensorDescriptor.from_tensor(hidden[r0:r1], [bm, bk]), w_desc, bias_arg, part, r1 - r0,
+                        vocab, hdim, tpc, g, c, c_lo, inv_t)  # fmt: skip
 
             # the compiled kernel's occupancy: the argument types and specialisations of a one-slice launch
-            wave = _programs_per_wave(kernel, lambda: args(0, n_rows, out, out, 1, 1), consts, launch_opts,
+            wave = _programs_per_wave(kernel, lambda: args(0, n_rows, out, 1, 1), consts, launch_opts,
                                       hidden.dtype, dev)  # fmt: skip
         if stream:
             def plan(rows: int) -> tuple[int, int, int]:
@@ -655,14 +640,14 @@ def token_stats_fused_triton(
         for r0, r1, tpc, n_cols, g in launches:
             rows = r1 - r0
             part = torch.empty((6, rows, n_cols), device=dev, dtype=torch.float32)
-            yk = torch.full((rows,), float("nan"), device=dev, dtype=torch.float32)
+            yk = torch.empty(rows, device=dev, dtype=torch.float32)
             lab = labels[r0:r1]
+            _label_kernel[(triton.cdiv(rows, _LABEL_BM),)](
+                hidden[r0:r1], weight, bias_arg, lab, yk, rows, vocab, hdim, hidden.stride(0), weight.stride(0), c,
+                c_lo, inv_t, HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, BM=_LABEL_BM, BK=_LABEL_BK,
+                num_warps=4,
+            )  # fmt: skip
             if schedule == "gluon":
-                _label_kernel[(triton.cdiv(rows, _LABEL_BM),)](
-                    hidden[r0:r1], weight, bias_arg, lab, yk, rows, vocab, hdim, hidden.stride(0), weight.stride(0),
-                    c, c_lo, inv_t, HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, BM=_LABEL_BM,
-                    BK=_LABEL_BK, num_warps=4,
-                )  # fmt: skip
                 gluon_fused.ws_kernel[(triton.cdiv(rows, bm) * n_cols,)](
                     *gluon_fused.ws_descriptors(hidden[r0:r1], weight), bias_arg, part, rows, vocab, hdim, tpc, g, c,
                     c_lo, inv_t, HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, BMW=ws["bmw"],
@@ -670,10 +655,10 @@ def token_stats_fused_triton(
                     PRODUCER_REGS=ws["producer_regs"], num_warps=4, maxnreg=ws["maxnreg"],
                 )  # fmt: skip
             elif stream:
-                kernel[(triton.cdiv(rows, bm) * n_cols,)](*args(r0, r1, part, yk, tpc, g), **consts, **launch_opts)
+                kernel[(triton.cdiv(rows, bm) * n_cols,)](*args(r0, r1, part, tpc, g), **consts, **launch_opts)
             else:
                 _fused_tile_kernel[(triton.cdiv(rows, bm) * n_tiles,)](
-                    hidden[r0:r1], weight, bias_arg, lab, part, yk, rows, vocab, hdim,
+                    hidden[r0:r1], weight, bias_arg, part, rows, vocab, hdim,
                     hidden.stride(0), weight.stride(0), c, c_lo, inv_t,
                     HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, EVEN_K=hdim % bk == 0,
                     IEEE=hidden.dtype == torch.float32,

@@ -551,27 +551,11 @@ def test_fused_stream_and_per_tile_kernels_agree(n, h, v, dtype, bias, logits_dt
     kw = dict(logits_dtype=logits_dtype, rows_per_launch=rows_per_launch)
     per = token_stats_fused_triton(hidden, weight, labels, b, 0.8, -100, config={"stream": 0}, **kw)
     stream = token_stats_fused_triton(hidden, weight, labels, b, 0.8, -100, config={"stream": 1, "gluon": 0}, **kw)
-    for a, c in zip(per[:5], stream[:5]):
-        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
-    assert torch.equal(per.valid, stream.valid) and torch.equal(per.errors, stream.errors)
     default = token_stats_fused_triton(hidden, weight, labels, b, 0.8, -100, **kw)  # the Gluon kernel below H 3072
-    assert torch.equal(per.valid, default.valid) and torch.equal(per.errors, default.errors)
-    for name in ("entropy", "s_expected"):  # no label in them
-        torch.testing.assert_close(getattr(default, name), getattr(per, name), rtol=1e-5, atol=1e-5)
-    # The Gluon path forms the label logit L_k in its own kernel, whose fp32 sum over H runs in another order than
-    # the other kernels' (which share theirs): rounded to the logits dtype, a last-bit difference can move L_k by
-    # one ulp of that dtype.  Such rows must be rare (the case above: 1 of 2048, H200), and differ in log p by at
-    # most that one ulp / T.
-    off = (default.logp - per.logp).abs() > 1e-5 + 1e-5 * per.logp.abs()
-    assert int(off.sum()) <= max(1, n // 200), int(off.sum())
-    assert logits_dtype is not None or not off.any()
-    if off.any():
-        lab = labels[off]
-        lab_logit = (hidden[off].double() * weight[lab].double()).sum(-1) + (b[lab].double() if bias else 0.0)
-        ulp = torch.finfo(logits_dtype).eps * 2.0 ** torch.floor(torch.log2(lab_logit.abs()))
-        assert ((default.logp - per.logp)[off].abs().double() <= 1.01 * ulp / 0.8 + 1e-5).all()
-    for name in ("logp", "s_star", "s_centered"):
-        torch.testing.assert_close(getattr(default, name)[~off], getattr(per, name)[~off], rtol=1e-5, atol=1e-5)
+    for other in (stream, default):  # the label logits: one kernel for all three (triton_fused._label_kernel)
+        for a, c in zip(per[:5], other[:5]):
+            torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+        assert torch.equal(per.valid, other.valid) and torch.equal(per.errors, other.errors)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
