@@ -32,7 +32,8 @@ def compile_variant(cfg: dict) -> dict:
     kernel, consts = stream_spec(cfg, False, 0, False, True)
     types = {"a_desc": f"tensordesc<bf16[{cfg['bm']},{cfg['bk']}]>",
              "w_desc": f"tensordesc<bf16[{cfg['bn']},{cfg['bk']}]>", "b_ptr": "*bf16", "part_ptr": "*fp32"}
-    opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["stages"], **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {})}
+    opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["stages"],
+            **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {})}
     r = ptxas_report(kernel, consts, types, opts, source=ASTSource)
     return {"regs": r["registers"], "spill": r["spill_stores"], "smem": int(r["shared"]), "wgmma": r["wgmma"],
             "waits": r["waits"]}

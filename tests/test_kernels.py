@@ -873,10 +873,10 @@ def test_fold_kernel_matches_float64_reference(n, v, cols, masked, dtype, peaked
 @pytest.mark.parametrize(("h", "round_code", "t_round", "bias"), [(600, 2, True, True), (700, 1, False, True),
                                                                    (40, 0, False, False)])
 def test_label_kernel_matches_float64(h, round_code, t_round, bias):
-    """The label logits' own kernel (the Gluon path's, in its blocks: 8 rows, 512-deep K steps, so H 600 and 700
-    take two steps, one partial) stores y_k = round(L_k) log2(e) / T for rows whose label lies in [0, V), NaN for
-    the others, and nothing past N; exact inputs (multiples of 2^-11 whose sums stay exact in fp32), so the float64 reference
-    rounds the very L_k the kernel rounds."""
+    """The label logits' own kernel (every fused kernel's, in its blocks: 8 rows, 512-deep K steps, so H 600 and
+    700 take two steps, one partial) stores y_k = round(L_k) log2(e) / T for rows whose label lies in [0, V), NaN
+    for the others, and nothing past N; exact inputs (multiples of 2^-11 whose sums stay exact in fp32), so the
+    float64 reference rounds the very L_k the kernel rounds."""
     import numpy as np
 
     from entropy_discriminator.kernels import triton_fused

@@ -296,10 +296,9 @@ def _stream_coords(N, group_rows, BM: tl.constexpr):
 
 @triton.jit(do_not_specialize=["tiles_per_chunk", "group_rows"])
 def _fused_stream_kernel(a_desc, w_desc, b_ptr, part_ptr, N, V, H, tiles_per_chunk, group_rows, c, c_lo, inv_t,
-                         HAS_BIAS: tl.constexpr,
-                         ROUND: tl.constexpr, T_ROUND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                         BK: tl.constexpr, STAGES: tl.constexpr, MOMENTS: tl.constexpr, FLATTEN: tl.constexpr,
-                         FTZ: tl.constexpr):
+                         HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, T_ROUND: tl.constexpr, BM: tl.constexpr,
+                         BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, MOMENTS: tl.constexpr,
+                         FLATTEN: tl.constexpr, FTZ: tl.constexpr):
     """Row-stationary streaming schedule: one program, BM rows x one chunk of the vocabulary.
 
     The grid is ceil(N / BM) row blocks x S chunks of ``tiles_per_chunk`` [BM, BN] tiles (the last chunk may be
@@ -308,9 +307,9 @@ def _fused_stream_kernel(a_desc, w_desc, b_ptr, part_ptr, N, V, H, tiles_per_chu
     blocks and each W tile in L2 (``group_rows`` >= the row blocks: plain row order).  Each program walks its
     chunk's tiles (with FLATTEN the V and K loops pipelined as one: the next tile's loads in flight during this
     tile's epilogue), forms each tile's final logits (bias, rounding: as :func:`_tile_epilogue`), folds them into
-    running statistics (:func:`_fold_tile`).  The last, partial vocabulary tile is peeled off the loop (columns >= V set to -inf
-    there only).  It writes its chunk's partials to part_ptr, fp32 [6, N, S] at column ``chunk``: m, s0..s3
-    against m (0 when m is -inf), and m again as the max the merge validates: the per-tile partials of
+    running statistics (:func:`_fold_tile`).  The last, partial vocabulary tile is peeled off the loop (columns
+    >= V set to -inf there only).  It writes its chunk's partials to part_ptr, fp32 [6, N, S] at column ``chunk``:
+    m, s0..s3 against m (0 when m is -inf), and m again as the max the merge validates: the per-tile partials of
     :func:`_tile_epilogue`, over a chunk of tiles.
     """
     rb, chunk, n_chunks = _stream_coords(N, group_rows, BM)
