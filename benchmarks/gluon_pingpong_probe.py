@@ -127,7 +127,8 @@ def _pingpong_kernel(a_desc, w_desc, part_ptr, N, V, H, tiles_per_chunk, group_r
                      2 * chunk, cst, clo, BM, BN, STAGES, MOMENTS)),
         (_consumer, (1, a_bufs, b_bufs, ready, empty, turn, part_ptr, row0, t0, n_tiles, k_tiles, N, V, n_cols,
                      2 * chunk + 1, cst, clo, BM, BN, STAGES, MOMENTS)),
-        (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, t0, n_tiles, k_tiles, BM, BN, BK, STAGES, 1)),
+        (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, 1, t0, n_tiles, k_tiles, BM, BN, BK, STAGES,
+                     1)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -184,7 +185,7 @@ def pingpong_stats(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     cst = LOG2E
     clo = cst - float(torch.tensor(cst, dtype=torch.float32))
     kernel, consts = _kernel_and_consts(cfg)
-    args = (a_desc, w_desc, hidden, part, n, vocab, hdim, tpc, g, cst, clo, 1.0) if cfg["coop"] else (
+    args = (a_desc, w_desc, hidden, part, n, vocab, hdim, tpc, g, 0, cst, clo, 1.0) if cfg["coop"] else (
         a_desc, w_desc, part, n, vocab, hdim, tpc, g, cst, clo)
     kernel[(triton.cdiv(n, cfg["bm"] * (2 if cfg["coop"] else 1)) * s,)](*args, **consts, num_warps=4,
                                                                         maxnreg=cfg["maxnreg"])  # fmt: skip

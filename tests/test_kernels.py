@@ -818,6 +818,48 @@ def test_stream_slices_cover_the_rows_with_fewer_waves(rows, vocab, hdim, bm, bn
     assert cost < _waves_estimate(rows, bm, wave, *one[:2])
 
 
+@settings(max_examples=300, deadline=None)
+@given(rows=st.integers(1, 20_000), vocab=st.integers(1, 300_000), hdim=st.integers(8, 3000),
+       bn=st.sampled_from([128, 256]), wave=st.integers(1, 300))
+@example(rows=4096, vocab=151936, hdim=896, bn=256, wave=132)  # an H200 at N 4096: 4 x 144 tiles, 4 x 8 row blocks
+@example(rows=1600, vocab=151936, hdim=896, bn=256, wave=132)  # 13 row blocks, the last ragged: extras of 7 and 6
+def test_row_order_extras_cover_every_tile_once_in_a_shorter_program(rows, vocab, hdim, bn, wave):
+    """The Gluon kernel's extra programs (``extra_rows``) under ``row_order_extras``: the programs of the grid
+    (rb chunks + ceil(rb / R)) fit one wave, each (row block, tile) is taken by exactly one program, each (row block,
+    partial column) written once, and the longest program is shorter than the plan's chunk.  The program mapping
+    is ``ws_kernel``'s docstring, written out here (the Gluon kernel itself runs on sm_90 only: tests/gpu)."""
+    from entropy_discriminator.kernels.triton_fused import row_order_extras, stream_slices
+
+    bm = 128
+    (n, tpc, s, g), *tail = stream_slices(rows, vocab, hdim, 2, bm, bn, wave)
+    got = row_order_extras(rows, vocab, bm, bn, wave, tpc, s, g) if not tail else None
+    if got is None:
+        return
+    c, r = got
+    rb, tiles = -(-rows // bm), -(-vocab // bn)
+    n_home, n_extra = rb * s, -(-rb // r)
+    assert g >= rb and n_home + n_extra <= wave
+    taken, written, longest = {}, {}, 0
+    for pid in range(n_home + n_extra):
+        if pid < n_home:
+            blocks, col, t0 = [pid % rb], pid // rb, (pid // rb) * c
+        else:
+            first = (pid - n_home) * r
+            blocks, col, t0 = list(range(first, min(rb, first + r))), s, s * c
+        n_tiles = min(c, tiles - t0)
+        assert blocks and n_tiles > 0
+        longest = max(longest, len(blocks) * n_tiles)
+        for b in blocks:
+            written[b, col] = written.get((b, col), 0) + 1
+            for t in range(t0, t0 + n_tiles):
+                taken[b, t] = taken.get((b, t), 0) + 1
+    assert taken == {(b, t): 1 for b in range(rb) for t in range(tiles)}
+    assert written == {(b, j): 1 for b in range(rb) for j in range(s + 1)}
+    assert longest < tpc
+    if (rows, vocab, bn, wave) == (4096, 151936, 256, 132):
+        assert (c, r, tpc, longest) == (144, 8, 149, 144)
+
+
 def test_fused_kernel_bad_rounding_arguments():
     hid = torch.zeros(2, 16, dtype=torch.float16, device=DEV)
     labels = torch.zeros(2, dtype=torch.int64)

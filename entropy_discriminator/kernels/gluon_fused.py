@@ -53,22 +53,25 @@ def _ring(a_desc, w_desc, STAGES: gl.constexpr, A_SLOTS: gl.constexpr, READERS: 
 
 
 @gluon.jit
-def _producer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, t0, n_tiles, k_tiles, BMW: gl.constexpr,
+def _producer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, n_segs, t0, n_tiles, k_tiles, BMW: gl.constexpr,
               BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, NCONS: gl.constexpr):
-    """One warp: K step j = i k_tiles + kk of the chunk's tile i into slot j % STAGES of the ring (:func:`_ring`)
+    """One warp: for each of ``n_segs`` segments (row blocks row0, row0 + NCONS BMW, ... each over the same tiles
+    t0 ...), K step j = i k_tiles + kk of the program's i-th tile into slot j % STAGES of the ring (:func:`_ring`)
     once its readers released it: NCONS hidden slices [BMW, BK] (rows row0 + c BMW) and the W tile's [BN, BK]
     slice (rows, columns and K past the tensors' ends are zero-filled by the copy engine)."""
     nbytes: gl.constexpr = NCONS * a_desc.block_type.nbytes + w_desc.block_type.nbytes
-    for i in range(n_tiles):
+    for i in range(n_segs * n_tiles):
+        r0 = row0 + (i // n_tiles) * NCONS * BMW
         for kk in range(k_tiles):
             j = i * k_tiles + kk
             slot = j % STAGES
             mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(slot), nbytes)
             for w in gl.static_range(NCONS):
-                tma.async_copy_global_to_shared(a_desc, [row0 + w * BMW, kk * BK], ready.index(slot),
+                tma.async_copy_global_to_shared(a_desc, [r0 + w * BMW, kk * BK], ready.index(slot),
                                                 a_bufs.index(slot * NCONS + w))
-            tma.async_copy_global_to_shared(w_desc, [(t0 + i) * BN, kk * BK], ready.index(slot), b_bufs.index(slot))
+            tma.async_copy_global_to_shared(w_desc, [(t0 + i % n_tiles) * BN, kk * BK], ready.index(slot),
+                                            b_bufs.index(slot))
 
 
 @gluon.jit
@@ -90,14 +93,33 @@ def _k_steps(a_bufs, b_bufs, ready, empty, base, k_tiles, acc, a_off, go, go_at,
 
 
 @gluon.jit
-def _consumer(w, a_bufs, b_bufs, ready, empty, go, b_ptr, part_ptr, row0, t0, n_tiles, k_tiles, N, V, n_cols, col,
-              c, c_lo, inv_t, HAS_BIAS: gl.constexpr, ROUND: gl.constexpr, T_ROUND: gl.constexpr,
+def _consumer(w, a_bufs, b_bufs, ready, empty, go, b_ptr, part_ptr, row0, n_segs, t0, n_tiles, k_tiles, N, V,
+              n_cols, col, c, c_lo, inv_t, HAS_BIAS: gl.constexpr, ROUND: gl.constexpr, T_ROUND: gl.constexpr,
               BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr):
-    """Consumer warp group ``w``: rows row0 + w BMW ... of each tile, the K loop (:func:`_k_steps`), then the tile's
-    logits (bias, rounding, columns >= V set to -inf) folded into running statistics
-    (:func:`.triton_fused._fold_tile`); its rows' partials at column ``col``.  With LAG > 0 consumer 0 arrives on
-    ``go`` after issuing K step min(LAG, k_tiles) - 1 of each tile, and consumer 1 waits for that before the tile's
-    K loop (LAG 0: the two run in step)."""
+    """Consumer warp group ``w``, for each of ``n_segs`` segments (row blocks of 2 BMW rows from row0 on, each over
+    the tiles t0 ... t0 + n_tiles - 1): rows w BMW ... of the segment's row block in each tile, the K loop
+    (:func:`_k_steps`), then the tile's logits (bias, rounding, columns >= V set to -inf) folded into running
+    statistics (:func:`.triton_fused._fold_tile`); the segment's partials at column ``col``.  With LAG > 0
+    consumer 0 arrives on ``go`` after issuing K step min(LAG, k_tiles) - 1 of each tile, and consumer 1 waits for
+    that before the tile's K loop (LAG 0: the two run in step)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    go_at = -1
+    if w == 0:
+        go_at = gl.minimum(k_tiles, LAG) - 1
+    for seg in range(n_segs):
+        m, s0, s1, s2, s3 = _tiles(w, a_bufs, b_bufs, ready, empty, go, go_at, b_ptr, seg * n_tiles, t0, n_tiles,
+                                   k_tiles, V, c, c_lo, inv_t, HAS_BIAS, ROUND, T_ROUND, BMW, BN, STAGES, LAG)
+        rm = row0 + seg * 2 * BMW + w * BMW + gl.arange(0, BMW, layout=rows_l)
+        _store_partials(part_ptr, rm, rm < N, N, n_cols, col, m, s0, s1, s2, s3)
+
+
+@gluon.jit
+def _tiles(w, a_bufs, b_bufs, ready, empty, go, go_at, b_ptr, first, t0, n_tiles, k_tiles, V, c, c_lo, inv_t,
+           HAS_BIAS: gl.constexpr, ROUND: gl.constexpr, T_ROUND: gl.constexpr, BMW: gl.constexpr, BN: gl.constexpr,
+           STAGES: gl.constexpr, LAG: gl.constexpr):
+    """Running statistics (m, s0..s3) of consumer ``w``'s rows over tiles t0 ... t0 + n_tiles - 1, the program's
+    tiles ``first`` ... in ring order (:func:`_consumer`)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -106,13 +128,10 @@ def _consumer(w, a_bufs, b_bufs, ready, empty, go, b_ptr, part_ptr, row0, t0, n_
     s1 = s0
     s2 = s0
     s3 = s0
-    go_at = -1
-    if w == 0:
-        go_at = gl.minimum(k_tiles, LAG) - 1
     for i in range(n_tiles):
-        base = i * k_tiles
+        base = (first + i) * k_tiles
         if LAG > 0:
-            mbarrier.wait(go, i & 1, pred=w == 1)
+            mbarrier.wait(go, (first + i) & 1, pred=w == 1)
         acc = _k_steps(a_bufs, b_bufs, ready, empty, base, k_tiles, gl.zeros([BMW, BN], gl.float32, mma), w, go,
                        go_at, 2, STAGES)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -124,20 +143,34 @@ def _consumer(w, a_bufs, b_bufs, ready, empty, go, b_ptr, part_ptr, row0, t0, n_
         if (t0 + i) * BN + BN > V:  # the last, partial vocabulary tile
             x = gl.where(gl.expand_dims(rn < V, 0), x, float("-inf"))
         m, s0, s1, s2, s3 = _fold_tile(x, c, c_lo, m, s0, s1, s2, s3, 4, True)
-    rm = row0 + w * BMW + gl.arange(0, BMW, layout=rows_l)
-    _store_partials(part_ptr, rm, rm < N, N, n_cols, col, m, s0, s1, s2, s3)
+    return m, s0, s1, s2, s3
 
 
-@gluon.jit(do_not_specialize=["tiles_per_chunk", "group_rows"])
-def ws_kernel(a_desc, w_desc, b_ptr, part_ptr, N, V, H, tiles_per_chunk, group_rows, c, c_lo, inv_t,
+@gluon.jit(do_not_specialize=["tiles_per_chunk", "group_rows", "extra_rows"])
+def ws_kernel(a_desc, w_desc, b_ptr, part_ptr, N, V, H, tiles_per_chunk, group_rows, extra_rows, c, c_lo, inv_t,
               HAS_BIAS: gl.constexpr, ROUND: gl.constexpr, T_ROUND: gl.constexpr, BMW: gl.constexpr,
               BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """One program: 2 BMW rows x one chunk of ``tiles_per_chunk`` [2 BMW, BN] tiles, in the streaming kernel's
     program order (:func:`.triton_fused._stream_coords`, ``group_rows`` row blocks per group); partials to
-    part_ptr, fp32 [6, N, S] at column ``chunk``, as :func:`.triton_fused._fused_stream_kernel`.  Launch with
+    part_ptr, fp32 [6, N, S] at column ``chunk``, as :func:`.triton_fused._fused_stream_kernel`.
+
+    With ``extra_rows`` R > 0 (:func:`.triton_fused.row_order_extras`): the first rb S programs (rb row blocks, row
+    order) take S chunks of ``tiles_per_chunk`` tiles from tile 0, and each of the last ceil(rb / R) programs takes
+    the tiles left after them for R row blocks in turn, its partials at column S of [6, N, S + 1].  Launch with
     ``num_warps=4`` (the first consumer's warps) and ``maxnreg`` = :data:`WS_CONFIG`'s."""
-    rb, chunk, n_chunks = _stream_coords(N, group_rows, 2 * BMW)
+    if extra_rows > 0:
+        n_rb = gl.cdiv(N, 2 * BMW)
+        pid = gl.program_id(0)
+        n_home = gl.num_programs(0) - gl.cdiv(n_rb, extra_rows)
+        n_cols = n_home // n_rb + 1
+        extra = pid >= n_home  # the tiles past the chunks, for extra_rows row blocks
+        rb = gl.where(extra, (pid - n_home) * extra_rows, pid % n_rb)
+        chunk = gl.where(extra, n_cols - 1, pid // n_rb)
+        n_segs = gl.where(extra, gl.minimum(extra_rows, n_rb - rb), 1)
+    else:
+        rb, chunk, n_cols = _stream_coords(N, group_rows, 2 * BMW)
+        n_segs = rb * 0 + 1
     row0 = rb * 2 * BMW
     t0 = chunk * tiles_per_chunk
     n_tiles = gl.minimum(tiles_per_chunk, gl.cdiv(V, BN) - t0)
@@ -146,12 +179,12 @@ def ws_kernel(a_desc, w_desc, b_ptr, part_ptr, N, V, H, tiles_per_chunk, group_r
     go = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     mbarrier.init(go.index(0), count=1)
     gl.warp_specialize([
-        (_consumer, (0, a_bufs, b_bufs, ready, empty, go.index(0), b_ptr, part_ptr, row0, t0, n_tiles, k_tiles, N, V,
-                     n_chunks, chunk, c, c_lo, inv_t, HAS_BIAS, ROUND, T_ROUND, BMW, BN, STAGES, LAG)),
-        (_consumer, (1, a_bufs, b_bufs, ready, empty, go.index(0), b_ptr, part_ptr, row0, t0, n_tiles, k_tiles, N, V,
-                     n_chunks, chunk, c, c_lo, inv_t, HAS_BIAS, ROUND, T_ROUND, BMW, BN, STAGES, LAG)),
-        (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, t0, n_tiles, k_tiles, BMW, BN, BK, STAGES,
-                     2)),
+        (_consumer, (0, a_bufs, b_bufs, ready, empty, go.index(0), b_ptr, part_ptr, row0, n_segs, t0, n_tiles, k_tiles,
+                     N, V, n_cols, chunk, c, c_lo, inv_t, HAS_BIAS, ROUND, T_ROUND, BMW, BN, STAGES, LAG)),
+        (_consumer, (1, a_bufs, b_bufs, ready, empty, go.index(0), b_ptr, part_ptr, row0, n_segs, t0, n_tiles, k_tiles,
+                     N, V, n_cols, chunk, c, c_lo, inv_t, HAS_BIAS, ROUND, T_ROUND, BMW, BN, STAGES, LAG)),
+        (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, n_segs, t0, n_tiles, k_tiles, BMW, BN, BK,
+                     STAGES, 2)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
 
 

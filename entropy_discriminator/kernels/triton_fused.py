@@ -496,6 +496,29 @@ def _evened(s: int, nvt: int) -> tuple[int, int]:
     return tpc, -(-nvt // tpc)
 
 
+def row_order_extras(rows: int, vocab: int, bm: int, bn: int, wave: int, tpc: int, chunks: int,
+                     group_rows: int) -> tuple[int, int] | None:
+    """(tiles per chunk c, row blocks per extra program R) that balance a row-order plan over a part-filled wave,
+    or None.
+
+    A plan in row order (``group_rows`` >= rb = ceil(rows / bm)) whose rb ``chunks`` programs leave E = wave - rb
+    ``chunks`` SMs idle runs (:func:`.gluon_fused.ws_kernel`'s ``extra_rows``) its chunks c = ceil(R T / (1 + R
+    chunks)) tiles long (T = ceil(vocab / bn) tiles, R = ceil(rb / E)), and ceil(rb / R) extra programs take the
+    T - c chunks tiles left, R row blocks each: the longest program does max(c, R (T - c chunks)) tiles instead of
+    ``tpc``.  None where that is not shorter, nothing is left over, or the plan is grouped.  On an H200 (wave 132,
+    bm 128, bn 256) at N 4096, V 151936: 4 chunks of 144 tiles and 4 extra programs of 8 row blocks x 18 tiles,
+    where the plan's 4 chunks of 149 tiles left 4 SMs idle."""
+    rb, nvt = -(-rows // bm), -(-vocab // bn)
+    spare = wave - rb * chunks
+    if group_rows < rb or spare <= 0:
+        return None
+    r = -(-rb // spare)
+    c = -(-r * nvt // (1 + r * chunks))
+    if c * chunks >= nvt or max(c, r * (nvt - c * chunks)) >= tpc:
+        return None
+    return c, r
+
+
 # programs per SM of the compiled streaming kernel, by (device, compile-time arguments, launch options, dtype)
 _OCCUPANCY: dict[tuple, int] = {}
 
@@ -589,6 +612,7 @@ def token_stats_fused_triton(
     c = LOG2E if t_round else LOG2E / float(temperature)
     c_lo = c - float(np.float32(c))  # the kernels take fp32 c and c_lo: c + c_lo is c to about 2^-48
     bias_arg = bias.contiguous() if bias is not None else hidden
+    extra_rows = 0  # the Gluon kernel's row blocks per extra program (row_order_extras), 0: none
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         if schedule == "gluon":
             from . import gluon_fused
@@ -631,6 +655,10 @@ def token_stats_fused_triton(
                     r0 += rows
                 if schedule == "stream" and cfg["flatten"] < 0 and len(launches) > 1:  # body and tail: unflattened
                     consts["FLATTEN"] = False
+                extras = row_order_extras(n_rows, vocab, bm, bn, wave, *launches[0][2:]) if len(launches) == 1 else None
+                if schedule == "gluon" and extras:  # the idle SMs take the tiles past shorter chunks
+                    extra_rows = extras[1]
+                    launches = [(0, n_rows, extras[0], launches[0][3] + 1, launches[0][4])]
         else:
             if rows_per_launch is None:
                 rows_per_launch = max(bm, (_WORKSPACE_BYTES // (24 * n_tiles)) // bm * bm)
@@ -647,10 +675,12 @@ def token_stats_fused_triton(
                 num_warps=4,
             )  # fmt: skip
             if schedule == "gluon":
-                gluon_fused.ws_kernel[(triton.cdiv(rows, bm) * n_cols,)](
-                    *gluon_fused.ws_descriptors(hidden[r0:r1], weight), bias_arg, part, rows, vocab, hdim, tpc, g, c,
-                    c_lo, inv_t, HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round, BMW=ws["bmw"],
-                    BN=bn, BK=bk, STAGES=ws["stages"], LAG=ws["lag"], CONSUMER_REGS=ws["consumer_regs"],
+                rbs = triton.cdiv(rows, bm)
+                grid = rbs * (n_cols - 1) + triton.cdiv(rbs, extra_rows) if extra_rows else rbs * n_cols
+                gluon_fused.ws_kernel[(grid,)](
+                    *gluon_fused.ws_descriptors(hidden[r0:r1], weight), bias_arg, part, rows, vocab, hdim, tpc, g,
+                    extra_rows, c, c_lo, inv_t, HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round,
+                    BMW=ws["bmw"], BN=bn, BK=bk, STAGES=ws["stages"], LAG=ws["lag"], CONSUMER_REGS=ws["consumer_regs"],
                     PRODUCER_REGS=ws["producer_regs"], num_warps=4, maxnreg=ws["maxnreg"],
                 )  # fmt: skip
             elif stream:

@@ -458,6 +458,36 @@ def test_gluon_kernel_plans_match_float64(monkeypatch, n, h, v, dtype, bias, tem
     assert runs["launches"] >= 1
 
 
+@pytest.mark.parametrize(
+    ("n", "h", "v", "dtype", "bias", "temperature"),
+    [
+        (4096, 128, 70000, torch.bfloat16, True, 0.9),  # 132 SMs: 4 chunks of 67 tiles, 4 extras of 8 row blocks
+        (1600, 200, 151936, torch.float16, False, 1.0),  # 13 row blocks, the last ragged: extras of 7 and 6
+        (2048, 896, 151936, torch.float16, True, 0.7),  # the 0.5B head: 8 chunks of 72 tiles, 4 extras of 4 x 18
+    ],
+)
+def test_gluon_kernel_extra_programs_match_float64(monkeypatch, n, h, v, dtype, bias, temperature):
+    """Where a row-order plan leaves SMs idle, the Gluon kernel's extra programs take the tiles past shorter chunks,
+    several row blocks each (``triton_fused.row_order_extras``): the statistics still match float64."""
+    from entropy_discriminator.kernels import triton_fused
+
+    if not gluon_runs():
+        pytest.skip("the Gluon kernel runs on sm_90 GPUs with Triton's Gluon")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    (rows, tpc, s, g), *tail = triton_fused.stream_slices(n, v, h, 2, 128, 256, sms)
+    assert not tail and triton_fused.row_order_extras(n, v, 128, 256, sms, tpc, s, g) is not None
+    runs = only_fused_kernel(monkeypatch, "gluon")
+    gen = torch.Generator(device="cuda").manual_seed(n + h + 2)
+    hidden = torch.randn(n, h, device="cuda", generator=gen).to(dtype)
+    weight = (torch.randn(v, h, device="cuda", generator=gen) * (4 / h**0.5)).to(dtype)
+    b = torch.randn(v, device="cuda", generator=gen).to(dtype) if bias else None
+    labels = make_labels(n, n, v)
+    poison(n)
+    stats = triton_fused.token_stats_fused_triton(hidden, weight, labels, b, temperature, -100)
+    check(stats, hidden.double() @ weight.double().T + (b.double() if bias else 0.0), labels, temperature, scale=5.0)
+    assert runs["launches"] == 1
+
+
 def exact_head(seed: int, n: int, h: int, v: int, dtype: torch.dtype, neg_inf: bool):
     """A head-sized problem on the GPU whose fp32-accumulated logits are exact (hidden k/8, |k| <= 16; weight
     j/256, |j| <= 16; bias i/8: products are multiples of 2^-11 and every partial sum stays below 2^9 for H <= 4096),

@@ -59,7 +59,7 @@ def sequence(hid, w, lab, label: str, yk_fixed=None):
         before = torch.cuda.Event()
         before.record()
         gluon_fused.ws_kernel[(triton.cdiv(rows, bm) * s,)](
-            *gluon_fused.ws_descriptors(hid[r0:r1], w), hid, part, rows, v, h, tpc, g, c, C_LO, 1.0, HAS_BIAS=False,
+            *gluon_fused.ws_descriptors(hid[r0:r1], w), hid, part, rows, v, h, tpc, g, 0, c, C_LO, 1.0, HAS_BIAS=False,
             ROUND=0, T_ROUND=False, BMW=ws["bmw"], BN=bn, BK=ws["bk"], STAGES=ws["stages"], LAG=ws["lag"],
             CONSUMER_REGS=ws["consumer_regs"], PRODUCER_REGS=ws["producer_regs"], num_warps=4, maxnreg=ws["maxnreg"])
         if label == "side":
