@@ -8,7 +8,9 @@ Each program has three partitions: a one-warp TMA producer filling a ring of STA
 the W tile's [*, BK] slices), and two consumer warp groups of BMW rows each, sharing every W slice (a
 [2 BMW, BN] tile).  Consumer 1 starts each tile's K loop only once consumer 0 has issued LAG of its K steps, so
 that while one folds its finished tile (an exp2 and four sums per logit) the other still has tensor-core work in
-flight.  The label logits are formed apart (:func:`.triton_fused._label_kernel`), as in the other kernels.
+flight.  The label logits are formed apart (:func:`.triton_fused._label_kernel`), as in the other kernels.  Where
+a row-order plan leaves SMs idle, extra programs take the tiles past shortened chunks, several row blocks each
+(``extra_rows``, :func:`.triton_fused.row_order_extras`).
 
 Probe and measurements: ``benchmarks/gluon_pingpong_probe.py`` (``lag``), ``benchmarks/RESULTS.md``.
 """
