@@ -172,7 +172,7 @@ def ws_kernel(a_desc, w_desc, b_ptr, part_ptr, N, V, H, tiles_per_chunk, group_r
         n_segs = gl.where(extra, gl.minimum(extra_rows, n_rb - rb), 1)
     else:
         rb, chunk, n_cols = _stream_coords(N, group_rows, 2 * BMW)
-        n_segs = rb * 0 + 1
+        n_segs = rb * 0 + 1  # one segment, typed as the other branch's (an i32 value, not a constant)
     row0 = rb * 2 * BMW
     t0 = chunk * tiles_per_chunk
     n_tiles = gl.minimum(tiles_per_chunk, gl.cdiv(V, BN) - t0)

@@ -655,10 +655,11 @@ def token_stats_fused_triton(
                     r0 += rows
                 if schedule == "stream" and cfg["flatten"] < 0 and len(launches) > 1:  # body and tail: unflattened
                     consts["FLATTEN"] = False
-                extras = row_order_extras(n_rows, vocab, bm, bn, wave, *launches[0][2:]) if len(launches) == 1 else None
-                if schedule == "gluon" and extras:  # the idle SMs take the tiles past shorter chunks
-                    extra_rows = extras[1]
-                    launches = [(0, n_rows, extras[0], launches[0][3] + 1, launches[0][4])]
+                if schedule == "gluon" and len(launches) == 1:  # the idle SMs take the tiles past shorter chunks
+                    extras = row_order_extras(n_rows, vocab, bm, bn, wave, *launches[0][2:])
+                    if extras:
+                        extra_rows = extras[1]
+                        launches = [(0, n_rows, extras[0], launches[0][3] + 1, launches[0][4])]
         else:
             if rows_per_launch is None:
                 rows_per_launch = max(bm, (_WORKSPACE_BYTES // (24 * n_tiles)) // bm * bm)
