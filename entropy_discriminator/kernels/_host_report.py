@@ -2,9 +2,9 @@
 
 The kernel's last program stores the counters into pinned, UVA-mapped host memory as 64-bit words
 ``(seq << 32) | count``, then a summary word ``(seq << 32) | (any count non-zero)``; the host polls the summary word
-until it carries its call's ``seq``: no device-to-host copy (~25 us at N = 256 on an H100), and a stale word is
-never taken for the answer.  Each thread owns one :class:`HostReport` (never handed out while in use) and a pool of
-spares for deferred checks (:func:`spare_report`), read later with :meth:`HostReport.poll`.
+until it carries its call's ``seq`` (no device-to-host copy, ~25 us at N = 256 on an H100; a stale word is never
+taken for the answer).  Each thread owns one :class:`HostReport` and a pool of spares for deferred checks
+(:func:`spare_report`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 
 from ._reduce import ERR_WORDS
 
-#: The wait: a tight poll for SPIN_SECONDS (a synchronisation's wake-up takes 0.1-0.2 ms, a polled word a
-#: microsecond: benchmarks/RESULTS.md), then polls with ``time.sleep(0)`` until YIELD_SECONDS, then a synchronize.
+#: The wait: a tight poll for SPIN_SECONDS, then polls with ``time.sleep(0)`` until YIELD_SECONDS, then a
+#: synchronize (benchmarks/RESULTS.md).
 SPIN_SECONDS = 5e-3
 YIELD_SECONDS = 5e-2
 _SEQ_LIMIT = 2**31 - 1
@@ -28,8 +28,7 @@ NO_FAULTS = (0,) * ERR_WORDS
 
 
 class HostReport:
-    """``ERR_WORDS + 1`` int64 words of pinned host memory, written by one kernel per call: the
-    counters, then a summary word ``(seq << 32) | (any counter non-zero)``."""
+    """``ERR_WORDS + 1`` int64 words of pinned host memory, written by one kernel per call (module docstring)."""
 
     def __init__(self, pinned: bool) -> None:
         self.words = torch.zeros(ERR_WORDS + 1, dtype=torch.int64, pin_memory=pinned)

@@ -1,9 +1,6 @@
-"""Direct launches of an already compiled Triton kernel (host time of small calls).
-
-``kernel[grid](*args)`` re-derives on every call what only changes with the arguments' *classes*: 71-136 us of host
-time for the public statistics call against 48-93 us through this path (H100, ``benchmarks.host_path``), more than
-the kernel takes at N = 256.  :class:`DirectLauncher` keys its own cache by those classes; the first call of a class
-goes through Triton, later ones straight to the compiled kernel's launcher.  Only for the Triton releases of
+"""Direct launches of an already compiled Triton kernel: ``kernel[grid](*args)`` re-derives on every call what only
+changes with the arguments' *classes* (H100: 71-136 us of host time for the public statistics call, 48-93 us
+through this path).  :class:`DirectLauncher` keys its own cache by those classes; only for the Triton releases of
 :data:`SUPPORTED`, kernels without annotated parameters, and never while a launch or pre-run hook is installed.
 """
 
@@ -25,9 +22,9 @@ _MAX_ENTRIES = 4096
 
 
 def _key_source(kinds: str, params: list) -> str:
-    """Source of ``key(args, consts, num_warps, device, runtime, compilation)``, generated once per kernel, with what
-    Triton specialises on: a pointer's dtype and 16-byte alignment, an integer's type, == 1, % 16 == 0 and width,
-    a float's type (honouring ``do_not_specialize`` and ``do_not_specialize_on_alignment``)."""
+    """Source of ``key(args, consts, num_warps, device, runtime, compilation)`` with what Triton specialises on: a
+    pointer's dtype and 16-byte alignment, an integer's type, == 1, % 16 == 0 and width, a float's type (honouring
+    ``do_not_specialize`` and ``do_not_specialize_on_alignment``)."""
     names = [f"a{i}" for i in range(len(kinds))]
     parts = []
     for a, kind, p in zip(names, kinds, params):

@@ -25,8 +25,8 @@ import triton.language as tl
 
 LN2 = tl.constexpr(0.6931471805599453)
 LOG2E = 1.4426950408889634  # host side only
-# d is clamped at -D_FLOOR before e*d is formed: 2^-256 is 0 in fp32, so the clamp changes no sum
-# and keeps 0 * (-inf) (masked vocabulary entries, the masked tail) out of s1 and s3.
+# d is clamped at -D_FLOOR before e*d is formed: 2^-256 is 0 in fp32, so the clamp changes no sum and keeps
+# 0 * (-inf) (masked vocabulary entries, the masked tail) out of s1 and s3.
 D_FLOOR = tl.constexpr(256.0)
 # int32 error counters of :func:`count_row`: bad label, NaN/+inf, all -inf, scaling overflow (ERR_WORDS_C in kernels)
 ERR_WORDS = 4
@@ -66,10 +66,8 @@ def rescale(s0, s1, s2, s3, m_old, m_new):
 @triton.jit
 def finalize(mu, s0, s1, s2, s3, yk, valid):
     """(logp, entropy, s_star, s_expected) from the sums against the finite reference mu; 0 where not ``valid``.
-
-    log p is capped at 0: for a row whose label holds nearly all the mass, rounding (the base-2 max is rounded once
-    from log2(e) / T, each d = y - m with one FMA, ex2.approx) can leave s0 a few ulp under 2^(y_k - mu), which
-    read log p = +3e-6 on an H200."""
+    log p is capped at 0: where the label holds nearly all the mass, rounding can leave s0 a few ulp under
+    2^(y_k - mu)."""
     log_s0 = tl.log(s0)
     dbar = s1 / s0
     ent = log_s0 - LN2 * dbar
@@ -111,19 +109,14 @@ def row_faults(valid, in_range, mx, mx_scaled):
 
 
 @triton.jit
-def count_faults(err_ptr, bad_label, nan_inf, masked, overflow):
-    """Count each raised flag in ``err_ptr`` (int32 [ERR_WORDS]); relaxed: readers order themselves with an acquire."""
+def count_row(err_ptr, valid, in_range, mx, mx_scaled):
+    """:func:`row_faults` counted into ``err_ptr`` (int32 [ERR_WORDS]; relaxed adds: readers order themselves with an
+    acquire); returns whether the row is bad."""
+    bad_label, nan_inf, masked, overflow = row_faults(valid, in_range, mx, mx_scaled)
     tl.atomic_add(err_ptr, 1, mask=bad_label, sem="relaxed", scope="gpu")
     tl.atomic_add(err_ptr + 1, 1, mask=nan_inf, sem="relaxed", scope="gpu")
     tl.atomic_add(err_ptr + 2, 1, mask=masked, sem="relaxed", scope="gpu")
     tl.atomic_add(err_ptr + 3, 1, mask=overflow, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def count_row(err_ptr, valid, in_range, mx, mx_scaled):
-    """:func:`row_faults` counted into ``err_ptr``; returns whether the row is bad."""
-    bad_label, nan_inf, masked, overflow = row_faults(valid, in_range, mx, mx_scaled)
-    count_faults(err_ptr, bad_label, nan_inf, masked, overflow)
     return bad_label | nan_inf | masked | overflow
 
 
@@ -146,19 +139,11 @@ def store_stats(row, n_out, valid, bad, mu, s0, s1, s2, s3, yk, out_ptr, valid_p
 
 
 @triton.jit
-def store_row(row, n_out, valid, in_range, mu, s0, s1, s2, s3, yk, mx, mx_scaled, out_ptr, valid_ptr, err_ptr):
-    """:func:`count_row` into ``err_ptr`` (int32 [ERR_WORDS]) and :func:`store_stats` of one row."""
-    bad = count_row(err_ptr, valid, in_range, mx, mx_scaled)
-    store_stats(row, n_out, valid, bad, mu, s0, s1, s2, s3, yk, out_ptr, valid_ptr)
-
-
-@triton.jit
 def merge_kernel(part_ptr, yk_ptr, lab_ptr, out_ptr, valid_ptr, err_ptr, N, n_out, NP, V, ignore_index,
                  PB: tl.constexpr):
-    """Deterministic merge of NP partial sums per row, in a fixed order (no atomics on the sums).  ``part_ptr`` fp32
-    [6, N, NP] (m, s0..s3, mx in base-2 units), ``yk_ptr`` fp32 [N] (y of the label logit), ``lab_ptr`` int [N],
-    ``out_ptr`` fp32 [5, n_out] (this launch's rows start there), ``valid_ptr`` bool [N], ``err_ptr`` int32
-    [ERR_WORDS]."""
+    """Deterministic merge of NP partial sums per row, in a fixed order.  ``part_ptr`` fp32 [6, N, NP] (m, s0..s3, mx
+    in base-2 units), ``yk_ptr`` fp32 [N] (the label's y), ``lab_ptr`` int [N], ``out_ptr`` fp32 [5, n_out] (this
+    launch's rows start there), ``valid_ptr`` bool [N], ``err_ptr`` int32 [ERR_WORDS]."""
     row = tl.program_id(0)
     label = tl.load(lab_ptr + row)
     valid = label != ignore_index
@@ -192,8 +177,8 @@ def merge_kernel(part_ptr, yk_ptr, lab_ptr, out_ptr, valid_ptr, err_ptr, N, n_ou
     mu = tl.where(m > float("-inf"), m, 0.0)
     yk = tl.load(yk_ptr + row)
     yk = tl.where(yk > m, m, yk)  # a label logit formed apart from the tiles may round above their max
-    in_range = (label >= 0) & (label < V)
-    store_row(row.to(tl.int64), n_out, valid, in_range, mu, s0, s1, s2, s3, yk, mx, mx, out_ptr, valid_ptr, err_ptr)
+    bad = count_row(err_ptr, valid, (label >= 0) & (label < V), mx, mx)
+    store_stats(row.to(tl.int64), n_out, valid, bad, mu, s0, s1, s2, s3, yk, out_ptr, valid_ptr)
 
 
 def merge_block(num_partials: int) -> int:

@@ -1,18 +1,12 @@
 """The fused LM-head statistics as a warp-specialised Gluon kernel (Hopper, sm_90): the streaming kernel's schedule
 with the tile's epilogue taken off the tensor cores' critical path.
 
-:func:`ws_kernel` writes what :func:`.triton_fused._fused_stream_kernel` writes (partials fp32 [6, N, S], merged
-by :func:`._reduce.merge_kernel`) for the same launch plan (:func:`.triton_fused.stream_plan`, one program per
-SM), from the same per-tile operations (:func:`.triton_fused._round_logits`, :func:`.triton_fused._fold_tile`).
-Each program has three partitions: a one-warp TMA producer filling a ring of STAGES slots (the hidden rows' and
-the W tile's [*, BK] slices), and two consumer warp groups of BMW rows each, sharing every W slice (a
-[2 BMW, BN] tile).  Consumer 1 starts each tile's K loop only once consumer 0 has issued LAG of its K steps, so
-that while one folds its finished tile (an exp2 and four sums per logit) the other still has tensor-core work in
-flight.  The label logits are formed apart (:func:`.triton_fused._label_kernel`), as in the other kernels.  Where
-a row-order plan leaves SMs idle, extra programs take the tiles past shortened chunks, several row blocks each
-(``extra_rows``, :func:`.triton_fused.row_order_extras`).
-
-Probe and measurements: ``benchmarks/gluon_pingpong_probe.py`` (``lag``), ``benchmarks/RESULTS.md``.
+:func:`ws_kernel` writes what :func:`.triton_fused._fused_stream_kernel` writes, for the same launch plan (one
+program per SM), from the same per-tile operations.  Each program has a one-warp TMA producer filling a ring of
+STAGES slots and two consumer warp groups of BMW rows each sharing every W slice; consumer 1 starts each tile's K
+loop once consumer 0 has issued LAG of its K steps, so that while one folds its finished tile the other still has
+tensor-core work in flight.  Where a row-order plan leaves SMs idle, extra programs take the tiles past shortened
+chunks (``extra_rows``, :func:`.triton_fused.row_order_extras`).  Measurements: ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -34,8 +28,7 @@ _store_partials = gluon.jit(triton_fused._store_partials.fn)
 _stream_coords = gluon.jit(triton_fused._stream_coords.fn)
 
 # 2 x 64 rows x 256 columns per tile, 64-deep K slices, a ring of 4 slots (197 KB of shared memory: one program
-# per SM), consumer 1 one K step behind (H200: LAG 1 ran 0.98-1.01x cuBLAS at H 896, LAG 0 1.01-1.03x);
-# registers: 168 a thread for the kernel, 232 for the consumers, 24 for the producer.
+# per SM), consumer 1 one K step behind (benchmarks/RESULTS.md); registers a thread: kernel, consumers, producer.
 WS_CONFIG = {"bmw": 64, "bn": 256, "bk": 64, "stages": 4, "lag": 1, "maxnreg": 168, "consumer_regs": 232,
              "producer_regs": 24}  # fmt: skip
 
@@ -57,10 +50,9 @@ def _ring(a_desc, w_desc, STAGES: gl.constexpr, A_SLOTS: gl.constexpr, READERS: 
 @gluon.jit
 def _producer(a_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, n_segs, t0, n_tiles, k_tiles, BMW: gl.constexpr,
               BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, NCONS: gl.constexpr):
-    """One warp: for each of ``n_segs`` segments (row blocks row0, row0 + NCONS BMW, ... each over the same tiles
-    t0 ...), K step j = i k_tiles + kk of the program's i-th tile into slot j % STAGES of the ring (:func:`_ring`)
-    once its readers released it: NCONS hidden slices [BMW, BK] (rows row0 + c BMW) and the W tile's [BN, BK]
-    slice (rows, columns and K past the tensors' ends are zero-filled by the copy engine)."""
+    """One warp: K step j = i k_tiles + kk of the program's i-th tile (over ``n_segs`` segments of NCONS BMW rows)
+    into slot j % STAGES once its readers released it: NCONS hidden slices [BMW, BK] and the W tile's [BN, BK]
+    slice (past the tensors' ends: zero-filled by the copy engine)."""
     nbytes: gl.constexpr = NCONS * a_desc.block_type.nbytes + w_desc.block_type.nbytes
     for i in range(n_segs * n_tiles):
         r0 = row0 + (i // n_tiles) * NCONS * BMW
@@ -98,12 +90,9 @@ def _k_steps(a_bufs, b_bufs, ready, empty, base, k_tiles, acc, a_off, go, go_at,
 def _consumer(w, a_bufs, b_bufs, ready, empty, go, b_ptr, part_ptr, row0, n_segs, t0, n_tiles, k_tiles, N, V,
               n_cols, col, c, c_lo, inv_t, HAS_BIAS: gl.constexpr, ROUND: gl.constexpr, T_ROUND: gl.constexpr,
               BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr):
-    """Consumer warp group ``w``, for each of ``n_segs`` segments (row blocks of 2 BMW rows from row0 on, each over
-    the tiles t0 ... t0 + n_tiles - 1): rows w BMW ... of the segment's row block in each tile, the K loop
-    (:func:`_k_steps`), then the tile's logits (bias, rounding, columns >= V set to -inf) folded into running
-    statistics (:func:`.triton_fused._fold_tile`); the segment's partials at column ``col``.  With LAG > 0
-    consumer 0 arrives on ``go`` after issuing K step min(LAG, k_tiles) - 1 of each tile, and consumer 1 waits for
-    that before the tile's K loop (LAG 0: the two run in step)."""
+    """Consumer warp group ``w``: for each of ``n_segs`` segments (2 BMW rows from row0 on), rows w BMW ... of
+    its tiles (:func:`_tiles`), partials at column ``col``.  With LAG > 0 consumer 0 arrives on ``go`` after issuing
+    K step min(LAG, k_tiles) - 1 of each tile, and consumer 1 waits for that before the tile's K loop."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     go_at = -1
@@ -120,8 +109,8 @@ def _consumer(w, a_bufs, b_bufs, ready, empty, go, b_ptr, part_ptr, row0, n_segs
 def _tiles(w, a_bufs, b_bufs, ready, empty, go, go_at, b_ptr, first, t0, n_tiles, k_tiles, V, c, c_lo, inv_t,
            HAS_BIAS: gl.constexpr, ROUND: gl.constexpr, T_ROUND: gl.constexpr, BMW: gl.constexpr, BN: gl.constexpr,
            STAGES: gl.constexpr, LAG: gl.constexpr):
-    """Running statistics (m, s0..s3) of consumer ``w``'s rows over tiles t0 ... t0 + n_tiles - 1, the program's
-    tiles ``first`` ... in ring order (:func:`_consumer`)."""
+    """Running statistics (m, s0..s3) of consumer ``w``'s rows over tiles t0 ... t0 + n_tiles - 1 (bias, rounding,
+    columns >= V set to -inf), the program's tiles ``first`` ... in ring order."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -154,13 +143,10 @@ def ws_kernel(a_desc, w_desc, b_ptr, part_ptr, N, V, H, tiles_per_chunk, group_r
               BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """One program: 2 BMW rows x one chunk of ``tiles_per_chunk`` [2 BMW, BN] tiles, in the streaming kernel's
-    program order (:func:`.triton_fused._stream_coords`, ``group_rows`` row blocks per group); partials to
-    part_ptr, fp32 [6, N, S] at column ``chunk``, as :func:`.triton_fused._fused_stream_kernel`.
-
-    With ``extra_rows`` R > 0 (:func:`.triton_fused.row_order_extras`): the first rb S programs (rb row blocks, row
-    order) take S chunks of ``tiles_per_chunk`` tiles from tile 0, and each of the last ceil(rb / R) programs takes
-    the tiles left after them for R row blocks in turn, its partials at column S of [6, N, S + 1].  Launch with
-    ``num_warps=4`` (the first consumer's warps) and ``maxnreg`` = :data:`WS_CONFIG`'s."""
+    program order; partials to part_ptr, fp32 [6, N, S] at column ``chunk``.  With ``extra_rows`` R > 0, the first
+    rb S programs (rb row blocks, row order) take the S chunks, and each of the last ceil(rb / R) programs the tiles
+    left after them for R row blocks, its partials at column S of [6, N, S + 1].  Launch with ``num_warps=4`` and
+    ``maxnreg`` = :data:`WS_CONFIG`'s."""
     if extra_rows > 0:
         n_rb = gl.cdiv(N, 2 * BMW)
         pid = gl.program_id(0)

@@ -1,24 +1,18 @@
 """Fused LM-head statistics: logits = hidden @ weight.T (+ bias) never reach device memory.
 
-z = (hidden @ weight.T + bias) / T in base-2 units y = z log2(e) (:mod:`._reduce`), with hidden [N, H] and weight
-[V, H] in bf16/fp16/fp32, fp32 accumulation.  Two schedules write the same partials, fp32 [6, N, P]: per row and
-partial j, the reference m_j (the NaN-propagating max of y over the partial's columns), the sums s0..s3 against it
-(against 0 when m_j is -inf: the sums are then 0), and m_j again as the max the merge validates; the label's y_k
-(rounding included) comes from its own kernel, :func:`_label_kernel`, launched first, into fp32 [N].
-:func:`._reduce.merge_kernel` then merges the P partials of every row in a fixed order and writes the statistics,
-``valid`` and the error counters.  Forward only (the statistics are used under no_grad).
+z = (hidden @ weight.T + bias) / T in base-2 units y = z log2(e) (:mod:`._reduce`), hidden [N, H] and weight [V, H]
+in bf16/fp16/fp32, fp32 accumulation.  Every schedule writes partials fp32 [6, N, P]: per row and partial j the
+NaN-propagating max m_j of y over the partial's columns, s0..s3 against it (against 0 when m_j is -inf: the sums
+are then 0), and m_j again (the max the merge validates).  :func:`_label_kernel`, launched first, writes the label's
+y_k, fp32 [N]; :func:`._reduce.merge_kernel` merges the P partials in a fixed order into the statistics, ``valid``
+and the error counters.  Forward only.
 
-- Streaming (:func:`_fused_stream_kernel`; 16-bit inputs with TMA-addressable strides on Hopper or newer): each
-  program owns BM rows and one chunk of the vocabulary (P = S chunks) and walks the chunk's [BM, BN] logits tiles
-  with TMA-loaded operands, the V and K loops pipelined as one, keeping running statistics per row; the chunk
-  count and a grouped program order come from :func:`stream_plan` (fill one wave at the compiled occupancy; keep
-  the hidden blocks in flight within L2), and :func:`stream_slices` may split the rows into a body of whole waves
-  and a tail, each its own launch.
-- Warp-specialised (:mod:`.gluon_fused`; the streaming kernel's inputs on sm_90 below H = :data:`EXACT_WAVE_FROM_H`,
-  :func:`_gluon_ok`): the same plan, tiles and per-tile operations, with a TMA producer warp and two consumer warp
-  groups taking turns so that each tile's statistics run while the other's matmul does.
-- Per tile (:func:`_fused_tile_kernel`; fp32, unaligned strides, pre-Hopper GPUs): one program per [BM, BN] tile
-  (in groups of GROUP_M row blocks), operands through pointers, P = ceil(V / BN) partials.
+- Streaming (:func:`_fused_stream_kernel`; 16-bit, TMA-addressable inputs on Hopper or newer): a program owns BM rows
+  and one vocabulary chunk (P = S chunks), launch plan :func:`stream_plan` / :func:`stream_slices`.
+- Warp-specialised (:mod:`.gluon_fused`; those inputs on sm_90 below H = :data:`EXACT_WAVE_FROM_H`): the same plan
+  and per-tile operations, a TMA producer warp and two consumer warp groups taking turns.
+- Per tile (:func:`_fused_tile_kernel`; fp32, unaligned strides, pre-Hopper): one program per [BM, BN] tile, in
+  groups of GROUP_M row blocks, P = ceil(V / BN).
 """
 
 from __future__ import annotations
@@ -33,7 +27,7 @@ import triton.language as tl
 
 from . import interpreting
 from ._reduce import D_FLOOR, ERR_WORDS, LOG2E, exp2, max_nan, merge_block, merge_kernel, rescale
-from .triton_stats import KernelStats
+from .triton_stats import KernelStats, _num_sms
 
 try:  # host-side TMA descriptors (Triton >= 3.2); without them the pointer kernel is used
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -42,41 +36,25 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 __all__ = ["token_stats_fused_triton", "DEFAULT_CONFIG", "stream_plan", "stream_slices", "stream_spec"]
 
-# Tiles: bm x bn logits, bk deep K steps, num_warps, stages (both kernels); moments (4: every statistic; 2: logp and
-# H alone, sum p^2 and E_p[S] read 0; 0: the matmul and the row max alone, a timing floor); branch: the per-tile
-# kernel masks the columns past V only in the last column tile (a block-uniform branch; 0: in every tile); maxnreg:
-# register cap per thread (0: none; benchmarks only).
-# stream: 1 runs the streaming TMA kernel where the inputs allow it (0: the per-tile pointer kernel);
-# flatten: its V and K loops pipelined as one (1), or not (0; -1: not where :func:`stream_slices` splits the rows
-# into a body and a tail, else as one); chunks / group_rows: its vocabulary chunks and row blocks per group
-# (0: :func:`stream_plan`'s rule); group_mib: the rule's L2 budget for a group's hidden blocks (MiB).  group_m:
-# the per-tile kernel's row blocks per group.  128 x 256 x 64 tiles, 8 warps, 3 stages, flattened: the streaming
-# schedule's best tiles on an H200 (benchmarks/fused_ws_probe.py, benchmarks/RESULTS.md).
-# gluon: 1 runs the warp-specialised Gluon kernel (:mod:`.gluon_fused`) where it applies (:func:`_gluon_ok`), 0 never.
+# bm x bn x bk tiles, num_warps, stages (both Triton kernels); moments 4: every statistic, 2: logp and H alone (sum
+# p^2 and E_p[S] read 0), 0: matmul and row max alone (a timing floor); branch: the per-tile kernel masks columns
+# past V in the last tile only (0: every tile); maxnreg: register cap (0: none; benchmarks).  stream 0: the per-tile
+# kernel; flatten: the streaming V and K loops as one (1), not (0), not for a body and tail (-1); chunks /
+# group_rows (0: :func:`stream_plan`'s rule), group_mib: its L2 budget (MiB); group_m: the per-tile kernel's groups;
+# gluon 0: never the Gluon kernel.  Tiles chosen on an H200 (benchmarks/RESULTS.md).
 DEFAULT_CONFIG = {"bm": 128, "bn": 256, "bk": 64, "num_warps": 8, "stages": 3, "moments": 4, "branch": 1,
                   "maxnreg": 0, "stream": 1, "flatten": -1, "chunks": 0, "group_rows": 0,
                   "group_mib": 16, "group_m": 8, "gluon": 1}  # fmt: skip
 # The streaming Triton kernel's own keys: a caller's config that sets one of them asks for that kernel.
 _STREAM_KEYS = ("bm", "bn", "bk", "num_warps", "stages", "moments", "branch", "maxnreg", "flatten")
-# From this hidden size on, with 8 or more groups of row blocks, :func:`stream_plan` widens a group to fill the wave
-# (H200, N 65536: 3-5 % faster at H 1536 and 2048; H 896 1-2 % slower; 4 groups: neutral or slower).
+# :func:`stream_plan`'s hidden-size thresholds and least chunk length (H200 measurements: benchmarks/RESULTS.md)
 FILL_WAVE_FROM_H = 1536
-# From this hidden size on, under the same condition, :func:`stream_plan` takes the group (within the L2 budget)
-# whose chunks fill the wave most exactly (H200, H 3584: 11 x 12 programs ran 1.019-1.020x cuBLAS at N 65536
-# against 1.065-1.080x for 7 x 18, and 1.047-1.048x for the per-tile persistent kernel this replaced).
 EXACT_WAVE_FROM_H = 3072
-# Under that rule the chunks are then split k-fold (k S chunks, each at least this many tiles) where the launch
-# fills its last wave more fully, so that a smaller last group leaves no SM idle (H200, H 3584 and 5120, N 16384:
-# 33 x 12 programs of 18 tiles ran 0.991-1.002x cuBLAS against 1.011-1.030x for 11 x 12 of 54 tiles).
 SPLIT_MIN_TILES = 16
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# logits_dtype -> the epilogue's ROUND code (fp32 logits need no rounding)
-_ROUND_CODES = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# Rows and K step of the label logits' own kernel (:func:`_label_kernel`): H200, fp16, N 4096: 11 us at H 896 and
-# 21 us at H 2048, against 59 and 128 us in the 128 x 64 blocks the streaming kernel's programs used to form.
-_LABEL_BM, _LABEL_BK = 8, 512
-# Row slices are sized so that the partials ([6, rows, P] fp32) stay under this.
-_WORKSPACE_BYTES = 256 * 2**20
+_ROUND_CODES = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # logits_dtype -> ROUND
+_LABEL_BM, _LABEL_BK = 8, 512  # :func:`_label_kernel`'s rows and K step (benchmarks/RESULTS.md)
+_WORKSPACE_BYTES = 256 * 2**20  # row slices keep their partials ([6, rows, P] fp32) under this
 
 
 @triton.jit
@@ -92,9 +70,8 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _round_bf16(x):
-    """fp32 -> nearest bf16 (ties to even) -> fp32, by integer ops on the bits (Triton's
-    interpreter truncates ``.to(tl.bfloat16)``; the GPU's cvt.rn rounds; this agrees with both the
-    GPU and torch).  inf stays inf, NaN stays NaN, finite values past bf16's range round to inf."""
+    """fp32 -> nearest bf16 (ties to even) -> fp32 by integer ops on the bits, as the GPU and torch round (Triton's
+    interpreter truncates ``.to(tl.bfloat16)``); inf and NaN stay, finite values past bf16's range round to inf."""
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
     return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
@@ -127,12 +104,9 @@ def _label_kernel(h_ptr, w_ptr, b_ptr, lab_ptr, yk_ptr, N, V, H, stride_h, strid
                   HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, T_ROUND: tl.constexpr, BM: tl.constexpr,
                   BK: tl.constexpr):
     """Store y_k = :func:`_base2` (round(hidden[r] . weight[k] + bias[k])) at ``yk_ptr + r`` for the BM rows
-    r = program_id * BM ... below N: NaN where the label k lies outside [0, V) (products and sums in fp32; rounding
-    as :func:`_round_logits`).  Launched before every fused kernel, ceil(N / BM) programs.
-
-    The label logit is formed apart from the logits tiles (a compare and select over every tile costs the matmul
-    loop 2-8 %; label rows inside the kernels' programs delayed them), so it may differ from the tiles' value in the
-    last bits: the merge caps y_k at the row max."""
+    r = program_id * BM ... below N, NaN where the label k lies outside [0, V) (fp32; rounding as
+    :func:`_round_logits`).  Formed apart from the tiles (benchmarks/RESULTS.md), it may differ from their value in
+    the last bits: the merge caps y_k at the row max."""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     labels = tl.load(lab_ptr + rm, mask=rm < N, other=-1)
     ok = (rm < N) & (labels >= 0) & (labels < V)
@@ -168,16 +142,9 @@ def _store_partials(part_ptr, rm, row_ok, N, n_cols, col, m, s0, s1, s2, s3):
 def _tile_epilogue(acc, pid_m, pid_n, b_ptr, part_ptr, N, V, c, c_lo, inv_t, num_pid_n, HAS_BIAS: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, MOMENTS: tl.constexpr, ROUND: tl.constexpr,
                    T_ROUND: tl.constexpr, FTZ: tl.constexpr, BRANCH: tl.constexpr):
-    """Reduce one [BM, BN] fp32 logits tile to the six partials per row.
-
-    The partials go to part_ptr, fp32 [6, N, num_pid_n] at this tile's column pid_n: m (the
-    NaN-propagating row max of y), the sums s0..s3 against it, and m again as the max the merge
-    validates.
-
-    ROUND / T_ROUND: :func:`_round_logits`; with T_ROUND ``c`` is ``log2(e)`` alone, otherwise
-    ``c = log2(e) / T``.  FTZ: the exponential flushes results below 2^-126 to 0
-    (:func:`._reduce.exp2`; off in the interpreter).
-    """
+    """Reduce one [BM, BN] fp32 logits tile to its rows' six partials at column pid_n of part_ptr, fp32 [6, N,
+    num_pid_n].  ROUND / T_ROUND: :func:`_round_logits` (with T_ROUND ``c`` = log2(e), else log2(e) / T); FTZ:
+    :func:`._reduce.exp2`."""
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     if HAS_BIAS:
@@ -185,9 +152,8 @@ def _tile_epilogue(acc, pid_m, pid_n, b_ptr, part_ptr, N, V, c, c_lo, inv_t, num
     acc = _round_logits(acc, inv_t, ROUND=ROUND, T_ROUND=T_ROUND)
     if (pid_n * BN + BN > V) if BRANCH else True:  # BRANCH: the last column tile only; columns past V are -inf
         acc = tl.where(rn[None, :] < V, acc, float("-inf"))
-    # y = acc c with c > 0: the row max m of y is that of acc times c (rounding is monotone), and d = y - m is
-    # one FMA.  A row whose tile is all -inf (masked vocabulary) keeps m = -inf as its partial's reference but
-    # forms d against 0, so that d is -inf (e = 0), never -inf - -inf = NaN.
+    # m = c times acc's row max (c > 0, rounding is monotone); a row of -inf only keeps m = -inf as its reference
+    # but forms d against 0: d = -inf (e = 0), never -inf - -inf = NaN
     m = _base2(tl.reduce(acc, 1, max_nan), c, c_lo)
     m_ref = tl.where(m > float("-inf"), m, 0.0)
     if MOMENTS == 0:  # benchmarks only: the matmul and the row max alone (no exponential; sums 0)
@@ -256,13 +222,9 @@ def _stream_tile(a_desc, w_desc, rb, t, H, BM: tl.constexpr, BN: tl.constexpr, B
 
 @triton.jit
 def _fold_tile(x, c, c_lo, m, s0, s1, s2, s3, MOMENTS: tl.constexpr, FTZ: tl.constexpr):
-    """Fold one tile of logits x (fp32 [BM, BN]; bias and rounding applied), in base 2 y = x c, into each row's
-    running statistics.
-
-    m: the NaN-propagating running max of y (:func:`_base2` of x's row max); s0..s3 (:mod:`._reduce`) against
-    m_ref = m, or 0 while m is -inf (the sums are then 0).  On a new max the sums move with
-    :func:`._reduce.rescale`; d = y - m_ref (one FMA of x) is clamped at -D_FLOOR (-inf logits: e = 0 and e d = 0).
-    MOMENTS: 4 all sums, 2 s0 and s1 (s2, s3 stay 0), 0 the max alone (a timing floor)."""
+    """Fold a tile of final logits x (fp32 [BM, BN]), y = x c, into each row's running NaN-propagating max m and
+    sums s0..s3 against m (against 0 while m is -inf), rescaled on a new max; d clamped at -D_FLOOR.  MOMENTS: as
+    :data:`DEFAULT_CONFIG`'s ``moments``."""
     m_new = max_nan(m, _base2(tl.reduce(x, 1, max_nan), c, c_lo))
     if MOMENTS != 0:
         m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
@@ -299,19 +261,10 @@ def _fused_stream_kernel(a_desc, w_desc, b_ptr, part_ptr, N, V, H, tiles_per_chu
                          HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, T_ROUND: tl.constexpr, BM: tl.constexpr,
                          BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, MOMENTS: tl.constexpr,
                          FLATTEN: tl.constexpr, FTZ: tl.constexpr):
-    """Row-stationary streaming schedule: one program, BM rows x one chunk of the vocabulary.
-
-    The grid is ceil(N / BM) row blocks x S chunks of ``tiles_per_chunk`` [BM, BN] tiles (the last chunk may be
-    shorter).  Program order: the row blocks form groups of ``group_rows`` (the last may be smaller); a group's
-    programs run together, row block fastest, then chunk, so the programs in flight share the group's hidden
-    blocks and each W tile in L2 (``group_rows`` >= the row blocks: plain row order).  Each program walks its
-    chunk's tiles (with FLATTEN the V and K loops pipelined as one: the next tile's loads in flight during this
-    tile's epilogue), forms each tile's final logits (bias, rounding: as :func:`_tile_epilogue`), folds them into
-    running statistics (:func:`_fold_tile`).  The last, partial vocabulary tile is peeled off the loop (columns
-    >= V set to -inf there only).  It writes its chunk's partials to part_ptr, fp32 [6, N, S] at column ``chunk``:
-    m, s0..s3 against m (0 when m is -inf), and m again as the max the merge validates: the per-tile partials of
-    :func:`_tile_epilogue`, over a chunk of tiles.
-    """
+    """One program: BM rows x one chunk of ``tiles_per_chunk`` [BM, BN] tiles, in :func:`_stream_coords`'s order
+    (a group's programs share its hidden blocks and each W tile in L2); FLATTEN pipelines the V and K loops as one.
+    The last, partial tile is peeled off the loop (columns >= V set to -inf).  Partials to part_ptr, fp32 [6, N, S]
+    at column ``chunk``."""
     rb, chunk, n_chunks = _stream_coords(N, group_rows, BM)
     n_full = V // BN  # tiles with no column past V
     t0 = chunk * tiles_per_chunk
@@ -338,10 +291,6 @@ def _fused_stream_kernel(a_desc, w_desc, b_ptr, part_ptr, N, V, H, tiles_per_chu
     _store_partials(part_ptr, rm, rm < N, N, n_chunks, chunk, m, s0, s1, s2, s3)
 
 
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
 def stream_spec(cfg: dict, has_bias: bool, round_code: int, t_round: bool, ftz: bool) -> tuple[object, dict]:
     """The streaming TMA kernel (:func:`_fused_stream_kernel`) and a configuration's compile-time arguments."""
     return _fused_stream_kernel, {"HAS_BIAS": has_bias, "ROUND": round_code, "T_ROUND": t_round, "BM": cfg["bm"],
@@ -362,10 +311,9 @@ def _schedule(cfg: dict, config: dict | None, hidden: torch.Tensor, weight: torc
 
 
 def _gluon_ok(hidden: torch.Tensor, config: dict | None) -> bool:
-    """Whether the warp-specialised Gluon kernel takes these (TMA-addressable, 16-bit) inputs: a Hopper GPU (sm_90:
-    its wgmma), H below :data:`EXACT_WAVE_FROM_H` (the sizes it was measured at, H200), Triton 3.6 (the Gluon API
-    it was written and tested against), and a ``config`` that sets none of the streaming kernel's own keys
-    (:data:`_STREAM_KEYS`)."""
+    """Whether the Gluon kernel takes these (TMA-addressable, 16-bit) inputs: sm_90 (its wgmma), H below
+    :data:`EXACT_WAVE_FROM_H` (where it was measured), Triton 3.6 (its Gluon API), and a ``config`` that sets none
+    of :data:`_STREAM_KEYS`."""
     if hidden.device.type != "cuda" or not triton.__version__.startswith("3.6."):
         return False
     if torch.cuda.get_device_capability(hidden.device) != (9, 0):
@@ -394,30 +342,20 @@ def stream_plan(rows: int, vocab: int, hdim: int, elt: int, bm: int, bn: int, wa
                 group_rows: int = 0, group_mib: float = 16.0) -> tuple[int, int, int]:
     """(tiles per chunk, chunks S, row blocks per group G) of the streaming kernel for ``rows`` rows.
 
-    rb = ceil(rows / bm) row blocks, T = ceil(vocab / bn) tiles, ``wave`` programs resident at once (SMs x the
-    compiled kernel's occupancy), gmax = floor(group_mib MiB / (bm hdim elt)) row blocks whose hidden blocks fit
-    the L2 budget.
+    rb = ceil(rows / bm) row blocks, T = ceil(vocab / bn) tiles, ``wave`` programs resident at once, gmax =
+    floor(group_mib MiB / (bm hdim elt)) row blocks whose hidden blocks fit the L2 budget.
 
-    - G: ``group_rows`` when given (> 0); else rb (row order) when rb <= gmax; else gmax evened out over the
-      groups, ceil(rb / ceil(rb / gmax)).
-    - S: ``chunks`` when given (> 0); else, in the grouped order, floor(wave / G) (one group per wave: its programs
-      share the group's hidden blocks and each W tile in L2); else (row order) the smallest S in [1, T] whose
-      estimate ceil(rb S / wave) (ceil(T / S) + 1) (waves x the tiles of a chunk, plus about one tile's worth for
-      a program's pipeline fill and partials) is within 2 % of the least.
-    - S is clipped to [1, T] and evened: tiles per chunk ceil(T / S), S = ceil(T / that) (no empty chunk); one
-      chunk makes every order the row order (G = rb).
-    - With neither given and rb >= 8 G (grouped order): from hdim = :data:`EXACT_WAVE_FROM_H`, G becomes the
-      k in [1, min(gmax, wave)] whose evened S = floor(wave / k) fills the wave most (S k the largest, then k the
-      largest); then S becomes the multiple k S (evened, still a multiple of S, at least :data:`SPLIT_MIN_TILES` tiles
-      per chunk) with the least estimate ceil(rb k S / wave) ceil(T / (k S)), the fewest chunks among equals: a
-      group's programs fill k waves, and a last, smaller group no longer leaves SMs idle.  Below it, from hdim =
-      :data:`FILL_WAVE_FROM_H`, G widens to min(rb, floor(wave / S)): one group fills the wave, so that a wave's
-      programs do not span two groups.
+    - G: ``group_rows`` when > 0; else rb (row order) when rb <= gmax; else ceil(rb / ceil(rb / gmax)).
+    - S: ``chunks`` when > 0; else, grouped, floor(wave / G) (one group per wave); else (row order) the smallest S
+      in [1, T] whose :func:`_waves_estimate` is within 2 % of the least.
+    - S is clipped to [1, T] and evened (:func:`_evened`); one chunk makes every order the row order (G = rb).
+    - With neither given and rb >= 8 G: from hdim = :data:`EXACT_WAVE_FROM_H`, G becomes the k in [1, min(gmax,
+      wave)] whose evened S = floor(wave / k) fills the wave most (S k, then k, the largest); then S becomes the
+      multiple k S (evened, a multiple of S, chunks of at least :data:`SPLIT_MIN_TILES` tiles) with the least
+      ceil(rb k S / wave) ceil(T / (k S)), the fewest chunks among equals.  Below it, from hdim =
+      :data:`FILL_WAVE_FROM_H`, G widens to min(rb, floor(wave / S)): one group fills the wave.
 
-    On an H200 (132 SMs, occupancy 1; bm 128, bn 256, bf16; V 151936 / 152064) this gives, (H, N): S, G:
-    (896, 4096) 4, row order; (896, 16384 and 65536) 2, 64; (1536 and 2048, 4096) 4, row order;
-    (1536, 16384) 4, 32; (1536, 65536) 3, 44; (2048, 16384) 4, 32; (2048, 65536) 4, 33; (3584, 4096) 8, 16;
-    (3584, 16384 and 65536) 33, 12; (5120, 4096) 12, 11; (5120, 16384 and 65536) 33, 12.
+    H200 examples: ``tests/test_kernels.py::test_stream_plan_on_an_h200``.
     """
     rb = -(-rows // bm)
     nvt = -(-vocab // bn)
@@ -452,23 +390,15 @@ def stream_plan(rows: int, vocab: int, hdim: int, elt: int, bm: int, bn: int, wa
 @functools.lru_cache(maxsize=512)
 def stream_slices(rows: int, vocab: int, hdim: int, elt: int, bm: int, bn: int, wave: int,
                   group_mib: float = 16.0) -> tuple[tuple[int, int, int, int], ...]:
-    """The streaming kernel's launches for ``rows`` rows under the default rule: a tuple of (rows, tiles per chunk,
-    chunks S, row blocks per group G), one per launch, in row order, the rows summing to ``rows``.
+    """The streaming kernel's launches for ``rows`` rows under the default rule: (rows, tiles per chunk, chunks S,
+    row blocks per group G) per launch, in row order.
 
     One launch of :func:`stream_plan`'s (tpc, S, G), unless, below H = :data:`EXACT_WAVE_FROM_H`, its grouped order
-    (G < rb = ceil(rows / bm)) leaves part of the last wave idle where whole groups could fill it: with S dividing
-    ``wave``, W = wave / S row blocks make a group of exactly one wave.  Then a body of the largest multiple of W
-    row blocks runs (tpc, S, W), and the remaining row blocks (the tail) run next, planned alone by
-    :func:`stream_plan`; taken when the estimate waves x (tiles per chunk + 1), summed over the launches as in
-    :func:`stream_plan`, is below the one launch's.  Such a body and tail run their V and K loops unflattened
-    (:data:`DEFAULT_CONFIG`'s ``flatten`` -1).
-
-    On an H200 (wave 132; bm 128, bn 256, bf16), (H, N): body + tail row blocks, their chunks: (896, 16384)
-    66 + 62, 2 and 17; (896, 65536) 462 + 50, 2 and 13; (1536 and 2048, 16384) 99 + 29, 4 and 9; (1536, 65536)
-    484 + 28, 3 and 9; (2048, 65536) 495 + 17, 4 and 15.  Their one-launch plans fill 128 of 132 SMs in the last
-    wave (N a power of two); a probe ran the split unflattened 1-6 % faster than the one launch at all twelve
-    (benchmarks/results/h200/slices_2026-11-30/).  Row order (N 4096 there) stays one launch: a body and tail,
-    or a short last chunk whose row blocks the 4 free SMs took in turn, ran up to 2.5 and 3.6 % slower.
+    (G < rb = ceil(rows / bm)) could fill the last wave with whole groups: with S dividing ``wave``, a body of the
+    largest multiple of W = wave / S row blocks runs (tpc, S, W) and the tail is planned alone, taken when the
+    summed :func:`_waves_estimate` is below the one launch's.  Such a body and tail run unflattened (``flatten``
+    -1).  H200 examples: ``tests/test_kernels.py::test_stream_slices_on_an_h200``; measurements:
+    benchmarks/RESULTS.md.
     """
     tpc, s, g = stream_plan(rows, vocab, hdim, elt, bm, bn, wave, group_mib=group_mib)
     rb, whole = -(-rows // bm), wave // s
@@ -484,14 +414,13 @@ def stream_slices(rows: int, vocab: int, hdim: int, elt: int, bm: int, bn: int, 
 
 
 def _waves_estimate(rows: int, bm: int, wave: int, tpc: int, chunks: int) -> int:
-    """ceil(ceil(rows / bm) chunks / wave) (tpc + 1): waves x the tiles of a chunk, plus about one tile's worth for
-    a program's pipeline fill and partials."""
+    """ceil(ceil(rows / bm) chunks / wave) (tpc + 1): waves x a chunk's tiles, plus about one for a program's
+    pipeline fill and partials."""
     return -(-(-(-rows // bm)) * chunks // wave) * (tpc + 1)
 
 
 def _evened(s: int, nvt: int) -> tuple[int, int]:
-    """(tiles per chunk, chunks) for about ``s`` chunks of ``nvt`` tiles: s clipped to [1, nvt], then
-    ceil(nvt / s) tiles per chunk and as many chunks as that needs (no empty chunk)."""
+    """(ceil(nvt / s) tiles per chunk, the chunks that needs) for ``s`` clipped to [1, nvt]: no empty chunk."""
     tpc = -(-nvt // max(1, min(s, nvt)))
     return tpc, -(-nvt // tpc)
 
@@ -501,13 +430,11 @@ def row_order_extras(rows: int, vocab: int, bm: int, bn: int, wave: int, tpc: in
     """(tiles per chunk c, row blocks per extra program R) that balance a row-order plan over a part-filled wave,
     or None.
 
-    A plan in row order (``group_rows`` >= rb = ceil(rows / bm)) whose rb ``chunks`` programs leave E = wave - rb
-    ``chunks`` SMs idle runs (:func:`.gluon_fused.ws_kernel`'s ``extra_rows``) its chunks c = ceil(R T / (1 + R
-    chunks)) tiles long (T = ceil(vocab / bn) tiles, R = ceil(rb / E)), and ceil(rb / R) extra programs take the
-    T - c chunks tiles left, R row blocks each: the longest program does max(c, R (T - c chunks)) tiles instead of
-    ``tpc``.  None where that is not shorter, nothing is left over, or the plan is grouped.  On an H200 (wave 132,
-    bm 128, bn 256) at N 4096, V 151936: 4 chunks of 144 tiles and 4 extra programs of 8 row blocks x 18 tiles,
-    where the plan's 4 chunks of 149 tiles left 4 SMs idle."""
+    A row-order plan (``group_rows`` >= rb = ceil(rows / bm)) whose rb ``chunks`` programs leave E = wave - rb
+    ``chunks`` SMs idle runs (:func:`.gluon_fused.ws_kernel`'s ``extra_rows``) chunks of c = ceil(R T / (1 + R
+    chunks)) tiles (T = ceil(vocab / bn), R = ceil(rb / E)), and ceil(rb / R) extra programs take the T - c chunks
+    tiles left, R row blocks each.  None where the longest program, max(c, R (T - c chunks)) tiles, is not shorter
+    than ``tpc``, nothing is left over, or the plan is grouped (example: benchmarks/RESULTS.md)."""
     rb, nvt = -(-rows // bm), -(-vocab // bn)
     spare = wave - rb * chunks
     if group_rows < rb or spare <= 0:
@@ -525,9 +452,8 @@ _OCCUPANCY: dict[tuple, int] = {}
 
 def _programs_per_wave(kernel, make_args, consts: dict, launch_opts: dict, dtype: torch.dtype,
                        device: torch.device) -> int:
-    """SMs x programs per SM of ``kernel`` as compiled for the arguments ``make_args()`` and these options: the
-    registers and shared memory of the compiled kernel against the SM's (compiled and read once per device,
-    dtype and configuration; the interpreter: one program per SM)."""
+    """SMs x programs per SM of ``kernel`` compiled for ``make_args()`` and these options, by its registers and
+    shared memory (compiled once per device, dtype and configuration; the interpreter: one per SM)."""
     if device.type != "cuda":
         return _num_sms(device)
     key = (device.index, dtype, tuple(sorted(consts.items())), tuple(sorted(launch_opts.items())))
@@ -556,18 +482,13 @@ def token_stats_fused_triton(
 
     hidden [N, H], weight [V, H] (bf16/fp16/fp32, same dtype, CUDA, last dim contiguous), bias [V] or None, labels
     [N] int64.  Returns :class:`.triton_stats.KernelStats` (fp32 [N] statistics, bool ``valid``, int32 error
-    counters).  Matmul in the input dtype on tensor cores with fp32 accumulation (fp32 inputs: the slow "ieee" dot).
-    16-bit inputs with TMA-addressable strides on Hopper or newer run the streaming kernel
-    (:func:`_fused_stream_kernel`, launch plan :func:`stream_plan`), partials fp32 [6, rows, S], or below H 3072 on
-    sm_90 its warp-specialised Gluon form (:mod:`.gluon_fused`, the same plan; ``config={"gluon": 0}``, or any key
-    of the streaming kernel's own, keeps the Triton kernel); others the
-    per-tile pointer kernel, partials fp32 [6, rows, ceil(V / bn)]; then :func:`._reduce.merge_kernel`.  Rows go in
-    slices of ``rows_per_launch``, one plan for all (default: the launches of :func:`stream_slices` for the whole
-    batch, or slices whose partials stay <= 256 MiB).  ``config`` overrides :data:`DEFAULT_CONFIG`
-    (benchmarks and tests; ``moments=2`` skips sum p^2 and E_p[S], which read 0; ``moments=0`` every exponential, a
-    timing floor).  ``logits_dtype`` rounds L = hidden @ W.T + b in the epilogue, z = fp32(round(L)) / T; with
-    ``temperature_in_logits_dtype`` z = fp32(round(round(L) * fp32(1/T))), as torch's ``low_logits / T``
-    (``entropy_discriminator.token_stats_from_hidden``).
+    counters).  Matmul in the input dtype with fp32 accumulation (fp32 inputs: the "ieee" dot); the kernel as the
+    module docstring says (``config={"gluon": 0}``, or any key of :data:`_STREAM_KEYS`, keeps the Triton streaming
+    kernel), then :func:`._reduce.merge_kernel`.  Rows go in slices of ``rows_per_launch``, one plan for all
+    (default: :func:`stream_slices`' launches, or slices whose partials stay <= 256 MiB).  ``config`` overrides
+    :data:`DEFAULT_CONFIG` (benchmarks and tests).  ``logits_dtype`` rounds L = hidden @ W.T + b in the epilogue,
+    z = fp32(round(L)) / T; with ``temperature_in_logits_dtype`` z = fp32(round(round(L) * fp32(1/T))), as torch's
+    ``low_logits / T`` (``entropy_discriminator.token_stats_from_hidden``).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(

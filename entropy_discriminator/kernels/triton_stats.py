@@ -1,11 +1,10 @@
-"""One-pass Triton kernel for the per-token vocabulary statistics (design: docs/performance.md; measurements:
-benchmarks/RESULTS.md; the algebra: :mod:`._reduce`).
+"""One-pass Triton kernel for the per-token vocabulary statistics (design: docs/performance.md; the algebra:
+:mod:`._reduce`).
 
 A program streams its row (for small N one slice of it: split-V) in blocks of BLOCK logits with lazy rescaling into
-per-lane accumulators; bf16 rows may be read as int32 words of two logits (PACKED).  The program that finishes a
-row counts its faults in the stream workspace (allocated once per stream, left zeroed by every launch); the one that
-finishes the call's last row moves the counters into ``errors`` and, when asked, into pinned host memory for the
-host to poll (:mod:`._host_report`).
+per-lane accumulators; bf16 rows may be read as int32 words of two logits (PACKED).  Row faults are counted in a
+per-stream workspace that every launch leaves zeroed; the program finishing the call's last row moves the counters
+into ``errors`` and, when asked, into pinned host memory (:mod:`._host_report`).
 """
 
 from __future__ import annotations
@@ -37,8 +36,8 @@ _INTERPRETING = interpreting()
 
 @triton.jit
 def _rebase(bm, c, m, mx, s0, s1, s2, s3, TAU: tl.constexpr):
-    """Take a block's NaN-propagating max ``bm`` (raw logits) into the row max ``mx``; when ``bm * c`` exceeds m by
-    more than TAU (never for NaN), move m and the sums to it.  Returns (m, mx, mu, s0..s3), mu the finite reference."""
+    """Take a block's NaN-propagating raw max ``bm`` into the row max ``mx``; move m and the sums to ``bm * c`` when
+    that exceeds m by more than TAU (never for NaN).  Returns (m, mx, mu, s0..s3), mu the finite reference."""
     mx = max_nan(mx, bm)
     bm2 = bm * c
     if bm2 > m + TAU:
@@ -79,8 +78,8 @@ def _halves(w):
 
 @triton.jit
 def _update_packed(w, c, m, mx, s0, s1, s2, s3, TAU: tl.constexpr, FTZ: tl.constexpr, ASM: tl.constexpr):
-    """:func:`_update` for bf16 logits read as int32 words of two: the block max on the packed pairs (half an
-    instruction per logit; ASM False, for the interpreter, which runs no PTX: on the fp32 halves); BLOCK // 2 lanes."""
+    """:func:`_update` for int32 words of two bf16 logits (BLOCK // 2 lanes): the block max on the packed pairs
+    (ASM False, for the interpreter: on the fp32 halves)."""
     lo, hi = _halves(w)
     if ASM:
         wm_lo, wm_hi = _halves(tl.reduce(w, 0, _max_bf16x2))
@@ -111,16 +110,15 @@ def _publish(host_ptr, seq, counts, any_bad):
 
 @triton.jit
 def _slice_flag(valid, in_range, mx, mx_scaled):
-    """Split-V: whether this slice may make its row bad (all -inf counts only if every slice is); no flag in any
-    slice means no bad row."""
+    """Split-V: whether this slice may make its row bad (no flag in any slice: no bad row)."""
     bad_label, nan_inf, masked, overflow = row_faults(valid, in_range, mx, mx_scaled)
     return bad_label | nan_inf | masked | overflow
 
 
 @triton.jit
 def _early_publish(ws_ptr, N, flag, host_ptr, seq, SPLIT: tl.constexpr):
-    """Split-V, right after the streaming loop: count the program as finished (and flagged) with one relaxed add;
-    the program completing a call without flags publishes the clean answer at once (no wait for the merges)."""
+    """Split-V, after the streaming loop: count the program finished (and flagged); the last of a call without
+    flags publishes the clean answer at once, before the merges."""
     progs_ptr = (ws_ptr + WS_PROGS).to(tl.pointer_type(tl.int64))
     inc = 1 + (flag.to(tl.int64) << 32)
     now = tl.atomic_add(progs_ptr, inc, sem="relaxed", scope="gpu") + inc
@@ -130,9 +128,8 @@ def _early_publish(ws_ptr, N, flag, host_ptr, seq, SPLIT: tl.constexpr):
 
 @triton.jit
 def _finish_row(ws_ptr, N, bad, err_ptr, host_ptr, seq, REPORT: tl.constexpr, SPLIT: tl.constexpr, COUNTERS: tl.constexpr):
-    """Once per row, before its statistics are stored: one acq_rel add counts it finished (and bad).  The program
-    finishing the N-th row resets that word, takes the counters out of the workspace if some row was bad, and writes
-    them to ``err_ptr`` (COUNTERS) and the host (REPORT) unless :func:`_early_publish` did; it resets that count."""
+    """Once per row: count it finished (and bad).  The program finishing the N-th row resets the workspace words
+    and writes the counters to ``err_ptr`` (COUNTERS) and the host (REPORT) unless :func:`_early_publish` did."""
     tl.debug_barrier()  # this row's counter increments come before its arrival
     done_ptr = ws_ptr.to(tl.pointer_type(tl.int64))
     inc = 1 + (bad.to(tl.int64) << 32)
@@ -259,32 +256,18 @@ class KernelStats(NamedTuple):
 
 
 def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-# (block, num_warps, stages) by logits dtype: the loops that stay at the read floor as bandwidth per SM grows, chosen
-# on an H100 on 132 and 88 SMs (benchmarks/RESULTS.md; results/h100/sweep_proxy.csv.xz, sweep_fp16.csv,
-# results/h200/sweep_issue11.csv).
+# (block, num_warps, stages) by logits dtype, chosen on an H100 on 132 and 88 SMs (benchmarks/RESULTS.md)
 _LOOP_DEFAULTS = {torch.bfloat16: (1024, 1, 4), torch.float16: (512, 1, 8), torch.float32: (2048, 4, 3)}
 
 
 def choose_config(n_rows: int, vocab: int, dtype: torch.dtype, num_sms: int) -> dict:
     """Block size, warps, pipelining depth and split-V factor for an [n_rows, vocab] problem: the loop of
     :data:`_LOOP_DEFAULTS` (one warp for 16-bit logits: no cross-warp max reduction); split-V by the power of two
-    that reaches SPLIT_TARGET programs per SM, each slice >= 2 blocks (results/h100/tune_stats.csv).  ``packed=0``
-    in a ``config`` turns the PACKED loop off (benchmarks)."""
-    return dict(_choose(n_rows, vocab, dtype, num_sms))
-
-
-@functools.lru_cache(maxsize=4096)
-def _choose(n_rows: int, vocab: int, dtype: torch.dtype, num_sms: int) -> tuple:
+    that reaches SPLIT_TARGET programs per SM, each slice >= 2 blocks.  A ``config`` may also set ``packed`` (0: no
+    PACKED loop) and ``ftz`` (benchmarks)."""
     block, num_warps, stages = _LOOP_DEFAULTS[dtype]
     block = min(block, max(128, triton.next_power_of_2(vocab)))
     split = 1
@@ -292,7 +275,7 @@ def _choose(n_rows: int, vocab: int, dtype: torch.dtype, num_sms: int) -> tuple:
     if n_rows < target:
         max_split = max(1, vocab // (2 * block))
         split = max(1, min(max_split, triton.next_power_of_2(-(-target // max(n_rows, 1)))))
-    return (("block", block), ("num_warps", num_warps), ("stages", stages), ("split", split))
+    return {"block": block, "num_warps": num_warps, "stages": stages, "split": split}
 
 
 def _row_layout(shape: tuple, strides: tuple) -> tuple[int, int, int] | None:
@@ -319,13 +302,11 @@ def token_stats_triton(
 
     With z = logits/T (fp32), p = softmax(z), k = labels (integer, ``logits.shape[:-1]``) returns
     :class:`KernelStats`: fp32 log p_k, H = -sum p log p, S* = p_k (H + log p_k), E_p[S] = H sum p^2 + sum p^2 log p
-    (centred form, :mod:`._reduce`), S_c = S* - E_p[S] and ``valid = labels != ignore_index``, each of
-    ``labels.shape``; and the int32 error counters (no host synchronisation here: the caller reads them, or passes a
-    :class:`._host_report.HostReport` the kernel also writes them to and calls its ``wait()``; ``counters=False``:
-    ``errors`` is None).  Rows with label == ignore_index are not read and give 0.  Leading dimensions that fold
-    into two strided levels (e.g. ``[B, T+1, V][:, :-1]``) are read in place; other layouts run one launch per
-    leading index; a non-contiguous last dimension is copied.  ``config`` overrides :func:`choose_config`.
-    Deterministic: the same inputs give the same bits.
+    (:mod:`._reduce`), S_c = S* - E_p[S] and ``valid = labels != ignore_index``, each of ``labels.shape``; and the
+    int32 error counters, without a host synchronisation (``report`` gets them too, for its ``wait()``;
+    ``counters=False``: ``errors`` is None).  Ignored rows are not read and give 0.  Leading dimensions that fold
+    into two strided levels (e.g. ``[B, T+1, V][:, :-1]``) are read in place, others one launch per leading index; a
+    non-contiguous last dimension is copied.  ``config`` overrides :func:`choose_config`.  Deterministic.
     """
     if logits.dim() < 1:
         raise ValueError(f"logits must have shape [..., V], got shape {tuple(logits.shape)}")
@@ -409,7 +390,9 @@ def _plan(shape: torch.Size, strides: tuple, dtype: torch.dtype, dev: torch.devi
         raise ValueError("logits must have a non-empty vocabulary dimension")
     n_rows = math.prod(shape[:-1])
     cfg = dict(config) if config else choose_config(n_rows, vocab, dtype, _num_sms(dev))
-    split, chunk = _split_plan(vocab, cfg["block"], cfg["split"])
+    nblocks = -(-vocab // cfg["block"])  # slices of whole blocks, at most cfg["split"] of them, none empty
+    chunk = -(-nblocks // max(1, min(cfg["split"], nblocks))) * cfg["block"]
+    split = -(-vocab // chunk)
     layout = _row_layout(shape, strides)
     consts = (("SPLIT", split), ("SPLIT_P2", 1 << (split - 1).bit_length()), ("BLOCK", cfg["block"]), ("TAU", TAU))
     consts += (("STAGES", cfg["stages"]), ("FTZ", bool(cfg.get("ftz", 1)) and not _INTERPRETING))
@@ -429,8 +412,7 @@ _BUFFERS_LOCK = threading.Lock()
 
 def _stream_buffer(kind: str, dev: torch.device, stream: tuple | None, words: int, dtype: torch.dtype) -> torch.Tensor:
     """This stream's (``stream``: (device index, raw handle), None in the interpreter) ``kind`` buffer of at least
-    ``words`` elements: ``"ws"`` int32 zeros (kept zero by every launch), ``"part"`` uninitialised; grown (at least
-    doubled) when a call needs more."""
+    ``words`` elements, ``"ws"`` zeros or ``"part"`` uninitialised, at least doubled when it grows."""
     key = (kind, *stream) if stream is not None else (kind, str(dev), threading.get_ident())
     buf = _BUFFERS.get(key)
     if buf is None or buf.numel() < words:
@@ -438,15 +420,6 @@ def _stream_buffer(kind: str, dev: torch.device, stream: tuple | None, words: in
             size = max(words, 2 * buf.numel() if buf is not None else (1024 if kind == "ws" else 0))
             buf = _BUFFERS[key] = (torch.zeros if kind == "ws" else torch.empty)(size, device=dev, dtype=dtype)
     return buf
-
-
-@functools.lru_cache(maxsize=4096)
-def _split_plan(vocab: int, block: int, split: int) -> tuple[int, int]:
-    """(split, chunk): slices of whole blocks, at most ``split`` of them, none empty."""
-    nblocks = -(-vocab // block)
-    split = max(1, min(split, nblocks))
-    chunk = -(-nblocks // split) * block
-    return -(-vocab // chunk), chunk
 
 
 # Runtime parameters of _stats_kernel by kind (pointer, int, float), in order.
