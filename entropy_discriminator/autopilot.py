@@ -1,18 +1,5 @@
 """Entropy autopilot: each step, drop the fewest tokens so that the predicted entropy change meets a target
-(docs/autopilot.md: the terms, the selection rule across ranks and the feedback law).
-
-Per valid token ``t`` of the whole batch (``N`` valid tokens over the group) the term ``c_t`` is the law's
-(``terms=``, ``carry=``: :func:`~entropy_discriminator.law.token_terms`) or Corollary 4's cheap score scaled by
-``kappa`` (``scale``), with ``a = A``, ``y = r S_c``, ``a_bar``, ``y_bar`` their means and ``carry = 0``::
-
-    form="cov"  (Cor. 4 / 4.1):  c_t = -kappa (eta / N) (a_t - a_bar) (y_t - y_bar)
-    form="mean" (eq. 23):        c_t = -kappa (eta / N) a_t y_t
-
-Dropping a set ``D`` (``apply_keep_mask(mode="zero_pg")``) predicts ``P(D) = P_0 - sum_{t in D} c_t`` with
-``P_0 = carry + sum_t c_t``: of the tokens whose ``c_t`` moves ``P`` toward the target (and whose advantage sign
-``sides`` allows), by ``|c_t|`` descending, the shortest prefix that crosses the target is dropped, at most
-``cap_limit(max_frac, N)``.  Across ranks the selection equals the one-process one on the concatenated batch.
-Under ``mode="drop_token"`` the kept tokens' steps grow by ``N / (N - |D|)``, a gain error the feedback absorbs.
+(docs/autopilot.md: the per-token terms, the selection rule across ranks and the feedback law).
 """
 
 from __future__ import annotations
@@ -93,8 +80,12 @@ def autopilot_mask(s_centered: torch.Tensor, advantages: torch.Tensor, valid: to
                    target_dh: float, ratio: torch.Tensor | None = None, max_frac: float | None = DEFAULT_MAX_FRAC,
                    sides: str = "negative", form: str = "cov", terms: torch.Tensor | None = None, carry: float = 0.0,
                    scale: float = 1.0, process_group: Group = None) -> AutopilotResult:
-    """Drop the fewest tokens so that the predicted entropy change of the step meets ``target_dh`` (module
-    docstring; :class:`EntropyAutopilot` sets the target by feedback).
+    """Drop the fewest tokens so that the step's predicted entropy change ``P(D) = carry + Σ_t c_t - Σ_{t∈D} c_t``
+    meets ``target_dh``: of the valid tokens (``N`` over the group) whose ``c_t`` moves ``P`` toward it and whose
+    advantage sign ``sides`` allows, the shortest prefix by ``|c_t|`` descending, at most ``cap_limit(max_frac, N)``.
+    ``c_t`` is the law's ``terms`` (:func:`~entropy_discriminator.law.token_terms`) or the cheap score
+    ``-scale (lr / N) (a_t - a_bar) (y_t - y_bar)``, ``a = A``, ``y = r S_c`` (``form="mean"``: ``a_bar = y_bar = 0``).
+    (docs/autopilot.md); :class:`EntropyAutopilot` sets the target by feedback.
 
     Args:
         s_centered (a tensor here), advantages, valid, ratio: as in :func:`~entropy_discriminator.batch_entropy_change`.
@@ -144,7 +135,7 @@ def _select(s_centered: torch.Tensor, advantages: torch.Tensor, valid: torch.Ten
             lr: float | None, ratio: torch.Tensor | None, max_frac: float | None, sides: str, form: str,
             terms: torch.Tensor | None, carry: float, scale: float, process_group: Group,
             law: Callable[[float], tuple[float, float, float]], cap_name: str = "max_frac") -> AutopilotResult:
-    """The selection of the module docstring; ``law(H_t) -> (Ĥ_t, H*_t, target_dh)``; ``cap_name`` names ``max_frac``."""
+    """:func:`autopilot_mask`'s selection; ``law(H_t) -> (Ĥ_t, H*_t, target_dh)``; ``cap_name`` names ``max_frac``."""
     n_checks = 3 + (ratio is not None) * 2 + (entropy is not None) + (terms is not None)
 
     def local() -> tuple[torch.Tensor, tuple]:
@@ -250,24 +241,18 @@ def _result(dropped: torch.Tensor, n: float, n_pos: float, n_neg: float, n_drop:
 
 
 class EntropyAutopilot:
-    """Feedback controller holding the batch-mean token entropy at a target by dropping tokens (docs/autopilot.md).
+    """Feedback controller holding the batch-mean token entropy at a target by dropping tokens: each step
+    :func:`autopilot_mask` with ``target_dh_t`` of the law (docs/autopilot.md)::
 
-    Law (step ``t``: non-empty batches seen before this one; ``H_t`` this batch's measured entropy, ``H_0`` the
-    first's; ``P_{t-1}`` the previous ``predicted_dh_after``; ``s`` = ``smoothing``)::
+        Ĥ_0 = H_0,   Ĥ_t = (1 - s) (Ĥ_{t-1} + P_{t-1}) + s H_t        (the smoothed reading, s = smoothing)
+        H*_t = H_0 | H_end | H_0 + (H_end - H_0) min(t, D) / D       "hold" | target_entropy=H_end | with decay_steps=D
+        target_dh_t = clip((H*_{t+1} - H*_t) - gain (Ĥ_t - H*_t), -max_step, max_step)
 
-        Ĥ_0 = H_0,   Ĥ_t = (1 - s) (Ĥ_{t-1} + P_{t-1}) + s H_t        (the smoothed reading)
-        H*_t = H_0                                     target_entropy="hold"
-        H*_t = H_end                                   target_entropy=H_end, decay_steps=None
-        H*_t = H_0 + (H_end - H_0) * min(t, D) / D     target_entropy=H_end, decay_steps=D
-        target_dh_t = clip((H*_{t+1} - H*_t) - gain * (Ĥ_t - H*_t), -max_step, max_step)
-
-    and :func:`autopilot_mask` with ``target_dh_t`` selects the tokens to drop, in either direction.
-
-    ``target_entropy``: ``"hold"`` or ``H_end`` (nats/token, a finite real >= 0, at most ``log(vocab_size)`` when
-    that int >= 2 is given); ``decay_steps`` ``D``: int >= 1, with a number target; ``gain`` ``k`` and ``smoothing``
-    ``s`` in ``(0, 1]``; ``max_step`` > 0 (``inf`` allowed); the rest as in :func:`autopilot_mask`.
-
-    :meth:`state_dict` holds the controller's memory; restoring it continues the run bit for bit.
+    with step ``t`` the non-empty batches seen before this one, ``H_t`` its measured entropy, ``H_0`` the first's,
+    ``P_{t-1}`` the previous ``predicted_dh_after``.  ``target_entropy``: ``"hold"`` or ``H_end`` (nats/token, a
+    finite real >= 0, at most ``log(vocab_size)`` when that int >= 2 is given); ``decay_steps`` ``D``: int >= 1, with
+    a number target; ``gain`` and ``smoothing`` in ``(0, 1]``; ``max_step`` > 0 (``inf`` allowed); the rest as in
+    :func:`autopilot_mask`.  :meth:`state_dict` holds the controller's memory; restoring it continues bit for bit.
     """
 
     def __init__(self, target_entropy: float | str = "hold", *, decay_steps: int | None = None,
@@ -395,7 +380,5 @@ class EntropyAutopilot:
         if (step == 0) != (h_start is None) or (h_start is None) != (h_smooth is None):
             raise ValueError(f"state['h_start'] and state['h_smooth'] must be None exactly when state['step'] is 0, got {state!r}")
         last = real_number("state['last_predicted']", state["last_predicted"])
-        calibration = Calibration(forgetting=self.calibration.forgetting)
-        calibration.load_state_dict(state["calibration"])
+        self.calibration.load_state_dict(state["calibration"])  # checks everything before it changes anything
         self.step_count, self.h_start, self.h_smooth, self.last_predicted = step, h_start, h_smooth, last
-        self.calibration = calibration

@@ -99,7 +99,6 @@ def _weighted_terms(advantages: torch.Tensor, s_centered: torch.Tensor, valid: t
 
 def covariance_terms(a: torch.Tensor, y: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Local float64 ``[count, sum a, sum y, sum a*y]`` over ``valid`` (to be summed over ranks)."""
-    zero = torch.zeros((), dtype=torch.float64, device=a.device)
-    a = torch.where(valid, a.to(torch.float64), zero)
-    y = torch.where(valid, y.to(torch.float64), zero)
+    a = torch.where(valid, a.to(torch.float64), 0.0)
+    y = torch.where(valid, y.to(torch.float64), 0.0)
     return torch.stack([valid.sum().to(torch.float64), a.sum(), y.sum(), (a * y).sum()])

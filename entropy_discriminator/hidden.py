@@ -9,12 +9,10 @@ import torch
 
 from . import deferred, kernels
 from ._checks import require_float
-from .stats import TokenStats, check_stats_args, raise_for_errors, token_stats
+from .stats import _DEFAULT_CHUNK_ELEMENTS, TokenStats, check_stats_args, raise_for_errors, token_stats
 
 __all__ = ["token_stats_from_hidden"]
 
-# fp32 logits elements of one [chunk, V] slice on the torch path when chunk_size is None (128 MiB).
-_DEFAULT_CHUNK_ELEMENTS = 1 << 25
 _LOGITS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -92,33 +90,24 @@ def token_stats_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, labels: 
 def _from_hidden_torch(h2: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None,
                        temperature: float, ignore_index: int, chunk_size: int | None, impl: str, check: bool,
                        shape: torch.Size, dtype: torch.dtype | None, temperature_in_dtype: bool) -> TokenStats:
-    """Chunked torch path: :func:`token_stats` of the logits of ``chunk_size`` rows at a time."""
+    """Chunked torch path: :func:`token_stats` of the logits of ``chunk_size`` rows at a time (``dtype``: ``round(L)``
+    at ``T``, or ``round(round(L) / T)`` at 1 with ``temperature_in_dtype``)."""
     n, vocab = h2.shape[0], weight.shape[0]
     rows = chunk_size or max(1, _DEFAULT_CHUNK_ELEMENTS // vocab)
     # Logits rounded to the inputs' own dtype come from the GEMM in that dtype, the framework's op (bit for bit).
     native = dtype is not None and dtype == h2.dtype
     w32 = weight if native else weight.float()
     b32 = None if bias is None else bias.to(w32.dtype)
+    temp = 1.0 if temperature_in_dtype else temperature  # the logits then carry the rounded division
     parts: list[TokenStats] = []
     with torch.no_grad():
-        for lo in range(0, n, rows):
+        for lo in range(0, max(n, 1), rows):  # n = 0: one empty slice
             h_rows = h2[lo : lo + rows] if native else h2[lo : lo + rows].float()
-            logits, temp = _rounded(torch.nn.functional.linear(h_rows, w32, b32), temperature, dtype,
-                                    temperature_in_dtype)
+            logits = torch.nn.functional.linear(h_rows, w32, b32)
+            if dtype is not None:
+                logits = (logits.to(dtype) / temperature).to(dtype) if temperature_in_dtype else logits.to(dtype)
             parts.append(token_stats(logits, labels[lo : lo + rows], temperature=temp, ignore_index=ignore_index,
                                      impl="torch" if impl == "torch" else "auto", check=check))
             del logits
     fields = ("logp", "entropy", "s_star", "s_expected", "s_centered", "valid")
-    if not parts:
-        empty = torch.zeros(0, dtype=torch.float32, device=h2.device)
-        return TokenStats(*(empty.reshape(shape) for _ in fields[:-1]), valid=empty.bool().reshape(shape))
     return TokenStats(**{f: torch.cat([getattr(p, f) for p in parts]).reshape(shape) for f in fields})
-
-
-def _rounded(logits: torch.Tensor, temperature: float, dtype: torch.dtype | None,
-             temperature_in_dtype: bool) -> tuple[torch.Tensor, float]:
-    """``(round(L), T)`` or ``(round(round(L) / T), 1)`` for :func:`token_stats` (``dtype`` None: ``(L, T)``)."""
-    if dtype is None:
-        return logits, temperature
-    low = logits.to(dtype)
-    return ((low / temperature).to(dtype), 1.0) if temperature_in_dtype else (low, temperature)

@@ -1,13 +1,7 @@
-"""The first-order entropy law for the optimizer actually used: ``ΔH_B ≈ ∇θH_B · Δθ`` (docs/law.md).
-
-``H_B`` is the mean entropy of this batch's tokens, ``Δθ`` the step the optimizer is about to take
-(:func:`step_entropy_change`).  With ``Δθ = P ⊙ g + carry`` affine in this step's loss gradient
-``g = Σ_t J_tᵀ ∂L/∂z_t`` (:func:`linearise_step`), :func:`token_terms` splits the change over tokens::
-
-    ΔH_B ≈ ∇θH_B · carry + Σ_t c_t,        c_t = (∂L/∂z_t) · δz_t,   δz_t = J_t (P ⊙ ∇θH_B)
-
-:func:`step_entropy_curvature` and :func:`logit_step_entropy_change` go beyond first order along the same ``Δθ``;
-:class:`Calibration` puts Corollary 4's cheap score in nats.
+"""The first-order entropy law for the optimizer actually used: ``ΔH_B ≈ ∇θH_B · Δθ`` (docs/law.md), ``H_B`` the
+mean entropy of this batch's tokens and ``Δθ`` the step the optimizer is about to take.  :func:`token_terms` splits
+it over tokens, :func:`step_entropy_curvature` and :func:`logit_step_entropy_change` go beyond first order along the
+same ``Δθ``, and :class:`Calibration` puts Corollary 4's cheap score in nats.
 """
 
 from __future__ import annotations
@@ -80,7 +74,7 @@ class StepLinearisation:
     params: tuple[torch.Tensor, ...]
     scale: tuple[torch.Tensor, ...]
     carry: tuple[torch.Tensor, ...]
-    formed: tuple[bool, ...] = ()
+    formed: tuple[bool, ...]
 
     def delta(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         """``Δθ_p = scale_p ⊙ g_p + carry_p`` (float64; a None gradient counts as zero)."""
@@ -92,19 +86,17 @@ class StepLinearisation:
         """``(w, carry)``: ``w_p = scale_p ⊙ ∇_p H_B`` (float64, the tangent of :func:`logit_tangents`) and
         ``carry = Σ_p ∇_p H_B · carry_p``; where not ``formed``, ``w_p = 0`` and the carry takes ``∇_p H_B · Δθ_p(g)``
         with ``g`` = ``grads`` (then required)."""
-        ps = list(self.params)
-        gs = _aligned("entropy_grads", entropy_grads, ps)
-        formed = self.formed or (True,) * len(ps)
-        if not all(formed):
+        gs = _aligned("entropy_grads", entropy_grads, list(self.params))
+        if not all(self.formed):
             if grads is None:
                 raise ValueError("grads: this step's loss gradient is needed where the preconditioner is not formed "
                                  "(Adam's first step), to put that step's change in the carry")
             deltas = self.delta(grads)
         w, carry = [], 0.0
-        for i, (g, s, c) in enumerate(zip(gs, self.scale, self.carry)):
+        for i, (g, s, c, formed) in enumerate(zip(gs, self.scale, self.carry, self.formed)):
             g64 = torch.zeros_like(s) if g is None else g.detach().to(torch.float64)
-            w.append(s * g64 if formed[i] else torch.zeros_like(s))
-            carry += float((g64 * (c if formed[i] else deltas[i])).sum())
+            w.append(s * g64 if formed else torch.zeros_like(s))
+            carry += float((g64 * (c if formed else deltas[i])).sum())
         return w, carry
 
 
@@ -153,7 +145,6 @@ def linearise_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tens
         state = optimizer.state.get(p, {})
         sign = -1.0 if group.get("maximize", False) else 1.0
         lr, wd = float(group["lr"]), float(group["weight_decay"])
-        g64 = None if g is None else sign * s * g.detach().to(torch.float64)
         if kind == "sgd":
             mu, damp, nesterov = float(group["momentum"]), float(group["dampening"]), bool(group["nesterov"])
             buf = state.get("momentum_buffer")
@@ -175,7 +166,6 @@ def linearise_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tens
         m = state["exp_avg"].detach().to(torch.float64) if "exp_avg" in state else zero
         v = state["exp_avg_sq"].detach().to(torch.float64) if "exp_avg_sq" in state else zero
         t = step + 1
-        ghat = None if g64 is None else (g64 + wd * theta if (wd and not decoupled) else g64)
         if preconditioner == "state":
             if step == 0:
                 raise ValueError(f"params[{i}]: preconditioner='state' needs the optimizer's state, which the first "
@@ -183,6 +173,7 @@ def linearise_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tens
             v_new = v if not amsgrad else torch.maximum(v, state["max_exp_avg_sq"].detach().to(torch.float64))
             vhat = v_new / (1 - beta2**step)
         else:
+            ghat = sign * s * g.detach().to(torch.float64) + (wd * theta if wd and not decoupled else 0.0)
             v_new = beta2 * v + (1 - beta2) * ghat * ghat
             if amsgrad and "max_exp_avg_sq" in state:
                 v_new = torch.maximum(state["max_exp_avg_sq"].detach().to(torch.float64), v_new)
@@ -214,20 +205,17 @@ def optimizer_step_delta(optimizer: torch.optim.Optimizer, params: Sequence[torc
 def _lookahead(optimizer: torch.optim.Optimizer, ps: list[torch.Tensor]) -> list[torch.Tensor]:
     """Step on the real parameters, read ``Δθ``, restore every parameter and the optimizer state."""
     everything = [p for g in optimizer.param_groups for p in g["params"]]
-    saved_params = [p.detach().clone() for p in everything]
+    saved_params = {p: p.detach().clone() for p in everything}
     saved_state = {p: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in optimizer.state[p].items()}
                    for p in everything if p in optimizer.state}
-    before = [p.detach().to(torch.float64).clone() for p in ps]
     with torch.no_grad():
         optimizer.step()
-        delta = [p.detach().to(torch.float64) - b for p, b in zip(ps, before)]
-        for p, old in zip(everything, saved_params):
+        delta = [p.detach().to(torch.float64) - saved_params[p].to(torch.float64) for p in ps]
+        for p, old in saved_params.items():
             p.copy_(old)
     for p in everything:
-        if p in saved_state:
-            optimizer.state[p] = saved_state[p]
-        elif p in optimizer.state:
-            del optimizer.state[p]
+        optimizer.state.pop(p, None)
+    optimizer.state.update(saved_state)
     return delta
 
 
@@ -377,7 +365,10 @@ def token_terms(optimizer: torch.optim.Optimizer, named_params: Mapping[str, tor
                 valid: torch.Tensor, *, temperature: float = 1.0, preconditioner: str | None = None,
                 grads: Sequence[torch.Tensor | None] | None = None, grad_scale: float = 1.0,
                 entropy_grads: Sequence[torch.Tensor | None] | None = None) -> TokenTerms:
-    """Per-token contributions to the entropy change of the optimizer's next step, and its carry.
+    """Per-token contributions to the entropy change of the optimizer's next step, and its carry: with
+    ``Δθ = P ⊙ g + carry`` (:func:`linearise_step`) affine in the loss gradient ``g = Σ_t J_tᵀ ∂L/∂z_t``::
+
+        ΔH_B ≈ ∇θH_B · carry + Σ_t c_t,        c_t = (∂L/∂z_t) · δz_t,   δz_t = J_t (P ⊙ ∇θH_B)
 
     ``z = fn(named_params)`` ``[B, T, V]``: one backward of ``H_B`` (:func:`batch_mean_entropy` over ``valid`` at
     ``temperature``; skipped when ``entropy_grads``, aligned with ``named_params``' values, are given),
@@ -386,8 +377,7 @@ def token_terms(optimizer: torch.optim.Optimizer, named_params: Mapping[str, tor
     A parameter whose preconditioner is not formed (Adam's first step) puts its whole change in the carry.
     ``carry + Σ c_t`` equals :func:`step_entropy_change` to rounding.
     """
-    names = list(named_params)
-    ps = [named_params[k] for k in names]
+    ps = list(named_params.values())
     if entropy_grads is None:
         with torch.enable_grad():
             h = batch_mean_entropy(fn(dict(named_params)), valid, temperature=temperature)
@@ -398,7 +388,7 @@ def token_terms(optimizer: torch.optim.Optimizer, named_params: Mapping[str, tor
         preconditioner = "state" if grads is None else "step"
     lin = linearise_step(optimizer, ps, grads=grads, preconditioner=preconditioner, grad_scale=grad_scale)
     w, carry = lin.direction(gh, [p.grad for p in ps] if grads is None else grads)
-    z, dz = logit_tangents(fn, {k: p.detach() for k, p in zip(names, ps)}, dict(zip(names, w)))
+    z, dz = logit_tangents(fn, named_params, dict(zip(named_params, w)))
     terms = token_contributions(z.detach(), dz.detach(), labels, weights, valid, temperature=temperature)
     return TokenTerms(terms, carry)
 

@@ -1,12 +1,6 @@
-"""The cheap entropy prediction in nats, for the adapters and any training loop: a scale ``kappa`` fed from the
-same batch (docs/adapters/law-and-autopilot.md).
-
-Corollary 4's ``cheap = -eta Cov_B(A, r S_c)`` ranks the tokens but, under Adam and a network, misses the size of the
-change by orders of magnitude.  Every ``calibrate_every``-th statistics batch the adapter measures the realised change
-of the mean entropy of that batch's tokens (over the rows :func:`calibration_rows` picks) and feeds
-``(cheap, realised)`` to a :class:`~entropy_discriminator.law.Calibration` (``kappa = S_xy / S_xx``).  With method
-``"autopilot"`` the scale is the controller's own calibration (:meth:`LawScale.bind`), and a pair that would bring
-the fit to ``kappa <= 0`` is not fed (``scale_skipped = 1``).
+"""The cheap entropy prediction in nats, for the adapters and any training loop: a scale ``kappa`` of a
+:class:`~entropy_discriminator.law.Calibration` fed ``(cheap, realised)`` pairs of the same batch every
+``calibrate_every``-th statistics batch (docs/adapters/law-and-autopilot.md).
 """
 
 from __future__ import annotations
@@ -98,9 +92,7 @@ class LawScale:
             raise ValueError(f"law-scale state['version'] must be {STATE_VERSION}, got {state['version']!r}")
         batches = integer("law-scale state['batches']", state["batches"], minimum=0)
         if state["calibration"] is not None:
-            own = Calibration(forgetting=self._own.forgetting)
-            own.load_state_dict(state["calibration"])
-            self._own = own
+            self._own.load_state_dict(state["calibration"])  # checks everything before it changes anything
         self.batches = batches
 
 

@@ -56,20 +56,15 @@ class VocabFold:
         if rows == 0 or cols == 0:
             return
         part = self.state[:, row_start : row_start + rows]
-        if self._triton(tile):
+        triton = self.impl != "torch" and tile.is_cuda and tile.stride(1) == 1 and kernels.is_available()
+        if self.impl == "triton" and not triton:
+            raise RuntimeError("impl='triton' needs a CUDA tile with unit column stride and an importable Triton")
+        if triton:
             from .kernels import triton_fold
 
             triton_fold.fold_tile(tile, labels, vocab_start, self.c, part)
         else:
             _fold_torch(tile, labels, vocab_start, self.c, part)
-
-    def _triton(self, tile: torch.Tensor) -> bool:
-        if self.impl == "torch":
-            return False
-        usable = tile.is_cuda and tile.stride(1) == 1 and kernels.is_available()
-        if self.impl == "triton" and not usable:
-            raise RuntimeError("impl='triton' needs a CUDA tile with unit column stride and an importable Triton")
-        return usable
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(logp, entropy, s_star, s_expected)``, each float32 ``[n]`` (module doc)."""
