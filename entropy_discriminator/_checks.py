@@ -42,10 +42,7 @@ def require_float(name: str, value: object) -> torch.Tensor:
 
 def _scalar(value: object) -> object:
     """The Python scalar inside a 0-d torch tensor or 0-d numpy array; other values unchanged."""
-    if isinstance(value, torch.Tensor) and value.dim() == 0:
-        if value.dtype != torch.bool and not value.dtype.is_complex:
-            return value.item()
-    if isinstance(value, np.ndarray) and value.ndim == 0:
+    if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 0:
         return value.item()
     return value
 
@@ -167,22 +164,19 @@ def valid_mask(valid: object, shape: torch.Size, checks: DataChecks, name: str =
         raise ValueError(f"{name} must have the scores' shape {tuple(shape)}, got {tuple(t.shape)}")
     if t.dtype.is_complex:
         raise TypeError(f"{name} must be a bool or 0/1 tensor, got dtype {t.dtype}")
-    message = f"{name} must hold only 0 and 1 (or be a bool tensor); other values at {{}} position(s)"
-    if t.dtype == torch.bool:
-        checks.count(message, torch.zeros((), dtype=torch.float64, device=t.device))
-        return t
-    as_bool = t != 0
-    checks.count(message, (as_bool & (t != 1)).sum())
+    as_bool = t if t.dtype == torch.bool else t != 0
+    checks.count(f"{name} must hold only 0 and 1 (or be a bool tensor); other values at {{}} position(s)",
+                 (as_bool & (t != 1)).sum())
     return as_bool
 
 
-def valid_within(valid: object, within: torch.Tensor | None, name: str = "valid") -> object:
+def valid_within(valid: object, within: torch.Tensor | None) -> object:
     """``valid`` (its dtype kept) set to 0 outside the bool tensor ``within`` (a ``TokenStats``' ``valid``; None:
     ``valid`` unchanged)."""
     if within is None:
         return valid
-    t = require_tensor(name, valid)
-    require_shape(name, t, within.shape, "stats.valid")
+    t = require_tensor("valid", valid)
+    require_shape("valid", t, within.shape, "stats.valid")
     return torch.where(within.to(t.device), t, torch.zeros((), dtype=t.dtype, device=t.device))
 
 
@@ -228,9 +222,6 @@ class DataChecks:
     def count(self, message: str, n: torch.Tensor) -> None:
         """A 0-d count of bad entries (non-zero fails); ``message`` has one ``{}`` for it."""
         self._checks.append((message, n, False, lambda: n))
-
-    def __len__(self) -> int:
-        return len(self._checks)
 
     def witnesses(self) -> list[torch.Tensor]:
         """The float64 0-d witnesses, in order, for the payload of the reduction."""

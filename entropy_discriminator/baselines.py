@@ -65,7 +65,8 @@ def ppo_clip_losses(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantag
     return torch.maximum(pg1, pg2), pg2 > pg1
 
 
-def _token_covariance(adv: torch.Tensor, log_prob: torch.Tensor, valid: torch.Tensor, group: Group) -> tuple[torch.Tensor, int]:
+def _token_covariance(adv: torch.Tensor, log_prob: torch.Tensor, valid: torch.Tensor,
+                      group: Group) -> tuple[torch.Tensor, int]:
     """``(A - mean_B A) (logp - mean_B logp)`` per token in float64 (means over valid tokens, global), and n_valid."""
     n, s_a, s_l, _ = all_reduce(covariance_terms(adv, log_prob.detach(), valid), group).tolist()
     mean_a, mean_l = (s_a / n, s_l / n) if n > 0 else (0.0, 0.0)
@@ -108,17 +109,13 @@ def clip_cov_losses(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantag
     cov, n = _token_covariance(adv, log_prob, valid, process_group)
     cand = valid & ~clipped & (cov > clip_cov_lb) & (cov < clip_cov_ub)
     limit = max(int(clip_cov_ratio * n), 1)
-    flat = cand.reshape(-1)
-    idx = torch.nonzero(flat).reshape(-1)
-    chosen = torch.zeros_like(flat)
+    idx = torch.nonzero(cand.reshape(-1)).reshape(-1)
     if process_group is None:
-        perm = torch.randperm(len(idx), generator=generator)
-        chosen[idx[perm[: min(limit, len(idx))].to(idx.device)]] = True
+        won = torch.randperm(len(idx), generator=generator)[:limit].to(idx.device)
     else:
         keys = torch.rand(len(idx), generator=generator, dtype=torch.float64).to(idx.device)
-        offset = rank_offset(flat.numel(), process_group, idx.device)
-        chosen[idx[global_top_k(keys, idx + offset, limit, process_group)]] = True
-    selected = chosen.reshape(cand.shape)
+        won = global_top_k(keys, idx + rank_offset(cand.numel(), process_group, idx.device), limit, process_group)
+    selected = torch.zeros_like(cand.reshape(-1)).index_fill_(0, idx[won], True).reshape(cand.shape)
     n_sel = int(all_reduce(selected.sum().to(torch.float64), process_group))
     return CovLossResult(pg_losses=pg * (~selected).to(pg.dtype), selected=selected, ppo_clipped=clipped, n_valid=n,
                          n_selected=n_sel)
@@ -164,11 +161,10 @@ def high_entropy_mask(entropy: torch.Tensor, valid: torch.Tensor, *, rho: float 
         return torch.zeros_like(valid)
     if rho == 1:
         return valid.clone()
-    values = entropy.detach().float()[valid]
     pos = (1.0 - rho) * (n - 1)
     lo = math.floor(pos)
     hi = min(lo + 1, n - 1)
-    v_lo, v_hi = kth_smallest(values, [lo + 1, hi + 1], process_group)
+    v_lo, v_hi = kth_smallest(entropy.detach(), [lo + 1, hi + 1], process_group, where=valid)
     threshold = v_lo + (pos - lo) * (v_hi - v_lo)
     return valid & (entropy.detach().float().double() >= threshold)
 
@@ -185,7 +181,8 @@ def unlikeliness_scores(scores: torch.Tensor, seq_log_prob: torch.Tensor, group_
     require_float("scores", scores)
     require_float("seq_log_prob", seq_log_prob)
     if scores.dim() != 1 or seq_log_prob.shape != scores.shape:
-        raise ValueError(f"scores and seq_log_prob must be 1-D of equal shape, got {tuple(scores.shape)} and {tuple(seq_log_prob.shape)}")
+        raise ValueError(f"scores and seq_log_prob must be 1-D of equal shape, got {tuple(scores.shape)} and "
+                         f"{tuple(seq_log_prob.shape)}")
     if group_size < 1 or len(scores) % group_size:
         raise ValueError(f"group_size must be >= 1 and divide the batch ({len(scores)}), got {group_size}")
     real_number("rank_penalty", rank_penalty, minimum=0, maximum=1)
@@ -196,7 +193,8 @@ def unlikeliness_scores(scores: torch.Tensor, seq_log_prob: torch.Tensor, group_
     return (scores.view(-1, group_size) * (1 - rank_penalty * rank / group_size)).reshape(-1)
 
 
-def entropy_bonus(entropy: torch.Tensor, valid: torch.Tensor, *, coef: float, process_group: Group = None) -> torch.Tensor:
+def entropy_bonus(entropy: torch.Tensor, valid: torch.Tensor, *, coef: float,
+                  process_group: Group = None) -> torch.Tensor:
     """``-coef * sum_t H_t / N`` over the valid tokens, ``N`` the global valid count: add it to the loss.
 
     ``entropy`` ``[B, T]`` must carry the gradient; returns a 0-d tensor in its dtype (0 for an empty batch).  With
@@ -206,7 +204,7 @@ def entropy_bonus(entropy: torch.Tensor, valid: torch.Tensor, *, coef: float, pr
     valid = as_valid_mask(valid, entropy.shape)
     real_number("coef", coef)
     n = float(all_reduce(valid.sum().to(torch.float64), process_group))
-    total = torch.where(valid, entropy, torch.zeros((), dtype=entropy.dtype, device=entropy.device)).sum()
+    total = torch.where(valid, entropy, 0.0).sum()
     return -coef * total / max(n, 1.0)
 
 

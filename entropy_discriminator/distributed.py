@@ -103,9 +103,8 @@ def top_k_mask(score: torch.Tensor, candidate: torch.Tensor, k: int, group: Grou
 def global_top_k(score: torch.Tensor, position: torch.Tensor, k: int, group: Group) -> torch.Tensor:
     """Bool mask over the local ``score`` of the ``k`` largest scores over all ranks, ties to the smaller global
     ``position`` (int64, unique across ranks): ``sorted(range(n), key=lambda i: (-score[i], position[i]))[:k]``."""
-    k_local = min(k, score.numel())
-    local = _lexsort_desc(score, position)[:k_local]
-    pad = k - k_local
+    local = _lexsort_desc(score, position)[:k]
+    pad = k - len(local)
     cand = torch.stack([score[local], position[local].to(torch.float64)], dim=1)
     if pad:
         filler = torch.tensor([[-torch.inf, float(2**53)]], dtype=torch.float64, device=score.device).expand(pad, 2)

@@ -1,10 +1,7 @@
 """Clip_B and Clip_V keep-masks (paper eqs. 15-16; semantics in docs/api.md, "Mask semantics").
 
-Both drop from the loss the batch outliers of a score among the tokens whose advantage has the sign ``sides``
-names (never zero-advantage tokens); ``mean`` and ``sigma`` are population statistics over every valid token, in
-float64, across ``process_group``.  The first argument may be the :class:`~entropy_discriminator.TokenStats`
-itself: then only positions valid in both ``valid`` and ``stats.valid`` count (with a plain score tensor pass
-``response_mask & stats.valid``).
+The first argument may be the :class:`~entropy_discriminator.TokenStats` itself: then only positions valid in both
+``valid`` and ``stats.valid`` count (with a plain score tensor pass ``response_mask & stats.valid``).
 """
 
 from __future__ import annotations
@@ -91,11 +88,9 @@ def clip_v_mask(s_centered: torch.Tensor | TokenStats, advantages: torch.Tensor,
 
 def apply_keep_mask(pg_losses: torch.Tensor, keep: torch.Tensor, loss_mask: torch.Tensor, *,
                     mode: str = "zero_pg") -> tuple[torch.Tensor, torch.Tensor]:
-    """Apply a keep-mask to a per-token policy-gradient loss: ``"zero_pg"``: ``pg_losses * keep`` (the loss
-    normaliser unchanged); ``"drop_token"``: ``loss_mask * keep`` (the token leaves the denominator too, as the
-    reference does).  All three of one shape (``[B, T]``); ``keep`` bool or 0/1, ``loss_mask`` real or bool.
-    Returns ``(pg_losses, loss_mask)`` with the input dtypes; ``ValueError`` for a bad mode, shape or keep value.
-    """
+    """``(pg_losses * keep, loss_mask)`` for ``"zero_pg"``, ``(pg_losses, loss_mask * keep)`` for ``"drop_token"``
+    (docs/api.md), in the input dtypes.  All three ``[B, T]`` (one shape); ``keep`` bool or 0/1, ``loss_mask`` real
+    or bool; ``ValueError`` for a bad mode, shape or keep value."""
     require_float("pg_losses", pg_losses)
     one_of("mode", mode, MASK_MODES)
     keep = as_valid_mask(keep, pg_losses.shape, "keep")
@@ -104,8 +99,6 @@ def apply_keep_mask(pg_losses: torch.Tensor, keep: torch.Tensor, loss_mask: torc
         raise ValueError(f"loss_mask must have pg_losses' shape {tuple(pg_losses.shape)}, got {tuple(loss_mask.shape)}")
     if mode == "zero_pg":
         return pg_losses * keep.to(pg_losses.dtype), loss_mask
-    if loss_mask.dtype == torch.bool:
-        return pg_losses, loss_mask & keep
     return pg_losses, loss_mask * keep.to(loss_mask.dtype)
 
 
@@ -115,7 +108,12 @@ def _outlier_mask(method: str, name: str, scores: torch.Tensor | TokenStats, adv
     scores, within = field_of(scores, name)
 
     def local() -> tuple[torch.Tensor, tuple]:
-        params = _check_params(mu_low, mu_high, sides, max_frac, cap_rule)
+        mu = (real_number("mu_low", mu_low, finite=False, minimum=0),
+              real_number("mu_high", mu_high, finite=False, minimum=0))
+        one_of("sides", sides, SIDES)
+        if max_frac is not None:
+            real_number("max_frac", max_frac, minimum=0, maximum=1)
+        one_of("cap_rule", cap_rule, CAP_RULES)
         require_float(name, scores)
         checks = DataChecks()
         valid_b = valid_mask(valid_within(valid, within), scores.shape, checks)
@@ -126,11 +124,10 @@ def _outlier_mask(method: str, name: str, scores: torch.Tensor | TokenStats, adv
         checks.finite("advantages", adv, valid_b)
         pos, neg = valid_b & (adv > 0), valid_b & (adv < 0)
         sums = [t.sum().to(torch.float64) for t in (valid_b, pos, neg)]
-        return torch.stack([*checks.witnesses(), total, *sums]), (params, checks, valid_b, x, pos, neg)
+        return torch.stack([*checks.witnesses(), total, *sums]), (mu, checks, valid_b, x, pos, neg)
 
-    values, (params, checks, valid, x, pos, neg) = reduce_or_raise(local, _N_CHECKS + 4, group)
+    values, ((mu_low, mu_high), checks, valid, x, pos, neg) = reduce_or_raise(local, _N_CHECKS + 4, group)
     checks.verdict(values[:_N_CHECKS], group)
-    mu_low, mu_high = params
     total, n, n_pos, n_neg = values[_N_CHECKS:]
     mean = total / n if n > 0 else 0.0
     sq = all_reduce(torch.where(valid, (x - mean) ** 2, 0.0).sum(), group)
@@ -140,18 +137,13 @@ def _outlier_mask(method: str, name: str, scores: torch.Tensor | TokenStats, adv
     lower = center - mu_low * std if math.isfinite(mu_low) else -math.inf
     upper = center + mu_high * std if math.isfinite(mu_high) else math.inf
     eligible = {"negative": neg, "positive": pos, "both": pos | neg}[sides]
-    below, above = (x < lower if lower > -math.inf else None), (x > upper if upper < math.inf else None)
-    if std > ZERO_STD and (below is not None or above is not None):
-        clipped = eligible & (above if below is None else below if above is None else below | above)
-    else:
-        clipped = torch.zeros_like(valid)
+    clipped = eligible & ((x < lower) | (x > upper)) if std > ZERO_STD else torch.zeros_like(valid)
 
     n_clip = int(all_reduce(clipped.sum(), group))
     limit = cap_limit(max_frac, int(n), cap_rule)
     capped = limit is not None and n_clip > limit
     if capped:
-        distance = lower - x if above is None else x - upper if below is None else torch.maximum(lower - x, x - upper)
-        clipped = top_k_mask(distance / std, clipped, limit, group)
+        clipped = top_k_mask(torch.maximum(lower - x, x - upper) / std, clipped, limit, group)
         n_clip = limit  # the top-k takes exactly `limit` of the more than `limit` candidates
     # Clipped tokens are eligible, so the split by advantage sign needs a count only for sides="both".
     n_clip_pos = {"negative": 0, "positive": n_clip}.get(sides)
@@ -174,15 +166,3 @@ def cap_limit(max_frac: object, n_valid: int, cap_rule: str = "share") -> int | 
         return None
     limit = math.floor(exact_fraction(max_frac) * n_valid)
     return max(limit, 1) if cap_rule == "reference" else limit
-
-
-def _check_params(mu_low: object, mu_high: object, sides: object, max_frac: object,
-                  cap_rule: object) -> tuple[float, float]:
-    """``(mu_low, mu_high)`` as floats, after checking ``sides``, ``max_frac`` and ``cap_rule``."""
-    low = real_number("mu_low", mu_low, finite=False, minimum=0)
-    high = real_number("mu_high", mu_high, finite=False, minimum=0)
-    one_of("sides", sides, SIDES)
-    if max_frac is not None:
-        real_number("max_frac", max_frac, minimum=0, maximum=1)
-    one_of("cap_rule", cap_rule, CAP_RULES)
-    return low, high

@@ -149,7 +149,15 @@ class EntropyMonitor:
                                  f"{int(n)}: build the mask over the same tokens (pass the TokenStats to clip_b_mask / "
                                  "clip_v_mask, or a response mask intersected with stats.valid)")
             h_kept, n_kept = next(total), next(total)
-            out.update(self._mask_metrics(mask, n, h_sum, h_kept, n_kept))
+            out.update({"clip/frac": mask.clip_frac, "clip/n_clipped": mask.n_clipped,
+                        "clip/capped": float(mask.capped),
+                        "clip/frac_adv_pos": mask.n_clipped_pos / mask.n_valid_pos if mask.n_valid_pos else 0.0,
+                        "clip/frac_adv_neg": mask.n_clipped_neg / mask.n_valid_neg if mask.n_valid_neg else 0.0})
+            for key, value in (("clip/threshold_low", mask.lower), ("clip/threshold_high", mask.upper)):
+                if math.isfinite(value):
+                    out[key] = value
+            out["entropy/kept_mean"] = _ratio(h_kept, n_kept)
+            out["entropy/clipped_mean"] = _ratio(h_sum - h_kept, n - n_kept)
         if has_cov:
             s_a, s_y, s_ay = next(total), next(total), next(total)
             cov = s_ay / n - (s_a / n) * (s_y / n) if n > 0 else math.nan
@@ -202,18 +210,6 @@ class EntropyMonitor:
         require_float(name, t)
         require_shape(name, t, shape, "entropy")
         return torch.where(valid, t.to(torch.float64), 0.0)
-
-    @staticmethod
-    def _mask_metrics(mask: MaskResult, n: float, h_sum: float, h_kept: float, n_kept: float) -> dict[str, float]:
-        out = {"clip/frac": mask.clip_frac, "clip/n_clipped": mask.n_clipped, "clip/capped": float(mask.capped),
-               "clip/frac_adv_pos": mask.n_clipped_pos / mask.n_valid_pos if mask.n_valid_pos else 0.0,
-               "clip/frac_adv_neg": mask.n_clipped_neg / mask.n_valid_neg if mask.n_valid_neg else 0.0}
-        for key, value in (("clip/threshold_low", mask.lower), ("clip/threshold_high", mask.upper)):
-            if math.isfinite(value):
-                out[key] = value
-        out["entropy/kept_mean"] = _ratio(h_kept, n_kept)
-        out["entropy/clipped_mean"] = _ratio(h_sum - h_kept, n - n_kept)
-        return out
 
 
 def _ratio(total: float, count: float) -> float:

@@ -33,11 +33,6 @@ from .distributed import all_reduce
 
 #: ``impl=`` names accepted by :func:`token_stats`.
 IMPLS = ("auto", "torch", "triton")
-# Label dtypes: every torch dtype that is neither floating, complex nor bool (a set: one lookup per call).
-_INT_DTYPES = frozenset(
-    d for d in vars(torch).values()
-    if isinstance(d, torch.dtype) and not (d.is_floating_point or d.is_complex or d == torch.bool)
-)  # fmt: skip
 
 # Elements of one [chunk, V] working buffer when ``chunk_size`` is None (the torch path holds three).
 _DEFAULT_CHUNK_ELEMENTS = 1 << 25
@@ -168,7 +163,9 @@ def _token_stats_torch(logits: torch.Tensor, labels: torch.Tensor, temperature: 
                        chunk_size: int | None, check: bool | str, group: dist.ProcessGroup | None,
                        vocab_start: int) -> TokenStats:
     """The chunked torch path of :func:`token_stats` (any device, fp64 logits, vocabulary-parallel)."""
-    v_total = _global_vocab(logits.shape[-1], group, logits.device)
+    v_total = logits.shape[-1]
+    if group is not None:
+        v_total = int(all_reduce(torch.tensor([v_total], device=logits.device), group).item())
     flat_labels = labels.reshape(-1)
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     n = flat_labels.numel()
@@ -187,9 +184,7 @@ def _token_stats_torch(logits: torch.Tensor, labels: torch.Tensor, temperature: 
         masked = valid & (row_max == -math.inf)
         counts = torch.stack([bad_label.sum(), nan_inf.sum(), masked.sum()]) if check else None
         if check is True:
-            errors = counts.tolist()
-            if any(errors):
-                raise_for_errors(errors, labels, v_total, ignore_index)
+            raise_for_errors(counts.tolist(), labels, v_total, ignore_index)
         else:
             if check == "deferred" and n:
                 deferred.defer_counts(counts, lambda errors: raise_for_errors(errors, labels, v_total, ignore_index),
@@ -226,7 +221,7 @@ def check_stats_args(labels: object, source: torch.Tensor, source_name: str, tem
     """Check the arguments :func:`token_stats` and ``token_stats_from_hidden`` share; returns ``(temperature,
     ignore_index)`` as Python ``float`` / ``int``."""
     labels = require_tensor("labels", labels)
-    if labels.dtype not in _INT_DTYPES:
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
         raise TypeError(f"labels must be an integer tensor, got dtype {labels.dtype}")
     if labels.shape != source.shape[:-1]:
         raise ValueError(f"labels must have shape {source_name}.shape[:-1] = {tuple(source.shape[:-1])}, "
@@ -239,10 +234,6 @@ def check_stats_args(labels: object, source: torch.Tensor, source_name: str, tem
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     one_of("impl", impl, IMPLS)
     return temperature, ignore_index
-
-
-def _global_vocab(v_local: int, group: dist.ProcessGroup | None, device: torch.device) -> int:
-    return v_local if group is None else int(all_reduce(torch.tensor([v_local], device=device), group).item())
 
 
 def _use_triton(impl: str, logits: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
