@@ -1,8 +1,7 @@
 """Command line ``entropy-discriminator <command>`` (also ``python -m entropy_discriminator <command>``).
 
-Each command is added by one function in ``COMMANDS``: its own parser (:class:`CommandParser`) and a ``run(args)``
-default that checks what argparse cannot before any work; usage errors exit with status 2.  ``compare`` and ``demo
---paper`` import the research harness (``entropy_lab``, the repository's ``lab/``) when run.
+Each command's parser (:class:`CommandParser`) has a ``run(args)`` default that checks what argparse cannot before any
+work; usage errors exit with status 2.  ``compare`` and ``demo --paper`` import ``entropy_lab`` (``lab/``) when run.
 """
 
 from __future__ import annotations
@@ -84,24 +83,8 @@ def _folder(text: str) -> Path:
     return Path(text)
 
 
-def _warn_threads(threads: int | None) -> None:
-    """Warn on stderr when ``--threads`` asks for more threads than this machine has CPU cores (it runs slower)."""
-    cores = os.cpu_count()
-    if threads is not None and cores is not None and threads > cores:
-        print(f"warning: --threads {threads} is more than this machine's {cores} CPU cores; the demo runs slower "
-              f"with more threads than cores (the default, 1, is fastest for its tiny models)", file=sys.stderr)
-
-
-#: Why a lab command cannot run without the ``entropy_lab`` package, and how to install it.
-LAB_MISSING = (
-    "runs the research harness (package entropy_lab), which is not installed; install it from a clone of the "
-    "repository, after the library: pip install -e ./lab"
-)
-
-
 def _prepare_out(parser: argparse.ArgumentParser, out: Path, check_saved: Callable[[Path], None] | None) -> None:
-    """``check_saved(out)`` (when given) and :func:`prepare_output_folder`; a usage error naming ``--out`` if either
-    fails."""
+    """``check_saved(out)`` (if given) and :func:`prepare_output_folder`; a usage error naming ``--out`` on failure."""
     try:
         if check_saved is not None:
             check_saved(out)
@@ -111,14 +94,14 @@ def _prepare_out(parser: argparse.ArgumentParser, out: Path, check_saved: Callab
 
 
 def _lab(module: str, parser: argparse.ArgumentParser, what: str) -> ModuleType:
-    """``entropy_lab.<module>``; a usage error (``what`` + :data:`LAB_MISSING`) when ``entropy_lab`` is not installed
-    (a module that the lab itself cannot import is raised as it is)."""
+    """``entropy_lab.<module>``; a usage error saying how to install the lab when it is not installed."""
     try:
         return importlib.import_module(f"entropy_lab.{module}")
     except ModuleNotFoundError as exc:
         if exc.name != "entropy_lab":
             raise
-        parser.error(f"{what} {LAB_MISSING}")
+        parser.error(f"{what} runs the research harness (package entropy_lab), which is not installed; install it from "
+                     "a clone of the repository, after the library: pip install -e ./lab")
 
 
 def _device(text: str) -> str:
@@ -132,8 +115,8 @@ def _device(text: str) -> str:
 
 # --- demo -------------------------------------------------------------------------------------------
 
-#: ``demo`` options (argparse dests, besides ``--out`` and ``--paper``) that apply in each mode (plain or
-#: ``--quick``, ``--paper``, ``--paper --render-only``); given in another mode they are refused.
+#: ``demo`` options (argparse dests, besides ``--out`` and ``--paper``; each defaults to None, the flags too) that apply
+#: in each mode (plain or ``--quick``, ``--paper``, ``--paper --render-only``); given in another mode they are refused.
 DEMO_APPLIES = {
     "demo": {"quick", "device", "seed", "steps", "threads", "mu_b", "mu_v", "max_frac_v", "autopilot"},
     "paper": {"device", "seed", "steps", "seeds", "jobs", "size"},
@@ -158,7 +141,8 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
         ),
     )
     mode = demo.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="tiny sizes, under a minute on a 2-core CPU (CI)")
+    mode.add_argument("--quick", action="store_true", default=None,
+                      help="tiny sizes, under a minute on a 2-core CPU (CI)")
     mode.add_argument("--paper", action="store_true", help="the paper-reproduction suite (GPU recommended)")
     demo.add_argument("--device", type=_device, help="cpu, cuda, cuda:N or auto (default: cuda when available)")
     demo.add_argument("--out", type=_folder, help="output folder (default: demo_out, or demo_out/paper)")
@@ -179,24 +163,22 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     demo.add_argument("--seeds", type=_int_in(2), help="--paper: seeds per arm for Table 1, >= 2 (default: its size's)")
     demo.add_argument("--jobs", type=_int_in(1), help="--paper: parallel worker processes, >= 1 (default: its size's)")
     demo.add_argument("--size", choices=("gpu", "cpu-small"), help="--paper: sizes (default gpu; cpu-small for a smoke run)")
-    demo.add_argument("--render-only", action="store_true",
+    demo.add_argument("--render-only", action="store_true", default=None,
                       help="--paper: redraw figures and report.md from the results saved in --out")
     demo.set_defaults(run=lambda args: _run_demo(args, demo))
-
-
-def _given(value: object) -> bool:
-    """Whether an option was given: not None (every option's default) and not False (a flag's); 0 counts."""
-    return value is not None and value is not False
 
 
 def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Check what argparse cannot (options of another mode, ``--out``), then run the demo or ``--paper``."""
     mode = ("render" if args.render_only else "paper") if args.paper else "demo"
-    given = {dest for dest in set().union(*DEMO_APPLIES.values()) if _given(getattr(args, dest))}
+    given = {dest for dest in set().union(*DEMO_APPLIES.values()) if getattr(args, dest) is not None}  # 0 is given
     for dest in sorted(given - DEMO_APPLIES[mode]):
         parser.error(f"argument --{dest.replace('_', '-')}: {DEMO_WHY_NOT[mode]}")
     out = args.out if args.out is not None else DEMO_DEFAULT_OUT[mode]
-    _warn_threads(args.threads)
+    cores = os.cpu_count()
+    if args.threads is not None and cores is not None and args.threads > cores:
+        print(f"warning: --threads {args.threads} is more than this machine's {cores} CPU cores; the demo runs slower "
+              f"with more threads than cores (the default, 1, is fastest for its tiny models)", file=sys.stderr)
     paper = _lab("paper", parser, "--paper") if args.paper else None
     _prepare_out(parser, out, paper.check_saved_results if mode == "render" else None)
     options = {dest: getattr(args, dest) for dest in given}
@@ -213,8 +195,7 @@ COMPARE_PRESETS = ("smoke", "full")
 
 
 def _add_compare(commands: argparse._SubParsersAction) -> None:
-    """``compare``: Clip_B / Clip_V against the peer entropy controls on signed-sum Countdown (the lab's
-    :mod:`entropy_lab.compare`, imported when the command runs; its ``CompareOptions`` checks ``--arms``)."""
+    """``compare``: :mod:`entropy_lab.compare`, imported when it runs (its ``CompareOptions`` checks ``--arms``)."""
     compare = commands.add_parser(
         "compare",
         help="Clip_B / Clip_V vs GRPO, PPO and peer entropy controls on signed-sum Countdown, several paired seeds",
@@ -231,9 +212,9 @@ def _add_compare(commands: argparse._SubParsersAction) -> None:
     compare.add_argument("--out", type=_folder, default=Path("compare_out"), help="output folder (default compare_out)")
     compare.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu: tiny models, many processes)")
     compare.add_argument("--jobs", type=_int_in(1), default=1, help="parallel worker processes, minimum 1 (default 1)")
-    compare.add_argument("--seeds", type=_int_in(2), default=None, help="seeds per arm, minimum 2 (default: the preset's)")
-    compare.add_argument("--steps", type=_int_in(1), default=None, help="RL steps per arm, minimum 1 (default: the preset's)")
-    compare.add_argument("--arms", default=None, help="comma-separated arm names (default: all; paired baselines must be included)")
+    compare.add_argument("--seeds", type=_int_in(2), help="seeds per arm, minimum 2 (default: the preset's)")
+    compare.add_argument("--steps", type=_int_in(1), help="RL steps per arm, minimum 1 (default: the preset's)")
+    compare.add_argument("--arms", help="comma-separated arm names (default: all; paired baselines must be included)")
     compare.add_argument("--render-only", action="store_true", help="rebuild results.json and the report from the runs saved in --out")
     compare.set_defaults(run=lambda args: _run_compare(args, compare))
 
@@ -255,17 +236,13 @@ def _run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     return 0
 
 
-#: Every command: a function that adds its parser (with ``run=``) to the top-level subparsers.
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_demo, _add_compare, add_suggest_mu, add_plot]
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``entropy-discriminator`` argument parser: ``--version`` and one subparser per command."""
     parser = argparse.ArgumentParser(prog="entropy-discriminator", allow_abbrev=False, description=(
         "Principled entropy control for RL fine-tuning of LLMs (Clip_B / Clip_V and entropy-dynamics metrics)."))
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser)
-    for add in COMMANDS:
+    for add in (_add_demo, _add_compare, add_suggest_mu, add_plot):
         add(commands)
     return parser
 

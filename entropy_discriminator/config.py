@@ -7,6 +7,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -215,21 +216,9 @@ def _check_combination(values: Mapping[str, Any]) -> None:
                              f"leave it at its default {default!r}")
 
 
-def _choice(options: tuple[str, ...]):
-    return lambda name, value: one_of(name, value, options)
-
-
 def _optional(check):
     """``check(name, value)`` that lets None through."""
     return lambda name, value: None if value is None else check(name, value)
-
-
-def _real(**bounds: Any):
-    return lambda name, value: real_number(name, value, **bounds)
-
-
-def _int(minimum: int):
-    return lambda name, value: integer(name, value, minimum=minimum)
 
 
 def _max_frac(name: str, value: object) -> float | str | None:
@@ -279,25 +268,25 @@ def _from_text(key: str, text: str) -> object:
 #: Each field's check, and how :meth:`EntropyDiscConfig.from_mapping` reads a string for it (:func:`_from_text`):
 #: ``(kind, words kept as text, takes None)``, or None where the string is the value.
 _FIELDS: dict[str, tuple[Callable[[str, Any], Any], tuple[type, tuple[str, ...], bool] | None]] = {
-    "method": (_choice(METHODS), None),
-    "mu_low": (_optional(_real(finite=False, minimum=0)), (float, (), True)),
-    "mu_high": (_real(finite=False, minimum=0), (float, (), False)),
-    "sides": (_choice(SIDES), None),
+    "method": (partial(one_of, options=METHODS), None),
+    "mu_low": (_optional(partial(real_number, finite=False, minimum=0)), (float, (), True)),
+    "mu_high": (partial(real_number, finite=False, minimum=0), (float, (), False)),
+    "sides": (partial(one_of, options=SIDES), None),
     "max_frac": (_max_frac, (float, ("auto",), True)),
-    "cap_rule": (_choice(CAP_RULES), None),
-    "mask_mode": (_choice(MASK_MODES), None),
-    "chunk_size": (_optional(_int(1)), (int, (), True)),
-    "impl": (_choice(IMPLS), None),
+    "cap_rule": (partial(one_of, options=CAP_RULES), None),
+    "mask_mode": (partial(one_of, options=MASK_MODES), None),
+    "chunk_size": (_optional(partial(integer, minimum=1)), (int, (), True)),
+    "impl": (partial(one_of, options=IMPLS), None),
     "log_metrics": (_flag, (bool, (), False)),
     "target_entropy": (_target_entropy, (float, ("hold",), False)),
-    "decay_steps": (_optional(_int(1)), (int, (), True)),
-    "gain": (_real(above=0, maximum=1), (float, (), False)),
-    "max_step": (_real(finite=False, above=0), (float, (), False)),
-    "eta": (_optional(_real(above=0)), (float, (), True)),
-    "form": (_choice(FORMS), None),
-    "smoothing": (_real(above=0, maximum=1), (float, (), False)),
-    "calibrate_every": (_int(0), (int, (), False)),
-    "calibrate_share": (_real(above=0, maximum=1), (float, (), False)),
+    "decay_steps": (_optional(partial(integer, minimum=1)), (int, (), True)),
+    "gain": (partial(real_number, above=0, maximum=1), (float, (), False)),
+    "max_step": (partial(real_number, finite=False, above=0), (float, (), False)),
+    "eta": (_optional(partial(real_number, above=0)), (float, (), True)),
+    "form": (partial(one_of, options=FORMS), None),
+    "smoothing": (partial(real_number, above=0, maximum=1), (float, (), False)),
+    "calibrate_every": (partial(integer, minimum=0), (int, (), False)),
+    "calibrate_share": (partial(real_number, above=0, maximum=1), (float, (), False)),
 }
 _FIELD_CHECKS = {name: check for name, (check, _) in _FIELDS.items()}
 _TEXT_KINDS = {name: kind for name, (_, kind) in _FIELDS.items() if kind is not None}

@@ -1,9 +1,5 @@
-"""Plot and summarise a training run's logged ``entropy_disc/*`` metrics (``entropy-discriminator plot``).
-
-The rows come from :func:`~entropy_discriminator.runlog.read_run`.  The figure has three panels against the
-step: the batch-mean token entropy (with the p10-p90 band, and the autopilot's target when logged), the
-clipped share of the valid tokens, and the predicted against the realised entropy change when both are logged.
-"""
+"""Plot and summarise a run's ``entropy_disc/*`` metrics, the rows of :func:`~entropy_discriminator.runlog.read_run`
+(``entropy-discriminator plot``)."""
 
 from __future__ import annotations
 
@@ -48,7 +44,9 @@ def format_summary(summary: dict[str, float]) -> str:
 
 
 def plot_run(rows: list[dict[str, float]], out: str | Path, *, title: str = "") -> Path:
-    """Write the three-panel figure of ``rows`` to ``out`` (PNG); needs matplotlib (``pip install -e ".[plot]"``)."""
+    """Write to ``out`` (PNG) three panels against the step: the batch-mean token entropy (p10-p90 band, and the
+    autopilot's target when logged), the clipped share, and the predicted and realised entropy change when logged.
+    Needs matplotlib (``pip install -e ".[plot]"``)."""
     try:
         plt = pyplot()
     except ImportError as exc:

@@ -91,9 +91,8 @@ def _eligible_scores(scores: torch.Tensor, advantages: object, valid: object, si
 
 def _reachable_counts(x: torch.Tensor, wanted: Fraction) -> list[int]:
     """Counts ``c`` that a threshold can clip (0, every ``c`` with ``x_(c) < x_(c+1)``, all of ``x``), nearest ``wanted`` first."""
-    distinct = torch.nonzero(x[1:] > x[:-1]).flatten() + 1 if x.numel() > 1 else torch.zeros(0, dtype=torch.long)
-    counts = sorted({0, x.numel(), *distinct.tolist()})
-    return sorted(counts, key=lambda c: (abs(c - wanted), c))
+    distinct = (torch.nonzero(x[1:] > x[:-1]).flatten() + 1).tolist()
+    return sorted({0, x.numel(), *distinct}, key=lambda c: (abs(c - wanted), c))
 
 
 def _mu_inside(x: torch.Tensor, count: int, center: float, sigma: float) -> float | None:
@@ -101,11 +100,11 @@ def _mu_inside(x: torch.Tensor, count: int, center: float, sigma: float) -> floa
     fits), ``x_(0) = -inf`` and ``x_(len + 1) = center``."""
     above = float(x[count]) if count < x.numel() else center  # lower must be <= this
     below = float(x[count - 1]) if count > 0 else -math.inf  # and > this
+    lo = (center - above) / sigma
     if count == 0:  # any lower <= x_(1): the smallest mu that clips nothing
-        lo = (center - above) / sigma
         candidates = [_round_up(lo, digits) for digits in range(1, 18)] + [math.nextafter(lo, math.inf)]
     else:
-        lo, hi = (center - above) / sigma, (center - below) / sigma
+        hi = (center - below) / sigma
         mid = (lo + hi) / 2
         candidates = [float(f"{mid:.{digits}g}") for digits in range(1, 18)] + [lo, math.nextafter(lo, math.inf)]
     for mu in candidates:

@@ -1,7 +1,7 @@
 """The commands that read what a run logged: ``suggest-mu`` (docs/choosing-mu.md) and ``plot``.
 
-Each ``add_<name>(commands)`` adds its parser to ``entropy-discriminator``'s subparsers (``__main__.COMMANDS``); bad
-input (a missing file, not a batch or a metrics log, a target share out of range) is a usage error before any work.
+Each ``add_<name>(commands)`` adds its parser to ``entropy-discriminator``'s subparsers; bad input (a missing file,
+not a batch or a metrics log, a target share out of range) is a usage error before any work.
 """
 
 from __future__ import annotations
@@ -130,9 +130,7 @@ def _run_plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"argument --out: no folder {str(out.parent)!r}")
     print(format_summary(summarise_run(rows)))
     try:
-        written = plot_run(rows, out, title=args.log.name)
+        print(f"wrote {plot_run(rows, out, title=args.log.name)}")
     except ImportError as exc:
         print(f"no figure written: {exc}")
-        return 0
-    print(f"wrote {written}")
     return 0

@@ -10,6 +10,7 @@ Other lines are skipped; a file with no ``entropy_disc/`` metric at all is refus
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -65,12 +66,9 @@ def _line(line: str) -> dict | None:
     if line.startswith("step:") and " - " in line:
         record: dict[str, object] = {}
         for part in line.split(" - "):
-            key, sep, value = part.partition(":")
-            if sep:
-                try:
-                    record[key.strip()] = float(value)
-                except ValueError:
-                    continue
+            key, _, value = part.partition(":")
+            with contextlib.suppress(ValueError):  # also a part with no value
+                record[key.strip()] = float(value)
         return record
     return None
 
