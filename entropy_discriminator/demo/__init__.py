@@ -1,4 +1,2 @@
-"""The ``entropy-discriminator demo``: a small transformer, an embedded verifiable task and GRPO with and without
-entropy-discriminator clipping.  :mod:`.train`'s ``LoopConfig`` and ``warm_up`` are also what every experiment of the
-research harness (the ``entropy_lab`` package in the repository's ``lab/`` folder) sizes and warms up its policy
-with, and its GRPO runs (``run_arm``) are the paper reproduction's."""
+"""The ``entropy-discriminator demo`` (docs/demo.md).  The research harness (``lab/``) builds on :mod:`.train`'s
+``LoopConfig``, ``warm_up`` and ``run_arm``."""

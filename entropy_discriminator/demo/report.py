@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import math
-import os
 import sys
 import tempfile
 import time
@@ -59,9 +58,7 @@ def prepare_output_folder(path: Path | str) -> Path:
     except OSError as exc:
         raise ValueError(f"cannot create the folder {out}: {exc.strerror or exc}") from None
     try:
-        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=out)
-        os.close(fd)
-        os.unlink(probe)
+        tempfile.TemporaryFile(prefix=".write-probe-", dir=out).close()
     except OSError as exc:
         raise ValueError(f"cannot write in the folder {out} (creating a file there failed: {exc.strerror or exc})") from None
     return out
@@ -70,10 +67,7 @@ def prepare_output_folder(path: Path | str) -> Path:
 def write_csv(path: Path, rows: Sequence[dict[str, object]]) -> None:
     """Write ``rows`` (dicts; the union of their keys, in first-seen order, is the header) to ``path``; floats with 7
     significant digits."""
-    header: list[str] = []
-    for row in rows:
-        header.extend(k for k in row if k not in header)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    header = list(dict.fromkeys(k for row in rows for k in row))
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=header)
         w.writeheader()
@@ -129,10 +123,6 @@ def save_figure(fig, path: Path | BinaryIO, *, dpi: int) -> None:
     pyplot().close(fig)
 
 
-#: Line style per arm (by position), so that the arms differ in more than colour.
-ARM_STYLES = ("-", "--", "-.", ":")
-
-
 def plot_demo(path: Path, curves: dict[str, list[dict[str, float]]], *, window: int):
     """Write the demo's PNG and return its figure: batch token entropy and training reward (moving averages over
     ``window`` steps, one line style per arm) on top; below, one panel per arm with the Corollary 4 prediction
@@ -143,7 +133,7 @@ def plot_demo(path: Path, curves: dict[str, list[dict[str, float]]], *, window: 
     top = [fig.add_subplot(grid[0, : len(curves)]), fig.add_subplot(grid[0, len(curves) :])]
     for i, (arm, recs) in enumerate(curves.items()):
         steps = [r["step"] for r in recs]
-        style = dict(ls=ARM_STYLES[i % len(ARM_STYLES)], lw=1.8, color=f"C{i}", label=arm)
+        style = dict(ls=("-", "--", "-.", ":")[i % 4], lw=1.8, color=f"C{i}", label=arm)  # not just colour
         top[0].plot(steps, smooth([r["entropy"] for r in recs], window), **style)
         top[1].plot(steps, smooth([r["reward"] for r in recs], window), **style)
         pred, real = ([r[key] for r in recs] for key in ("pred_dH", "real_dH"))
@@ -161,7 +151,6 @@ def plot_demo(path: Path, curves: dict[str, list[dict[str, float]]], *, window: 
     top[1].set(title=f"training reward (moving average, {window} steps)", xlabel="GRPO step", ylabel="pass rate")
     for ax in top:
         ax.legend(fontsize=9)
-    path.parent.mkdir(parents=True, exist_ok=True)
     save_figure(fig, path, dpi=110)
     return fig
 

@@ -65,11 +65,10 @@ def resolve_device(name: str) -> torch.device:
         raise ValueError(f"device {name!r} is not a torch device: {exc}") from None
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {name!r}")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r}: CUDA is not available on this machine (use cpu)")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: CUDA is not available on this machine (use cpu)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
 
 
@@ -79,8 +78,6 @@ def torch_threads(n: int | None) -> Iterator[None]:
     the demo's default on CPU: its matrices are tiny (on a busy 2-core machine one thread ran 5x faster than two)."""
     old = torch.get_num_threads()
     if n is not None:
-        if n < 1:
-            raise ValueError(f"--threads must be >= 1, got {n}")
         torch.set_num_threads(n)
     try:
         yield
@@ -89,9 +86,8 @@ def torch_threads(n: int | None) -> Iterator[None]:
 
 
 def demo_arms(opts: DemoOptions) -> list[ArmSpec]:
-    """Vanilla GRPO, + Clip_B (S* lower tail, mu_b) and + Clip_V (S_c lower tail, mu_v), negative-advantage
-    tokens only (the paper's setting); with ``autopilot`` (``"hold"`` or a target entropy in nats/token) a
-    fourth arm, + Autopilot (:class:`~entropy_discriminator.EntropyAutopilot`, its defaults otherwise)."""
+    """Vanilla GRPO, + Clip_B (``mu_b``) and + Clip_V (``mu_v``, ``max_frac_v``) and, with ``autopilot`` (``"hold"``
+    or a target entropy in nats/token), + Autopilot with its defaults otherwise (docs/demo.md)."""
     arms = [ArmSpec("GRPO"), ArmSpec("GRPO+Clip_B", method="clip_b", mu_low=opts.mu_b),
             ArmSpec("GRPO+Clip_V", method="clip_v", mu_low=opts.mu_v, max_frac=opts.max_frac_v)]
     if opts.autopilot is not None:

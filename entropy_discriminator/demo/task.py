@@ -1,11 +1,8 @@
 """The demo's verifiable task: addition of two ``n``-digit numbers, answer written least-significant digit first.
 
 A prompt is ``a_1 .. a_n + b_1 .. b_n =`` (digits most-significant first, zero padded); the response is the ``n + 1``
-digits of ``a + b`` least-significant first, so a causal model can carry from one digit to the next.  Reward: 1 for
-the exact answer, else 0.  The warm-up data is deliberately imperfect, like a base model's: with probability ``noise``
-a target is a *plausible wrong* answer (the carries forgotten, or one digit off by one), so the warmed-up policy
-keeps entropy on the decision tokens that RL then sharpens (or, without entropy control, collapses).  Token ids:
-digits ``0-9`` are ``0-9``, ``+`` is 10, ``=`` is 11.
+digits of ``a + b`` least-significant first, so a causal model can carry.  Reward: 1 for the exact answer, else 0.
+Token ids: digits ``0-9`` are ``0-9``, ``+`` is 10, ``=`` is 11.
 """
 
 from __future__ import annotations
@@ -51,18 +48,12 @@ class AdditionTask:
         """``count`` operand pairs (int64 ``[count]`` each) from ``split`` in {"train", "eval"}."""
         if split not in ("train", "eval"):
             raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-        hi = 10**self.n_digits
-        out_a: list[torch.Tensor] = []
-        out_b: list[torch.Tensor] = []
-        got = 0
-        while got < count:
-            a = torch.randint(0, hi, (2 * count,), generator=generator)
-            b = torch.randint(0, hi, (2 * count,), generator=generator)
-            keep = self.is_eval(a, b) == (split == "eval")
-            out_a.append(a[keep])
-            out_b.append(b[keep])
-            got += int(keep.sum())
-        return torch.cat(out_a)[:count], torch.cat(out_b)[:count]
+        a = b = torch.empty(0, dtype=torch.int64)
+        while len(a) < count:
+            new_a, new_b = (torch.randint(0, 10**self.n_digits, (2 * count,), generator=generator) for _ in range(2))
+            keep = self.is_eval(new_a, new_b) == (split == "eval")
+            a, b = torch.cat([a, new_a[keep]]), torch.cat([b, new_b[keep]])
+        return a[:count], b[:count]
 
     def is_eval(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """bool [N]: whether problem ``(a, b)`` is held out, by a MINSTD hash of ``a * 10**n + b`` modulo
@@ -91,18 +82,14 @@ class AdditionTask:
         return (responses == self.answers(a, b).to(responses.device)).all(dim=1).float()
 
     def warmup_targets(self, a: torch.Tensor, b: torch.Tensor, noise: float, generator: torch.Generator) -> torch.Tensor:
-        """Warm-up targets [N, n + 1]: the answer, or with probability ``noise`` a plausible wrong one.
-
-        Half of the corrupted targets forget every carry (digit-wise ``(a_i + b_i) mod 10``, top digit 0);
-        the other half move one random digit by +-1 (mod 10).
-        """
+        """Warm-up targets [N, n + 1]: the answer, or with probability ``noise`` a plausible wrong one (so the policy
+        keeps entropy on the decision tokens): half of those forget every carry (digit-wise ``(a_i + b_i) mod 10``),
+        the other half move one random digit by +-1 (mod 10)."""
         if not 0.0 <= noise < 1.0:
             raise ValueError(f"noise must be in [0, 1), got {noise}")
         n = len(a)
         ans = self.answers(a, b)
-        da = self._digits(a, self.response_len, lsb_first=True)
-        db = self._digits(b, self.response_len, lsb_first=True)
-        no_carry = (da + db) % 10
+        no_carry = sum(self._digits(x, self.response_len, lsb_first=True) for x in (a, b)) % 10
         pos = torch.randint(0, self.response_len, (n,), generator=generator)
         step = torch.randint(0, 2, (n,), generator=generator) * 2 - 1
         off_by_one = ans.clone()

@@ -44,9 +44,8 @@ class Agreement:
 def tabular_start(
     model: TinyGPT, task: AdditionTask, n_prompts: int, *, seed: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Starting point of :func:`tabular_check` from a network: its float64 CPU response logits
-    ``[P, T, V]`` on ``n_prompts`` training prompts (one answer sampled at temperature 1), and
-    those prompts' operands ``a, b`` (int64 ``[P]``)."""
+    """Starting point of :func:`tabular_check` from a network: its float64 CPU response logits ``[P, T, V]`` on
+    ``n_prompts`` training prompts (one answer sampled at temperature 1) and their operands ``a, b`` (int64 ``[P]``)."""
     a, b = task.sample(n_prompts, torch.Generator().manual_seed(seed), split="train")
     seq = model.generate(task.prompts(a, b).to(device), task.response_len, temperature=1.0,
                          generator=torch.Generator().manual_seed(seed))
@@ -57,12 +56,10 @@ def tabular_start(
 
 def tabular_check(task: AdditionTask, *, init_logits: torch.Tensor, a: torch.Tensor, b: torch.Tensor, group_size: int,
                   steps: int, step_size: float, seed: int) -> Agreement:
-    """GRPO on a logit table; Corollary 4's prediction vs the realised batch-entropy change per step.
-
-    ``init_logits`` ``[P, T, V]`` (copied ``group_size`` times, float64) for the prompts of operands ``a, b`` (int64
-    ``[P]``); ``step_size``: ``eta`` of Theorem 2, SGD at ``lambda = eta * N``; ``seed`` seeds the sampling.
-    ``ValueError`` when ``init_logits`` is not ``[P, T, V]`` or ``step_size`` is not finite and > 0.
-    """
+    """GRPO on a logit table; Corollary 4's prediction vs the realised batch-entropy change per step.  ``init_logits``
+    ``[P, T, V]`` (copied ``group_size`` times, float64) for the prompts of operands ``a, b`` (int64 ``[P]``);
+    ``step_size``: ``eta`` of Theorem 2 (SGD at ``lambda = eta * N``); ``seed`` seeds the sampling.  ``ValueError``
+    when ``init_logits`` is not ``[P, T, V]`` or ``step_size`` is not finite and > 0."""
     if init_logits.dim() != 3 or init_logits.shape[:2] != (len(a), task.response_len):
         raise ValueError(f"init_logits must be [P={len(a)}, T={task.response_len}, V], got {tuple(init_logits.shape)}")
     if not (step_size > 0 and math.isfinite(step_size)):
@@ -70,8 +67,7 @@ def tabular_check(task: AdditionTask, *, init_logits: torch.Tensor, a: torch.Ten
     gen = torch.Generator().manual_seed(seed)
     z = init_logits.detach().to("cpu", torch.float64).repeat_interleave(group_size, 0).requires_grad_(True)
     a_rep, b_rep = a.repeat_interleave(group_size).cpu(), b.repeat_interleave(group_size).cpu()
-    predicted: list[float] = []
-    realised: list[float] = []
+    out = Agreement([], [])
     for _ in range(steps):
         with torch.no_grad():
             probs = torch.softmax(z, -1)
@@ -79,12 +75,12 @@ def tabular_check(task: AdditionTask, *, init_logits: torch.Tensor, a: torch.Ten
         adv = group_advantages(task.rewards(a_rep, b_rep, k), group_size).double()
         before = token_stats(z.detach(), k)
         n = float(before.valid.sum())
-        predicted.append(batch_entropy_change(adv, before.s_centered, before.valid, lr=step_size, form="cov"))
+        out.predicted.append(batch_entropy_change(adv, before.s_centered, before.valid, lr=step_size, form="cov"))
         logp = torch.log_softmax(z, -1).gather(-1, k[..., None])[..., 0]
         loss = -(adv[:, None] * logp).sum() / n
         (grad,) = torch.autograd.grad(loss, z)
         with torch.no_grad():
             z -= (step_size * n) * grad
         after = token_stats(z.detach(), k)
-        realised.append(float((after.entropy - before.entropy)[before.valid].mean()))
-    return Agreement(predicted, realised)
+        out.realised.append(float((after.entropy - before.entropy)[before.valid].mean()))
+    return out

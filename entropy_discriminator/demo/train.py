@@ -1,10 +1,4 @@
-"""Warm-up (supervised) and strict on-policy GRPO for the demo, with the core's statistics and masks.
-
-One GRPO step on ``P`` prompts x ``G`` samples (``N`` valid response tokens): sample at ``temperature``; reward ``R``
-(exact match), ``A_i = (R_i - mean_g R) / (std_g R + 1e-6)``; a keep-mask (none, Clip_B, Clip_V, the autopilot, or the
-paper's Figure 1 sign rule on ``S*``); loss ``sum_t keep_t * (-A_t log p_t) / N``, one optimiser step; the realised
-``dH`` of the same tokens next to Corollary 4's ``-Cov_B(A * keep, S_c)`` per unit step size.
-"""
+"""Warm-up (supervised) and strict on-policy GRPO for the demo, with the core's statistics and masks."""
 
 from __future__ import annotations
 
@@ -17,57 +11,49 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .. import EntropyDiscConfig, EntropyMonitor, apply_keep_mask, batch_entropy_change, clip_b_mask, clip_v_mask, law, token_stats
+from .. import (EntropyDiscConfig, EntropyMonitor, TokenStats, apply_keep_mask, batch_entropy_change, clip_b_mask,
+                clip_v_mask, law, token_stats)
 from .model import ModelConfig, TinyGPT
 from .task import AdditionTask
 
-ARM_METHODS = ("none", "clip_b", "clip_v", "sign", "autopilot")
-SIGN_ACTIONS = ("only", "mask")
+ARM_METHODS = ("none", "clip_b", "clip_v", "autopilot")
 
 
 @dataclass(frozen=True)
 class ArmSpec:
-    """One training arm.  ``method``: ``none`` (vanilla GRPO), ``clip_b``, ``clip_v`` (core masks with ``mu_low``,
-    ``max_frac``, ``sides``), ``autopilot`` (:class:`~entropy_discriminator.EntropyAutopilot` toward
-    ``target_entropy`` with ``max_frac`` (None: its default cap) and ``sides``, on the law's terms for the arm's
-    Adam) or ``sign`` (Figure 1: ``action`` ``only`` keeps just, ``mask`` drops just, the tokens of ``sample_sign``
-    samples (``pos``: A > 0, ``neg``: A < 0) whose ``S*`` has sign ``s_sign``)."""
+    """One training arm, on negative-advantage tokens.  ``method``: ``none`` (vanilla GRPO), ``clip_b`` or ``clip_v``
+    (the core masks at ``mu_low``, cap ``max_frac``) or ``autopilot`` (:class:`~entropy_discriminator.EntropyAutopilot`
+    toward ``target_entropy``, cap ``max_frac`` or None for its default, on the law's terms for the arm's Adam)."""
 
     name: str
     method: str = "none"
     mu_low: float = 2.5
     max_frac: float | None = None
-    sides: str = "negative"
-    action: str = "only"
-    sample_sign: str = "pos"
-    s_sign: str = "pos"
     target_entropy: str | float = "hold"
 
     def __post_init__(self) -> None:
         if self.method not in ARM_METHODS:
             raise ValueError(f"method must be one of {ARM_METHODS}, got {self.method!r}")
-        if self.action not in SIGN_ACTIONS:
-            raise ValueError(f"action must be one of {SIGN_ACTIONS}, got {self.action!r}")
-        for label in ("sample_sign", "s_sign"):
-            if getattr(self, label) not in ("pos", "neg"):
-                raise ValueError(f"{label} must be 'pos' or 'neg', got {getattr(self, label)!r}")
-        if self.method in ("clip_b", "clip_v"):  # the core's rules for mu_low, sides and max_frac
-            EntropyDiscConfig(method=self.method, mu_low=self.mu_low, sides=self.sides, max_frac=self.max_frac)
+        if self.method in ("clip_b", "clip_v"):  # the core's rules for mu_low and max_frac
+            EntropyDiscConfig(method=self.method, mu_low=self.mu_low, max_frac=self.max_frac)
         if self.method == "autopilot":
             self.autopilot_config()
 
     def autopilot_config(self) -> EntropyDiscConfig:
-        """The arm's autopilot settings as the core checks them (``max_frac`` None: the autopilot's default cap)."""
-        return EntropyDiscConfig(method="autopilot", target_entropy=self.target_entropy, sides=self.sides,
+        """The arm's autopilot settings as the core checks them."""
+        return EntropyDiscConfig(method="autopilot", target_entropy=self.target_entropy,
                                  max_frac="auto" if self.max_frac is None else self.max_frac)
+
+    def keep(self, stats: TokenStats, adv: torch.Tensor) -> torch.Tensor:
+        """Keep-mask [B, T] bool of an arm without a core mask: every token (the lab's Figure 1 arms override it)."""
+        return torch.ones_like(stats.valid)
 
 
 @dataclass(frozen=True)
 class LoopConfig(ABC):
-    """What every experiment's training loop shares (the demo's :class:`TrainConfig`, the lab's configurations): the
-    policy's size, the supervised warm-up of :func:`warm_up` (``warmup_steps`` Adam steps at ``warmup_lr`` on
-    ``warmup_batch`` problems, targets wrong with probability ``warmup_noise``) and the RL batch (``prompts_per_step``
-    x ``group_size`` samples, Adam at ``lr``).  Abstract: a subclass names its task (:meth:`task`)."""
+    """What every experiment's loop shares (the demo's :class:`TrainConfig`, the lab's configurations): the policy's
+    size, :func:`warm_up`'s settings and the RL batch (``prompts_per_step`` x ``group_size`` samples, Adam at ``lr``).
+    Abstract: a subclass names its task (:meth:`task`)."""
 
     d_model: int = 64
     n_layers: int = 2
@@ -89,8 +75,7 @@ class LoopConfig(ABC):
 
     @abstractmethod
     def task(self) -> AdditionTask:
-        """The task: an object with ``vocab_size``, ``prompt_len``, ``response_len`` and ``sample(count, generator,
-        split=)``, ``prompts``, ``warmup_targets``, ``rewards`` of the sampled problem (as :class:`AdditionTask`)."""
+        """The task, with :class:`AdditionTask`'s sizes and methods."""
 
     def model_config(self) -> ModelConfig:
         """:class:`ModelConfig` sized for the task: its vocabulary, ``max_len = prompt_len + response_len``."""
@@ -100,13 +85,12 @@ class LoopConfig(ABC):
 
 @dataclass(frozen=True)
 class TrainConfig(LoopConfig):
-    """The demo's run: :class:`LoopConfig` on ``n_digits`` addition, ``grpo_steps`` strict on-policy GRPO steps
-    sampled at ``temperature`` (keep-masks applied as ``mask_mode``), and the evaluation of :func:`evaluate`."""
+    """The demo's run: :class:`LoopConfig` on ``n_digits`` addition, ``grpo_steps`` GRPO steps sampled at
+    ``temperature`` (:func:`run_arm`; ``linearised`` adds ``pred_lin_dH``) and :func:`evaluate`'s settings."""
 
     n_digits: int = 3
     grpo_steps: int = 200
     temperature: float = 1.0
-    mask_mode: str = "zero_pg"
     eval_prompts: int = 200
     eval_k: int = 8
     eval_temperature: float = 0.7
@@ -129,14 +113,12 @@ Progress = Callable[[int, int, str], None]
 
 
 def warm_up(model: TinyGPT, cfg: LoopConfig, *, seed: int, device: torch.device, progress: Progress | None = None,
-            target_avg: float | None = None, max_steps: int | None = None,
-            on_step: Callable[[int, TinyGPT], None] | None = None) -> dict[str, float]:
-    """Supervised warm-up on the task's noisy ``warmup_targets``, the one warm-up of every experiment: Adam at
-    ``warmup_lr`` (problems from a generator seeded ``seed + 7919``), gradient norm clipped at 1, mean cross-entropy
-    over the response tokens; ``on_step(step, model)`` after each step (1-based).  Runs ``cfg.warmup_steps`` steps;
-    with ``target_avg`` (a :class:`TrainConfig`) keeps going in blocks of a quarter of that until held-out Avg@k
-    reaches it or ``max_steps`` are done (small transformers learn addition in a sudden, seed-dependent transition).
-    Returns ``{"steps", "loss"}``."""
+            target_avg: float | None = None, max_steps: int | None = None) -> dict[str, float]:
+    """Supervised warm-up on the task's noisy ``warmup_targets``, the one warm-up of every experiment: mean
+    cross-entropy over the response tokens, Adam at ``warmup_lr``, gradient norm clipped at 1, ``cfg.warmup_steps``
+    steps; ``progress(step, total, info)`` after each (1-based).  With ``target_avg`` (a :class:`TrainConfig` only) it goes
+    on in blocks of a quarter of that until held-out Avg@k reaches it or ``max_steps`` are done.  Returns
+    ``{"steps", "loss"}``."""
     if target_avg is not None and not isinstance(cfg, TrainConfig):
         raise ValueError(f"target_avg needs a TrainConfig (the demo's evaluation), got a {type(cfg).__name__}")
     task = cfg.task()
@@ -159,8 +141,6 @@ def warm_up(model: TinyGPT, cfg: LoopConfig, *, seed: int, device: torch.device,
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
-        if on_step is not None:
-            on_step(step, model)
         if progress is not None:
             progress(step, limit if step > cfg.warmup_steps else cfg.warmup_steps, f"loss {loss.item():.3f}")
     return {"steps": float(step), "loss": float(loss.item())}
@@ -168,9 +148,8 @@ def warm_up(model: TinyGPT, cfg: LoopConfig, *, seed: int, device: torch.device,
 
 @torch.no_grad()
 def evaluate(model: TinyGPT, cfg: TrainConfig, *, seed: int, device: torch.device) -> dict[str, float]:
-    """Avg@k (mean correctness of ``k`` samples per held-out prompt) and Pass@k (share of prompts with a
-    correct sample among ``k``), at ``eval_temperature``, on ``eval_prompts`` held-out problems fixed by ``seed``.
-    """
+    """Avg@k (mean correctness of ``k`` samples per held-out prompt) and Pass@k (share of prompts with a correct
+    sample among ``k``) at ``eval_temperature``, on ``eval_prompts`` held-out problems; sampling seeded by ``seed``."""
     task = cfg.task()
     gen = torch.Generator().manual_seed(10_000 + seed)
     a, b = task.sample(cfg.eval_prompts, torch.Generator().manual_seed(12345), split="eval")
@@ -188,14 +167,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).reshape(-1)
 
 
-def _sign_keep(arm: ArmSpec, s_star: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
-    """Figure 1 keep-mask [B, T] from ``S*`` [B, T] and per-sequence ``adv`` [B]."""
-    a = adv[:, None]
-    in_samples = (a > 0) if arm.sample_sign == "pos" else (a < 0)
-    selected = in_samples & ((s_star > 0) if arm.s_sign == "pos" else (s_star < 0))
-    return selected if arm.action == "only" else ~selected
-
-
 @dataclass
 class ArmResult:
     """Per-step records (one dict per GRPO step) and the final evaluation of one arm."""
@@ -211,22 +182,18 @@ def _law_terms(model: TinyGPT, opt: torch.optim.Optimizer, seq: torch.Tensor, re
     """The autopilot's inputs from the law for Adam (:func:`entropy_discriminator.law.token_terms`): the per-token
     terms of ``sum_t -A_t log p_t / N`` and the carry, Adam's preconditioner set by this step's unmasked gradient."""
     named = dict(model.named_parameters())
-    params = list(named.values())
 
     def fn(p: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.func.functional_call(model, p, (seq[:, :-1],))[:, prompt_len - 1 :].float()
 
-    logits = fn(named)
     weights = (adv[:, None] * valid / valid.sum().clamp_min(1)).double()
-    logp = torch.log_softmax(logits / cfg.temperature, -1).gather(-1, resp[..., None])[..., 0]
-    grads = torch.autograd.grad(-(weights.float() * logp).sum(), params, retain_graph=True)
-    grads_h = torch.autograd.grad(law.batch_mean_entropy(logits, valid, temperature=cfg.temperature), params)
-    res = law.token_terms(opt, named, fn, resp, weights, valid, temperature=cfg.temperature, grads=grads,
-                          entropy_grads=grads_h)
+    logp = torch.log_softmax(fn(named) / cfg.temperature, -1).gather(-1, resp[..., None])[..., 0]
+    grads = torch.autograd.grad(-(weights.float() * logp).sum(), list(named.values()))
+    res = law.token_terms(opt, named, fn, resp, weights, valid, temperature=cfg.temperature, grads=grads)
     return {"terms": res.terms, "carry": res.carry}
 
 
-#: The per-step record's columns read from the monitor's metrics (without its prefix), in record order.
+#: The per-step record's columns read from the monitor's metrics, in record order.
 _MONITOR_COLUMNS = {"entropy": "entropy/mean", "entropy_p10": "entropy/p10", "entropy_p50": "entropy/p50",
                     "entropy_p90": "entropy/p90", "s_star_mean": "s_star/mean", "s_star_std": "s_star/std",
                     "s_c_mean": "s_centered/mean", "s_c_std": "s_centered/std"}
@@ -234,16 +201,18 @@ _MONITOR_COLUMNS = {"entropy": "entropy/mean", "entropy_p10": "entropy/p10", "en
 
 def run_arm(state: dict[str, torch.Tensor], cfg: TrainConfig, arm: ArmSpec, *, seed: int, device: torch.device,
             progress: Progress | None = None) -> ArmResult:
-    """GRPO from the warmed-up ``state`` for ``cfg.grpo_steps`` steps; every arm with the same ``seed`` sees the
-    same prompts and the same sampling random stream (they diverge only through their updates)."""
+    """Strict on-policy GRPO from the warmed-up ``state`` for ``cfg.grpo_steps`` steps.  A step: ``P`` prompts x
+    ``G`` samples at ``temperature``, exact-match reward, :func:`group_advantages`, the arm's keep-mask, loss
+    ``sum_t keep_t (-A_t log p_t) / N`` over the ``N`` valid tokens and one Adam step; its record holds the realised
+    ``dH`` of the same tokens (``real_dH``) and Corollary 4's ``-Cov_B(A * keep, S_c)`` per unit step (``pred_dH``).
+    Every arm with the same ``seed`` sees the same prompts and sampling stream (they diverge only by their updates)."""
     task = cfg.task()
     torch.manual_seed(seed)
     model = TinyGPT(cfg.model_config()).to(device)
     model.load_state_dict(state)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     gen = torch.Generator().manual_seed(seed)
-    monitor = EntropyMonitor(percentiles=(10, 50, 90))
-    pre = monitor.prefix
+    monitor = EntropyMonitor(prefix="", percentiles=(10, 50, 90))
     pilot = arm.autopilot_config().build_autopilot() if arm.method == "autopilot" else None
     out = ArmResult(arm=arm.name, seed=seed)
     g, p_len = cfg.group_size, task.prompt_len
@@ -262,19 +231,15 @@ def run_arm(state: dict[str, torch.Tensor], cfg: TrainConfig, arm: ArmSpec, *, s
         mask = None
         if arm.method in ("clip_b", "clip_v"):
             clip, score = (clip_b_mask, stats.s_star) if arm.method == "clip_b" else (clip_v_mask, stats.s_centered)
-            mask = clip(score, adv, valid, mu_low=arm.mu_low, sides=arm.sides, max_frac=arm.max_frac)
+            mask = clip(score, adv, valid, mu_low=arm.mu_low, max_frac=arm.max_frac)
         elif pilot is not None:
             mask = pilot.from_stats(stats, adv, **_law_terms(model, opt, seq, resp, adv, valid, cfg, p_len)).mask
-        if mask is not None:
-            keep = mask.keep
-        else:
-            keep = _sign_keep(arm, stats.s_star, adv) if arm.method == "sign" else torch.ones_like(valid)
+        keep = arm.keep(stats, adv) if mask is None else mask.keep
 
         metrics = monitor.from_stats(stats, advantages=adv, mask=mask, lr=1.0)
-        adv_tok = adv[:, None].expand_as(keep).double() * keep
-        pred = batch_entropy_change(adv_tok, stats.s_centered, valid, lr=1.0, form="cov")
+        pred = batch_entropy_change(adv[:, None].double() * keep, stats.s_centered, valid, lr=1.0, form="cov")
         a_sc = adv[:, None].double() * stats.s_centered.double() * valid
-        n_valid = float(valid.sum())
+        n_valid = max(float(valid.sum()), 1.0)
 
         if cfg.linearised:  # the gradient of the batch-mean entropy, for the linearised prediction
             h_bar = law.batch_mean_entropy(model.response_logits(seq, p_len), valid, temperature=cfg.temperature)
@@ -282,8 +247,7 @@ def run_arm(state: dict[str, torch.Tensor], cfg: TrainConfig, arm: ArmSpec, *, s
             before = [p_.detach().clone() for p_ in model.parameters()]
 
         logp = torch.log_softmax(logits.float() / cfg.temperature, -1).gather(-1, resp[..., None])[..., 0]
-        pg_losses = -adv[:, None] * logp
-        pg_losses, loss_mask = apply_keep_mask(pg_losses, keep, valid.float(), mode=cfg.mask_mode)
+        pg_losses, loss_mask = apply_keep_mask(-adv[:, None] * logp, keep, valid.float(), mode="zero_pg")
         loss = (pg_losses * loss_mask).sum() / loss_mask.sum().clamp_min(1.0)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -291,15 +255,13 @@ def run_arm(state: dict[str, torch.Tensor], cfg: TrainConfig, arm: ArmSpec, *, s
 
         with torch.no_grad():
             after = token_stats(model.response_logits(seq, p_len), resp, temperature=cfg.temperature)
-        realised = monitor.realised(stats.entropy, after.entropy, valid)[pre + "delta_entropy/realised"]
-
-        rec = {"step": step, "reward": float(rewards.mean()),
-               **{key: metrics[pre + name] for key, name in _MONITOR_COLUMNS.items()},
-               "clip_frac": 1.0 - float((keep & valid).sum()) / max(n_valid, 1.0),
-               "cov_adv_sc": metrics.get(pre + "cov/adv_s_centered", 0.0),
-               "neg_cov_pos_part": -float(a_sc[adv > 0].sum()) / max(n_valid, 1.0),
-               "neg_cov_neg_part": -float(a_sc[adv < 0].sum()) / max(n_valid, 1.0), "pred_dH": pred,
-               "real_dH": realised, "loss": float(loss.detach())}
+        rec = {"step": step, "reward": float(rewards.mean()), **{k: metrics[m] for k, m in _MONITOR_COLUMNS.items()},
+               "clip_frac": 1.0 - float((keep & valid).sum()) / n_valid,
+               "cov_adv_sc": metrics.get("cov/adv_s_centered", 0.0),
+               "neg_cov_pos_part": -float(a_sc[adv > 0].sum()) / n_valid,
+               "neg_cov_neg_part": -float(a_sc[adv < 0].sum()) / n_valid, "pred_dH": pred,
+               "real_dH": monitor.realised(stats.entropy, after.entropy, valid)["delta_entropy/realised"],
+               "loss": float(loss.detach())}
         if cfg.linearised:
             moves = zip(grads, model.parameters(), before)
             rec["pred_lin_dH"] = float(sum((gr * (p_.detach() - b_)).sum() for gr, p_, b_ in moves))
@@ -317,10 +279,7 @@ def pearson(x: list[float], y: list[float]) -> float:
         raise ValueError(f"x and y must have equal length, got {len(x)} and {len(y)}")
     if len(x) < 3:
         return math.nan
-    tx, ty = torch.tensor(x, dtype=torch.float64), torch.tensor(y, dtype=torch.float64)
-    tx, ty = tx - tx.mean(), ty - ty.mean()
-    den = float(tx.norm() * ty.norm())
-    return float((tx * ty).sum()) / den if den > 0 else math.nan
+    return float(torch.corrcoef(torch.tensor([x, y], dtype=torch.float64))[0, 1])
 
 
 def sign_agreement(x: list[float], y: list[float]) -> float:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from entropy_discriminator import TokenStats
 from entropy_discriminator.demo.model import TinyGPT
 from entropy_discriminator.demo.report import TextProgress, prepare_output_folder, write_csv
 from entropy_discriminator.demo.runner import WARMUP_TARGET, resolve_device, torch_threads
@@ -68,10 +69,36 @@ class PaperOptions:
     render_only: bool = False
 
 
-def sign_arms() -> list[ArmSpec]:
+@dataclass(frozen=True)
+class SignArm(ArmSpec):
+    """A Figure 1 arm of :func:`~entropy_discriminator.demo.train.run_arm`: vanilla GRPO whose keep-mask (``action``
+    ``only``) keeps just, or (``mask``) drops just, the tokens of ``sample_sign`` samples (``pos``: A > 0, ``neg``:
+    A < 0) whose ``S*`` has sign ``s_sign``."""
+
+    action: str = "only"
+    sample_sign: str = "pos"
+    s_sign: str = "pos"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.action not in ("only", "mask"):
+            raise ValueError(f"action must be one of ('only', 'mask'), got {self.action!r}")
+        for label in ("sample_sign", "s_sign"):
+            if getattr(self, label) not in ("pos", "neg"):
+                raise ValueError(f"{label} must be 'pos' or 'neg', got {getattr(self, label)!r}")
+
+    def keep(self, stats: TokenStats, adv: torch.Tensor) -> torch.Tensor:
+        """Keep-mask [B, T] bool from ``stats.s_star`` [B, T] and per-sequence ``adv`` [B]."""
+        a, s_star = adv[:, None], stats.s_star
+        in_samples = (a > 0) if self.sample_sign == "pos" else (a < 0)
+        selected = in_samples & ((s_star > 0) if self.s_sign == "pos" else (s_star < 0))
+        return selected if self.action == "only" else ~selected
+
+
+def sign_arms() -> list[SignArm]:
     """Figure 1's eight arms, named ``{only|mask} S*{>0|<0} in {pos|neg}``."""
     return [
-        ArmSpec(f"{action} S*{'>0' if s == 'pos' else '<0'} in {side}", method="sign", action=action, sample_sign=side, s_sign=s)
+        SignArm(f"{action} S*{'>0' if s == 'pos' else '<0'} in {side}", action=action, sample_sign=side, s_sign=s)
         for action in ("only", "mask")
         for side in ("pos", "neg")
         for s in ("pos", "neg")

@@ -382,13 +382,13 @@ def warm_up(
     :func:`entropy_discriminator.demo.train.warm_up` for ``cfg.warmup_steps`` steps; ``on_step(step, state)`` (a copy
     of the state dict) after each step in ``at_steps``.  Returns the final state dict, on the CPU."""
 
-    def checkpoint(step: int, model: TinyGPT) -> None:
+    def checkpoint(step: int, _total: int, _info: str) -> None:  # the demo's warm-up calls it after each step
         if on_step is not None and step in at_steps:
             on_step(step, {k: v.detach().clone() for k, v in model.state_dict().items()})
 
     torch.manual_seed(seed)
     model = TinyGPT(cfg.model_config()).to(device)
-    supervised_warm_up(model, cfg, seed=seed, device=device, on_step=checkpoint)
+    supervised_warm_up(model, cfg, seed=seed, device=device, progress=checkpoint)
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
