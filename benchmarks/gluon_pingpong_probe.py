@@ -162,8 +162,7 @@ def _kernel_and_consts(cfg: dict):
     if cfg["coop"]:
         if cfg["moments"] != 4:
             raise ValueError("the cooperative kernel is the library's, which computes every moment (moments=4)")
-        return gluon_fused.ws_kernel, {"HAS_BIAS": False, "ROUND": 0, "T_ROUND": False, "BMW": cfg["bm"], **common,
-                                       "LAG": cfg["lag"]}
+        return gluon_fused.ws_kernel, {"ROUND": 0, "T_ROUND": False, "BMW": cfg["bm"], **common, "LAG": cfg["lag"]}
     return _pingpong_kernel, {"BM": cfg["bm"], **common, "MOMENTS": cfg["moments"]}
 
 
@@ -185,7 +184,7 @@ def pingpong_stats(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     cst = LOG2E
     clo = cst - float(torch.tensor(cst, dtype=torch.float32))
     kernel, consts = _kernel_and_consts(cfg)
-    args = (a_desc, w_desc, hidden, part, n, vocab, hdim, tpc, g, 0, cst, clo, 1.0) if cfg["coop"] else (
+    args = (a_desc, w_desc, part, n, vocab, hdim, tpc, g, 0, cst, clo, 1.0) if cfg["coop"] else (
         a_desc, w_desc, part, n, vocab, hdim, tpc, g, cst, clo)
     kernel[(triton.cdiv(n, cfg["bm"] * (2 if cfg["coop"] else 1)) * s,)](*args, **consts, num_warps=4,
                                                                         maxnreg=cfg["maxnreg"])  # fmt: skip

@@ -1,6 +1,6 @@
 """Compile a fused head's Gluon (or Triton) kernel for sm_90a on any machine and report what its PTX and ptxas say
 (:func:`ptxas_report`); as a script, the library's ``entropy_discriminator.kernels.gluon_fused.ws_kernel``,
-printed as JSON: ``python tests/gluon_compile.py HAS_BIAS ROUND T_ROUND LAG``.
+printed as JSON: ``python tests/gluon_compile.py ROUND T_ROUND LAG``.
 
 The script is run in a process of its own by tests/test_kernels.py: with ``TRITON_INTERPRET=1`` (the kernels
 session) Triton's functions are interpreted objects that the Gluon compiler cannot take.
@@ -52,18 +52,18 @@ def ptxas_report(kernel, consts: dict, types: dict[str, str], options: dict, sou
 
 
 def descriptor_types(a_desc, w_desc) -> dict[str, str]:
-    """:func:`ptxas_report`'s ``types`` of a fused head's Gluon kernel: its two descriptors, bias and partials."""
-    return {"a_desc": mangle_type(a_desc), "w_desc": mangle_type(w_desc), "b_ptr": "*bf16", "part_ptr": "*fp32"}
+    """:func:`ptxas_report`'s ``types`` of a fused head's Gluon kernel: its two descriptors and the partials."""
+    return {"a_desc": mangle_type(a_desc), "w_desc": mangle_type(w_desc), "part_ptr": "*fp32"}
 
 
-def report(has_bias: bool, round_code: int, t_round: bool, lag: int) -> dict:
+def report(round_code: int, t_round: bool, lag: int) -> dict:
     """:func:`ptxas_report` of the library's ``ws_kernel`` (H 896 bf16 descriptors) for one variant."""
     from entropy_discriminator.kernels import gluon_fused
 
     ws = gluon_fused.WS_CONFIG
     a_desc, w_desc = gluon_fused.ws_descriptors(torch.empty(256, 896, dtype=torch.bfloat16),
                                                 torch.empty(512, 896, dtype=torch.bfloat16))  # fmt: skip
-    consts = {"HAS_BIAS": has_bias, "ROUND": round_code, "T_ROUND": t_round, "BMW": ws["bmw"], "BN": ws["bn"],
+    consts = {"ROUND": round_code, "T_ROUND": t_round, "BMW": ws["bmw"], "BN": ws["bn"],
               "BK": ws["bk"], "STAGES": ws["stages"], "LAG": lag, "CONSUMER_REGS": ws["consumer_regs"],
               "PRODUCER_REGS": ws["producer_regs"]}  # fmt: skip
     return ptxas_report(gluon_fused.ws_kernel, consts, descriptor_types(a_desc, w_desc),
@@ -71,5 +71,5 @@ def report(has_bias: bool, round_code: int, t_round: bool, lag: int) -> dict:
 
 
 if __name__ == "__main__":
-    bias, rnd, t_round, lag = (int(a) for a in sys.argv[1:5])
-    print(json.dumps(report(bool(bias), rnd, bool(t_round), lag)))
+    rnd, t_round, lag = (int(a) for a in sys.argv[1:4])
+    print(json.dumps(report(rnd, bool(t_round), lag)))

@@ -6,7 +6,8 @@ program per SM), from the same per-tile operations.  Each program has a one-warp
 STAGES slots and two consumer warp groups of BMW rows each sharing every W slice; consumer 1 starts each tile's K
 loop once consumer 0 has issued LAG of its K steps, so that while one folds its finished tile the other still has
 tensor-core work in flight.  Where a row-order plan leaves SMs idle, extra programs take the tiles past shortened
-chunks (``extra_rows``, :func:`.triton_fused.row_order_extras`).  Measurements: ``benchmarks/RESULTS.md``.
+chunks (``extra_rows``, :func:`.triton_fused.row_order_extras`).  No bias: a head with one runs the streaming kernel,
+the faster of the two there.  Measurements: ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -87,9 +88,9 @@ def _k_steps(a_bufs, b_bufs, ready, empty, base, k_tiles, acc, a_off, go, go_at,
 
 
 @gluon.jit
-def _consumer(w, a_bufs, b_bufs, ready, empty, go, b_ptr, part_ptr, row0, n_segs, t0, n_tiles, k_tiles, N, V,
-              n_cols, col, c, c_lo, inv_t, HAS_BIAS: gl.constexpr, ROUND: gl.constexpr, T_ROUND: gl.constexpr,
-              BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr):
+def _consumer(w, a_bufs, b_bufs, ready, empty, go, part_ptr, row0, n_segs, t0, n_tiles, k_tiles, N, V, n_cols, col,
+              c, c_lo, inv_t, ROUND: gl.constexpr, T_ROUND: gl.constexpr, BMW: gl.constexpr, BN: gl.constexpr,
+              STAGES: gl.constexpr, LAG: gl.constexpr):
     """Consumer warp group ``w``: for each of ``n_segs`` segments (2 BMW rows from row0 on), rows w BMW ... of
     its tiles (:func:`_tiles`), partials at column ``col``.  With LAG > 0 consumer 0 arrives on ``go`` after issuing
     K step min(LAG, k_tiles) - 1 of each tile, and consumer 1 waits for that before the tile's K loop."""
@@ -99,17 +100,17 @@ def _consumer(w, a_bufs, b_bufs, ready, empty, go, b_ptr, part_ptr, row0, n_segs
     if w == 0:
         go_at = gl.minimum(k_tiles, LAG) - 1
     for seg in range(n_segs):
-        m, s0, s1, s2, s3 = _tiles(w, a_bufs, b_bufs, ready, empty, go, go_at, b_ptr, seg * n_tiles, t0, n_tiles,
-                                   k_tiles, V, c, c_lo, inv_t, HAS_BIAS, ROUND, T_ROUND, BMW, BN, STAGES, LAG)
+        m, s0, s1, s2, s3 = _tiles(w, a_bufs, b_bufs, ready, empty, go, go_at, seg * n_tiles, t0, n_tiles, k_tiles, V,
+                                   c, c_lo, inv_t, ROUND, T_ROUND, BMW, BN, STAGES, LAG)
         rm = row0 + seg * 2 * BMW + w * BMW + gl.arange(0, BMW, layout=rows_l)
         _store_partials(part_ptr, rm, rm < N, N, n_cols, col, m, s0, s1, s2, s3)
 
 
 @gluon.jit
-def _tiles(w, a_bufs, b_bufs, ready, empty, go, go_at, b_ptr, first, t0, n_tiles, k_tiles, V, c, c_lo, inv_t,
-           HAS_BIAS: gl.constexpr, ROUND: gl.constexpr, T_ROUND: gl.constexpr, BMW: gl.constexpr, BN: gl.constexpr,
-           STAGES: gl.constexpr, LAG: gl.constexpr):
-    """Running statistics (m, s0..s3) of consumer ``w``'s rows over tiles t0 ... t0 + n_tiles - 1 (bias, rounding,
+def _tiles(w, a_bufs, b_bufs, ready, empty, go, go_at, first, t0, n_tiles, k_tiles, V, c, c_lo, inv_t,
+           ROUND: gl.constexpr, T_ROUND: gl.constexpr, BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+           LAG: gl.constexpr):
+    """Running statistics (m, s0..s3) of consumer ``w``'s rows over tiles t0 ... t0 + n_tiles - 1 (rounding,
     columns >= V set to -inf), the program's tiles ``first`` ... in ring order."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
@@ -127,21 +128,18 @@ def _tiles(w, a_bufs, b_bufs, ready, empty, go, go_at, b_ptr, first, t0, n_tiles
                        go_at, 2, STAGES)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty.index((base + k_tiles - 1) % STAGES))
-        rn = (t0 + i) * BN + gl.arange(0, BN, layout=cols_l)
-        if HAS_BIAS:
-            acc += gl.expand_dims(gl.load(b_ptr + rn, mask=rn < V, other=0.0).to(gl.float32), 0)
         x = _round_logits(acc, inv_t, ROUND, T_ROUND)
         if (t0 + i) * BN + BN > V:  # the last, partial vocabulary tile
+            rn = (t0 + i) * BN + gl.arange(0, BN, layout=cols_l)
             x = gl.where(gl.expand_dims(rn < V, 0), x, float("-inf"))
         m, s0, s1, s2, s3 = _fold_tile(x, c, c_lo, m, s0, s1, s2, s3, 4, True)
     return m, s0, s1, s2, s3
 
 
 @gluon.jit(do_not_specialize=["tiles_per_chunk", "group_rows", "extra_rows"])
-def ws_kernel(a_desc, w_desc, b_ptr, part_ptr, N, V, H, tiles_per_chunk, group_rows, extra_rows, c, c_lo, inv_t,
-              HAS_BIAS: gl.constexpr, ROUND: gl.constexpr, T_ROUND: gl.constexpr, BMW: gl.constexpr,
-              BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, LAG: gl.constexpr,
-              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+def ws_kernel(a_desc, w_desc, part_ptr, N, V, H, tiles_per_chunk, group_rows, extra_rows, c, c_lo, inv_t,
+              ROUND: gl.constexpr, T_ROUND: gl.constexpr, BMW: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+              STAGES: gl.constexpr, LAG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """One program: 2 BMW rows x one chunk of ``tiles_per_chunk`` [2 BMW, BN] tiles, in the streaming kernel's
     program order; partials to part_ptr, fp32 [6, N, S] at column ``chunk``.  With ``extra_rows`` R > 0, the first
     rb S programs (rb row blocks, row order) take the S chunks, and each of the last ceil(rb / R) programs the tiles
@@ -167,10 +165,10 @@ def ws_kernel(a_desc, w_desc, b_ptr, part_ptr, N, V, H, tiles_per_chunk, group_r
     go = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     mbarrier.init(go.index(0), count=1)
     gl.warp_specialize([
-        (_consumer, (0, a_bufs, b_bufs, ready, empty, go.index(0), b_ptr, part_ptr, row0, n_segs, t0, n_tiles, k_tiles,
-                     N, V, n_cols, chunk, c, c_lo, inv_t, HAS_BIAS, ROUND, T_ROUND, BMW, BN, STAGES, LAG)),
-        (_consumer, (1, a_bufs, b_bufs, ready, empty, go.index(0), b_ptr, part_ptr, row0, n_segs, t0, n_tiles, k_tiles,
-                     N, V, n_cols, chunk, c, c_lo, inv_t, HAS_BIAS, ROUND, T_ROUND, BMW, BN, STAGES, LAG)),
+        (_consumer, (0, a_bufs, b_bufs, ready, empty, go.index(0), part_ptr, row0, n_segs, t0, n_tiles, k_tiles, N, V,
+                     n_cols, chunk, c, c_lo, inv_t, ROUND, T_ROUND, BMW, BN, STAGES, LAG)),
+        (_consumer, (1, a_bufs, b_bufs, ready, empty, go.index(0), part_ptr, row0, n_segs, t0, n_tiles, k_tiles, N, V,
+                     n_cols, chunk, c, c_lo, inv_t, ROUND, T_ROUND, BMW, BN, STAGES, LAG)),
         (_producer, (a_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, n_segs, t0, n_tiles, k_tiles, BMW, BN, BK,
                      STAGES, 2)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip

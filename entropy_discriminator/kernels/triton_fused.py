@@ -9,8 +9,8 @@ and the error counters.  Forward only.
 
 - Streaming (:func:`_fused_stream_kernel`; 16-bit, TMA-addressable inputs on Hopper or newer): a program owns BM rows
   and one vocabulary chunk (P = S chunks), launch plan :func:`stream_plan` / :func:`stream_slices`.
-- Warp-specialised (:mod:`.gluon_fused`; those inputs on sm_90 below H = :data:`EXACT_WAVE_FROM_H`): the same plan
-  and per-tile operations, a TMA producer warp and two consumer warp groups taking turns.
+- Warp-specialised (:mod:`.gluon_fused`; those inputs without a bias on sm_90 below H = :data:`EXACT_WAVE_FROM_H`):
+  the same plan and per-tile operations, a TMA producer warp and two consumer warp groups taking turns.
 - Per tile (:func:`_fused_tile_kernel`; fp32, unaligned strides, pre-Hopper): one program per [BM, BN] tile, in
   groups of GROUP_M row blocks, P = ceil(V / BN).
 """
@@ -68,13 +68,22 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+# fp32 -> bf16 by the GPU's conversion (ties to even, as torch); Triton's interpreter truncates it, so there
+# :func:`_round_bf16` rounds on the bits (on the GPU those cost bf16-rounded heads 4-12 %: benchmarks/RESULTS.md).
+_CVT_BF16 = tl.constexpr(not interpreting())
+
+
 @triton.jit
 def _round_bf16(x):
-    """fp32 -> nearest bf16 (ties to even) -> fp32 by integer ops on the bits, as the GPU and torch round (Triton's
-    interpreter truncates ``.to(tl.bfloat16)``); inf and NaN stay, finite values past bf16's range round to inf."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
-    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    """fp32 -> nearest bf16 (ties to even) -> fp32, as torch rounds: the GPU's conversion, or in the interpreter
+    integer ops on the bits; inf and NaN stay, finite values past bf16's range round to inf."""
+    if _CVT_BF16:
+        y = x.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
+    else:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        y = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    return y
 
 
 @triton.jit
@@ -298,23 +307,24 @@ def stream_spec(cfg: dict, has_bias: bool, round_code: int, t_round: bool, ftz: 
                                   "MOMENTS": cfg["moments"], "FLATTEN": bool(cfg["flatten"]), "FTZ": ftz}  # fmt: skip
 
 
-def _schedule(cfg: dict, config: dict | None, hidden: torch.Tensor, weight: torch.Tensor) -> str:
+def _schedule(cfg: dict, config: dict | None, hidden: torch.Tensor, weight: torch.Tensor,
+              bias: torch.Tensor | None) -> str:
     """``"gluon"``, ``"stream"`` or ``"tile"``: which kernel runs (``cfg``'s ``branch`` set to 0 when the caller's
     ``config`` chooses the per-tile kernel for inputs the streaming kernel takes and leaves ``branch`` unset)."""
     if not _tma_ok(hidden, weight):
         return "tile"
     if "branch" not in (config or {}) and not cfg["stream"]:
         cfg["branch"] = 0
-    if cfg["stream"] and cfg["gluon"] and _gluon_ok(hidden, config):
+    if cfg["stream"] and cfg["gluon"] and _gluon_ok(hidden, bias, config):
         return "gluon"
     return "stream" if cfg["stream"] else "tile"
 
 
-def _gluon_ok(hidden: torch.Tensor, config: dict | None) -> bool:
+def _gluon_ok(hidden: torch.Tensor, bias: torch.Tensor | None, config: dict | None) -> bool:
     """Whether the Gluon kernel takes these (TMA-addressable, 16-bit) inputs: sm_90 (its wgmma), H below
-    :data:`EXACT_WAVE_FROM_H` (where it was measured), Triton 3.6 (its Gluon API), and a ``config`` that sets none
-    of :data:`_STREAM_KEYS`."""
-    if hidden.device.type != "cuda" or not triton.__version__.startswith("3.6."):
+    :data:`EXACT_WAVE_FROM_H` (where it was measured), no bias (the streaming kernel is faster with one), Triton 3.6
+    (its Gluon API), and a ``config`` that sets none of :data:`_STREAM_KEYS`."""
+    if bias is not None or hidden.device.type != "cuda" or not triton.__version__.startswith("3.6."):
         return False
     if torch.cuda.get_device_capability(hidden.device) != (9, 0):
         return False
@@ -519,7 +529,7 @@ def token_stats_fused_triton(
                    **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {})}  # fmt: skip
     ftz = not interpreting()
     bm, bn, bk = cfg["bm"], cfg["bn"], cfg["bk"]
-    schedule = _schedule(cfg, config, hidden, weight)
+    schedule = _schedule(cfg, config, hidden, weight, bias)
     stream = schedule in ("stream", "gluon")
     n_tiles = triton.cdiv(vocab, bn)
     if logits_dtype not in _ROUND_CODES:
@@ -600,8 +610,8 @@ def token_stats_fused_triton(
                 rbs = triton.cdiv(rows, bm)
                 grid = rbs * (n_cols - 1) + triton.cdiv(rbs, extra_rows) if extra_rows else rbs * n_cols
                 gluon_fused.ws_kernel[(grid,)](
-                    *gluon_fused.ws_descriptors(hidden[r0:r1], weight), bias_arg, part, rows, vocab, hdim, tpc, g,
-                    extra_rows, c, c_lo, inv_t, HAS_BIAS=bias is not None, ROUND=round_code, T_ROUND=t_round,
+                    *gluon_fused.ws_descriptors(hidden[r0:r1], weight), part, rows, vocab, hdim, tpc, g, extra_rows,
+                    c, c_lo, inv_t, ROUND=round_code, T_ROUND=t_round,
                     BMW=ws["bmw"], BN=bn, BK=bk, STAGES=ws["stages"], LAG=ws["lag"], CONSUMER_REGS=ws["consumer_regs"],
                     PRODUCER_REGS=ws["producer_regs"], num_warps=4, maxnreg=ws["maxnreg"],
                 )  # fmt: skip

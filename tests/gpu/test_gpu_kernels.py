@@ -423,28 +423,27 @@ def gluon_runs() -> bool:
     library's own rule (``triton_fused._gluon_ok``) for a small 16-bit head."""
     from entropy_discriminator.kernels import triton_fused
 
-    return triton_fused._gluon_ok(torch.empty(1, 64, device="cuda", dtype=torch.bfloat16), None)
+    return triton_fused._gluon_ok(torch.empty(1, 64, device="cuda", dtype=torch.bfloat16), None, None)
 
 
 @pytest.mark.parametrize(
-    ("n", "h", "v", "dtype", "bias", "temperature", "cfg", "rows_per_launch", "extras"),
+    ("n", "h", "v", "dtype", "temperature", "cfg", "rows_per_launch", "extras"),
     [
-        (1000, 896, 20000, torch.bfloat16, False, 0.9, {"chunks": 7}, None, False),
-        (777, 200, 3001, torch.bfloat16, True, 1.3, {"chunks": 3, "group_rows": 2}, 256, False),  # ragged N, V and H
-        (600, 512, 9001, torch.float16, True, 0.7, {}, None, False),
-        (300, 136, 5000, torch.bfloat16, True, 1.0, {"group_rows": 1}, None, False),
-        (129, 64, 2000, torch.float16, False, 1.0, {}, None, False),  # one K step: consumer 1 waits for the first
-        (40, 128, 70000, torch.bfloat16, True, 0.9, {}, None, False),  # one row block: the plan splits V over the SMs
-        (3000, 2048, 151936, torch.float16, True, 1.0, {}, None, False),
+        (1000, 896, 20000, torch.bfloat16, 0.9, {"chunks": 7}, None, False),
+        (777, 200, 3001, torch.bfloat16, 1.3, {"chunks": 3, "group_rows": 2}, 256, False),  # ragged N, V and H
+        (600, 512, 9001, torch.float16, 0.7, {}, None, False),
+        (300, 136, 5000, torch.bfloat16, 1.0, {"group_rows": 1}, None, False),
+        (129, 64, 2000, torch.float16, 1.0, {}, None, False),  # one K step: consumer 1 waits for the first
+        (40, 128, 70000, torch.bfloat16, 0.9, {}, None, False),  # one row block: the plan splits V over the SMs
+        (3000, 2048, 151936, torch.float16, 1.0, {}, None, False),
         # extra programs on the SMs a row-order plan leaves idle (132 SMs: 4 chunks of 67 tiles, 4 extras of 8 row
         # blocks; 13 row blocks, the last ragged: extras of 7 and 6; the 0.5B head: 8 x 72 tiles, 4 extras of 4 x 18)
-        (4096, 128, 70000, torch.bfloat16, True, 0.9, {}, None, True),
-        (1600, 200, 151936, torch.float16, False, 1.0, {}, None, True),
-        (2048, 896, 151936, torch.float16, True, 0.7, {}, None, True),
+        (4096, 128, 70000, torch.bfloat16, 0.9, {}, None, True),
+        (1600, 200, 151936, torch.float16, 1.0, {}, None, True),
+        (2048, 896, 151936, torch.float16, 0.7, {}, None, True),
     ],
 )
-def test_gluon_kernel_plans_match_float64(monkeypatch, n, h, v, dtype, bias, temperature, cfg, rows_per_launch,
-                                          extras):
+def test_gluon_kernel_plans_match_float64(monkeypatch, n, h, v, dtype, temperature, cfg, rows_per_launch, extras):
     """The warp-specialised Gluon kernel (two consumer warp groups, the second a K step behind) under the streaming
     kernel's plans (chunks, groups, row slices; ragged N, V and H; one row block; one K step), and with the extra
     programs that take the tiles past shortened chunks where a row-order plan leaves SMs idle
@@ -461,13 +460,19 @@ def test_gluon_kernel_plans_match_float64(monkeypatch, n, h, v, dtype, bias, tem
     gen = torch.Generator(device="cuda").manual_seed(n + h + 1)
     hidden = torch.randn(n, h, device="cuda", generator=gen).to(dtype)
     weight = (torch.randn(v, h, device="cuda", generator=gen) * (4 / h**0.5)).to(dtype)
-    b = torch.randn(v, device="cuda", generator=gen).to(dtype) if bias else None
     labels = make_labels(n, n, v)
     poison(n)
-    stats = triton_fused.token_stats_fused_triton(hidden, weight, labels, b, temperature, -100, config=cfg,
+    stats = triton_fused.token_stats_fused_triton(hidden, weight, labels, None, temperature, -100, config=cfg,
                                                   rows_per_launch=rows_per_launch)  # fmt: skip
-    check(stats, hidden.double() @ weight.double().T + (b.double() if bias else 0.0), labels, temperature, scale=5.0)
+    check(stats, hidden.double() @ weight.double().T, labels, temperature, scale=5.0)
     assert runs["launches"] >= 1
+    if extras:  # a bias sends the same head to the streaming kernel
+        b = torch.randn(v, device="cuda", generator=gen).to(dtype)
+        monkeypatch.undo()
+        runs = only_fused_kernel(monkeypatch, "stream")
+        stats = triton_fused.token_stats_fused_triton(hidden, weight, labels, b, temperature, -100)
+        check(stats, hidden.double() @ weight.double().T + b.double(), labels, temperature, scale=5.0)
+        assert runs["launches"] >= 1
 
 
 def exact_head(seed: int, n: int, h: int, v: int, dtype: torch.dtype, neg_inf: bool):
@@ -490,7 +495,9 @@ def exact_head(seed: int, n: int, h: int, v: int, dtype: torch.dtype, neg_inf: b
 @pytest.mark.parametrize(
     ("n", "h", "v", "dtype", "bias", "logits_dtype", "t_low", "temperature"),
     [
-        (4096, 896, 151936, torch.bfloat16, True, torch.bfloat16, False, 1.0),
+        (4096, 896, 151936, torch.bfloat16, False, torch.bfloat16, False, 1.0),
+        (4096, 896, 151936, torch.float16, False, torch.float16, True, 0.7),
+        (4096, 1536, 151936, torch.bfloat16, True, torch.bfloat16, True, 0.7),  # a bias: the streaming kernel
         (4096, 3584, 152064, torch.float16, True, torch.float16, True, 0.7),
         (4096, 3584, 152064, torch.bfloat16, True, torch.bfloat16, True, 1.3),
         (4096, 896, 151936, torch.float16, False, None, False, 1.0),
@@ -498,14 +505,14 @@ def exact_head(seed: int, n: int, h: int, v: int, dtype: torch.dtype, neg_inf: b
         (4096, 5120, 152064, torch.bfloat16, True, torch.bfloat16, True, 0.9),
         (4096, 2048, 151936, torch.float16, False, None, False, 1.0),
         # on a 132-SM H200: a body of 66 row blocks in groups of one wave, then the 62 left (stream_slices)
-        (16384, 896, 151936, torch.bfloat16, True, torch.bfloat16, False, 1.0),
+        (16384, 896, 151936, torch.bfloat16, False, torch.bfloat16, True, 1.3),
         (16384, 2048, 151936, torch.float16, False, None, False, 1.0),  # 99 + 29 row blocks there
     ],
 )
 def test_fused_stream_kernel_at_head_shapes_matches_float64(monkeypatch, n, h, v, dtype, bias, logits_dtype, t_low,
                                                             temperature):
     """The public call on Qwen2.5 head shapes runs the streaming kernel (below H 3072 on an sm_90 card the Gluon
-    kernel) with its default launches
+    kernel, unless the head has a bias) with its default launches
     (:func:`stream_slices`: one, or a body and a tail) and matches float64 on 64 rows spread over the batch: with
     rounding, the float64 statistics of the rounded exact logits (the label logit as the tile rounds it); without,
     those of the unrounded logits of random inputs (fp32 accumulation over H: the tolerance of
@@ -514,12 +521,14 @@ def test_fused_stream_kernel_at_head_shapes_matches_float64(monkeypatch, n, h, v
 
     from entropy_discriminator.kernels import triton_fused
 
-    runs = only_fused_kernel(monkeypatch, "gluon" if h < triton_fused.EXACT_WAVE_FROM_H and gluon_runs() else "stream")
+    gluon = h < triton_fused.EXACT_WAVE_FROM_H and not bias and gluon_runs()
+    runs = only_fused_kernel(monkeypatch, "gluon" if gluon else "stream")
     planned = []
     real_slices = triton_fused.stream_slices
     monkeypatch.setattr(triton_fused, "stream_slices", lambda *a: planned.append(real_slices(*a)) or planned[-1])
     if logits_dtype is not None:
         hidden, weight, b, labels = exact_head(n + h, n, h, v, dtype, neg_inf=bias)
+        b = b if bias else None
     else:
         g = torch.Generator(device="cuda").manual_seed(n + h)
         hidden = torch.randn(n, h, device="cuda", generator=g).to(dtype)
@@ -530,7 +539,9 @@ def test_fused_stream_kernel_at_head_shapes_matches_float64(monkeypatch, n, h, v
     stats = ed.token_stats_from_hidden(hidden, weight, labels, impl="triton", **kw)
     idx = torch.linspace(0, n - 1, 64, device="cuda").long()
     if logits_dtype is not None:
-        ref = rounded_reference(hidden[idx], weight, b, labels[idx], temperature, logits_dtype, t_low)
+        zero = torch.zeros(v, device="cuda", dtype=dtype)
+        ref = rounded_reference(hidden[idx], weight, zero if b is None else b, labels[idx], temperature, logits_dtype,
+                                t_low)
         check_rows(stats, idx, ref, labels, scale=2.0)  # exact logits: fp32 sums over V alone
     else:
         ref = reference_token_stats(hidden[idx].double() @ weight.double().T, labels[idx], temperature)
