@@ -11,7 +11,10 @@ For each Qwen2.5 LM-head shape (H, V) of :data:`HEADS`, each N of ``--n`` and ea
 - ``cublas_ms``: cuBLAS ``hidden @ weight.T`` alone (16-bit logits written, no statistics);
 - ``unfused_ms``: that matmul, then the one-pass statistics kernel over the logits;
 
-each the median of three medians taken in alternating order (:func:`_timed_row`).
+each the median of three medians taken in alternating order (:func:`_timed_row`).  ``--rounded``: the fused call
+with ``logits_dtype`` = the inputs' dtype, the logits a framework's 16-bit head forms (what the TRL adapter asks
+for on 16-bit models), so that it computes what the unfused pair does (whose matmul writes 16-bit logits); default
+``--out`` ``benchmarks/results/fused_vs_cublas_rounded.csv``.
 
 Writes ``--out`` (CSV ``card,H,V,N,dtype,fused_ms,cublas_ms,unfused_ms,fused_wait_ms``) and prints the ratios:
 fused / cuBLAS (target <= 1 / 0.97) and fused / unfused (target <= 1), and the waiting call's / cuBLAS.
@@ -80,12 +83,14 @@ def _inputs(n: int, h: int, v: int, dtype: torch.dtype):
     return hidden, weight, labels
 
 
-def _reference(hidden, weight, labels, rows: int = 8) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The float64 statistics of ``rows`` rows spread over the batch: (row indices, reference)."""
+def _reference(hidden, weight, labels, rows: int = 8, rounded: bool = False) -> tuple[torch.Tensor, dict]:
+    """The float64 statistics of ``rows`` rows spread over the batch (``rounded``: of the logits rounded to the
+    inputs' dtype): (row indices, reference)."""
     from reference import reference_token_stats
 
     idx = torch.linspace(0, hidden.shape[0] - 1, rows, device=hidden.device).long()
-    return idx, reference_token_stats(hidden[idx].double() @ weight.double().T, labels[idx], 1.0)
+    logits = hidden[idx].double() @ weight.double().T
+    return idx, reference_token_stats(logits.to(hidden.dtype).double() if rounded else logits, labels[idx], 1.0)
 
 
 def _max_errors(out, ref: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> tuple[float, float, float]:
@@ -95,7 +100,7 @@ def _max_errors(out, ref: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> tuple
     return tuple(float((g[idx].double() - r[k]).abs().max()) for g, k in zip(got, ("logp", "entropy", "s_expected")))
 
 
-def _timed_row(hidden, weight, labels) -> dict[str, float]:
+def _timed_row(hidden, weight, labels, rounded: bool = False) -> dict[str, float]:
     """fused / cuBLAS / unfused milliseconds: each the median of three do_bench medians taken in alternating
     order (:func:`.common.paired_rounds`: the card's clock drifts under long GEMM runs, and the alternation keeps
     the drift out of the ratios; the median of the rounds keeps out one slow round: on an H200 at H 3584 N 16384,
@@ -104,11 +109,12 @@ def _timed_row(hidden, weight, labels) -> dict[str, float]:
     from entropy_discriminator.hidden import token_stats_from_hidden
     from entropy_discriminator.kernels.triton_stats import token_stats_triton
 
+    kw = {"logits_dtype": hidden.dtype} if rounded else {}
     fns = {
         "cublas_ms": lambda: hidden @ weight.T,
-        "fused_ms": lambda: token_stats_from_hidden(hidden, weight, labels, check="deferred"),
+        "fused_ms": lambda: token_stats_from_hidden(hidden, weight, labels, check="deferred", **kw),
         "unfused_ms": lambda: token_stats_triton(hidden @ weight.T, labels, 1.0, -100),
-        "fused_wait_ms": lambda: token_stats_from_hidden(hidden, weight, labels),
+        "fused_wait_ms": lambda: token_stats_from_hidden(hidden, weight, labels, **kw),
     }
     # each median over 100 ms, or over about 8 calls where a call takes longer than 12 ms (N = 65536: 50-150 ms)
     rep_ms = max(100, int(8 * bench_ms(fns["cublas_ms"], 25, 5)))
@@ -117,7 +123,7 @@ def _timed_row(hidden, weight, labels) -> dict[str, float]:
     return {k: statistics.median(t) for k, t in times.items()}
 
 
-def run(heads, ns: list[int], dtypes: list[str], out: Path) -> list[dict]:
+def run(heads, ns: list[int], dtypes: list[str], out: Path, rounded: bool = False) -> list[dict]:
     from entropy_discriminator.hidden import token_stats_from_hidden
 
     card, rows = card_name(), []
@@ -130,8 +136,10 @@ def run(heads, ns: list[int], dtypes: list[str], out: Path) -> list[dict]:
                 for n in ns:
                     free_memory()
                     hidden, weight, labels = _inputs(n, h, v, DTYPES[dname])
-                    errs = _max_errors(token_stats_from_hidden(hidden, weight, labels), _reference(hidden, weight, labels))
-                    t = _timed_row(hidden, weight, labels)
+                    kw = {"logits_dtype": hidden.dtype} if rounded else {}
+                    errs = _max_errors(token_stats_from_hidden(hidden, weight, labels, **kw),
+                                       _reference(hidden, weight, labels, rounded=rounded))
+                    t = _timed_row(hidden, weight, labels, rounded)
                     row = dict(card=card, H=h, V=v, N=n, dtype=dname, **{k: round(x, 4) for k, x in t.items()})
                     w.writerow(row)
                     fh.flush()
@@ -279,6 +287,8 @@ def add_command(sub) -> None:
     p.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=list(DTYPES))
     p.add_argument("--out", default=None, help="CSV path (default benchmarks/results/fused_vs_cublas.csv); with "
                    "--sweep a folder for sweep.csv and best.csv (default benchmarks/results/fused_sweep)")
+    p.add_argument("--rounded", action="store_true", help="the fused call with the logits rounded to the inputs' "
+                   "dtype (logits_dtype), as the unfused pair's matmul writes them")
     p.add_argument("--sweep", action="store_true", help="time the kernel variants of SWEEP instead")
     p.add_argument("--configs", nargs="*", default=None, help="with --sweep: only these SWEEP names")
     p.add_argument("--rep-ms", type=int, default=60, help="with --sweep: do_bench rep (ms) per timing")
@@ -292,5 +302,6 @@ def main(args: argparse.Namespace) -> int:
         out = Path(args.out or "benchmarks/results/fused_sweep")
         best_summary(sweep(heads, args.n, args.dtypes, out, args.configs, args.rep_ms, args.warmup_ms, args.budget_s))
     else:
-        summary(run(heads, args.n, args.dtypes, Path(args.out or "benchmarks/results/fused_vs_cublas.csv")))
+        default = f"benchmarks/results/fused_vs_cublas{'_rounded' * args.rounded}.csv"
+        summary(run(heads, args.n, args.dtypes, Path(args.out or default), args.rounded))
     return 0
