@@ -100,16 +100,16 @@ def _max_errors(out, ref: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> tuple
     return tuple(float((g[idx].double() - r[k]).abs().max()) for g, k in zip(got, ("logp", "entropy", "s_expected")))
 
 
-def _timed_row(hidden, weight, labels, rounded: bool = False) -> dict[str, float]:
-    """fused / cuBLAS / unfused milliseconds: each the median of three do_bench medians taken in alternating
-    order (:func:`.common.paired_rounds`: the card's clock drifts under long GEMM runs, and the alternation keeps
-    the drift out of the ratios; the median of the rounds keeps out one slow round: on an H200 at H 3584 N 16384,
-    the first such row timing on new inputs read the deferred call 1.10-1.12x cuBLAS, a second 0.96-0.97x)."""
+def _timed_row(hidden, weight, labels, kw: dict) -> dict[str, float]:
+    """fused / cuBLAS / unfused milliseconds (``kw``: the fused call's keyword arguments): each the median of three
+    do_bench medians taken in alternating order (:func:`.common.paired_rounds`: the card's clock drifts under long
+    GEMM runs, and the alternation keeps the drift out of the ratios; the median of the rounds keeps out one slow
+    round: on an H200 at H 3584 N 16384, the first such row timing on new inputs read the deferred call 1.10-1.12x
+    cuBLAS, a second 0.96-0.97x)."""
     from entropy_discriminator import raise_deferred
     from entropy_discriminator.hidden import token_stats_from_hidden
     from entropy_discriminator.kernels.triton_stats import token_stats_triton
 
-    kw = {"logits_dtype": hidden.dtype} if rounded else {}
     fns = {
         "cublas_ms": lambda: hidden @ weight.T,
         "fused_ms": lambda: token_stats_from_hidden(hidden, weight, labels, check="deferred", **kw),
@@ -139,7 +139,7 @@ def run(heads, ns: list[int], dtypes: list[str], out: Path, rounded: bool = Fals
                     kw = {"logits_dtype": hidden.dtype} if rounded else {}
                     errs = _max_errors(token_stats_from_hidden(hidden, weight, labels, **kw),
                                        _reference(hidden, weight, labels, rounded=rounded))
-                    t = _timed_row(hidden, weight, labels, rounded)
+                    t = _timed_row(hidden, weight, labels, kw)
                     row = dict(card=card, H=h, V=v, N=n, dtype=dname, **{k: round(x, 4) for k, x in t.items()})
                     w.writerow(row)
                     fh.flush()

@@ -186,10 +186,14 @@ def _law_terms(model: TinyGPT, opt: torch.optim.Optimizer, seq: torch.Tensor, re
     def fn(p: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.func.functional_call(model, p, (seq[:, :-1],))[:, prompt_len - 1 :].float()
 
+    params = list(named.values())
+    logits = fn(named)  # one forward for both gradients
     weights = (adv[:, None] * valid / valid.sum().clamp_min(1)).double()
-    logp = torch.log_softmax(fn(named) / cfg.temperature, -1).gather(-1, resp[..., None])[..., 0]
-    grads = torch.autograd.grad(-(weights.float() * logp).sum(), list(named.values()))
-    res = law.token_terms(opt, named, fn, resp, weights, valid, temperature=cfg.temperature, grads=grads)
+    logp = torch.log_softmax(logits / cfg.temperature, -1).gather(-1, resp[..., None])[..., 0]
+    grads = torch.autograd.grad(-(weights.float() * logp).sum(), params, retain_graph=True)
+    grads_h = torch.autograd.grad(law.batch_mean_entropy(logits, valid, temperature=cfg.temperature), params)
+    res = law.token_terms(opt, named, fn, resp, weights, valid, temperature=cfg.temperature, grads=grads,
+                          entropy_grads=grads_h)
     return {"terms": res.terms, "carry": res.carry}
 
 
