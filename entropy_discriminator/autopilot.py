@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ._checks import DataChecks, integer, one_of, real_number, require_float, require_shape, valid_mask
-from .distributed import Group, _lexsort_desc, all_gather_cat, reduce_or_raise
+from .distributed import Group, all_gather_cat, ranked_rows, reduce_or_raise
 from .dynamics import FORMS, _weighted_terms
 from .law import Calibration
 from .masks import SIDES, MaskResult, cap_limit
@@ -32,7 +32,6 @@ DEFAULT_MAX_FRAC = 0.05
 DEFAULT_SMOOTHING = 0.2
 #: Version of :meth:`EntropyAutopilot.state_dict`'s layout.
 STATE_VERSION = 2
-_NO_POSITION = float(2**53)  # padding position: after every real one (positions are exact in float64 below 2**53)
 _SETTINGS = ("target_entropy", "decay_steps", "gain", "max_step", "max_frac", "sides", "form", "smoothing")
 
 
@@ -205,16 +204,8 @@ def _select(s_centered: torch.Tensor, advantages: torch.Tensor, valid: torch.Ten
     k_pad, n_cand = int(sizes[:, 1].max()), int(sizes[:, 2].sum())
     limit = n_cand if limit is None else min(limit, n_cand)
 
-    position = idx + offset
     score = c.reshape(-1)[idx].abs()  # > 0: how far dropping the token moves the prediction toward the target
-    order = _lexsort_desc(score, position)[:n_local]
-    is_pos = pos.reshape(-1)[idx[order]].to(torch.float64)
-    rows = torch.stack([score[order], position[order].to(torch.float64), is_pos], 1)
-    if k_pad > n_local:
-        filler = torch.tensor([[-math.inf, _NO_POSITION, 0.0]], dtype=torch.float64, device=rows.device)
-        rows = torch.cat([rows, filler.expand(k_pad - n_local, 3)])
-    everyone = all_gather_cat(rows, process_group) if k_pad else rows
-    ranked = everyone[_lexsort_desc(everyone[:, 0], everyone[:, 1].to(torch.int64))[:limit]]
+    ranked = ranked_rows(score, idx + offset, limit, process_group, pos.reshape(-1)[idx], pad=k_pad)
     sign = 1.0 if raise_ else -1.0
     predicted = p0 + sign * torch.cumsum(ranked[:, 0], 0)  # P_1 .. P_L
     meets = (predicted >= target) if raise_ else (predicted <= target)
@@ -222,7 +213,7 @@ def _select(s_centered: torch.Tensor, advantages: torch.Tensor, valid: torch.Ten
     j = int(torch.argmax(meets.to(torch.int8))) + 1 if met else limit
     chosen = ranked[:j]
     dropped = torch.zeros_like(flat)
-    dropped[idx[torch.isin(position, chosen[:, 1].to(torch.int64))]] = True
+    dropped[idx[torch.isin(idx + offset, chosen[:, 1].to(torch.int64))]] = True
     n_drop_pos = int(chosen[:, 2].sum())
     capped = not met and n_cand > limit
     after = float(predicted[j - 1]) if j else p0

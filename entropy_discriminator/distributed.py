@@ -100,19 +100,29 @@ def top_k_mask(score: torch.Tensor, candidate: torch.Tensor, k: int, group: Grou
     return chosen.reshape(candidate.shape)
 
 
-def global_top_k(score: torch.Tensor, position: torch.Tensor, k: int, group: Group) -> torch.Tensor:
-    """Bool mask over the local ``score`` of the ``k`` largest scores over all ranks, ties to the smaller global
-    ``position`` (int64, unique across ranks): ``sorted(range(n), key=lambda i: (-score[i], position[i]))[:k]``."""
+def ranked_rows(score: torch.Tensor, position: torch.Tensor, k: int, group: Group, *extra: torch.Tensor,
+                pad: int | None = None) -> torch.Tensor:
+    """The ``k`` largest ``score`` over all ranks as float64 rows ``[score, position, *extra]`` (``[<= k, 2 + E]``),
+    in order: score descending, ties to the smaller global ``position`` (int64, unique across ranks, < 2**53);
+    ``sorted(rows, key=lambda r: (-r.score, r.position))[:k]``.  Each rank sends ``pad`` rows (default ``k``; at
+    least its own count of rows, at most ``k``, the same on every rank), filled with ``-inf`` scores, which never
+    rank."""
     local = _lexsort_desc(score, position)[:k]
-    pad = k - len(local)
-    cand = torch.stack([score[local], position[local].to(torch.float64)], dim=1)
-    if pad:
-        filler = torch.tensor([[-torch.inf, float(2**53)]], dtype=torch.float64, device=score.device).expand(pad, 2)
-        cand = torch.cat([cand, filler])
-    everyone = all_gather_cat(cand, group)
-    winners = everyone[_lexsort_desc(everyone[:, 0], everyone[:, 1].to(torch.int64))[:k]]
-    winners = winners[torch.isfinite(winners[:, 0])]
-    return torch.isin(position, winners[:, 1].to(torch.int64))
+    cols = [score[local], position[local], *(x[local] for x in extra)]
+    rows = torch.stack([c.to(torch.float64) for c in cols], dim=1)
+    fill = (k if pad is None else pad) - len(local)
+    if fill > 0:
+        filler = rows.new_zeros(fill, rows.shape[1])
+        filler[:, 0], filler[:, 1] = -torch.inf, float(2**53)
+        rows = torch.cat([rows, filler])
+    everyone = all_gather_cat(rows, group) if len(rows) else rows
+    ranked = everyone[_lexsort_desc(everyone[:, 0], everyone[:, 1].to(torch.int64))[:k]]
+    return ranked[torch.isfinite(ranked[:, 0])]
+
+
+def global_top_k(score: torch.Tensor, position: torch.Tensor, k: int, group: Group) -> torch.Tensor:
+    """Bool mask over the local ``score`` of the ``k`` largest scores over all ranks (:func:`ranked_rows`' order)."""
+    return torch.isin(position, ranked_rows(score, position, k, group)[:, 1].to(torch.int64))
 
 
 def _lexsort_desc(score: torch.Tensor, position: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 from entropy_discriminator.__main__ import main
 from entropy_discriminator.demo.task import AdditionTask
 from entropy_discriminator.demo.theory import tabular_check
-from entropy_discriminator.demo.report import format_table
+from entropy_discriminator.demo.report import TextProgress, format_table
 from entropy_discriminator.demo.runner import PRESETS, summary_columns
 from entropy_discriminator.demo.train import ArmSpec, TrainConfig, group_advantages, pearson
 
@@ -262,3 +262,21 @@ def test_autopilot_arm_settings_are_checked_by_the_core() -> None:
         ArmSpec("AP", method="autopilot", target_entropy=-1.0)
     with pytest.raises(ValueError, match="entropy_disc.max_frac"):
         ArmSpec("AP", method="autopilot", max_frac=2.0)
+
+
+def test_progress_reads_a_function_info_only_for_the_lines_it_writes() -> None:
+    """A function ``info`` (the warm-up's loss, a GPU sync to read) is called once per written line, not per step."""
+    import io
+
+    out, calls = io.StringIO(), []
+
+    def info() -> str:
+        calls.append(1)
+        return f"loss {len(calls)}"
+
+    bar = TextProgress("warm-up", stream=out)
+    for step in range(1, 101):
+        bar(step, 100, info)
+    lines = out.getvalue().splitlines()
+    assert len(calls) == len(lines) == 11  # the first step, then the first step of each decile 10 %, ..., 100 %
+    assert lines[-1].endswith(f"loss {len(calls)}") and "100/100" in lines[-1]

@@ -7,7 +7,7 @@ import math
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
@@ -28,12 +28,13 @@ class TextProgress:
         self.start = time.perf_counter()
         self._last_decile = -1
 
-    def __call__(self, done: int, total: int, info: str = "") -> None:
+    def __call__(self, done: int, total: int, info: str | Callable[[], str] = "") -> None:
         frac = done / total if total else 1.0
         decile = int(frac * 10)
         if not self.tty and decile == self._last_decile and done != total:
             return
         self._last_decile = decile
+        info = info() if callable(info) else info  # a function: read only now (e.g. a GPU loss, one sync per line)
         fill = int(round(frac * self.width))
         bar = "#" * fill + "-" * (self.width - fill)
         line = f"{self.label:<22} [{bar}] {done:>4}/{total:<4} {time.perf_counter() - self.start:6.1f}s  {info}"

@@ -109,7 +109,8 @@ class TrainConfig(LoopConfig):
         return AdditionTask(n_digits=self.n_digits)
 
 
-Progress = Callable[[int, int, str], None]
+#: ``progress(done, total, info)``: ``info`` a string, or a function returning one (called only when it is shown).
+Progress = Callable[[int, int, str | Callable[[], str]], None]
 
 
 def warm_up(model: TinyGPT, cfg: LoopConfig, *, seed: int, device: torch.device, progress: Progress | None = None,
@@ -142,7 +143,7 @@ def warm_up(model: TinyGPT, cfg: LoopConfig, *, seed: int, device: torch.device,
         opt.step()
         step += 1
         if progress is not None:
-            progress(step, limit if step > cfg.warmup_steps else cfg.warmup_steps, f"loss {loss.item():.3f}")
+            progress(step, limit if step > cfg.warmup_steps else cfg.warmup_steps, lambda: f"loss {loss.item():.3f}")
     return {"steps": float(step), "loss": float(loss.item())}
 
 
