@@ -30,8 +30,8 @@ def ptxas_report(kernel, consts: dict, types: dict[str, str], options: dict, sou
     """``kernel`` (a fused head's Gluon kernel, or with ``source=triton.compiler.ASTSource`` a Triton one) compiled
     for sm_90a with the constexprs ``consts``, the argument types ``types`` (descriptors, pointers; the fp32 scalars
     of :data:`_FLOAT_ARGS` and i32 otherwise) and the compile ``options``: its wgmma and ex2 counts, the
-    ``wgmma.wait_group`` depths, the setmaxnreg instructions, shared bytes, and ptxas's registers a thread and
-    spill-store bytes."""
+    ``wgmma.wait_group`` depths, the setmaxnreg instructions, shared bytes, ptxas's registers a thread and
+    spill-store bytes, and the fp32 -> bf16 conversions, one value (``cvt_bf16``) or two (``cvt_bf16x2``) each."""
     names = kernel.arg_names  # in the kernel's order: the constexprs are named by position
     sig = {k: "constexpr" if k in consts else types.get(k, "fp32" if k in _FLOAT_ARGS else "i32") for k in names}
     src = source(kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
@@ -47,6 +47,7 @@ def ptxas_report(kernel, consts: dict, types: dict[str, str], options: dict, sou
     return {"wgmma": ptx.count("wgmma.mma_async"), "ex2": ptx.count("ex2.approx"),
             "waits": sorted({int(w) for w in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)}),
             "setmaxnreg": sorted({line.strip() for line in ptx.splitlines() if "setmaxnreg" in line}),
+            "cvt_bf16": ptx.count("cvt.rn.bf16.f32"), "cvt_bf16x2": ptx.count("cvt.rn.bf16x2.f32"),
             "shared": compiled.metadata.shared, "registers": int(re.search(r"Used (\d+) registers", text).group(1)),
             "spill_stores": int(re.search(r"(\d+) bytes spill stores", text).group(1))}  # fmt: skip
 

@@ -982,7 +982,8 @@ def test_gluon_kernel_compiles_for_hopper(round_code, t_round, lag):
     """The warp-specialised Gluon kernel compiles for sm_90a on any machine (Triton's own ptxas, in a process without
     the interpreter: tests/gluon_compile.py): 8 wgmma, within the kernel's 168 registers a thread with nothing
     spilled, and its ring within an SM's shared memory (one program per SM), for each rounding mode and with the
-    consumers in step (LAG 0)."""
+    consumers in step (LAG 0); bf16 rounding by packed conversions only, two values each (a consumer's [64, 256] tile
+    is 128 logits a thread: 64 conversions in each consumer's code, twice with the temperature rounded too)."""
     import json
     import os
     import subprocess
@@ -999,3 +1000,5 @@ def test_gluon_kernel_compiles_for_hopper(round_code, t_round, lag):
     assert got["wgmma"] == 8 and got["setmaxnreg"], got
     assert got["registers"] <= WS_CONFIG["maxnreg"] and got["spill_stores"] == 0, got
     assert got["shared"] <= 227 * 1024, got
+    assert got["cvt_bf16"] == 0, got
+    assert got["cvt_bf16x2"] == (64 * (1 + t_round) * 2 if round_code == 1 else 0), got

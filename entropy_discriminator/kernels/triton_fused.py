@@ -69,16 +69,20 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 # fp32 -> bf16 by the GPU's conversion (ties to even, as torch); Triton's interpreter truncates it, so there
-# :func:`_round_bf16` rounds on the bits (on the GPU those cost bf16-rounded heads 4-12 %: benchmarks/RESULTS.md).
+# :func:`_round_bf16` rounds on the bits.  On the GPU one packed conversion rounds two values (Triton's own
+# ``.to(tl.bfloat16)`` converts one at a time on a slower pipe: benchmarks/RESULTS.md), each widened back by a shift.
 _CVT_BF16 = tl.constexpr(not interpreting())
+_BF16X2_ROUND = tl.constexpr("{.reg .b32 t; cvt.rn.bf16x2.f32 t, $3, $2; shl.b32 $0, t, 16; "
+                              "and.b32 $1, t, 0xffff0000;}")
 
 
 @triton.jit
 def _round_bf16(x):
-    """fp32 -> nearest bf16 (ties to even) -> fp32, as torch rounds: the GPU's conversion, or in the interpreter
-    integer ops on the bits; inf and NaN stay, finite values past bf16's range round to inf."""
+    """fp32 -> nearest bf16 (ties to even) -> fp32, as torch rounds: the GPU's packed conversion
+    (``cvt.rn.bf16x2.f32``), or in the interpreter integer ops on the bits; inf and NaN stay, finite values past
+    bf16's range round to inf."""
     if _CVT_BF16:
-        y = x.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
+        y = tl.inline_asm_elementwise(_BF16X2_ROUND, "=r,=r,r,r", [x], dtype=tl.float32, is_pure=True, pack=2)
     else:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
