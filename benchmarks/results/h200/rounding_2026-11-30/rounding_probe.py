@@ -6,7 +6,8 @@ Triton kernel on the same call (``config={"gluon": 0}``), beside cuBLAS's ``F.li
 wrote it ``hidden @ W.T``), Qwen2.5's vocabulary.  log p of both kernels is checked against each other.  3
 alternating rounds; ratios are time / cuBLAS, mean (min-max).  Arguments: the logits dtypes to run (default: every
 variant), e.g. ``bf16`` for the bf16-rounded ones, ``none`` for the unrounded; ``bias``: with a bias (N(0, 0.25) in
-the inputs' dtype; cuBLAS then ``F.linear(hidden, W, b)``)."""
+the inputs' dtype; cuBLAS then ``F.linear(hidden, W, b)``); ``H:N`` (any number): these shapes instead of the four
+(../packed_2026-11-30/ call 3)."""
 import sys
 
 import torch
@@ -20,11 +21,12 @@ from entropy_discriminator.kernels import triton_fused  # noqa: E402
 VARIANTS = (("bf16", None, False), ("bf16", "bf16", False), ("bf16", "bf16", True), ("fp16", "fp16", False),
             ("fp16", "fp16", True))
 BIAS = "bias" in sys.argv[1:]
-ONLY = [a for a in sys.argv[1:] if a != "bias"]
+SHAPES = [tuple(int(x) for x in a.split(":")) for a in sys.argv[1:] if ":" in a]
+ONLY = [a for a in sys.argv[1:] if a != "bias" and ":" not in a]
 if ONLY:
     VARIANTS = tuple(v for v in VARIANTS if (v[1] or "none") in ONLY)
 print(f"card: {card_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
-for h, n in ((896, 16384), (1536, 8192), (2048, 8192), (2048, 4096)):
+for h, n in SHAPES or ((896, 16384), (1536, 8192), (2048, 8192), (2048, 4096)):
     for dname, lname, t_round in VARIANTS:
         free_memory()
         hid, w, lab = _inputs(n, h, 151936, DTYPES[dname])
