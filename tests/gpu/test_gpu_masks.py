@@ -1,4 +1,5 @@
-"""Masks, monitor and dynamics on a CUDA device equal the same calls on the CPU (``pytest -m gpu``).
+"""Masks, the autopilot's selection, monitor and dynamics on a CUDA device equal the same calls on the CPU
+(``pytest -m gpu``).
 
 The device paths (one stable sort for the capped top-k, one sort of integer keys for the
 percentiles, checks folded into the first reduction) must give exactly the CPU's keep-masks,
@@ -53,6 +54,10 @@ def run_all(b: dict) -> dict:
         s_centered=b["s_centered"], mask=out["v_seq"], ratio=b["ratio"], lr=0.1,
     )
     out["dh"] = ed.batch_entropy_change(b["tok_adv"], b["s_centered"], b["valid"], lr=0.1, ratio=b["ratio"])
+    # the autopilot's ranked selection: the predicted change reversed, and a fixed 1 % share
+    out["autopilot"] = ed.autopilot_mask(b["s_centered"], b["tok_adv"], b["valid"], lr=0.1, ratio=b["ratio"],
+                                         target_dh=-out["dh"], sides="both", max_frac=None).mask
+    out["fixed_share"] = ed.fixed_share_mask(b["s_centered"], b["adv"], b["valid"], share=0.01).mask
     return out
 
 
@@ -78,6 +83,8 @@ def test_device_results_equal_cpu(n):
             assert close(got, want), key
     assert cpu["v_seq"].capped and cpu["v_seq"].n_clipped == math.floor(cpu["v_seq"].n_valid / 1000)
     assert cpu["v_seq_cap0"].n_clipped == 0 and cpu["b_seq"].n_clipped > 0
+    assert 0 < cpu["autopilot"].n_clipped < cpu["autopilot"].n_valid and not cpu["autopilot"].capped
+    assert cpu["fixed_share"].n_clipped == math.floor(0.01 * cpu["fixed_share"].n_valid)
 
 
 def test_nan_on_device_is_refused_naming_the_argument():
