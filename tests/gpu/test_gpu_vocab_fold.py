@@ -10,7 +10,7 @@ import torch
 
 from test_vocab_fold import check_against_reference
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
