@@ -69,8 +69,8 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 # fp32 -> bf16 by the GPU's conversion (ties to even, as torch); Triton's interpreter truncates it, so there
-# :func:`_round_bf16` rounds on the bits.  On the GPU one packed conversion rounds two values (Triton's own
-# ``.to(tl.bfloat16)`` converts one at a time on a slower pipe: benchmarks/RESULTS.md), each widened back by a shift.
+# :func:`_round_bf16` rounds on the bits.  On the GPU one packed conversion rounds two values, widened back by a
+# shift and a mask (Triton's ``.to(tl.bfloat16)`` converts one at a time on a slower pipe: benchmarks/RESULTS.md).
 _CVT_BF16 = tl.constexpr(not interpreting())
 _BF16X2_ROUND = tl.constexpr("{.reg .b32 t; cvt.rn.bf16x2.f32 t, $3, $2; shl.b32 $0, t, 16; "
                               "and.b32 $1, t, 0xffff0000;}")
