@@ -25,9 +25,9 @@ def exact_problem(seed: int, n: int, h: int, v: int, dtype: torch.dtype, scale: 
 
 
 def rounded_reference(hidden, weight, bias, labels, temperature, logits_dtype, t_low):
-    """float64 statistics of the framework's distribution: L exact, rounded to ``logits_dtype``,
-    divided by T (in ``logits_dtype`` and rounded again when ``t_low``, as ``low / T`` in torch)."""
-    logits = hidden.double() @ weight.double().T + bias.double()
+    """float64 statistics of the framework's distribution: L exact (``bias`` None: no bias), rounded to
+    ``logits_dtype``, divided by T (in ``logits_dtype`` and rounded again when ``t_low``, as ``low / T`` in torch)."""
+    logits = hidden.double() @ weight.double().T + (0.0 if bias is None else bias.double())
     low = logits.to(logits_dtype)
     if t_low:
         return reference_token_stats((low / temperature).to(logits_dtype), labels, 1.0)

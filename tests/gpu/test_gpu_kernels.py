@@ -539,9 +539,7 @@ def test_fused_stream_kernel_at_head_shapes_matches_float64(monkeypatch, n, h, v
     stats = ed.token_stats_from_hidden(hidden, weight, labels, impl="triton", **kw)
     idx = torch.linspace(0, n - 1, 64, device="cuda").long()
     if logits_dtype is not None:
-        zero = torch.zeros(v, device="cuda", dtype=dtype)
-        ref = rounded_reference(hidden[idx], weight, zero if b is None else b, labels[idx], temperature, logits_dtype,
-                                t_low)
+        ref = rounded_reference(hidden[idx], weight, b, labels[idx], temperature, logits_dtype, t_low)
         check_rows(stats, idx, ref, labels, scale=2.0)  # exact logits: fp32 sums over V alone
     else:
         ref = reference_token_stats(hidden[idx].double() @ weight.double().T, labels[idx], temperature)
